@@ -1,0 +1,112 @@
+"""Multi-head mixing coefficients: the learnable M x M matrix that mixes block summaries.
+
+Row ``i`` says how query block ``i`` weighs the key-value summaries of all blocks.
+The paper (Sec. 4.2) initialises it towards locality and keeps it non-negative and
+row-normalised; :class:`MixingCoefficients` enforces both on every use, so no optimiser
+step can produce negative or unnormalised mixing.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .layout import BlockLayout
+
+MIXING_INITS = ("locality", "uniform")
+
+
+def locality_init(layout: BlockLayout, units: str = "block") -> torch.Tensor:
+    """``(M, M)`` float64 locality-biased mixing: ``m_ij ~ 1 - dist(i, j) / max_k dist(i, k)``.
+
+    ``dist`` is the Euclidean distance between block centres (``units`` as in
+    :meth:`BlockLayout.block_centres`); each row is normalised to sum to 1. The farthest block of
+    each row gets 0 and the block itself the largest weight. With a single block the matrix is [[1]].
+    """
+    centres = layout.block_centres(units)
+    dist = torch.cdist(centres, centres)
+    far = dist.max(dim=1, keepdim=True).values
+    m = torch.where(far > 0, 1.0 - dist / far.clamp_min(1e-300), torch.ones_like(dist))
+    return m / m.sum(dim=1, keepdim=True)
+
+
+def uniform_init(num_blocks: int) -> torch.Tensor:
+    """``(M, M)`` float64 uniform mixing: every block sees the mean of all summaries."""
+    return torch.full((num_blocks, num_blocks), 1.0 / num_blocks, dtype=torch.float64)
+
+
+def constrain_mixing(raw: torch.Tensor) -> torch.Tensor:
+    """Clamps into [0, 1] and renormalises each row (last dim) to sum to 1.
+
+    A row that is all zero after clamping falls back to uniform mixing rather than dividing by
+    zero. Works on ``(M, M)`` and per-head ``(H, M, M)`` matrices.
+    """
+    m = raw.clamp(0.0, 1.0)
+    total = m.sum(dim=-1, keepdim=True)
+    uniform = torch.full_like(m, 1.0 / m.shape[-1])
+    return torch.where(total > 0, m / total.clamp_min(torch.finfo(m.dtype).tiny), uniform)
+
+
+class MixingCoefficients(nn.Module):
+    """Learnable mixing matrix of one attention layer.
+
+    Args:
+        layout: the block layout; only its number of blocks and block centres are used.
+        init: ``"locality"`` (paper default) or ``"uniform"`` (ablation, paper Table 7a).
+        units: distance units of the locality init, ``"block"`` or ``"token"``.
+        learnable: ``False`` freezes the coefficients (stored as a buffer, still saved).
+        per_head: one matrix per attention head, shape ``(H, M, M)``, instead of one shared ``(M, M)``.
+        num_heads: required when ``per_head``.
+        constrain: enforce non-negativity and row normalisation on every use (the paper's rule).
+            ``False`` uses the stored matrix as it is; only for reproducing checkpoints trained that way.
+
+    ``forward()`` returns the matrix to use, float32, shape ``(M, M)`` or ``(H, M, M)``.
+    """
+
+    def __init__(
+        self,
+        layout: BlockLayout,
+        init: str = "locality",
+        units: str = "block",
+        learnable: bool = True,
+        per_head: bool = False,
+        num_heads: int | None = None,
+        constrain: bool = True,
+    ):
+        super().__init__()
+        if init == "locality":
+            matrix = locality_init(layout, units)
+        elif init == "uniform":
+            matrix = uniform_init(layout.num_blocks)
+        else:
+            raise ValueError(f"unknown mixing init {init!r}; expected one of {MIXING_INITS}")
+        if per_head:
+            if not num_heads or num_heads < 1:
+                raise ValueError(f"per_head mixing needs num_heads >= 1, got {num_heads!r}")
+            matrix = matrix.expand(num_heads, -1, -1).clone()
+        matrix = matrix.to(torch.float32)
+        self.num_blocks = layout.num_blocks
+        self.per_head = per_head
+        self.constrain = constrain
+        if learnable:
+            self.weight = nn.Parameter(matrix)
+        else:
+            self.register_buffer("weight", matrix)
+
+    def forward(self) -> torch.Tensor:
+        w = self.weight.float()
+        return constrain_mixing(w) if self.constrain else w
+
+    @torch.no_grad()
+    def project_(self) -> None:
+        """Writes the constrained matrix back into the stored weight (e.g. after an optimiser step).
+
+        Not needed for correctness, since :meth:`forward` constrains on every use, but it keeps the
+        stored values readable and stops them drifting far outside [0, 1].
+        """
+        if self.constrain:
+            self.weight.copy_(constrain_mixing(self.weight.float()).to(self.weight.dtype))
+
+    def extra_repr(self) -> str:
+        shape = "x".join(str(s) for s in self.weight.shape)
+        return f"{shape}, per_head={self.per_head}, constrain={self.constrain}, learnable={isinstance(self.weight, nn.Parameter)}"

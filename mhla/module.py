@@ -1,0 +1,90 @@
+"""``MHLA``: the operator as an ``nn.Module`` that owns its mixing coefficients.
+
+Drop it into any attention layer that produces q, k, v as ``(batch, tokens, heads, head_dim)``.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+from torch import nn
+
+from .feature_maps import get_feature_map
+from .layout import BlockLayout, Grid, parse_blocks
+from .mixing import MixingCoefficients
+from .ops import mhla_attention
+from .rope import Rotary
+
+
+@lru_cache(maxsize=64)
+def _layout(grid: Grid, blocks: Grid) -> BlockLayout:
+    # layouts cache their index tensors; keep one per (grid, blocks) across layers and steps
+    return BlockLayout(grid, blocks)
+
+
+class MHLA(nn.Module):
+    """Multi-head linear attention with a fixed block count and a learnable mixing matrix.
+
+    Args:
+        blocks: block count per axis, ``(bf, bh, bw)`` or ``"7x3x5"``. It stays fixed, so the
+            ``M x M`` mixing matrix fits every grid with at least that many cells per axis
+            (uneven splits are fine).
+        grid: the grid the locality init is computed on (only the block centres matter, so any
+            grid that fits gives the same init in ``"block"`` units). Defaults to ``blocks``.
+        feature_map, normalize, eps: as :func:`mhla.mhla_attention`.
+        mixing_init, mixing_units, learnable_mixing, per_head_mixing, num_heads, constrain_mixing:
+            as :class:`mhla.MixingCoefficients`.
+    """
+
+    def __init__(
+        self,
+        blocks: str | Grid,
+        grid: Grid | None = None,
+        feature_map: str = "relu",
+        normalize: bool = True,
+        eps: float = 1e-6,
+        mixing_init: str = "locality",
+        mixing_units: str = "block",
+        learnable_mixing: bool = True,
+        per_head_mixing: bool = False,
+        num_heads: int | None = None,
+        constrain_mixing: bool = True,
+    ):
+        super().__init__()
+        get_feature_map(feature_map)  # validate early
+        self.blocks = parse_blocks(blocks)
+        self.feature_map = feature_map
+        self.normalize = normalize
+        self.eps = eps
+        layout = BlockLayout(self.blocks if grid is None else grid, self.blocks)
+        self.mixing = MixingCoefficients(
+            layout,
+            init=mixing_init,
+            units=mixing_units,
+            learnable=learnable_mixing,
+            per_head=per_head_mixing,
+            num_heads=num_heads,
+            constrain=constrain_mixing,
+        )
+
+    def layout(self, grid: Grid) -> BlockLayout:
+        return _layout(tuple(int(x) for x in grid), self.blocks)
+
+    def forward(self, q, k, v, grid: Grid, rotary_emb: Rotary | None = None) -> torch.Tensor:
+        """q, k ``(B, N, H, D)``, v ``(B, N, H, E)``, ``grid`` = ``(F, H, W)`` with ``F*H*W == N``."""
+        return mhla_attention(
+            q,
+            k,
+            v,
+            self.layout(grid),
+            self.mixing(),
+            feature_map=self.feature_map,
+            normalize=self.normalize,
+            rotary_emb=rotary_emb,
+            eps=self.eps,
+        )
+
+    def extra_repr(self) -> str:
+        b = "x".join(map(str, self.blocks))
+        return f"blocks={b}, feature_map={self.feature_map!r}, normalize={self.normalize}"
