@@ -44,7 +44,7 @@ def parse_blocks(spec: str | tuple[int, int, int] | list[int]) -> Grid:
 def split_points(size: int, parts: int) -> list[int]:
     """Boundaries of ``parts`` contiguous segments of ``range(size)`` whose lengths differ by <= 1.
 
-    The longer segments come first: ``split_points(52, 5) == [0, 11, 22, 33, 43, 52]``.
+    The longer segments come first: ``split_points(52, 5) == [0, 11, 22, 32, 42, 52]``.
     """
     if not 1 <= parts <= size:
         raise ValueError(f"cannot split {size} cells into {parts} blocks (need 1 <= blocks <= cells)")

@@ -1,0 +1,25 @@
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def gen():
+    """A fresh, randomly seeded generator per test: inputs are new draws every run.
+
+    The seed is printed on failure (pytest shows captured stdout) so a failure can be replayed
+    with MHLA_TEST_SEED.
+    """
+    import os
+
+    seed = int(os.environ.get("MHLA_TEST_SEED", torch.seed() % (2**31)))
+    print(f"MHLA_TEST_SEED={seed}")
+    return torch.Generator().manual_seed(seed)
