@@ -71,9 +71,7 @@ def default_blocks(grid: Grid, block_shape: Grid = PAPER_BLOCK_SHAPE) -> Grid:
     n = math.prod(grid)
     while math.prod(blocks) ** 2 > n:
         # relative block size on each axis (smaller = more over-split than the target asks)
-        rel = [
-            (size / b) / target if b > 1 else math.inf for size, b, target in zip(grid, blocks, block_shape)
-        ]
+        rel = [(size / b) / target if b > 1 else math.inf for size, b, target in zip(grid, blocks, block_shape)]
         axis = min(range(3), key=lambda a: rel[a])
         blocks[axis] -= 1
     return tuple(blocks)  # type: ignore[return-value]
@@ -103,13 +101,13 @@ class BlockLayout:
         object.__setattr__(self, "blocks", blocks)
 
     @classmethod
-    def for_grid(cls, grid: Grid, blocks: str | Grid | None = None) -> "BlockLayout":
+    def for_grid(cls, grid: Grid, blocks: str | Grid | None = None) -> BlockLayout:
         """The layout for ``grid``: ``blocks`` when given (e.g. ``"7x3x5"``), else :func:`default_blocks`."""
         grid = _as_triple(grid, "grid")
         return cls(grid, default_blocks(grid) if blocks is None else parse_blocks(blocks))
 
     @classmethod
-    def sequence(cls, num_tokens: int, num_blocks: int | None = None) -> "BlockLayout":
+    def sequence(cls, num_tokens: int, num_blocks: int | None = None) -> BlockLayout:
         """A 1-D layout (grid ``1 x 1 x N``) with ``num_blocks`` contiguous blocks (default about sqrt(N))."""
         grid = (1, 1, int(num_tokens))
         return cls.for_grid(grid, None if num_blocks is None else (1, 1, int(num_blocks)))

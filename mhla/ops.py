@@ -121,9 +121,7 @@ def mhla_attention(
         raise ValueError(f"layout must be a BlockLayout, got {type(layout).__name__}")
     if layout.num_tokens != q.shape[1]:
         g = layout.grid
-        raise ValueError(
-            f"token grid {g[0]}x{g[1]}x{g[2]} has {layout.num_tokens} tokens but q has {q.shape[1]}"
-        )
+        raise ValueError(f"token grid {g[0]}x{g[1]}x{g[2]} has {layout.num_tokens} tokens but q has {q.shape[1]}")
     check_mixing(mixing, layout.num_blocks, q.shape[2])
     check_rotary(rotary_emb, q.shape[1], q.shape[3])
 

@@ -15,9 +15,7 @@ def check_rotary(rotary_emb: Rotary | None, num_tokens: int, head_dim: int) -> N
         raise ValueError("rotary_emb must be a (cos, sin) pair of tensors shaped (1, tokens, 1, head_dim)")
     for name, t in zip(("cos", "sin"), rotary_emb):
         if t.dim() != 4 or t.shape[1] != num_tokens or t.shape[3] != head_dim or t.shape[0] != 1 or t.shape[2] != 1:
-            raise ValueError(
-                f"rotary_emb {name} has shape {tuple(t.shape)}, expected (1, {num_tokens}, 1, {head_dim})"
-            )
+            raise ValueError(f"rotary_emb {name} has shape {tuple(t.shape)}, expected (1, {num_tokens}, 1, {head_dim})")
     if head_dim % 2:
         raise ValueError(f"rotary embedding needs an even head_dim, got {head_dim}")
 

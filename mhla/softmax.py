@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 import math
-from functools import lru_cache
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +31,7 @@ _last_backend: str | None = None
 _auto_choice: dict[tuple, str] = {}
 
 
-@lru_cache(maxsize=None)
+@cache
 def _module(name: str):
     try:
         return importlib.import_module(name)

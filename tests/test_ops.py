@@ -98,8 +98,13 @@ def test_linear_matches_dense(gen, normalize, use_rope):
     out = linear_attention(q, k, v, normalize=normalize, rotary_emb=rope)
     ref = linear_attention_dense(q, k, v, normalize=normalize, rotary_emb=rope)
     assert rel_err(out, ref) < 1e-10
-    out32 = linear_attention(q.float(), k.float(), v.float(), normalize=normalize,
-                             rotary_emb=None if rope is None else tuple(t.float() for t in rope))
+    out32 = linear_attention(
+        q.float(),
+        k.float(),
+        v.float(),
+        normalize=normalize,
+        rotary_emb=None if rope is None else tuple(t.float() for t in rope),
+    )
     assert rel_err(out32, ref) < 1e-5
 
 
@@ -131,7 +136,9 @@ def test_blocks_mix_only_through_the_mixing_matrix(gen):
     assert torch.equal(a[:, mine], b[:, mine]) and not torch.allclose(a[:, other], b[:, other])
     loc = locality_init(layout)
     assert loc[0, 5] > 0
-    assert not torch.allclose(mhla_attention(q, k, v, layout, loc)[:, mine], mhla_attention(q, k, v2, layout, loc)[:, mine])
+    assert not torch.allclose(
+        mhla_attention(q, k, v, layout, loc)[:, mine], mhla_attention(q, k, v2, layout, loc)[:, mine]
+    )
 
 
 def test_gradcheck_mhla(gen):
@@ -142,7 +149,9 @@ def test_gradcheck_mhla(gen):
     rope = rope_for(gen, n, 4)
     for normalize in (True, False):
         assert torch.autograd.gradcheck(
-            lambda q, k, v, m: mhla_attention(q, k, v, layout, m, feature_map="elu", normalize=normalize, rotary_emb=rope),
+            lambda q, k, v, m, normalize=normalize: mhla_attention(
+                q, k, v, layout, m, feature_map="elu", normalize=normalize, rotary_emb=rope
+            ),
             (q, k, v, mix),
         )
     assert torch.autograd.gradcheck(lambda q, k, v, m: mhla_attention(q, k, v, layout, m), (q, k, v, mix))
