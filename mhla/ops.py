@@ -7,11 +7,47 @@ O(N d + M d^2) extra memory: nothing of size N x N is formed. Summaries accumula
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from .feature_maps import get_feature_map
 from .layout import BlockLayout
 from .rope import Rotary, apply_rotary, check_rotary
+
+IMPLS = ("auto", "torch", "triton")
+_fused_failed = False  # set when the Triton kernels fail to build on this machine: warn once, use torch
+
+
+def _use_fused(impl: str, q: torch.Tensor) -> bool:
+    if impl not in IMPLS:
+        raise ValueError(f"unknown impl {impl!r}; expected one of {IMPLS}")
+    if impl == "torch":
+        return False
+    if impl == "triton":
+        return True
+    from . import triton_ops
+
+    return (
+        q.is_cuda
+        and triton_ops.available()
+        and not _fused_failed
+        and q.dtype in (torch.float16, torch.bfloat16, torch.float32)
+        and q.shape[-1] % 2 == 0
+    )
+
+
+def _run_fused(fn, *args, impl: str, **kwargs):
+    """Runs a fused kernel; under ``impl="auto"`` a kernel that fails to build falls back to torch."""
+    global _fused_failed
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - any build/launch failure of the optional fast path
+        if impl != "auto" or isinstance(e, (ValueError, torch.cuda.OutOfMemoryError)):
+            raise
+        _fused_failed = True
+        warnings.warn(f"MHLA Triton kernels failed ({type(e).__name__}: {e}); using the PyTorch path", stacklevel=3)
+        return None
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -100,6 +136,7 @@ def mhla_attention(
     normalize: bool = True,
     rotary_emb: Rotary | None = None,
     eps: float = 1e-6,
+    impl: str = "auto",
 ) -> torch.Tensor:
     """Multi-head linear attention over spatiotemporal blocks.
 
@@ -113,6 +150,8 @@ def mhla_attention(
         mixing: ``(M, M)`` or per-head ``(H, M, M)``, used exactly as given (constrain it beforehand,
             e.g. with :class:`mhla.MixingCoefficients`).
         rotary_emb: ``(cos, sin)``, each ``(1, N, 1, D)``, as diffusers' Wan passes it.
+        impl: ``"auto"`` runs the fused Triton kernels on CUDA when Triton is present and this
+            PyTorch path otherwise; ``"torch"`` or ``"triton"`` force one.
     Returns:
         ``(B, N, H, E)`` in the dtype of ``q``.
     """
@@ -124,6 +163,14 @@ def mhla_attention(
         raise ValueError(f"token grid {g[0]}x{g[1]}x{g[2]} has {layout.num_tokens} tokens but q has {q.shape[1]}")
     check_mixing(mixing, layout.num_blocks, q.shape[2])
     check_rotary(rotary_emb, q.shape[1], q.shape[3])
+    if _use_fused(impl, q):
+        from .triton_ops import mhla_attention_fused
+
+        out = _run_fused(
+            mhla_attention_fused, q, k, v, layout, mixing, feature_map, normalize, rotary_emb, eps, impl=impl
+        )
+        if out is not None:
+            return out
 
     fq, fk, rq, rk = _features(q, k, feature_map, rotary_emb)
     v32 = v.to(fq.dtype)
@@ -146,11 +193,18 @@ def linear_attention(
     normalize: bool = True,
     rotary_emb: Rotary | None = None,
     eps: float = 1e-6,
+    impl: str = "auto",
 ) -> torch.Tensor:
     """Vanilla linear attention: ``phi(q_t) G / (phi(q_t) . z + eps)`` with one global
-    ``G = sum_s phi(k_s)^T v_s`` and ``z = sum_s phi(k_s)``. Shapes as :func:`mhla_attention`."""
+    ``G = sum_s phi(k_s)^T v_s`` and ``z = sum_s phi(k_s)``. Shapes and ``impl`` as :func:`mhla_attention`."""
     check_qkv(q, k, v)
     check_rotary(rotary_emb, q.shape[1], q.shape[3])
+    if _use_fused(impl, q):
+        from .triton_ops import linear_attention_fused
+
+        out = _run_fused(linear_attention_fused, q, k, v, feature_map, normalize, rotary_emb, eps, impl=impl)
+        if out is not None:
+            return out
     fq, fk, rq, rk = _features(q, k, feature_map, rotary_emb)
     summary = torch.einsum("bnhd,bnhe->bhde", rk, v.to(fq.dtype))
     out = torch.einsum("bnhd,bhde->bnhe", rq, summary)

@@ -1,5 +1,12 @@
+import os
+
 import pytest
 import torch
+
+# Without a GPU the Triton kernels run in Triton's interpreter (on the CPU); it must be chosen
+# before the kernels are defined, i.e. before mhla.triton_ops is first imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -18,8 +25,6 @@ def gen():
     The seed is printed on failure (pytest shows captured stdout) so a failure can be replayed
     with MHLA_TEST_SEED.
     """
-    import os
-
     seed = int(os.environ.get("MHLA_TEST_SEED", torch.seed() % (2**31)))
     print(f"MHLA_TEST_SEED={seed}")
     return torch.Generator().manual_seed(seed)

@@ -1,0 +1,665 @@
+"""Fused Triton kernels for MHLA (and linear attention, its M = 1 case), forward and backward.
+
+Three passes, each reading q, k, v where they lie in the ``(batch, tokens, heads, dim)`` layout:
+no permuted copy of the token sequence into block order. A program owns one (batch, head, block)
+and walks the block's tokens, whose positions it computes from the layout's split points, so
+uneven layouts need no index tensors or padding.
+
+    summaries   S_b = sum_{s in b} rope(phi(k_s))^T v_s,  z_b = sum phi(k_s)      (kernel, fp32)
+    mixing      S~ = m @ S,  z~ = m @ z                                         (torch matmul, M^2 d^2)
+    output      out_t = rope(phi(q_t)) S~_i  [ / (phi(q_t) . z~_i + eps) ]        (kernel)
+
+The backward pass mirrors it: one kernel over query blocks yields dq and dS~, dz~; torch mixes
+them back (dS = m^T dS~, dm = <dS~, S> + <dz~, z>); one kernel over key blocks yields dk, dv.
+Channels are processed as two halves (even and odd) so RoPE's interleaved pairs rotate without
+shuffles; summaries are stored in that de-interleaved channel order, which the dot products do not
+see. Feature map, RoPE and normalizer are fused. Summaries accumulate in float32; inputs and
+outputs may be fp16, bf16 or fp32.
+
+The kernels also run on a CPU under ``TRITON_INTERPRET=1`` (slowly), which is how CI checks them
+against the dense reference when no GPU is present.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the PyTorch path in ops.py is used
+    triton = None
+
+from .layout import BlockLayout
+from .ops import check_mixing, check_qkv
+from .rope import Rotary, check_rotary
+
+FEATURE_IDS = {"relu": 0, "elu": 1}
+RELU_EPS = 1e-6  # same as mhla.feature_maps.RELU_EPS
+
+
+def available() -> bool:
+    return triton is not None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _phi(x, FEATURE: tl.constexpr):
+        if FEATURE == 0:
+            return tl.maximum(x, 0.0) + 1e-6
+        else:
+            return tl.where(x > 0, x + 1.0, tl.exp(tl.minimum(x, 0.0)))
+
+    @triton.jit
+    def _dphi(x, FEATURE: tl.constexpr):
+        if FEATURE == 0:
+            return (x > 0).to(tl.float32)
+        else:
+            return tl.where(x > 0, 1.0, tl.exp(tl.minimum(x, 0.0)))
+
+    @triton.jit
+    def _segment(i, size, parts):
+        """Start and length of segment i when `size` cells split into `parts` (longer ones first)."""
+        base = size // parts
+        extra = size % parts
+        start = i * base + tl.minimum(i, extra)
+        length = base + (i < extra).to(tl.int32)
+        return start, length
+
+    @triton.jit
+    def _block_geometry(blk, GF, GH, GW, BF, BH, BW):
+        i_f = blk // (BH * BW)
+        i_h = (blk // BW) % BH
+        i_w = blk % BW
+        f0, lf = _segment(i_f, GF, BF)
+        h0, lh = _segment(i_h, GH, BH)
+        w0, lw = _segment(i_w, GW, BW)
+        return f0, h0, w0, lf, lh, lw
+
+    @triton.jit
+    def _token_ids(j, f0, h0, w0, lh, lw, GH, GW):
+        """Token index of the j-th token (in (f, h, w) order) of the block starting at (f0, h0, w0)."""
+        f = f0 + j // (lh * lw)
+        r = j % (lh * lw)
+        return (f * GH + h0 + r // lw) * GW + w0 + r % lw
+
+    @triton.jit
+    def _load_halves(ptr, rows, row_stride, d, d_stride, mask_rows, mask_d):
+        """Loads even and odd channels of a (BLOCK_N, D) tile as two (BLOCK_N, D/2) float32 tiles."""
+        base = ptr + rows[:, None] * row_stride
+        m = mask_rows[:, None] & mask_d[None, :]
+        even = tl.load(base + (2 * d[None, :]) * d_stride, mask=m, other=0.0).to(tl.float32)
+        odd = tl.load(base + (2 * d[None, :] + 1) * d_stride, mask=m, other=0.0).to(tl.float32)
+        return even, odd
+
+    @triton.jit
+    def _summaries_kernel(
+        K,
+        V,
+        COS,
+        SIN,
+        S,
+        Z,
+        sk_b,
+        sk_n,
+        sk_h,
+        sk_d,
+        sv_b,
+        sv_n,
+        sv_h,
+        sv_d,
+        sr_n,
+        sr_d,
+        N,
+        H,
+        GF,
+        GH,
+        GW,
+        BF,
+        BH,
+        BW,
+        M,
+        D_HALF,
+        E,
+        FEATURE: tl.constexpr,
+        USE_ROPE: tl.constexpr,
+        DOT_DTYPE: tl.constexpr,
+        PRECISION: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+    ):
+        bh = tl.program_id(0)
+        blk = tl.program_id(1)
+        b = bh // H
+        h = bh % H
+        f0, h0, w0, lf, lh, lw = _block_geometry(blk, GF, GH, GW, BF, BH, BW)
+        nb = lf * lh * lw
+        d = tl.arange(0, BLOCK_D)
+        e = tl.arange(0, BLOCK_E)
+        md = d < D_HALF
+        me = e < E
+        acc_e = tl.zeros((BLOCK_D, BLOCK_E), dtype=tl.float32)
+        acc_o = tl.zeros((BLOCK_D, BLOCK_E), dtype=tl.float32)
+        z_e = tl.zeros((BLOCK_D,), dtype=tl.float32)
+        z_o = tl.zeros((BLOCK_D,), dtype=tl.float32)
+        kp = K + b * sk_b + h * sk_h
+        vp = V + b * sv_b + h * sv_h
+        for start in range(0, nb, BLOCK_N):
+            j = start + tl.arange(0, BLOCK_N)
+            mj = j < nb
+            n = _token_ids(j, f0, h0, w0, lh, lw, GH, GW)
+            ke, ko = _load_halves(kp, n, sk_n, d, sk_d, mj, md)
+            ke = tl.where(mj[:, None] & md[None, :], _phi(ke, FEATURE), 0.0)
+            ko = tl.where(mj[:, None] & md[None, :], _phi(ko, FEATURE), 0.0)
+            z_e += tl.sum(ke, axis=0)
+            z_o += tl.sum(ko, axis=0)
+            if USE_ROPE:
+                c, _ = _load_halves(COS, n, sr_n, d, sr_d, mj, md)
+                _, s = _load_halves(SIN, n, sr_n, d, sr_d, mj, md)
+                ke, ko = ke * c - ko * s, ke * s + ko * c
+            v = tl.load(vp + n[:, None] * sv_n + e[None, :] * sv_d, mask=mj[:, None] & me[None, :], other=0.0)
+            v = v.to(DOT_DTYPE)
+            acc_e += tl.dot(tl.trans(ke.to(DOT_DTYPE)), v, input_precision=PRECISION)
+            acc_o += tl.dot(tl.trans(ko.to(DOT_DTYPE)), v, input_precision=PRECISION)
+        # S: (B*H, M, 2*D_HALF, E) contiguous, even channels first; Z: (B*H, M, 2*D_HALF)
+        sp = S + (bh * M + blk) * (2 * D_HALF * E)
+        ms = md[:, None] & me[None, :]
+        tl.store(sp + d[:, None] * E + e[None, :], acc_e, mask=ms)
+        tl.store(sp + (D_HALF + d[:, None]) * E + e[None, :], acc_o, mask=ms)
+        zp = Z + (bh * M + blk) * (2 * D_HALF)
+        tl.store(zp + d, z_e, mask=md)
+        tl.store(zp + D_HALF + d, z_o, mask=md)
+
+    @triton.jit
+    def _output_kernel(
+        Q,
+        COS,
+        SIN,
+        S,
+        Z,
+        OUT,
+        DEN,
+        sq_b,
+        sq_n,
+        sq_h,
+        sq_d,
+        so_b,
+        so_n,
+        so_h,
+        so_d,
+        sr_n,
+        sr_d,
+        N,
+        H,
+        GF,
+        GH,
+        GW,
+        BF,
+        BH,
+        BW,
+        M,
+        D_HALF,
+        E,
+        eps,
+        FEATURE: tl.constexpr,
+        USE_ROPE: tl.constexpr,
+        NORMALIZE: tl.constexpr,
+        DOT_DTYPE: tl.constexpr,
+        PRECISION: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+    ):
+        bh = tl.program_id(0)
+        blk = tl.program_id(1)
+        b = bh // H
+        h = bh % H
+        f0, h0, w0, lf, lh, lw = _block_geometry(blk, GF, GH, GW, BF, BH, BW)
+        nb = lf * lh * lw
+        d = tl.arange(0, BLOCK_D)
+        e = tl.arange(0, BLOCK_E)
+        md = d < D_HALF
+        me = e < E
+        ms = md[:, None] & me[None, :]
+        # the block's mixed summary is read once and kept for all its tokens
+        sp = S + (bh * M + blk) * (2 * D_HALF * E)
+        s_e = tl.load(sp + d[:, None] * E + e[None, :], mask=ms, other=0.0).to(DOT_DTYPE)
+        s_o = tl.load(sp + (D_HALF + d[:, None]) * E + e[None, :], mask=ms, other=0.0).to(DOT_DTYPE)
+        if NORMALIZE:
+            zp = Z + (bh * M + blk) * (2 * D_HALF)
+            z_e = tl.load(zp + d, mask=md, other=0.0)
+            z_o = tl.load(zp + D_HALF + d, mask=md, other=0.0)
+        qp = Q + b * sq_b + h * sq_h
+        op = OUT + b * so_b + h * so_h
+        for start in range(0, nb, BLOCK_N):
+            j = start + tl.arange(0, BLOCK_N)
+            mj = j < nb
+            n = _token_ids(j, f0, h0, w0, lh, lw, GH, GW)
+            qe, qo = _load_halves(qp, n, sq_n, d, sq_d, mj, md)
+            qe = tl.where(md[None, :], _phi(qe, FEATURE), 0.0)
+            qo = tl.where(md[None, :], _phi(qo, FEATURE), 0.0)
+            if NORMALIZE:
+                den = tl.sum(qe * z_e[None, :], axis=1) + tl.sum(qo * z_o[None, :], axis=1) + eps
+            if USE_ROPE:
+                c, _ = _load_halves(COS, n, sr_n, d, sr_d, mj, md)
+                _, s = _load_halves(SIN, n, sr_n, d, sr_d, mj, md)
+                qe, qo = qe * c - qo * s, qe * s + qo * c
+            out = tl.dot(qe.to(DOT_DTYPE), s_e, input_precision=PRECISION)
+            out += tl.dot(qo.to(DOT_DTYPE), s_o, input_precision=PRECISION)
+            if NORMALIZE:
+                out = out / den[:, None]
+                tl.store(DEN + bh * N + n, den, mask=mj)
+            tl.store(
+                op + n[:, None] * so_n + e[None, :] * so_d, out.to(OUT.dtype.element_ty), mask=mj[:, None] & me[None, :]
+            )
+
+    @triton.jit
+    def _backward_query_kernel(
+        Q,
+        DO,
+        COS,
+        SIN,
+        S,
+        Z,
+        DEN,
+        DQ,
+        DS,
+        DZ,
+        sq_b,
+        sq_n,
+        sq_h,
+        sq_d,
+        sg_b,
+        sg_n,
+        sg_h,
+        sg_d,
+        sr_n,
+        sr_d,
+        N,
+        H,
+        GF,
+        GH,
+        GW,
+        BF,
+        BH,
+        BW,
+        M,
+        D_HALF,
+        E,
+        FEATURE: tl.constexpr,
+        USE_ROPE: tl.constexpr,
+        NORMALIZE: tl.constexpr,
+        DOT_DTYPE: tl.constexpr,
+        PRECISION: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+    ):
+        """dq for the block's query tokens, and dS~_i = sum rq^T dnum, dz~_i = sum dden phi(q)."""
+        bh = tl.program_id(0)
+        blk = tl.program_id(1)
+        b = bh // H
+        h = bh % H
+        f0, h0, w0, lf, lh, lw = _block_geometry(blk, GF, GH, GW, BF, BH, BW)
+        nb = lf * lh * lw
+        d = tl.arange(0, BLOCK_D)
+        e = tl.arange(0, BLOCK_E)
+        md = d < D_HALF
+        me = e < E
+        ms = md[:, None] & me[None, :]
+        sp = S + (bh * M + blk) * (2 * D_HALF * E)
+        s_e = tl.load(sp + d[:, None] * E + e[None, :], mask=ms, other=0.0).to(DOT_DTYPE)
+        s_o = tl.load(sp + (D_HALF + d[:, None]) * E + e[None, :], mask=ms, other=0.0).to(DOT_DTYPE)
+        if NORMALIZE:
+            zp = Z + (bh * M + blk) * (2 * D_HALF)
+            z_e = tl.load(zp + d, mask=md, other=0.0)
+            z_o = tl.load(zp + D_HALF + d, mask=md, other=0.0)
+        ds_e = tl.zeros((BLOCK_D, BLOCK_E), dtype=tl.float32)
+        ds_o = tl.zeros((BLOCK_D, BLOCK_E), dtype=tl.float32)
+        dz_e = tl.zeros((BLOCK_D,), dtype=tl.float32)
+        dz_o = tl.zeros((BLOCK_D,), dtype=tl.float32)
+        qp = Q + b * sq_b + h * sq_h
+        gp = DO + b * sg_b + h * sg_h
+        dqp = DQ + b * sq_b + h * sq_h
+        for start in range(0, nb, BLOCK_N):
+            j = start + tl.arange(0, BLOCK_N)
+            mj = j < nb
+            n = _token_ids(j, f0, h0, w0, lh, lw, GH, GW)
+            xe, xo = _load_halves(qp, n, sq_n, d, sq_d, mj, md)
+            fe = tl.where(mj[:, None] & md[None, :], _phi(xe, FEATURE), 0.0)
+            fo = tl.where(mj[:, None] & md[None, :], _phi(xo, FEATURE), 0.0)
+            g = tl.load(gp + n[:, None] * sg_n + e[None, :] * sg_d, mask=mj[:, None] & me[None, :], other=0.0)
+            g = g.to(tl.float32)
+            if USE_ROPE:
+                c, _ = _load_halves(COS, n, sr_n, d, sr_d, mj, md)
+                _, s = _load_halves(SIN, n, sr_n, d, sr_d, mj, md)
+                re, ro = fe * c - fo * s, fe * s + fo * c
+            else:
+                re, ro = fe, fo
+            if NORMALIZE:
+                den = tl.load(DEN + bh * N + n, mask=mj, other=1.0)
+                num_e = tl.dot(re.to(DOT_DTYPE), s_e, input_precision=PRECISION)
+                num = num_e + tl.dot(ro.to(DOT_DTYPE), s_o, input_precision=PRECISION)
+                dnum = g / den[:, None]
+                dden = -tl.sum(dnum * num, axis=1) / den  # -(g . num) / den^2
+                dz_e += tl.sum(fe * dden[:, None], axis=0)
+                dz_o += tl.sum(fo * dden[:, None], axis=0)
+            else:
+                dnum = g
+            dnum_c = dnum.to(DOT_DTYPE)
+            ds_e += tl.dot(tl.trans(re.to(DOT_DTYPE)), dnum_c, input_precision=PRECISION)
+            ds_o += tl.dot(tl.trans(ro.to(DOT_DTYPE)), dnum_c, input_precision=PRECISION)
+            dre = tl.dot(dnum_c, tl.trans(s_e), input_precision=PRECISION)
+            dro = tl.dot(dnum_c, tl.trans(s_o), input_precision=PRECISION)
+            if USE_ROPE:  # the rotation's transpose
+                dfe, dfo = dre * c + dro * s, dro * c - dre * s
+            else:
+                dfe, dfo = dre, dro
+            if NORMALIZE:
+                dfe += dden[:, None] * z_e[None, :]
+                dfo += dden[:, None] * z_o[None, :]
+            dqe = dfe * _dphi(xe, FEATURE)
+            dqo = dfo * _dphi(xo, FEATURE)
+            mq = mj[:, None] & md[None, :]
+            base = dqp + n[:, None] * sq_n
+            tl.store(base + (2 * d[None, :]) * sq_d, dqe.to(DQ.dtype.element_ty), mask=mq)
+            tl.store(base + (2 * d[None, :] + 1) * sq_d, dqo.to(DQ.dtype.element_ty), mask=mq)
+        dsp = DS + (bh * M + blk) * (2 * D_HALF * E)
+        tl.store(dsp + d[:, None] * E + e[None, :], ds_e, mask=ms)
+        tl.store(dsp + (D_HALF + d[:, None]) * E + e[None, :], ds_o, mask=ms)
+        if NORMALIZE:
+            dzp = DZ + (bh * M + blk) * (2 * D_HALF)
+            tl.store(dzp + d, dz_e, mask=md)
+            tl.store(dzp + D_HALF + d, dz_o, mask=md)
+
+    @triton.jit
+    def _backward_key_kernel(
+        K,
+        V,
+        COS,
+        SIN,
+        DS,
+        DZ,
+        DK,
+        DV,
+        sk_b,
+        sk_n,
+        sk_h,
+        sk_d,
+        sv_b,
+        sv_n,
+        sv_h,
+        sv_d,
+        sr_n,
+        sr_d,
+        N,
+        H,
+        GF,
+        GH,
+        GW,
+        BF,
+        BH,
+        BW,
+        M,
+        D_HALF,
+        E,
+        FEATURE: tl.constexpr,
+        USE_ROPE: tl.constexpr,
+        NORMALIZE: tl.constexpr,
+        DOT_DTYPE: tl.constexpr,
+        PRECISION: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+    ):
+        """dk, dv for the block's key tokens from dS_b = (m^T dS~)_b and dz_b."""
+        bh = tl.program_id(0)
+        blk = tl.program_id(1)
+        b = bh // H
+        h = bh % H
+        f0, h0, w0, lf, lh, lw = _block_geometry(blk, GF, GH, GW, BF, BH, BW)
+        nb = lf * lh * lw
+        d = tl.arange(0, BLOCK_D)
+        e = tl.arange(0, BLOCK_E)
+        md = d < D_HALF
+        me = e < E
+        ms = md[:, None] & me[None, :]
+        dsp = DS + (bh * M + blk) * (2 * D_HALF * E)
+        ds_e = tl.load(dsp + d[:, None] * E + e[None, :], mask=ms, other=0.0).to(DOT_DTYPE)
+        ds_o = tl.load(dsp + (D_HALF + d[:, None]) * E + e[None, :], mask=ms, other=0.0).to(DOT_DTYPE)
+        if NORMALIZE:
+            dzp = DZ + (bh * M + blk) * (2 * D_HALF)
+            dz_e = tl.load(dzp + d, mask=md, other=0.0)
+            dz_o = tl.load(dzp + D_HALF + d, mask=md, other=0.0)
+        kp = K + b * sk_b + h * sk_h
+        vp = V + b * sv_b + h * sv_h
+        dkp = DK + b * sk_b + h * sk_h
+        dvp = DV + b * sv_b + h * sv_h
+        for start in range(0, nb, BLOCK_N):
+            j = start + tl.arange(0, BLOCK_N)
+            mj = j < nb
+            n = _token_ids(j, f0, h0, w0, lh, lw, GH, GW)
+            xe, xo = _load_halves(kp, n, sk_n, d, sk_d, mj, md)
+            fe = tl.where(md[None, :], _phi(xe, FEATURE), 0.0)
+            fo = tl.where(md[None, :], _phi(xo, FEATURE), 0.0)
+            if USE_ROPE:
+                c, _ = _load_halves(COS, n, sr_n, d, sr_d, mj, md)
+                _, s = _load_halves(SIN, n, sr_n, d, sr_d, mj, md)
+                re, ro = fe * c - fo * s, fe * s + fo * c
+            else:
+                re, ro = fe, fo
+            v = tl.load(vp + n[:, None] * sv_n + e[None, :] * sv_d, mask=mj[:, None] & me[None, :], other=0.0)
+            v = v.to(DOT_DTYPE)
+            dv = tl.dot(re.to(DOT_DTYPE), ds_e, input_precision=PRECISION)
+            dv += tl.dot(ro.to(DOT_DTYPE), ds_o, input_precision=PRECISION)
+            tl.store(
+                dvp + n[:, None] * sv_n + e[None, :] * sv_d, dv.to(DV.dtype.element_ty), mask=mj[:, None] & me[None, :]
+            )
+            dre = tl.dot(v, tl.trans(ds_e), input_precision=PRECISION)
+            dro = tl.dot(v, tl.trans(ds_o), input_precision=PRECISION)
+            if USE_ROPE:
+                dfe, dfo = dre * c + dro * s, dro * c - dre * s
+            else:
+                dfe, dfo = dre, dro
+            if NORMALIZE:
+                dfe += dz_e[None, :]
+                dfo += dz_o[None, :]
+            mk = mj[:, None] & md[None, :]
+            base = dkp + n[:, None] * sk_n
+            tl.store(base + (2 * d[None, :]) * sk_d, (dfe * _dphi(xe, FEATURE)).to(DK.dtype.element_ty), mask=mk)
+            tl.store(base + (2 * d[None, :] + 1) * sk_d, (dfo * _dphi(xo, FEATURE)).to(DK.dtype.element_ty), mask=mk)
+
+
+def _pow2(x: int) -> int:
+    return max(16, 1 << (int(x) - 1).bit_length())
+
+
+def _dot_types(dtype: torch.dtype):
+    if dtype == torch.float16:
+        return tl.float16, "tf32"
+    if dtype == torch.bfloat16:
+        return tl.bfloat16, "tf32"
+    return tl.float32, "ieee"
+
+
+def _mix(mixing: torch.Tensor, x: torch.Tensor, batch: int, heads: int, transpose: bool = False) -> torch.Tensor:
+    """Mixes ``x`` ``(B*H, M, ...)`` over blocks with ``(M, M)`` or ``(H, M, M)`` mixing."""
+    m = mixing.float()
+    if transpose:
+        m = m.transpose(-1, -2)
+    flat = x.reshape(batch, heads, x.shape[1], -1)
+    mixed = torch.matmul(m if m.dim() == 2 else m[None], flat)
+    return mixed.reshape(x.shape)
+
+
+class _Geometry:
+    def __init__(self, q, v, layout: BlockLayout, rotary_emb):
+        self.B, self.N, self.H, D = q.shape
+        self.D_HALF, self.E = D // 2, v.shape[-1]
+        self.M = layout.num_blocks
+        self.grid_args = (self.N, self.H, *layout.grid, *layout.blocks, self.M, self.D_HALF, self.E)
+        self.launch = (self.B * self.H, self.M)
+        self.use_rope = rotary_emb is not None
+        if self.use_rope:
+            cos, sin = (t.float() for t in rotary_emb)
+            if cos.stride() != sin.stride():
+                sin = sin.contiguous()
+                cos = cos.contiguous()
+            self.cos, self.sin = cos, sin
+            self.rope_strides = (cos.stride(1), cos.stride(3))
+        else:
+            self.cos = self.sin = q  # unused pointers
+            self.rope_strides = (0, 0)
+        self.blocks = dict(BLOCK_N=64, BLOCK_D=_pow2(self.D_HALF), BLOCK_E=_pow2(self.E))
+        self.dot_dtype, self.precision = _dot_types(q.dtype)
+
+
+class _MHLAFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, mixing, layout, feature, normalize, rotary_emb, eps):
+        g = _Geometry(q, v, layout, rotary_emb)
+        summaries = q.new_empty((g.B * g.H, g.M, 2 * g.D_HALF, g.E), dtype=torch.float32)
+        z = q.new_empty((g.B * g.H, g.M, 2 * g.D_HALF), dtype=torch.float32)
+        common = dict(FEATURE=feature, USE_ROPE=g.use_rope, DOT_DTYPE=g.dot_dtype, PRECISION=g.precision, **g.blocks)
+        _summaries_kernel[g.launch](
+            k, v, g.cos, g.sin, summaries, z, *k.stride(), *v.stride(), *g.rope_strides, *g.grid_args, **common
+        )
+        mixed = _mix(mixing, summaries, g.B, g.H)
+        mixed_z = _mix(mixing, z, g.B, g.H) if normalize else z
+        out = q.new_empty((g.B, g.N, g.H, g.E))
+        den = q.new_empty((g.B * g.H, g.N), dtype=torch.float32) if normalize else z
+        _output_kernel[g.launch](
+            q,
+            g.cos,
+            g.sin,
+            mixed,
+            mixed_z,
+            out,
+            den,
+            *q.stride(),
+            *out.stride(),
+            *g.rope_strides,
+            *g.grid_args,
+            eps,
+            NORMALIZE=normalize,
+            **common,
+        )
+        ctx.save_for_backward(q, k, v, mixing, summaries, z, den)
+        ctx.layout, ctx.feature, ctx.normalize, ctx.rotary_emb = layout, feature, normalize, rotary_emb
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, mixing, summaries, z, den = ctx.saved_tensors
+        normalize = ctx.normalize
+        g = _Geometry(q, v, ctx.layout, ctx.rotary_emb)
+        common = dict(
+            FEATURE=ctx.feature,
+            USE_ROPE=g.use_rope,
+            NORMALIZE=normalize,
+            DOT_DTYPE=g.dot_dtype,
+            PRECISION=g.precision,
+            **g.blocks,
+        )
+        mixed = _mix(mixing, summaries, g.B, g.H)
+        mixed_z = _mix(mixing, z, g.B, g.H) if normalize else z
+        grad_out = grad_out.contiguous() if grad_out.stride(-1) != 1 else grad_out
+        dq = torch.empty_like(q)
+        d_mixed = torch.empty_like(summaries)
+        d_mixed_z = torch.empty_like(z)
+        _backward_query_kernel[g.launch](
+            q,
+            grad_out,
+            g.cos,
+            g.sin,
+            mixed,
+            mixed_z,
+            den,
+            dq,
+            d_mixed,
+            d_mixed_z,
+            *q.stride(),
+            *grad_out.stride(),
+            *g.rope_strides,
+            *g.grid_args,
+            **common,
+        )
+        # back through the mixing: dS = m^T dS~, dm_ib = <dS~_i, S_b> (+ <dz~_i, z_b>)
+        d_summaries = _mix(mixing, d_mixed, g.B, g.H, transpose=True)
+        d_z = _mix(mixing, d_mixed_z, g.B, g.H, transpose=True) if normalize else d_mixed_z
+        d_mixing = None
+        if ctx.needs_input_grad[3]:
+            dm = torch.einsum("bif,bjf->bij", d_mixed.flatten(2), summaries.flatten(2))
+            if normalize:
+                dm = dm + torch.einsum("bif,bjf->bij", d_mixed_z, z)
+            dm = dm.reshape(g.B, g.H, g.M, g.M)
+            d_mixing = (dm.sum((0, 1)) if mixing.dim() == 2 else dm.sum(0)).to(mixing.dtype)
+        dk = torch.empty_like(k)
+        dv = torch.empty_like(v)
+        _backward_key_kernel[g.launch](
+            k,
+            v,
+            g.cos,
+            g.sin,
+            d_summaries,
+            d_z,
+            dk,
+            dv,
+            *k.stride(),
+            *v.stride(),
+            *g.rope_strides,
+            *g.grid_args,
+            **common,
+        )
+        return dq, dk, dv, d_mixing, None, None, None, None, None
+
+
+def mhla_attention_fused(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: BlockLayout,
+    mixing: torch.Tensor,
+    feature_map: str = "relu",
+    normalize: bool = True,
+    rotary_emb: Rotary | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Same contract as :func:`mhla.mhla_attention`, run by the fused Triton kernels.
+
+    q, k ``(B, N, H, D)`` with even D, v ``(B, N, H, E)``; any strides with unit stride on the last
+    dim. Differentiable in q, k, v and mixing.
+    """
+    if triton is None:
+        raise RuntimeError("mhla_attention_fused needs Triton; use mhla.mhla_attention on this machine")
+    check_qkv(q, k, v)
+    if layout.num_tokens != q.shape[1]:
+        g = layout.grid
+        raise ValueError(f"token grid {g[0]}x{g[1]}x{g[2]} has {layout.num_tokens} tokens but q has {q.shape[1]}")
+    check_mixing(mixing, layout.num_blocks, q.shape[2])
+    check_rotary(rotary_emb, q.shape[1], q.shape[3])
+    if feature_map not in FEATURE_IDS:
+        raise ValueError(f"unknown feature map {feature_map!r}; expected one of {sorted(FEATURE_IDS)}")
+    if q.shape[-1] % 2:
+        raise ValueError(f"the fused kernels need an even head_dim, got {q.shape[-1]}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(
+            f"the fused kernels take fp16, bf16 or fp32 q, k, v of one dtype; got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
+    return _MHLAFunction.apply(q, k, v, mixing.float(), layout, FEATURE_IDS[feature_map], normalize, rotary_emb, eps)
+
+
+def linear_attention_fused(q, k, v, feature_map="relu", normalize=True, rotary_emb=None, eps=1e-6) -> torch.Tensor:
+    """Vanilla linear attention by the fused kernels.
+
+    One global summary is MHLA whose mixing matrix is all ones: every query block sums all block
+    summaries. The tokens are cut into up to 256 chunks of at least 256 tokens so that the summary
+    pass runs on many programs at once instead of one per (batch, head).
+    """
+    n = q.shape[1]
+    chunks = max(1, min(256, n // 256))
+    layout = BlockLayout((1, 1, n), (1, 1, chunks))
+    ones = torch.ones(chunks, chunks, device=q.device)
+    return mhla_attention_fused(q, k, v, layout, ones, feature_map, normalize, rotary_emb, eps)
