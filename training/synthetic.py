@@ -381,6 +381,51 @@ def generate_sample(
     return SyntheticSample(frames=frames, caption=caption_for(attributes), attributes=attributes)
 
 
+class SyntheticVideoDataset:
+    """Map-style torch dataset rendering samples on the fly (no files), items like
+    :class:`training.data.VideoFolderDataset`'s: ``{"video": float32 (3, T, H, W) in [-1, 1],
+    "caption": str, "index": int}``. Accepts an int or a ``ClipKey(index, epoch)`` (the epoch
+    does not change a synthetic clip). ``attributes(i)`` gives sample ``i``'s attribute dict.
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        *,
+        seed: int = 0,
+        split: str = "train",
+        num_frames: int = 17,
+        height: int = 64,
+        width: int = 64,
+        world: SyntheticWorld | None = None,
+    ):
+        if num_samples < 1:
+            raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+        _sample_rng(seed, split, 0)  # validates the split name now rather than in a worker
+        self.num_samples, self.seed, self.split = num_samples, seed, split
+        self.num_frames, self.height, self.width = num_frames, height, width
+        self.world = world or SyntheticWorld()
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def attributes(self, index: int) -> dict:
+        return sample_attributes(self.seed, index, self.split, self.world, aspect=self.width / self.height)
+
+    def __getitem__(self, key) -> dict:
+        import torch
+
+        index = int(key[0] if isinstance(key, tuple) else key)
+        if not 0 <= index < self.num_samples:
+            raise IndexError(f"index {index} out of range for {self.num_samples} synthetic samples")
+        sample = generate_sample(
+            index, seed=self.seed, split=self.split, num_frames=self.num_frames,
+            height=self.height, width=self.width, world=self.world,
+        )  # fmt: skip
+        video = torch.from_numpy(sample.frames).permute(3, 0, 1, 2).float() / 127.5 - 1.0
+        return {"video": video, "caption": sample.caption, "index": index}
+
+
 # --------------------------------------------------------------------------- files
 
 
