@@ -7,7 +7,7 @@ an evaluator can re-render or check any sample from its attribute dict.
 
 World (see :class:`SyntheticWorld`): shapes (circle, square, triangle, diamond), six colours
 well apart in hue, two sizes, eleven motions (left, right, up, down, four diagonals, bouncing,
-static, growing), one or two objects of different colours, plain or textured (grey-toned)
+static, growing), one or two objects of different colours whose paths never make them overlap, plain or textured (grey-toned)
 backgrounds. A caption is built from one template::
 
     "a small red circle moves to the left on a grey background"
@@ -213,11 +213,25 @@ def _place(rng: np.random.Generator, obj: dict, aspect: float) -> None:
     obj["end"] = [round(start[0] + dx * travel_x, 4), round(start[1] + dy * travel_y, 4)]
 
 
-def _min_distance(a: dict, b: dict, num_checks: int = 9) -> float:
-    """Smallest distance between two objects' centres along their paths (normalised units)."""
-    times = np.linspace(0, 1, num_checks)
-    pa, pb = _centres(a, times), _centres(b, times)
-    return float(np.min(np.hypot(*(pa - pb).T)))
+def _max_radius(obj: dict) -> float:
+    return SIZES[obj["size"]] * (GROWTH_RANGE[1] if obj["motion"] == "growing" else 1.0)
+
+
+def _placed_apart(rng: np.random.Generator, objects: list[dict], aspect: float, tries: int = 50) -> bool:
+    """Places the objects; with two, retries until their paths never bring them closer than the
+    sum of their radii (in units of min(height, width)), so neither hides the other. False if no try did."""
+    for _ in range(tries):
+        for obj in objects:
+            _place(rng, obj, aspect)
+        if len(objects) == 1:
+            return True
+        times = np.linspace(0, 1, 9)
+        # Normalised coordinates -> units of min(height, width).
+        to_units = np.array([max(1.0, aspect), max(1.0, 1.0 / aspect)])
+        gap = (_centres(objects[0], times) - _centres(objects[1], times)) * to_units
+        if np.min(np.hypot(*gap.T)) > _max_radius(objects[0]) + _max_radius(objects[1]):
+            return True
+    return False
 
 
 def sample_attributes(
@@ -233,8 +247,8 @@ def sample_attributes(
     rng = _sample_rng(seed, split, index)
     num_objects = 2 if world.max_objects == 2 and rng.random() < world.two_object_probability else 1
     want_held_out = split == "validation" and index % 2 == 0 and bool(world.held_out)
-    # Rejection sampling keeps train free of held-out combinations; bounded so a world whose
-    # every combination is held out fails loudly instead of looping forever.
+    # Rejection sampling keeps train free of held-out combinations and two objects apart; bounded
+    # so that a world whose every combination is held out fails loudly instead of looping forever.
     for _ in range(1000):
         objects = []
         if want_held_out:
@@ -245,20 +259,10 @@ def sample_attributes(
         if want_held_out:
             rng.shuffle(objects)  # the held-out object is not always the first one in the caption
         held_out = any(world.is_held_out(o) for o in objects)
-        if held_out == want_held_out:
+        if held_out == want_held_out and _placed_apart(rng, objects, aspect):
             break
     else:
         raise ValueError(f"could not draw a {split} sample outside the held-out combinations {world.held_out!r}")
-    # Two objects: retry placements until their paths keep them mostly apart, so colour masks
-    # (and the caption) stay unambiguous; the last try is kept if none succeeds.
-    for _ in range(20):
-        for obj in objects:
-            _place(rng, obj, aspect)
-        if num_objects == 1:
-            break
-        radii = sum(SIZES[o["size"]] for o in objects)
-        if _min_distance(*objects) > radii * SHAPE_EXTENT:
-            break
     return {
         "background": str(rng.choice(world.backgrounds)),
         "num_objects": num_objects,
