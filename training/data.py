@@ -414,11 +414,11 @@ class VideoFolderDataset(Dataset):
         return Counter({reason: len(paths) for reason, paths in self.skipped_paths().items()})
 
     def skip_summary(self, max_examples: int = 3) -> str:
-        """One line per reason, e.g. ``"skipped 2 of 10 videos: unreadable 1 (a.mp4), too_few_frames 1 (b.mp4)"``."""
+        """One line per reason, e.g. ``"skipped 2 of 10 entries in DIR: unreadable 1 (a.mp4); too_few_frames 1 (b.mp4)"``."""
         by_reason = self.skipped_paths()
         total = len(self.entries) + len(self.dropped)
         if not by_reason:
-            return f"skipped 0 of {total} videos in {self.source}"
+            return f"skipped 0 of {total} entries in {self.source}"
         parts = []
         for reason in SKIP_REASONS:
             paths = by_reason.get(reason, [])
@@ -426,7 +426,7 @@ class VideoFolderDataset(Dataset):
                 more = f", +{len(paths) - max_examples} more" if len(paths) > max_examples else ""
                 parts.append(f"{reason} {len(paths)} ({', '.join(paths[:max_examples])}{more})")
         count = sum(len(p) for p in by_reason.values())
-        return f"skipped {count} of {total} videos in {self.source}: " + "; ".join(parts)
+        return f"skipped {count} of {total} entries in {self.source}: " + "; ".join(parts)
 
 
 # --------------------------------------------------------------------------- sampling
