@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -17,7 +18,10 @@ from training.data import ClipKey, ResumableSampler, VideoFolderDataset, resize_
 from training.synthetic import generate_sample, write_dataset, write_mp4
 
 NUM_VIDEOS = 4
-BACKENDS = ["imageio", pytest.param("decord", marks=pytest.mark.skipif(not data.decord_available(), reason="no decord"))]
+BACKENDS = [
+    "imageio",
+    pytest.param("decord", marks=pytest.mark.skipif(not data.decord_available(), reason="no decord")),
+]
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +61,9 @@ def test_every_layout_loads_videos_with_their_captions(synthetic_folder, layout)
         assert item["video"].shape == (3, 9, 32, 32) and item["video"].dtype == torch.float32
     assert dataset.skipped == {}
     source = Path(dataset.source)
-    assert source == (synthetic_folder if layout == "txt" else synthetic_folder / f"manifest.{layout}".replace("auto", "jsonl"))
+    assert source == (
+        synthetic_folder if layout == "txt" else synthetic_folder / f"manifest.{layout}".replace("auto", "jsonl")
+    )
 
 
 def test_a_manifest_file_can_be_given_directly_with_other_column_names(tmp_path, synthetic_folder):
@@ -80,8 +86,9 @@ def test_a_manifest_file_can_be_given_directly_with_other_column_names(tmp_path,
 def test_frame_count_stride_and_centred_clip(tmp_path, backend):
     counting_video(tmp_path / "count.mp4", 17)
     (tmp_path / "count.txt").write_text("a counting video")
-    dataset = VideoFolderDataset(tmp_path, num_frames=5, frame_stride=3, height=16, width=24,
-                                 random_clip=False, backend=backend)  # fmt: skip
+    dataset = VideoFolderDataset(
+        tmp_path, num_frames=5, frame_stride=3, height=16, width=24, random_clip=False, backend=backend
+    )
     video = dataset[0]["video"]
     assert video.shape == (3, 5, 16, 24)
     # Span 13 of 17 frames, centred: frames 2, 5, 8, 11, 14.
@@ -165,8 +172,12 @@ def test_bad_videos_are_skipped_counted_and_the_run_continues(messy_folder, num_
     assert dataset.skipped == EXPECTED_SKIPS  # counts from worker processes reach the main one
     summary = dataset.skip_summary()
     assert summary.startswith("skipped 5 of 8 entries")
-    for reason, name in [("unreadable", "corrupt.mp4"), ("too_few_frames", "short.mp4"),
-                         ("empty_caption", "silent.mp4"), ("missing_file", "gone.mp4")]:  # fmt: skip
+    for reason, name in [
+        ("unreadable", "corrupt.mp4"),
+        ("too_few_frames", "short.mp4"),
+        ("empty_caption", "silent.mp4"),
+        ("missing_file", "gone.mp4"),
+    ]:
         assert reason in summary and name in summary
     assert sum(dataset.skipped.values()) == 5  # a bad video is counted once, however often it is drawn
     list(loader)
@@ -197,7 +208,9 @@ def test_missing_or_empty_datasets_raise_before_training_with_the_path(tmp_path)
     dangling.write_text(json.dumps({"video": "missing/clip.mp4", "caption": "x"}) + "\n")
     with pytest.raises(ValueError, match=rf"no usable videos in {dangling}.*missing_file: .*missing/clip.mp4"):
         VideoFolderDataset(dangling)
-    with pytest.raises(FileNotFoundError, match=r"layout='csv' but .* holds none of \['manifest.csv', 'metadata.csv'\]"):
+    with pytest.raises(
+        FileNotFoundError, match=r"layout='csv' but .* holds none of \['manifest.csv', 'metadata.csv'\]"
+    ):
         VideoFolderDataset(empty, layout="csv")
 
 
@@ -239,7 +252,9 @@ def test_sampler_resumes_mid_epoch_exactly_where_it_stopped():
     resumed.load_state_dict(json.loads(json.dumps(state)))  # survives a JSON checkpoint
     assert list(resumed) == keys[13:]
     endless = iter(ResumableSampler(10, seed=4, samples_consumed=25))
-    assert [next(endless) for _ in range(10)] == keys[25:] + [k for k in ResumableSampler(10, seed=4, num_epochs=4)][30:35]
+    four_epochs = list(ResumableSampler(10, seed=4, num_epochs=4))
+    assert four_epochs[:30] == keys
+    assert [next(endless) for _ in range(10)] == four_epochs[25:35]  # runs on into epoch 3
     with pytest.raises(ValueError, match="checkpoint has seed=4, this run has 5"):
         ResumableSampler(10, seed=5).load_state_dict(state)
 
@@ -256,9 +271,9 @@ def test_resumed_dataloader_yields_the_same_clips(synthetic_folder):
     def batches(samples_consumed: int, count: int) -> list[dict]:
         sampler = ResumableSampler(len(dataset), seed=7, samples_consumed=samples_consumed)
         loader = DataLoader(dataset, batch_size=2, sampler=sampler, num_workers=0)
-        return [batch for batch, _ in zip(loader, range(count))]
+        return list(itertools.islice(loader, count))
 
     uninterrupted = batches(0, 5)
     resumed = batches(3 * 2, 2)  # stopped after 3 steps of batch 2
-    for a, b in zip(uninterrupted[3:], resumed):
+    for a, b in zip(uninterrupted[3:], resumed, strict=True):
         assert a["caption"] == b["caption"] and torch.equal(a["video"], b["video"])

@@ -57,11 +57,18 @@ def classify_shape(mask: np.ndarray) -> str:
 # Written out independently of the generator's phrase table, so a caption that says the wrong
 # direction fails here.
 PHRASE_DIRECTION = {
-    "moves to the left": (-1, 0), "moves to the right": (1, 0), "moves up": (0, -1), "moves down": (0, 1),
-    "moves diagonally up and to the left": (-1, -1), "moves diagonally up and to the right": (1, -1),
-    "moves diagonally down and to the left": (-1, 1), "moves diagonally down and to the right": (1, 1),
-    "stays still": (0, 0), "grows": (0, 0), "bounces up and down": None,
-}  # fmt: skip
+    "moves to the left": (-1, 0),
+    "moves to the right": (1, 0),
+    "moves up": (0, -1),
+    "moves down": (0, 1),
+    "moves diagonally up and to the left": (-1, -1),
+    "moves diagonally up and to the right": (1, -1),
+    "moves diagonally down and to the left": (-1, 1),
+    "moves diagonally down and to the right": (1, 1),
+    "stays still": (0, 0),
+    "grows": (0, 0),
+    "bounces up and down": None,
+}
 CLAUSE = re.compile(
     rf"a (small|large) ({'|'.join(COLOURS)}) ({'|'.join(SHAPES)}) ({'|'.join(PHRASE_DIRECTION)})(?: and | on a )"
 )
@@ -69,7 +76,7 @@ CLAUSE = re.compile(
 
 def parse_caption(caption: str) -> list[dict]:
     """Objects named by a caption: ``[{"size", "colour", "shape", "phrase"}]``."""
-    return [dict(zip(("size", "colour", "shape", "phrase"), m.groups())) for m in CLAUSE.finditer(caption)]
+    return [dict(zip(("size", "colour", "shape", "phrase"), m.groups(), strict=True)) for m in CLAUSE.finditer(caption)]
 
 
 def test_same_seed_gives_identical_samples_and_different_seeds_differ():
@@ -96,11 +103,16 @@ def test_caption_is_built_from_the_attributes():
     words = sample.caption.split()
     assert words[:4] == ["a", obj["size"], obj["colour"], obj["shape"]]
     assert sample.caption.endswith(f"on a {sample.attributes['background']} background")
-    two = {"background": "grey", "objects": [
-        {"size": "small", "colour": "red", "shape": "circle", "motion": "left"},
-        {"size": "large", "colour": "blue", "shape": "square", "motion": "up"},
-    ]}  # fmt: skip
-    assert caption_for(two) == "a small red circle moves to the left and a large blue square moves up on a grey background"
+    two = {
+        "background": "grey",
+        "objects": [
+            {"size": "small", "colour": "red", "shape": "circle", "motion": "left"},
+            {"size": "large", "colour": "blue", "shape": "square", "motion": "up"},
+        ],
+    }
+    assert (
+        caption_for(two) == "a small red circle moves to the left and a large blue square moves up on a grey background"
+    )
 
 
 def test_pixels_match_the_caption_colour_shape_size_and_motion():
@@ -177,8 +189,13 @@ def test_held_out_combinations_never_appear_in_train_but_every_value_does():
     for index, attrs in enumerate(validation):
         has_held_out = any(world.is_held_out(o) for o in attrs["objects"])
         assert attrs["held_out"] == has_held_out == (index % 2 == 0), (index, attrs)
-    assert {tuple(sorted(c.items())) for a in validation for o in a["objects"] for c in DEFAULT_HELD_OUT
-            if all(o[k] == v for k, v in c.items())} == {tuple(sorted(c.items())) for c in DEFAULT_HELD_OUT}  # fmt: skip
+    assert {
+        tuple(sorted(c.items()))
+        for a in validation
+        for o in a["objects"]
+        for c in DEFAULT_HELD_OUT
+        if all(o[k] == v for k, v in c.items())
+    } == {tuple(sorted(c.items())) for c in DEFAULT_HELD_OUT}
 
 
 def test_two_objects_always_have_different_colours():
@@ -218,13 +235,29 @@ def test_mp4_round_trip_keeps_colours_and_shape(tmp_path, backend):
 
 
 def test_cli_writes_videos_and_manifests(tmp_path):
-    main(["--out", str(tmp_path), "--num", "3", "--frames", "5", "--height", "32", "--width", "48", "--seed", "7",
-          "--split", "validation"])  # fmt: skip
+    main(
+        [
+            "--out",
+            str(tmp_path),
+            "--num",
+            "3",
+            "--frames",
+            "5",
+            "--height",
+            "32",
+            "--width",
+            "48",
+            "--seed",
+            "7",
+            "--split",
+            "validation",
+        ]
+    )
     with open(tmp_path / "manifest.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     records = [json.loads(line) for line in (tmp_path / "manifest.jsonl").read_text().splitlines()]
     assert len(rows) == len(records) == 3
-    for index, (row, record) in enumerate(zip(rows, records)):
+    for index, (row, record) in enumerate(zip(rows, records, strict=True)):
         expected = generate_sample(index, seed=7, split="validation", num_frames=5, height=32, width=48)
         assert row["caption"] == record["caption"] == expected.caption
         assert record["attributes"] == expected.attributes

@@ -134,13 +134,17 @@ def read_manifest(
     """Reads a CSV/JSONL manifest into entries and ``(path, reason)`` pairs for rows it drops."""
     rows = _read_manifest_rows(manifest)
     if not rows:
-        raise ValueError(f"manifest {manifest} has no rows; expected one row per video with columns "
-                         f"{video_column!r} and {caption_column!r}")  # fmt: skip
+        raise ValueError(
+            f"manifest {manifest} has no rows; expected one row per video with columns "
+            f"{video_column!r} and {caption_column!r}"
+        )
     columns = set().union(*(row for row in rows if row))
     missing = [c for c in (video_column, caption_column) if c not in columns]
     if missing:
-        raise ValueError(f"manifest {manifest} has no column {missing}; found columns {sorted(columns)}, "
-                         f"expected {video_column!r} (video path) and {caption_column!r}")  # fmt: skip
+        raise ValueError(
+            f"manifest {manifest} has no column {missing}; found columns {sorted(columns)}, "
+            f"expected {video_column!r} (video path) and {caption_column!r}"
+        )
     entries, skipped = [], []
     for line_number, row in enumerate(rows, start=1):
         video = str((row or {}).get(video_column) or "").strip()
@@ -162,8 +166,9 @@ def scan_caption_files(folder: Path) -> tuple[list[VideoEntry], list[tuple[str, 
     """Videos under ``folder`` (sorted, recursive) with the caption in a ``.txt`` of the same name."""
     videos = sorted(p for p in folder.rglob("*") if p.suffix.lower() in VIDEO_EXTENSIONS and p.is_file())
     if not videos:
-        raise FileNotFoundError(f"no videos ({', '.join(VIDEO_EXTENSIONS)}) found under {folder}; "
-                                f"expected {_expected_layouts()}")  # fmt: skip
+        raise FileNotFoundError(
+            f"no videos ({', '.join(VIDEO_EXTENSIONS)}) found under {folder}; expected {_expected_layouts()}"
+        )
     entries, skipped = [], []
     for video in videos:
         caption_file = video.with_suffix(".txt")
@@ -199,12 +204,15 @@ def find_entries(
         entries, skipped = scan_caption_files(root)
         source = str(root)
     else:
-        raise ValueError(f"dataset path {root} is a file but not a .jsonl/.csv manifest; expected {_expected_layouts()}")
+        raise ValueError(
+            f"dataset path {root} is a file but not a .jsonl/.csv manifest; expected {_expected_layouts()}"
+        )
     if not entries:
         reasons = Counter(reason for _, reason in skipped)
         examples = "; ".join(f"{reason}: {path}" for path, reason in skipped[:3])
-        raise ValueError(f"no usable videos in {source}: {len(skipped)} listed, all dropped ({dict(reasons)}), "
-                         f"e.g. {examples}")  # fmt: skip
+        raise ValueError(
+            f"no usable videos in {source}: {len(skipped)} listed, all dropped ({dict(reasons)}), e.g. {examples}"
+        )
     return entries, skipped, source
 
 
@@ -501,14 +509,19 @@ class ResumableSampler(Sampler[ClipKey]):
     def state_dict(self, samples_consumed: int) -> dict:
         """State to checkpoint after the training loop consumed ``samples_consumed`` samples on this rank."""
         return {
-            "num_samples": self.num_samples, "seed": self.seed, "shuffle": self.shuffle,
-            "world_size": self.world_size, "samples_consumed": int(samples_consumed),
-        }  # fmt: skip
+            "num_samples": self.num_samples,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "world_size": self.world_size,
+            "samples_consumed": int(samples_consumed),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Continues from a checkpointed position; the dataset size, seed and world size must match."""
         for key in ("num_samples", "seed", "shuffle", "world_size"):
             if state[key] != getattr(self, key):
-                raise ValueError(f"cannot resume the data order: checkpoint has {key}={state[key]!r}, "
-                                 f"this run has {getattr(self, key)!r}")  # fmt: skip
+                raise ValueError(
+                    f"cannot resume the data order: checkpoint has {key}={state[key]!r}, "
+                    f"this run has {getattr(self, key)!r}"
+                )
         self.samples_consumed = int(state["samples_consumed"])

@@ -55,10 +55,18 @@ SHAPES: tuple[str, ...] = ("circle", "square", "triangle", "diamond")
 # Base radius of an object as a fraction of min(height, width).
 SIZES: dict[str, float] = {"small": 0.10, "large": 0.17}
 MOTIONS: tuple[str, ...] = (
-    "left", "right", "up", "down",
-    "up_left", "up_right", "down_left", "down_right",
-    "bouncing", "static", "growing",
-)  # fmt: skip
+    "left",
+    "right",
+    "up",
+    "down",
+    "up_left",
+    "up_right",
+    "down_left",
+    "down_right",
+    "bouncing",
+    "static",
+    "growing",
+)
 MOTION_PHRASES: dict[str, str] = {
     "left": "moves to the left",
     "right": "moves to the right",
@@ -80,9 +88,15 @@ BACKGROUNDS: tuple[str, ...] = (*PLAIN_BACKGROUNDS, *TEXTURED_BACKGROUNDS)
 
 # Unit direction (x right, y down) of each straight-line motion.
 _DIRECTIONS: dict[str, tuple[float, float]] = {
-    "left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1),
-    "up_left": (-1, -1), "up_right": (1, -1), "down_left": (-1, 1), "down_right": (1, 1),
-}  # fmt: skip
+    "left": (-1, 0),
+    "right": (1, 0),
+    "up": (0, -1),
+    "down": (0, 1),
+    "up_left": (-1, -1),
+    "up_right": (1, -1),
+    "down_left": (-1, 1),
+    "down_right": (1, 1),
+}
 # Distance travelled over the clip, as a fraction of the frame along each axis.
 STRAIGHT_TRAVEL = 0.40
 DIAGONAL_TRAVEL = 0.30
@@ -273,9 +287,7 @@ def sample_attributes(
 
 def caption_for(attributes: dict) -> str:
     """``"a small red circle moves to the left and ... on a grey background"``."""
-    clauses = [
-        f"a {o['size']} {o['colour']} {o['shape']} {MOTION_PHRASES[o['motion']]}" for o in attributes["objects"]
-    ]
+    clauses = [f"a {o['size']} {o['colour']} {o['shape']} {MOTION_PHRASES[o['motion']]}" for o in attributes["objects"]]
     return f"{' and '.join(clauses)} on a {attributes['background']} background"
 
 
@@ -423,9 +435,14 @@ class SyntheticVideoDataset:
         if not 0 <= index < self.num_samples:
             raise IndexError(f"index {index} out of range for {self.num_samples} synthetic samples")
         sample = generate_sample(
-            index, seed=self.seed, split=self.split, num_frames=self.num_frames,
-            height=self.height, width=self.width, world=self.world,
-        )  # fmt: skip
+            index,
+            seed=self.seed,
+            split=self.split,
+            num_frames=self.num_frames,
+            height=self.height,
+            width=self.width,
+            world=self.world,
+        )
         video = torch.from_numpy(sample.frames).permute(3, 0, 1, 2).float() / 127.5 - 1.0
         return {"video": video, "caption": sample.caption, "index": index}
 
@@ -444,9 +461,15 @@ def write_mp4(path: str | Path, frames: np.ndarray, fps: float = 16) -> None:
         raise ValueError(f"H.264 yuv420p needs even height and width, got {frames.shape[1]}x{frames.shape[2]}")
     # macro_block_size=2: keep the exact size (imageio would otherwise resize to multiples of 16).
     with imageio.get_writer(
-        str(path), format="FFMPEG", fps=fps, codec="libx264", quality=9, pixelformat="yuv420p",
-        macro_block_size=2, ffmpeg_log_level="error",
-    ) as writer:  # fmt: skip
+        str(path),
+        format="FFMPEG",
+        fps=fps,
+        codec="libx264",
+        quality=9,
+        pixelformat="yuv420p",
+        macro_block_size=2,
+        ffmpeg_log_level="error",
+    ) as writer:
         for frame in frames:
             writer.append_data(frame)
 
@@ -528,9 +551,16 @@ def main(argv: list[str] | None = None) -> None:
         backgrounds=BACKGROUNDS if args.backgrounds == "all" else tuple(PLAIN_BACKGROUNDS),
     )
     manifest = write_dataset(
-        args.out, args.num, seed=args.seed, split=args.split, num_frames=args.frames,
-        height=args.height, width=args.width, fps=args.fps, world=world,
-    )  # fmt: skip
+        args.out,
+        args.num,
+        seed=args.seed,
+        split=args.split,
+        num_frames=args.frames,
+        height=args.height,
+        width=args.width,
+        fps=args.fps,
+        world=world,
+    )
     print(f"wrote {args.num} {args.split} videos and {manifest} (+ manifest.csv)")
 
 
