@@ -277,3 +277,15 @@ def test_resumed_dataloader_yields_the_same_clips(synthetic_folder):
     resumed = batches(3 * 2, 2)  # stopped after 3 steps of batch 2
     for a, b in zip(uninterrupted[3:], resumed, strict=True):
         assert a["caption"] == b["caption"] and torch.equal(a["video"], b["video"])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_probe_finds_bad_videos_before_training(messy_folder, backend):
+    dataset = VideoFolderDataset(messy_folder, num_frames=17, height=32, width=32, backend=backend)
+    assert dataset.skipped == {"empty_caption": 1, "missing_file": 1, "bad_manifest_row": 1}
+    assert dataset.probe() == EXPECTED_SKIPS
+    assert dataset[3]["caption"] == "good video 0"  # index 3 is the corrupt video: wraps to the next good one
+    for i in range(3):
+        (messy_folder / "videos" / f"good_{i}.mp4").write_bytes(b"gone bad")
+    with pytest.raises(ValueError, match=r"no usable videos in .*manifest.jsonl.*unreadable 4"):
+        VideoFolderDataset(messy_folder, num_frames=17, backend=backend).probe()

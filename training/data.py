@@ -22,7 +22,19 @@ are found when loaded and replaced by the next good video. Both are counted by r
 Determinism for resumable training: :class:`ResumableSampler` yields ``ClipKey(index, epoch)``
 in a seeded order, starting from any number of consumed samples, and the dataset picks the
 clip's first frame from ``(seed, epoch, index)``, so a resumed run sees exactly the clips an
-uninterrupted one would.
+uninterrupted one would. In a training loop::
+
+    dataset = VideoFolderDataset("data/shapes", num_frames=17, height=64, width=64, seed=seed)
+    dataset.probe()  # optional: find unreadable / short videos before step 0
+    sampler = ResumableSampler(len(dataset), seed=seed, rank=rank, world_size=world_size)
+    if resuming:
+        sampler.load_state_dict(checkpoint["data"])
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=2, drop_last=True)
+    for step, batch in zip(range(first_step, max_steps), loader):
+        ...  # batch["video"]: (batch, 3, T, H, W) in [-1, 1]; batch["caption"]: list of str
+        samples_consumed = (step + 1) * batch_size * grad_accumulation  # per rank, since step 0
+        checkpoint["data"] = sampler.state_dict(samples_consumed)
+    print(dataset.skip_summary())
 """
 
 from __future__ import annotations
@@ -238,7 +250,25 @@ def resolve_backend(backend: str) -> str:
     return backend
 
 
-class _DecordVideo:
+class _VideoReader:
+    """An open video: ``num_frames``, ``read(indices) -> uint8 (T, H, W, 3)``; a context manager."""
+
+    num_frames: int
+
+    def read(self, indices: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+class _DecordVideo(_VideoReader):
     def __init__(self, path: Path):
         import decord
 
@@ -250,33 +280,37 @@ class _DecordVideo:
         return self._reader.get_batch([int(i) for i in indices]).asnumpy()
 
 
-class _ImageioVideo:
+class _ImageioVideo(_VideoReader):
     """Fallback through imageio's ffmpeg plugin: counts frames exactly, then decodes sequentially."""
 
     def __init__(self, path: Path):
         import imageio.v2 as imageio
 
-        self._path = path
         self._reader = imageio.get_reader(str(path), format="FFMPEG")
-        self.num_frames = int(self._reader.count_frames())
+        try:
+            # Container metadata only estimates the count (duration x fps); this decodes to count exactly.
+            self.num_frames = int(self._reader.count_frames())
+        except Exception:
+            self.close()
+            raise
 
     def read(self, indices: np.ndarray) -> np.ndarray:
         wanted = {int(i) for i in indices}
-        last = max(wanted)
         frames: dict[int, np.ndarray] = {}
-        try:
-            for i, frame in enumerate(self._reader.iter_data()):
-                if i in wanted:
-                    frames[i] = np.asarray(frame)[..., :3]
-                if i >= last:
-                    break
-        finally:
-            self._reader.close()
+        for i, frame in enumerate(self._reader.iter_data()):
+            if i in wanted:
+                frames[i] = np.asarray(frame)[..., :3]
+            if i >= max(wanted):
+                break
+        # Frames past the real end are missing; the caller sees a short clip.
         return np.stack([frames[int(i)] for i in indices if int(i) in frames]) if frames else np.zeros((0, 1, 1, 3))
 
+    def close(self) -> None:
+        self._reader.close()  # stops the ffmpeg subprocess
 
-def open_video(path: str | Path, backend: str = "auto"):
-    """Opens a video for reading; the result has ``num_frames`` and ``read(indices) -> uint8 (T, H, W, 3)``."""
+
+def open_video(path: str | Path, backend: str = "auto") -> _VideoReader:
+    """Opens a video: ``num_frames`` and ``read(indices) -> uint8 (T, H, W, 3)``; use as a context manager."""
     backend = resolve_backend(backend)
     return _DecordVideo(Path(path)) if backend == "decord" else _ImageioVideo(Path(path))
 
@@ -376,25 +410,30 @@ class VideoFolderDataset(Dataset):
                 self._load_failures[candidate] = SKIP_REASONS.index(skipped.reason) + 1
         raise RuntimeError(f"every video in {self.source} failed to load; {self.skip_summary()}")
 
-    def load(self, index: int, epoch: int = 0) -> dict:
-        """Loads entry ``index``; raises :class:`SkippedSample` for an unreadable or too-short video."""
-        entry = self.entries[index]
+    def _open_checked(self, entry: VideoEntry) -> _VideoReader:
+        """Opens a video long enough for one clip, else raises :class:`SkippedSample`."""
         try:
             video = open_video(entry.path, self.backend)
         except Exception as error:  # decoders raise their own error types for corrupt files
             raise SkippedSample("unreadable", entry.path, repr(error)) from error
         if video.num_frames < self.span:
+            video.close()
             raise SkippedSample("too_few_frames", entry.path, f"{video.num_frames} < {self.span}")
-        last_start = video.num_frames - self.span
-        if self.random_clip:
-            start = int(np.random.default_rng([self.seed, epoch, index]).integers(0, last_start + 1))
-        else:
-            start = last_start // 2
-        indices = clip_indices(start, self.num_frames, self.frame_stride)
-        try:
-            frames = video.read(indices)
-        except Exception as error:
-            raise SkippedSample("unreadable", entry.path, repr(error)) from error
+        return video
+
+    def load(self, index: int, epoch: int = 0) -> dict:
+        """Loads entry ``index``; raises :class:`SkippedSample` for an unreadable or too-short video."""
+        entry = self.entries[index]
+        with self._open_checked(entry) as video:
+            last_start = video.num_frames - self.span
+            if self.random_clip:
+                start = int(np.random.default_rng([self.seed, epoch, index]).integers(0, last_start + 1))
+            else:
+                start = last_start // 2
+            try:
+                frames = video.read(clip_indices(start, self.num_frames, self.frame_stride))
+            except Exception as error:
+                raise SkippedSample("unreadable", entry.path, repr(error)) from error
         if len(frames) != self.num_frames:  # the container claimed more frames than it decodes
             raise SkippedSample("too_few_frames", entry.path, f"decoded {len(frames)} of {self.num_frames}")
         return {
@@ -403,6 +442,22 @@ class VideoFolderDataset(Dataset):
             "index": index,
             "path": str(entry.path),
         }
+
+    def probe(self, progress: bool = False) -> Counter:
+        """Opens every video once (no frame decoding with decord) to find unreadable and too-short
+        ones before training; returns :attr:`skipped`. Raises if no video is usable."""
+        from tqdm import tqdm
+
+        for index in tqdm(range(len(self.entries)), desc="probing videos", disable=not progress):
+            if self._load_failures[index]:
+                continue
+            try:
+                self._open_checked(self.entries[index]).close()
+            except SkippedSample as skipped:
+                self._load_failures[index] = SKIP_REASONS.index(skipped.reason) + 1
+        if bool(self._load_failures.all()):
+            raise ValueError(f"no usable videos in {self.source}; {self.skip_summary()}")
+        return self.skipped
 
     # ----------------------------------------------------------------------- skip reporting
 
