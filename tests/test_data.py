@@ -68,7 +68,7 @@ def test_every_layout_loads_videos_with_their_captions(synthetic_folder, layout)
 
 def test_a_manifest_file_can_be_given_directly_with_other_column_names(tmp_path, synthetic_folder):
     manifest = tmp_path / "elsewhere.csv"
-    with open(manifest, "w", newline="") as f:
+    with open(manifest, "w", newline="", encoding="utf-8-sig") as f:  # with a BOM, as spreadsheets write it
         writer = csv.writer(f)
         writer.writerow(["file", "text"])
         for name, caption in expected_captions().items():
@@ -265,12 +265,13 @@ def test_sampler_ranks_share_out_each_epoch():
     assert {k.index for r in ranks for k in r} == set(range(7))
 
 
-def test_resumed_dataloader_yields_the_same_clips(synthetic_folder):
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_resumed_dataloader_yields_the_same_clips(synthetic_folder, num_workers):
     dataset = VideoFolderDataset(synthetic_folder, num_frames=5, height=16, width=16, seed=2)
 
     def batches(samples_consumed: int, count: int) -> list[dict]:
         sampler = ResumableSampler(len(dataset), seed=7, samples_consumed=samples_consumed)
-        loader = DataLoader(dataset, batch_size=2, sampler=sampler, num_workers=0)
+        loader = DataLoader(dataset, batch_size=2, sampler=sampler, num_workers=num_workers)
         return list(itertools.islice(loader, count))
 
     uninterrupted = batches(0, 5)

@@ -30,10 +30,11 @@ uninterrupted one would. In a training loop::
     if resuming:
         sampler.load_state_dict(checkpoint["data"])
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=2, drop_last=True)
-    for step, batch in zip(range(first_step, max_steps), loader):
+    samples_consumed = sampler.samples_consumed  # 0, or where the checkpoint stopped
+    for batch in loader:  # endless: stop on the step count
         ...  # batch["video"]: (batch, 3, T, H, W) in [-1, 1]; batch["caption"]: list of str
-        samples_consumed = (step + 1) * batch_size * grad_accumulation  # per rank, since step 0
-        checkpoint["data"] = sampler.state_dict(samples_consumed)
+        samples_consumed += len(batch["caption"])
+        checkpoint["data"] = sampler.state_dict(samples_consumed)  # when saving
     print(dataset.skip_summary())
 """
 
@@ -125,7 +126,7 @@ def _find_manifest(root: Path, layout: str) -> Path | None:
 def _read_manifest_rows(manifest: Path) -> list[dict | None]:
     """Rows as dicts; ``None`` for a JSONL line that does not parse to an object."""
     if manifest.suffix.lower() == ".csv":
-        with open(manifest, newline="", encoding="utf-8") as f:
+        with open(manifest, newline="", encoding="utf-8-sig") as f:  # -sig: spreadsheet exports start with a BOM
             return list(csv.DictReader(f))
     rows: list[dict | None] = []
     with open(manifest, encoding="utf-8") as f:
