@@ -198,6 +198,16 @@ def test_held_out_combinations_never_appear_in_train_but_every_value_does():
     } == {tuple(sorted(c.items())) for c in DEFAULT_HELD_OUT}
 
 
+def test_a_narrowed_world_only_holds_out_what_it_can_draw():
+    world = SyntheticWorld(colours=("red", "green"), shapes=("triangle", "square"), max_objects=1)
+    assert world.possible_held_out() == ({"colour": "red", "shape": "triangle"}, {"colour": "green", "motion": "right"})
+    validation = [sample_attributes(0, i, "validation", world)["objects"][0] for i in range(0, 20, 2)]
+    assert all(o["colour"] in world.colours and o["shape"] in world.shapes for o in validation)
+    assert all(world.is_held_out(o) for o in validation)
+    with pytest.raises(ValueError, match="held-out combinations .* rule out nearly every draw"):
+        sample_attributes(0, 1, "train", SyntheticWorld(colours=("red",), shapes=("triangle",), max_objects=1))
+
+
 def test_two_objects_always_have_different_colours():
     for i in range(100):
         attrs = sample_attributes(3, i, "train")

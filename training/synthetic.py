@@ -155,6 +155,11 @@ class SyntheticWorld:
             if bad_keys:
                 raise ValueError(f"held-out combination {combination!r} has unknown keys {sorted(bad_keys)}")
 
+    def possible_held_out(self) -> tuple[dict[str, str], ...]:
+        """Held-out combinations that objects of this (possibly narrowed) world can have."""
+        vocab = {"shape": self.shapes, "colour": self.colours, "size": self.sizes, "motion": self.motions}
+        return tuple(c for c in self.held_out if all(v in vocab[k] for k, v in c.items()))
+
     def is_held_out(self, obj: dict) -> bool:
         """Whether one object's attributes match any held-out combination."""
         return any(all(obj.get(k) == v for k, v in combination.items()) for combination in self.held_out)
@@ -190,7 +195,8 @@ def _sample_object(rng: np.random.Generator, world: SyntheticWorld, colours: tup
 
 
 def _sample_held_out_object(rng: np.random.Generator, world: SyntheticWorld) -> dict:
-    combination = world.held_out[rng.integers(len(world.held_out))]
+    possible = world.possible_held_out()
+    combination = possible[rng.integers(len(possible))]
     obj = _sample_object(rng, world, world.colours)
     obj.update(combination)
     return obj
@@ -260,7 +266,7 @@ def sample_attributes(
     world = world or SyntheticWorld()
     rng = _sample_rng(seed, split, index)
     num_objects = 2 if world.max_objects == 2 and rng.random() < world.two_object_probability else 1
-    want_held_out = split == "validation" and index % 2 == 0 and bool(world.held_out)
+    want_held_out = split == "validation" and index % 2 == 0 and bool(world.possible_held_out())
     # Rejection sampling keeps train free of held-out combinations and two objects apart; bounded
     # so that a world whose every combination is held out fails loudly instead of looping forever.
     for _ in range(1000):
@@ -276,7 +282,10 @@ def sample_attributes(
         if held_out == want_held_out and _placed_apart(rng, objects, aspect):
             break
     else:
-        raise ValueError(f"could not draw a {split} sample outside the held-out combinations {world.held_out!r}")
+        raise ValueError(
+            f"could not draw a {split} sample in 1000 tries: the held-out combinations {world.held_out!r} "
+            "(or keeping two objects apart) rule out nearly every draw of this world"
+        )
     return {
         "background": str(rng.choice(world.backgrounds)),
         "num_objects": num_objects,
