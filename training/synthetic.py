@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import torch
+from torch.utils.data import Dataset
 
 # Saturated colours at least ~40 degrees apart in hue, so a colour mask (or a small model)
 # can tell them apart after lossy compression; no grey, because backgrounds are grey-toned.
@@ -406,7 +408,7 @@ def generate_sample(
     return SyntheticSample(frames=frames, caption=caption_for(attributes), attributes=attributes)
 
 
-class SyntheticVideoDataset:
+class SyntheticVideoDataset(Dataset):
     """Map-style torch dataset rendering samples on the fly (no files), items like
     :class:`training.data.VideoFolderDataset`'s: ``{"video": float32 (3, T, H, W) in [-1, 1],
     "caption": str, "index": int}``. Accepts an int or a ``ClipKey(index, epoch)`` (the epoch
@@ -435,11 +437,10 @@ class SyntheticVideoDataset:
         return self.num_samples
 
     def attributes(self, index: int) -> dict:
+        """Sample ``index``'s attribute dict (see :func:`sample_attributes`)."""
         return sample_attributes(self.seed, index, self.split, self.world, aspect=self.width / self.height)
 
     def __getitem__(self, key) -> dict:
-        import torch
-
         index = int(key[0] if isinstance(key, tuple) else key)
         if not 0 <= index < self.num_samples:
             raise IndexError(f"index {index} out of range for {self.num_samples} synthetic samples")
