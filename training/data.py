@@ -357,7 +357,7 @@ class VideoFolderDataset(Dataset):
 
     Items: ``{"video": float32 (3, num_frames, height, width) in [-1, 1], "caption": str,
     "index": int, "path": str}``. ``dataset[i]`` uses epoch 0; ``dataset[ClipKey(i, epoch)]``
-    any epoch.
+    (or any ``(index, epoch)`` tuple) that epoch's clip.
     """
 
     def __init__(
@@ -397,7 +397,7 @@ class VideoFolderDataset(Dataset):
         return len(self.entries)
 
     def __getitem__(self, key: int | ClipKey) -> dict:
-        index, epoch = (key.index, key.epoch) if isinstance(key, ClipKey) else (int(key), 0)
+        index, epoch = (int(key[0]), int(key[1])) if isinstance(key, tuple) else (int(key), 0)
         if not 0 <= index < len(self.entries):
             raise IndexError(f"index {index} out of range for a dataset of {len(self.entries)} videos")
         # A bad video is replaced by the next good one, deterministically, so the batch keeps its size.
