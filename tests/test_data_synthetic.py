@@ -274,3 +274,17 @@ def test_cli_writes_videos_and_manifests(tmp_path):
         assert row["colour"] == expected.attributes["objects"][0]["colour"] and row["split"] == "validation"
         assert (tmp_path / row["video"]).is_file()
         assert (tmp_path / row["video"]).with_suffix(".txt").read_text().strip() == expected.caption
+
+
+def test_synthetic_dataset_batches_through_a_dataloader_with_the_resumable_sampler():
+    from torch.utils.data import DataLoader
+
+    from training.data import ResumableSampler
+
+    dataset = SyntheticVideoDataset(6, seed=1, num_frames=5, height=32, width=48)
+    loader = DataLoader(dataset, batch_size=4, sampler=ResumableSampler(len(dataset), seed=0, num_epochs=1))
+    batches = list(loader)
+    assert [b["video"].shape for b in batches] == [(4, 3, 5, 32, 48), (2, 3, 5, 32, 48)]
+    indices = [i for b in batches for i in b["index"].tolist()]
+    assert sorted(indices) == list(range(6))
+    assert [c for b in batches for c in b["caption"]] == [caption_for(dataset.attributes(i)) for i in indices]
