@@ -1,0 +1,1 @@
+"""Fine-tuning recipe: data (``training.data``, ``training.synthetic``) and the training loop."""

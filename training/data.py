@@ -1,0 +1,583 @@
+"""Video-caption datasets for fine-tuning: a folder of videos with captions.
+
+Layouts (``layout="auto"`` picks the first that applies):
+
+- ``jsonl`` / ``csv``: a manifest with one row per video, columns ``video`` (path relative
+  to the manifest, or absolute) and ``caption``; extra columns are ignored. ``root`` may be
+  the manifest file itself or a folder holding ``manifest.jsonl``, ``manifest.csv``,
+  ``metadata.jsonl`` or ``metadata.csv`` (first found wins).
+- ``txt``: every video under the folder (recursively; .mp4, .webm, .mov, .mkv, .avi) with a
+  caption in a ``.txt`` file of the same name beside it.
+
+Each item is a clip of ``num_frames`` frames taken every ``frame_stride`` frames, resized
+(aspect preserved) and centre-cropped to ``height x width``: ``{"video": float32 (3, T, H, W)
+in [-1, 1], "caption": str, "index": int, "path": str}``.
+
+Bad data never stops a run: entries with a missing file, an empty or missing caption or a bad
+manifest row are dropped when the dataset is built; videos that fail to decode or are too short
+are found when loaded and replaced by the next good video. Both are counted by reason in
+``dataset.skipped`` (a Counter, shared with DataLoader worker processes) and described by
+``dataset.skip_summary()``. A dataset with no usable entry at all raises before training starts.
+
+Determinism for resumable training: :class:`ResumableSampler` yields ``ClipKey(index, epoch)``
+in a seeded order, starting from any number of consumed samples, and the dataset picks the
+clip's first frame from ``(seed, epoch, index)``, so a resumed run sees exactly the clips an
+uninterrupted one would. In a training loop::
+
+    dataset = VideoFolderDataset("data/shapes", num_frames=17, height=64, width=64, seed=seed)
+    dataset.probe()  # optional: find unreadable / short videos before step 0
+    sampler = ResumableSampler(len(dataset), seed=seed, rank=rank, world_size=world_size)
+    if resuming:
+        sampler.load_state_dict(checkpoint["data"])
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=2, drop_last=True)
+    samples_consumed = sampler.samples_consumed  # 0, or where the checkpoint stopped
+    for batch in loader:  # endless: stop on the step count
+        ...  # batch["video"]: (batch, 3, T, H, W) in [-1, 1]; batch["caption"]: list of str
+        samples_consumed += len(batch["caption"])
+        checkpoint["data"] = sampler.state_dict(samples_consumed)  # when saving
+    print(dataset.skip_summary())
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset, Sampler
+
+VIDEO_EXTENSIONS: tuple[str, ...] = (".mp4", ".webm", ".mov", ".mkv", ".avi")
+MANIFEST_NAMES: tuple[str, ...] = ("manifest.jsonl", "manifest.csv", "metadata.jsonl", "metadata.csv")
+LAYOUTS: tuple[str, ...] = ("auto", "jsonl", "csv", "txt")
+BACKENDS: tuple[str, ...] = ("auto", "decord", "imageio")
+# Codes 1.. index this tuple in the shared per-entry tensor; 0 means "not skipped".
+SKIP_REASONS: tuple[str, ...] = (
+    "missing_file",  # the manifest names a file that is not there
+    "missing_caption",  # txt layout: no .txt beside the video
+    "empty_caption",
+    "bad_manifest_row",  # unparsable JSON line, or no video path
+    "unreadable",  # the decoder could not open or decode the file
+    "too_few_frames",  # shorter than (num_frames - 1) * frame_stride + 1
+)
+
+
+class ClipKey(NamedTuple):
+    """What a :class:`ResumableSampler` yields and :meth:`VideoFolderDataset.__getitem__` accepts."""
+
+    index: int
+    epoch: int
+
+
+@dataclass(frozen=True)
+class VideoEntry:
+    path: Path
+    caption: str
+
+
+class SkippedSample(Exception):
+    """Raised inside loading to replace a bad video; ``reason`` is one of :data:`SKIP_REASONS`."""
+
+    def __init__(self, reason: str, path: Path | str, detail: str = ""):
+        super().__init__(f"{reason}: {path} {detail}".strip())
+        self.reason = reason
+        self.path = path
+
+
+def validate_num_frames(num_frames: int) -> int:
+    """Wan's VAE compresses time 4x after the first frame, so clips need ``4k + 1`` frames."""
+    if not isinstance(num_frames, int) or num_frames < 1 or (num_frames - 1) % 4:
+        raise ValueError(f"num_frames must be 4k+1 (1, 5, 9, ..., 17, ..., 81) for Wan's VAE, got {num_frames!r}")
+    return num_frames
+
+
+# --------------------------------------------------------------------------- finding entries
+
+
+def _expected_layouts() -> str:
+    return (
+        "a folder of videos with a .txt caption beside each, or a manifest (.jsonl or .csv, "
+        f"or a folder holding one of {', '.join(MANIFEST_NAMES)}) with columns 'video' and 'caption'"
+    )
+
+
+def _find_manifest(root: Path, layout: str) -> Path | None:
+    if root.is_file():
+        suffix = root.suffix.lower().lstrip(".")
+        if suffix not in ("csv", "jsonl") or layout not in ("auto", suffix):
+            raise ValueError(f"manifest {root} must end in .jsonl or .csv matching layout={layout!r}")
+        return root
+    for name in MANIFEST_NAMES:
+        if layout in ("auto", name.rsplit(".", 1)[1]) and (root / name).is_file():
+            return root / name
+    if layout in ("csv", "jsonl"):
+        names = [n for n in MANIFEST_NAMES if n.endswith(layout)]
+        raise FileNotFoundError(f"layout={layout!r} but {root} holds none of {names}")
+    return None
+
+
+def _read_manifest_rows(manifest: Path) -> list[dict | None]:
+    """Rows as dicts; ``None`` for a JSONL line that does not parse to an object."""
+    if manifest.suffix.lower() == ".csv":
+        with open(manifest, newline="", encoding="utf-8-sig") as f:  # -sig: spreadsheet exports start with a BOM
+            return list(csv.DictReader(f))
+    rows: list[dict | None] = []
+    with open(manifest, encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                row = None
+            rows.append(row if isinstance(row, dict) else None)
+    return rows
+
+
+def read_manifest(
+    manifest: Path, video_column: str = "video", caption_column: str = "caption"
+) -> tuple[list[VideoEntry], list[tuple[str, str]]]:
+    """Reads a CSV/JSONL manifest into entries and ``(path, reason)`` pairs for rows it drops."""
+    rows = _read_manifest_rows(manifest)
+    if not rows:
+        raise ValueError(
+            f"manifest {manifest} has no rows; expected one row per video with columns "
+            f"{video_column!r} and {caption_column!r}"
+        )
+    columns = set().union(*(row for row in rows if row))
+    missing = [c for c in (video_column, caption_column) if c not in columns]
+    if missing:
+        raise ValueError(
+            f"manifest {manifest} has no column {missing}; found columns {sorted(columns)}, "
+            f"expected {video_column!r} (video path) and {caption_column!r}"
+        )
+    entries, skipped = [], []
+    for line_number, row in enumerate(rows, start=1):
+        video = str((row or {}).get(video_column) or "").strip()
+        if not video:
+            skipped.append((f"{manifest}:{line_number}", "bad_manifest_row"))
+            continue
+        path = manifest.parent / video  # absolute `video` paths stay absolute
+        caption = str(row.get(caption_column) or "").strip()
+        if not path.is_file():
+            skipped.append((str(path), "missing_file"))
+        elif not caption:
+            skipped.append((str(path), "empty_caption"))
+        else:
+            entries.append(VideoEntry(path, caption))
+    return entries, skipped
+
+
+def scan_caption_files(folder: Path) -> tuple[list[VideoEntry], list[tuple[str, str]]]:
+    """Videos under ``folder`` (sorted, recursive) with the caption in a ``.txt`` of the same name."""
+    videos = sorted(p for p in folder.rglob("*") if p.suffix.lower() in VIDEO_EXTENSIONS and p.is_file())
+    if not videos:
+        raise FileNotFoundError(
+            f"no videos ({', '.join(VIDEO_EXTENSIONS)}) found under {folder}; expected {_expected_layouts()}"
+        )
+    entries, skipped = [], []
+    for video in videos:
+        caption_file = video.with_suffix(".txt")
+        if not caption_file.is_file():
+            skipped.append((str(video), "missing_caption"))
+            continue
+        caption = caption_file.read_text(encoding="utf-8", errors="replace").strip()
+        if caption:
+            entries.append(VideoEntry(video, caption))
+        else:
+            skipped.append((str(video), "empty_caption"))
+    return entries, skipped
+
+
+def find_entries(
+    root: str | Path, layout: str = "auto", video_column: str = "video", caption_column: str = "caption"
+) -> tuple[list[VideoEntry], list[tuple[str, str]], str]:
+    """Lists usable ``(video, caption)`` entries of a dataset; raises if there are none.
+
+    Returns ``(entries, skipped, source)``: ``skipped`` holds ``(path, reason)`` for entries
+    dropped by cheap checks (no decoding), ``source`` names the manifest or folder read.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    root = Path(root).expanduser()
+    if not root.exists():
+        raise FileNotFoundError(f"dataset path {root} does not exist; expected {_expected_layouts()}")
+    manifest = None if layout == "txt" else _find_manifest(root, layout)
+    if manifest is not None:
+        entries, skipped = read_manifest(manifest, video_column, caption_column)
+        source = str(manifest)
+    elif root.is_dir():
+        entries, skipped = scan_caption_files(root)
+        source = str(root)
+    else:
+        raise ValueError(
+            f"dataset path {root} is a file but not a .jsonl/.csv manifest; expected {_expected_layouts()}"
+        )
+    if not entries:
+        reasons = Counter(reason for _, reason in skipped)
+        examples = "; ".join(f"{reason}: {path}" for path, reason in skipped[:3])
+        raise ValueError(
+            f"no usable videos in {source}: {len(skipped)} listed, all dropped ({dict(reasons)}), e.g. {examples}"
+        )
+    return entries, skipped, source
+
+
+# --------------------------------------------------------------------------- decoding
+
+
+def decord_available() -> bool:
+    try:
+        import decord  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_backend(backend: str) -> str:
+    """``auto`` -> ``decord`` when installed, else ``imageio`` (ffmpeg via imageio-ffmpeg)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "decord" if decord_available() else "imageio"
+    if backend == "decord" and not decord_available():
+        raise ImportError("backend='decord' but decord is not installed; `pip install decord` or use backend='imageio'")
+    return backend
+
+
+class _VideoReader:
+    """An open video: ``num_frames``, ``read(indices) -> uint8 (T, H, W, 3)``; a context manager."""
+
+    num_frames: int
+
+    def read(self, indices: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+class _DecordVideo(_VideoReader):
+    def __init__(self, path: Path):
+        import decord
+
+        # One thread per reader: DataLoader workers supply the parallelism.
+        self._reader = decord.VideoReader(str(path), ctx=decord.cpu(0), num_threads=1)
+        self.num_frames = len(self._reader)
+
+    def read(self, indices: np.ndarray) -> np.ndarray:
+        return self._reader.get_batch([int(i) for i in indices]).asnumpy()
+
+
+class _ImageioVideo(_VideoReader):
+    """Fallback through imageio's ffmpeg plugin: counts frames exactly, then decodes sequentially."""
+
+    def __init__(self, path: Path):
+        import imageio.v2 as imageio
+
+        self._reader = imageio.get_reader(str(path), format="FFMPEG")
+        try:
+            # Container metadata only estimates the count (duration x fps); this decodes to count exactly.
+            self.num_frames = int(self._reader.count_frames())
+        except Exception:
+            self.close()
+            raise
+
+    def read(self, indices: np.ndarray) -> np.ndarray:
+        wanted = {int(i) for i in indices}
+        frames: dict[int, np.ndarray] = {}
+        for i, frame in enumerate(self._reader.iter_data()):
+            if i in wanted:
+                frames[i] = np.asarray(frame)[..., :3]
+            if i >= max(wanted):
+                break
+        # Frames past the real end are missing; the caller sees a short clip.
+        return np.stack([frames[int(i)] for i in indices if int(i) in frames]) if frames else np.zeros((0, 1, 1, 3))
+
+    def close(self) -> None:
+        self._reader.close()  # stops the ffmpeg subprocess
+
+
+def open_video(path: str | Path, backend: str = "auto") -> _VideoReader:
+    """Opens a video: ``num_frames`` and ``read(indices) -> uint8 (T, H, W, 3)``; use as a context manager."""
+    backend = resolve_backend(backend)
+    return _DecordVideo(Path(path)) if backend == "decord" else _ImageioVideo(Path(path))
+
+
+def clip_indices(start: int, num_frames: int, frame_stride: int) -> np.ndarray:
+    """Frame indices ``start, start + stride, ...`` (``num_frames`` of them)."""
+    return start + frame_stride * np.arange(num_frames)
+
+
+def resize_center_crop(frames: np.ndarray | torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """uint8 frames ``(T, H, W, 3)`` -> float32 ``(3, T, height, width)`` in [-1, 1].
+
+    Scales so the frame covers ``height x width`` with its aspect ratio kept (bilinear with
+    antialiasing, so downscaling does not alias), then crops the centre.
+    """
+    video = torch.as_tensor(np.asarray(frames)).permute(0, 3, 1, 2).float()  # (T, 3, H, W)
+    in_h, in_w = video.shape[-2:]
+    scale = max(height / in_h, width / in_w)
+    new_h, new_w = max(height, round(in_h * scale)), max(width, round(in_w * scale))
+    if (new_h, new_w) != (in_h, in_w):
+        video = F.interpolate(video, size=(new_h, new_w), mode="bilinear", antialias=True, align_corners=False)
+    top, left = (new_h - height) // 2, (new_w - width) // 2
+    video = video[:, :, top : top + height, left : left + width]
+    return (video / 127.5 - 1.0).clamp(-1.0, 1.0).permute(1, 0, 2, 3).contiguous()
+
+
+# --------------------------------------------------------------------------- dataset
+
+
+class VideoFolderDataset(Dataset):
+    """Clips and captions from a folder of videos (see the module docstring for layouts).
+
+    Args:
+        root: a folder, or a ``.jsonl`` / ``.csv`` manifest.
+        num_frames: frames per clip, ``4k + 1``.
+        height, width: output size after aspect-preserving resize and centre crop.
+        frame_stride: take every ``frame_stride``-th frame (1 = consecutive).
+        layout: ``"auto"``, ``"jsonl"``, ``"csv"`` or ``"txt"``.
+        backend: ``"auto"`` (decord if installed), ``"decord"`` or ``"imageio"``.
+        random_clip: pick the clip's first frame at random from ``(seed, epoch, index)``;
+            ``False`` takes the centred clip (validation).
+        seed: seed of the clip start positions.
+
+    Items: ``{"video": float32 (3, num_frames, height, width) in [-1, 1], "caption": str,
+    "index": int, "path": str}``. ``dataset[i]`` uses epoch 0; ``dataset[ClipKey(i, epoch)]``
+    (or any ``(index, epoch)`` tuple) that epoch's clip.
+    """
+
+    def __init__(
+        self,
+        root: str | Path,
+        *,
+        num_frames: int = 17,
+        height: int = 64,
+        width: int = 64,
+        frame_stride: int = 1,
+        layout: str = "auto",
+        backend: str = "auto",
+        random_clip: bool = True,
+        seed: int = 0,
+        video_column: str = "video",
+        caption_column: str = "caption",
+    ):
+        self.num_frames = validate_num_frames(num_frames)
+        if frame_stride < 1:
+            raise ValueError(f"frame_stride must be >= 1, got {frame_stride!r}")
+        if height < 1 or width < 1:
+            raise ValueError(f"height and width must be positive, got {height}x{width}")
+        self.height, self.width, self.frame_stride = height, width, frame_stride
+        self.backend = resolve_backend(backend)
+        self.random_clip, self.seed = random_clip, seed
+        self.entries, self.dropped, self.source = find_entries(root, layout, video_column, caption_column)
+        # Per-entry skip code found while loading, in shared memory so that DataLoader worker
+        # processes report into the same counts the training loop reads.
+        self._load_failures = torch.zeros(len(self.entries), dtype=torch.int8).share_memory_()
+
+    @property
+    def span(self) -> int:
+        """Frames a clip covers in the source video: ``(num_frames - 1) * frame_stride + 1``."""
+        return (self.num_frames - 1) * self.frame_stride + 1
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __getitem__(self, key: int | ClipKey) -> dict:
+        index, epoch = (int(key[0]), int(key[1])) if isinstance(key, tuple) else (int(key), 0)
+        if not 0 <= index < len(self.entries):
+            raise IndexError(f"index {index} out of range for a dataset of {len(self.entries)} videos")
+        # A bad video is replaced by the next good one, deterministically, so the batch keeps its size.
+        for offset in range(len(self.entries)):
+            candidate = (index + offset) % len(self.entries)
+            if self._load_failures[candidate]:
+                continue
+            try:
+                return self.load(candidate, epoch)
+            except SkippedSample as skipped:
+                self._load_failures[candidate] = SKIP_REASONS.index(skipped.reason) + 1
+        raise RuntimeError(f"every video in {self.source} failed to load; {self.skip_summary()}")
+
+    def _open_checked(self, entry: VideoEntry) -> _VideoReader:
+        """Opens a video long enough for one clip, else raises :class:`SkippedSample`."""
+        try:
+            video = open_video(entry.path, self.backend)
+        except Exception as error:  # decoders raise their own error types for corrupt files
+            raise SkippedSample("unreadable", entry.path, repr(error)) from error
+        if video.num_frames < self.span:
+            video.close()
+            raise SkippedSample("too_few_frames", entry.path, f"{video.num_frames} < {self.span}")
+        return video
+
+    def load(self, index: int, epoch: int = 0) -> dict:
+        """Loads entry ``index``; raises :class:`SkippedSample` for an unreadable or too-short video."""
+        entry = self.entries[index]
+        with self._open_checked(entry) as video:
+            last_start = video.num_frames - self.span
+            if self.random_clip:
+                start = int(np.random.default_rng([self.seed, epoch, index]).integers(0, last_start + 1))
+            else:
+                start = last_start // 2
+            try:
+                frames = video.read(clip_indices(start, self.num_frames, self.frame_stride))
+            except Exception as error:
+                raise SkippedSample("unreadable", entry.path, repr(error)) from error
+        if len(frames) != self.num_frames:  # the container claimed more frames than it decodes
+            raise SkippedSample("too_few_frames", entry.path, f"decoded {len(frames)} of {self.num_frames}")
+        return {
+            "video": resize_center_crop(frames, self.height, self.width),
+            "caption": entry.caption,
+            "index": index,
+            "path": str(entry.path),
+        }
+
+    def probe(self, progress: bool = False) -> Counter:
+        """Opens every video once (no frame decoding with decord) to find unreadable and too-short
+        ones before training; returns :attr:`skipped`. Raises if no video is usable."""
+        from tqdm import tqdm
+
+        for index in tqdm(range(len(self.entries)), desc="probing videos", disable=not progress):
+            if self._load_failures[index]:
+                continue
+            try:
+                self._open_checked(self.entries[index]).close()
+            except SkippedSample as skipped:
+                self._load_failures[index] = SKIP_REASONS.index(skipped.reason) + 1
+        if bool(self._load_failures.all()):
+            raise ValueError(f"no usable videos in {self.source}; {self.skip_summary()}")
+        return self.skipped
+
+    # ----------------------------------------------------------------------- skip reporting
+
+    def skipped_paths(self) -> dict[str, list[str]]:
+        """Paths of skipped entries by reason: those dropped at build time and those that failed to load."""
+        by_reason: dict[str, list[str]] = {}
+        for path, reason in self.dropped:
+            by_reason.setdefault(reason, []).append(path)
+        for index in torch.nonzero(self._load_failures).flatten().tolist():
+            reason = SKIP_REASONS[int(self._load_failures[index]) - 1]
+            by_reason.setdefault(reason, []).append(str(self.entries[index].path))
+        return by_reason
+
+    @property
+    def skipped(self) -> Counter:
+        """Number of skipped videos by reason (each video counted once)."""
+        return Counter({reason: len(paths) for reason, paths in self.skipped_paths().items()})
+
+    def skip_summary(self, max_examples: int = 3) -> str:
+        """One line per reason, e.g. ``"skipped 2 of 10 entries in DIR: unreadable 1 (a.mp4); too_few_frames 1 (b.mp4)"``."""
+        by_reason = self.skipped_paths()
+        total = len(self.entries) + len(self.dropped)
+        if not by_reason:
+            return f"skipped 0 of {total} entries in {self.source}"
+        parts = []
+        for reason in SKIP_REASONS:
+            paths = by_reason.get(reason, [])
+            if paths:
+                more = f", +{len(paths) - max_examples} more" if len(paths) > max_examples else ""
+                parts.append(f"{reason} {len(paths)} ({', '.join(paths[:max_examples])}{more})")
+        count = sum(len(p) for p in by_reason.values())
+        return f"skipped {count} of {total} entries in {self.source}: " + "; ".join(parts)
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+class ResumableSampler(Sampler[ClipKey]):
+    """Seeded, epoch-by-epoch order of ``ClipKey(index, epoch)`` that can restart mid-epoch.
+
+    Each epoch is a permutation of ``range(num_samples)`` drawn from ``(seed, epoch)`` (or the
+    identity with ``shuffle=False``), padded by wrapping to a multiple of ``world_size`` and
+    dealt out rank by rank (like ``DistributedSampler``), so every rank sees
+    ``ceil(num_samples / world_size)`` keys per epoch.
+
+    The position is the number of samples this rank has consumed. The sampler cannot count
+    that itself, because DataLoader workers prefetch ahead of the training loop; the loop
+    passes it to :meth:`state_dict` and a resumed run to ``samples_consumed`` /
+    :meth:`load_state_dict`. Iteration runs for ``num_epochs`` epochs from the position, or
+    forever when ``num_epochs`` is ``None`` (step-based training).
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        rank: int = 0,
+        world_size: int = 1,
+        samples_consumed: int = 0,
+        num_epochs: int | None = None,
+    ):
+        if num_samples < 1:
+            raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+        if samples_consumed < 0:
+            raise ValueError(f"samples_consumed must be >= 0, got {samples_consumed}")
+        self.num_samples, self.seed, self.shuffle = num_samples, seed, shuffle
+        self.rank, self.world_size = rank, world_size
+        self.samples_consumed, self.num_epochs = samples_consumed, num_epochs
+
+    @property
+    def samples_per_epoch(self) -> int:
+        """Keys this rank gets per epoch."""
+        return math.ceil(self.num_samples / self.world_size)
+
+    def epoch_order(self, epoch: int) -> list[int]:
+        """This rank's dataset indices for ``epoch``, in order."""
+        if self.shuffle:
+            order = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+        else:
+            order = np.arange(self.num_samples)
+        padded = np.resize(order, self.samples_per_epoch * self.world_size)  # wraps around
+        return padded[self.rank :: self.world_size].tolist()
+
+    def position(self, samples_consumed: int) -> tuple[int, int]:
+        """``(epoch, offset in epoch)`` after this rank has consumed ``samples_consumed`` samples."""
+        return divmod(samples_consumed, self.samples_per_epoch)
+
+    def __iter__(self) -> Iterator[ClipKey]:
+        epoch, offset = self.position(self.samples_consumed)
+        while self.num_epochs is None or epoch < self.num_epochs:
+            for index in self.epoch_order(epoch)[offset:]:
+                yield ClipKey(index, epoch)
+            epoch, offset = epoch + 1, 0
+
+    def __len__(self) -> int:
+        if self.num_epochs is None:
+            raise TypeError("an endless ResumableSampler (num_epochs=None) has no length")
+        return max(0, self.num_epochs * self.samples_per_epoch - self.samples_consumed)
+
+    def state_dict(self, samples_consumed: int) -> dict:
+        """State to checkpoint after the training loop consumed ``samples_consumed`` samples on this rank."""
+        return {
+            "num_samples": self.num_samples,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "world_size": self.world_size,
+            "samples_consumed": int(samples_consumed),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continues from a checkpointed position; the dataset size, seed and world size must match."""
+        for key in ("num_samples", "seed", "shuffle", "world_size"):
+            if state[key] != getattr(self, key):
+                raise ValueError(
+                    f"cannot resume the data order: checkpoint has {key}={state[key]!r}, "
+                    f"this run has {getattr(self, key)!r}"
+                )
+        self.samples_consumed = int(state["samples_consumed"])
