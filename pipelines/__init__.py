@@ -16,8 +16,6 @@ from .loading import WanComponents, check_model_dir, load_components, load_trans
 from .timing import Timing, format_comparison, format_timing
 from .video import read_video, write_frame_grid, write_gif, write_mp4
 
-
-
 __all__ = [
     "VARIANTS",
     "AttentionOptions",

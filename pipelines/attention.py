@@ -74,9 +74,7 @@ class AttentionOptions:
         if self.output_norm not in OUTPUT_NORMS:
             raise ValueError(f"output_norm must be one of {OUTPUT_NORMS}, got {self.output_norm!r}")
         if self.softmax_backend not in mhla.SOFTMAX_BACKENDS:
-            raise ValueError(
-                f"softmax_backend must be one of {mhla.SOFTMAX_BACKENDS}, got {self.softmax_backend!r}"
-            )
+            raise ValueError(f"softmax_backend must be one of {mhla.SOFTMAX_BACKENDS}, got {self.softmax_backend!r}")
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -141,7 +139,7 @@ def parse_layers(spec: str) -> list[int]:
 
 def fit_blocks(blocks: Grid, grid: Grid) -> Grid:
     """The block count used on ``grid``: ``blocks``, capped per axis at the grid's cell count."""
-    return tuple(min(b, s) for b, s in zip(blocks, grid))  # type: ignore[return-value]
+    return tuple(min(b, s) for b, s in zip(blocks, grid, strict=True))  # type: ignore[return-value]
 
 
 def _nearest(src: int, dst: int) -> torch.Tensor:
@@ -153,7 +151,7 @@ def _nearest(src: int, dst: int) -> torch.Tensor:
 
 def _block_map(src: Grid, dst: Grid) -> torch.Tensor:
     """``(prod(src),)`` id in ``dst`` of the block whose centre is nearest each block of ``src``."""
-    f, h, w = (_nearest(s, d) for s, d in zip(src, dst))
+    f, h, w = (_nearest(s, d) for s, d in zip(src, dst, strict=True))
     return ((f[:, None, None] * dst[1] + h[None, :, None]) * dst[2] + w[None, None, :]).reshape(-1)
 
 

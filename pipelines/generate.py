@@ -14,7 +14,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 import mhla
@@ -82,9 +81,7 @@ def validate_request(
                 f"{name} must be a positive multiple of {spatial_multiple} (VAE stride 8 x patch 2), got {value!r}"
             )
     if not isinstance(num_frames, int) or num_frames < 1 or (num_frames - 1) % temporal_stride:
-        raise ValueError(
-            f"num_frames must be of the form {temporal_stride}k+1 (1, 5, 9, ..., 81), got {num_frames!r}"
-        )
+        raise ValueError(f"num_frames must be of the form {temporal_stride}k+1 (1, 5, 9, ..., 81), got {num_frames!r}")
     if not isinstance(num_inference_steps, int) or num_inference_steps < 1:
         raise ValueError(f"num_inference_steps must be an integer >= 1, got {num_inference_steps!r}")
     if not isinstance(guidance_scale, (int, float)) or not math.isfinite(guidance_scale) or guidance_scale < 0:
@@ -256,7 +253,7 @@ def generate(
     timing.total = t_end - t_start
     timing.text_encoding = t_text - t_start
     timing.denoising = t_denoise - t_text
-    timing.steps = [b - a for a, b in zip([t_text, *step_ends[:-1]], step_ends)]
+    timing.steps = [b - a for a, b in zip([t_text, *step_ends[:-1]], step_ends, strict=True)]
     timing.vae_decode = t_end - t_denoise
     timing.self_attention = ctx.timer.seconds()
     timing.self_attention_calls = ctx.timer.calls
@@ -312,7 +309,9 @@ def _parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--blocks", default=None, help="MHLA block count FxHxW, e.g. 7x3x5 (default: fitted to the grid)")
     p.add_argument("--layers", default=None, help="MHLA layers of mhla-hybrid, e.g. '1,2,4-5'")
-    p.add_argument("--normalizer", choices=("on", "off"), default=None, help="linear-attention normalizer (default off)")
+    p.add_argument(
+        "--normalizer", choices=("on", "off"), default=None, help="linear-attention normalizer (default off)"
+    )
     p.add_argument("--feature-map", choices=sorted(mhla.FEATURE_MAPS), default=None)
     p.add_argument("--output-norm", choices=("rms_head", "none"), default=None)
     p.add_argument("--output-gate", action="store_true", default=None)

@@ -140,6 +140,6 @@ def format_comparison(timings: list[Timing]) -> str:
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in rows]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |" for r in rows]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
     return "\n".join(lines)
