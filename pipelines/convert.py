@@ -201,6 +201,27 @@ def convert_self_attention(
     return transformer
 
 
+def clone_transformer(transformer):
+    """An independent copy of a (converted) transformer: same weights, variant and options, its own
+    processors, context and grid hook. For keeping one transformer per variant while sharing the rest."""
+    ctx = transformer.__dict__.pop(_CONTEXT_ATTR, None)
+    handle = transformer.__dict__.pop(_HOOK_ATTR, None)
+    try:
+        clone = copy.deepcopy(transformer)
+    finally:
+        if ctx is not None:
+            object.__setattr__(transformer, _CONTEXT_ATTR, ctx)
+        if handle is not None:
+            object.__setattr__(transformer, _HOOK_ATTR, handle)
+    if handle is not None:
+        clone._forward_pre_hooks.pop(handle.id, None)  # the copied hook would write to the original's context
+        clone._forward_pre_hooks_with_kwargs.pop(handle.id, None)
+    state = self_attention_state(transformer)
+    layers = state["linear_layers"] if state["variant"] == "mhla-hybrid" else None
+    options = AttentionOptions.from_dict(state["options"])
+    return convert_self_attention(clone, state["variant"], layers, options, allow_new_parameters=False)
+
+
 def set_variant(transformer, variant: str, layers: list[int] | None = None):
     """Switches a converted model's variant without creating parameters (e.g. ``mhla`` <-> ``flash``).
 

@@ -11,6 +11,7 @@ import argparse
 import math
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -179,7 +180,15 @@ def generate(
     )  # fmt: skip
     grid = latent_grid(height, width, num_frames, patch, stride)
     options = _resolve_options(transformer, variant, blocks, grid, components.block_shape, attention_options)
+    had = self_attention_state(transformer)["parameters"]
     convert_self_attention(transformer, variant, layers, options)
+    added = {k: sorted(set(v) - set(had[k])) for k, v in self_attention_state(transformer)["parameters"].items()}
+    if any(added.values()) and not components.random_weights:
+        warnings.warn(
+            f"variant {variant!r} added freshly initialised (untrained) attention parameters {added} to a model "
+            "without them; a softmax-trained checkpoint needs MHLA fine-tuning before those layers make good videos",
+            stacklevel=2,
+        )
 
     device = components.device
     scheduler = type(components.scheduler).from_config(components.scheduler.config)  # fresh state per call

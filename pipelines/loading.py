@@ -184,6 +184,17 @@ def save_transformer(transformer, path: str | Path) -> None:
     transformer.save_pretrained(str(path), safe_serialization=True)
 
 
+def _load_scheduler(folder: Path):
+    """The scheduler class the directory names (Wan2.1 ships UniPCMultistepScheduler with flow_shift 3.0)."""
+    import diffusers
+
+    name = json.loads((folder / "scheduler_config.json").read_text()).get("_class_name", "UniPCMultistepScheduler")
+    cls = getattr(diffusers, name, None)
+    if cls is None or not hasattr(cls, "from_pretrained"):
+        raise ValueError(f"{str(folder)!r} names scheduler class {name!r}, which diffusers does not have")
+    return cls.from_pretrained(folder)
+
+
 def _cast(model, device: torch.device, dtype: torch.dtype):
     """``model.to(device, dtype)`` keeping the modules diffusers keeps in float32 (norms, time embedding,
     RoPE), as ``from_pretrained(dtype=...)`` does."""
@@ -230,13 +241,13 @@ def load_components(
         )
 
     root = check_model_dir(model_dir)
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler
+    from diffusers import AutoencoderKLWan
     from transformers import AutoTokenizer, UMT5EncoderModel
 
     tokenizer = AutoTokenizer.from_pretrained(root / "tokenizer")
     text_encoder = UMT5EncoderModel.from_pretrained(root / "text_encoder", dtype=dtype).to(device).eval()
     vae = AutoencoderKLWan.from_pretrained(root / "vae", dtype=torch.float32).to(device).eval()
-    scheduler = UniPCMultistepScheduler.from_pretrained(root / "scheduler")
+    scheduler = _load_scheduler(root / "scheduler")
     transformer = load_transformer(root / "transformer", dtype=dtype, device=device)
     return WanComponents(
         tokenizer=tokenizer,

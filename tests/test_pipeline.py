@@ -172,6 +172,9 @@ def test_local_model_dir_round_trip(components, tmp_path):
     from_dir = generate(local, "a boat", **kw).frames
     built = generate(components, "a boat", **kw).frames  # same tiny weights, converted the same way
     torch.testing.assert_close(from_dir, built, rtol=0, atol=1e-6)
+    # a real (non-random) model asked for layers it has no MHLA parameters for says they are untrained
+    with pytest.warns(UserWarning, match=r"untrained.*\[0, 3, 6"):
+        generate(local, "a boat", **{**kw, "variant": "mhla"})
 
 
 def test_incomplete_model_dir_names_missing_files(tmp_path):

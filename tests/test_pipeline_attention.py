@@ -222,3 +222,23 @@ def test_output_gate_starts_as_identity():
     convert_self_attention(gated, "mhla", options=AttentionOptions(blocks=(1, 2, 2), output_gate=True))
     assert gated.blocks[0].attn1.mhla.gate is not None
     torch.testing.assert_close(_forward(gated), ungated, rtol=1e-6, atol=1e-6)
+
+
+def test_clone_is_independent():
+    from pipelines.convert import clone_transformer
+
+    model = convert_self_attention(
+        build_tiny_transformer(seed=10, num_layers=4), "mhla", options=AttentionOptions(blocks=(1, 2, 2))
+    )
+    clone = clone_transformer(model)
+    assert self_attention_state(clone) == self_attention_state(model)
+    torch.testing.assert_close(_forward(clone), _forward(model), rtol=0, atol=0)
+    set_variant(clone, "flash")
+    _forward(clone, grid=(2, 3, 3))  # the clone records its own grid, not the original's
+    assert clone.blocks[0].attn1.processor.context.grid == (2, 3, 3)
+    assert model.blocks[0].attn1.processor.context.grid == (3, 4, 6)
+    assert self_attention_state(model)["variant"] == "mhla"
+    assert (
+        clone.blocks[0].attn1.mhla.mhla.mixing.weight.data_ptr()
+        != model.blocks[0].attn1.mhla.mhla.mixing.weight.data_ptr()
+    )
