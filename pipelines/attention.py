@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, fields, replace
+from functools import lru_cache
 
 import torch
 from torch import nn
@@ -142,6 +143,12 @@ def fit_blocks(blocks: Grid, grid: Grid) -> Grid:
     return tuple(min(b, s) for b, s in zip(blocks, grid, strict=True))  # type: ignore[return-value]
 
 
+@lru_cache(maxsize=64)
+def _layout(grid: Grid, blocks: Grid) -> mhla.BlockLayout:
+    # a layout caches its index tensors; build one per (grid, blocks), not one per layer and step
+    return mhla.BlockLayout(grid, blocks)
+
+
 def _nearest(src: int, dst: int) -> torch.Tensor:
     """For each of ``src`` segments of [0, 1], the index of the ``dst`` segment with the nearest centre."""
     a = (torch.arange(src, dtype=torch.float64) + 0.5) / src
@@ -149,6 +156,7 @@ def _nearest(src: int, dst: int) -> torch.Tensor:
     return (a[:, None] - b[None, :]).abs().argmin(dim=1)  # ties go to the lower index
 
 
+@lru_cache(maxsize=64)
 def _block_map(src: Grid, dst: Grid) -> torch.Tensor:
     """``(prod(src),)`` id in ``dst`` of the block whose centre is nearest each block of ``src``."""
     f, h, w = (_nearest(s, d) for s, d in zip(src, dst, strict=True))
@@ -166,6 +174,7 @@ def resample_mixing(mixing: torch.Tensor, blocks: Grid, new_blocks: Grid) -> tor
     """
     if tuple(new_blocks) == tuple(blocks):
         return mixing
+    blocks, new_blocks = tuple(blocks), tuple(new_blocks)
     rows = _block_map(new_blocks, blocks).to(mixing.device)
     cols = _block_map(blocks, new_blocks).to(mixing.device)
     m_new = math.prod(new_blocks)
@@ -209,8 +218,9 @@ class LinearSelfAttention(nn.Module):
 
     def layout_for(self, grid: Grid) -> tuple[mhla.BlockLayout, bool]:
         """The layout used on ``grid`` and whether it was shrunk from the model's block count."""
+        grid = tuple(int(x) for x in grid)
         blocks = fit_blocks(self.options.blocks, grid)
-        return mhla.BlockLayout(grid, blocks), blocks != self.options.blocks
+        return _layout(grid, blocks), blocks != self.options.blocks
 
     def forward(self, q, k, v, grid: Grid | None, rotary_emb=None, x: torch.Tensor | None = None) -> torch.Tensor:
         """q, k, v ``(B, N, H, D)``; ``grid`` ``(F, H, W)`` with ``F*H*W == N`` (MHLA only);
