@@ -154,7 +154,8 @@ def generate(
             ``WanPipeline``; None takes the model's defaults (``components.defaults``).
         seed: the initial noise (identical for every variant) and nothing else.
         variant: ``flash``, ``linear``, ``mhla`` or ``mhla-hybrid``.
-        layers: MHLA layers for ``mhla-hybrid`` (default: all but 0, 3, 6, ...).
+        layers: MHLA layers for ``mhla-hybrid``; default: the model's own split if it already runs as
+            ``mhla-hybrid`` (e.g. loaded from a checkpoint), else all but 0, 3, 6, ...
         blocks: MHLA block count, e.g. ``"7x3x5"``; must fit this video's token grid. Default: the model's own
             (if it has MHLA parameters), else :func:`mhla.default_blocks` of this grid.
         attention_options: overrides of :class:`pipelines.attention.AttentionOptions` (e.g. ``{"normalize": True}``).
@@ -180,7 +181,10 @@ def generate(
     )  # fmt: skip
     grid = latent_grid(height, width, num_frames, patch, stride)
     options = _resolve_options(transformer, variant, blocks, grid, components.block_shape, attention_options)
-    had = self_attention_state(transformer)["parameters"]
+    state = self_attention_state(transformer)
+    if variant == "mhla-hybrid" and layers is None and state["variant"] == "mhla-hybrid":
+        layers = state["linear_layers"]  # keep the model's own hybrid split (e.g. from its checkpoint)
+    had = state["parameters"]
     convert_self_attention(transformer, variant, layers, options)
     added = {k: sorted(set(v) - set(had[k])) for k, v in self_attention_state(transformer)["parameters"].items()}
     if any(added.values()) and not components.random_weights:
@@ -222,7 +226,8 @@ def generate(
     sync(device)
     t_text = time.perf_counter()
 
-    shape = (1, transformer.config.in_channels, grid[0] * patch[0], height // stride[1], width // stride[2])
+    latent_frames = (num_frames - 1) // stride[0] + 1
+    shape = (1, transformer.config.in_channels, latent_frames, height // stride[1], width // stride[2])
     noise = initial_noise(seed, shape, device)
     step_ends: list[float] = []
 
