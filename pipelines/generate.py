@@ -94,6 +94,10 @@ def validate_request(
     if output_type not in OUTPUT_TYPES:
         raise ValueError(f"output_type must be one of {OUTPUT_TYPES}, got {output_type!r}")
     grid = latent_grid(height, width, num_frames)
+    if blocks is not None and variant not in ("mhla", "mhla-hybrid"):
+        raise ValueError(
+            f"blocks apply to the 'mhla' and 'mhla-hybrid' variants only, got blocks={blocks!r} for {variant!r}"
+        )
     if blocks is not None:
         try:
             mhla.BlockLayout(grid, mhla.parse_blocks(blocks))
@@ -347,6 +351,11 @@ def _variants(spec: str) -> list[str]:
     return names or ["mhla-hybrid"]
 
 
+def _blocks_for(variant: str, blocks: str | None) -> str | None:
+    # with several variants, --blocks goes to the MHLA ones; with --variant flash alone it is an error
+    return blocks if variant in ("mhla", "mhla-hybrid") else None
+
+
 def _out_path(out: str, variant: str, many: bool) -> Path:
     path = Path(out)
     return path.with_name(f"{path.stem}_{variant}{path.suffix}") if many else path
@@ -370,7 +379,11 @@ def main(argv=None) -> int:
             guidance_scale=defaults["guidance_scale"] if args.guidance is None else args.guidance,
         )
         for v in variants:
-            validate_request(args.prompt, variant=v, blocks=args.blocks, seed=args.seed, **request)
+            validate_request(args.prompt, variant=v, blocks=_blocks_for(v, args.blocks), seed=args.seed, **request)
+        if args.blocks and not any(v in ("mhla", "mhla-hybrid") for v in variants):
+            raise ValueError(
+                f"--blocks applies to the mhla and mhla-hybrid variants only, got --variant {args.variant}"
+            )
         layers = parse_layers(args.layers) if args.layers else None
         if layers is not None and variants != ["mhla-hybrid"]:
             raise ValueError(f"--layers applies to --variant mhla-hybrid only, got --variant {args.variant}")
@@ -409,7 +422,7 @@ def main(argv=None) -> int:
             seed=args.seed,
             variant=v,
             layers=layers,
-            blocks=args.blocks,
+            blocks=_blocks_for(v, args.blocks),
             attention_options=overrides,
             show_progress=not args.no_progress,
             **request,

@@ -214,6 +214,7 @@ GOOD = dict(
         (dict(guidance_scale=-1.0), "guidance_scale must be a finite number >= 0, got -1.0"),
         (dict(blocks="7x3x5"), "blocks '7x3x5' do not fit 9 frames at 64x96: .* 7 blocks along frames"),
         (dict(blocks="7x3"), "blocks must look like '7x3x5'"),
+        (dict(blocks="1x1x1", variant="flash"), "blocks apply to the 'mhla' and 'mhla-hybrid' variants only"),
     ],
 )
 def test_bad_requests_are_named(change, message):
@@ -244,6 +245,8 @@ def test_generate_rejects_before_heavy_work(components, monkeypatch):
         (["--prompt", "x", "--model", "/no/such/dir"], "model directory '/no/such/dir' does not exist"),
         (["--prompt", "x", "--layers", "1,2", "--variant", "mhla"], "--layers applies to --variant mhla-hybrid only"),
         (["--prompt", "x", "--out", "x.avi"], "--out must end in .mp4"),
+        (["--prompt", "x", "--variant", "flash", "--blocks", "1x2x2"], "--blocks applies to the mhla"),
+        (["--prompt", "x", "--dtype", "float8"], "dtype must be one of"),
     ],
 )
 def test_cli_bad_input(argv, message, capsys):
