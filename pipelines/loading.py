@@ -140,13 +140,16 @@ def _weight_files(folder: Path) -> list[Path]:
     raise FileNotFoundError(f"{str(folder)!r} has no {WEIGHTS[0]} (or its .index.json)")
 
 
-def load_transformer(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+def load_transformer(
+    path: str | Path, dtype: str | torch.dtype | None = "auto", device: str | torch.device | None = "auto"
+):
     """Loads a ``WanTransformer3DModel`` saved with ``save_pretrained``, as the variant it was saved as.
 
     A plain Wan transformer loads as ``flash``. A converted one has a ``self_attention`` entry in its
     ``config.json``: the base weights load through diffusers' ``from_pretrained``, then the variant's
     parameters are rebuilt and their saved values loaded from the safetensors files. Every parameter
     the saved config promises must be found, or ``ValueError`` names the missing keys.
+    ``dtype``/``device``: as :func:`load_components` (default bfloat16 on GPU, float32 on CPU).
     """
     from diffusers import WanTransformer3DModel
     from safetensors import safe_open
@@ -156,10 +159,14 @@ def load_transformer(path: str | Path, dtype: torch.dtype = torch.float32, devic
     if not config_file.is_file():
         raise FileNotFoundError(f"{str(folder)!r} has no config.json; expected a save_pretrained transformer folder")
     state = json.loads(config_file.read_text()).get(CONFIG_KEY)
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
     with _quiet_diffusers():
         model = WanTransformer3DModel.from_pretrained(folder, dtype=dtype).to(device).eval()
     if not state:
         return convert_self_attention(model, "flash")
+    # diffusers passes unknown config keys through today; set ours explicitly so that never matters
+    model.register_to_config(**{CONFIG_KEY: state})
 
     options = AttentionOptions.from_dict(state["options"])
     # rebuild every parameter holder the checkpoint has (possibly more than the active variant uses)
