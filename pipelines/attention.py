@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from functools import lru_cache
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import mhla
@@ -226,6 +227,12 @@ class LinearSelfAttention(nn.Module):
         """q, k, v ``(B, N, H, D)``; ``grid`` ``(F, H, W)`` with ``F*H*W == N`` (MHLA only);
         ``x`` the layer input ``(B, N, dim)`` (gate only). Returns ``(B, N, H, D)``."""
         rope = rotary_emb if self.options.rope else None
+        out_dtype = q.dtype
+        # The operator computes in float32 anyway, so upcasting here costs nothing extra; it keeps the
+        # un-normalised output (phi(q) S grows with the token count) in float32 until the RMSNorm, where
+        # float16 could overflow at ~30k tokens.
+        compute = torch.promote_types(q.dtype, torch.float32)
+        q, k, v = q.to(compute), k.to(compute), v.to(compute)
         if self.mhla is None:
             out = mhla.linear_attention(
                 q, k, v, self.options.feature_map, self.options.normalize, rope, self.options.eps
@@ -245,10 +252,11 @@ class LinearSelfAttention(nn.Module):
             else:
                 out = self.mhla(q, k, v, grid, rope)
         if self.norm_out is not None:
-            out = self.norm_out(out)
+            norm = self.norm_out
+            out = F.rms_norm(out, (out.shape[-1],), norm.weight.to(out.dtype), norm.eps)
         if self.gate is not None:
-            out = out * (2.0 * torch.sigmoid(self.gate(x))).unflatten(-1, (out.shape[2], -1))
-        return out
+            out = out * (2.0 * torch.sigmoid(self.gate(x))).unflatten(-1, (out.shape[2], -1)).to(out.dtype)
+        return out.to(out_dtype)
 
     def extra_repr(self) -> str:
         return f"kind={self.kind!r}"

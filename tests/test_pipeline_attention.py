@@ -242,3 +242,16 @@ def test_clone_is_independent():
         clone.blocks[0].attn1.mhla.mhla.mixing.weight.data_ptr()
         != model.blocks[0].attn1.mhla.mhla.mixing.weight.data_ptr()
     )
+
+
+def test_unnormalised_output_survives_float16():
+    # without the normalizer phi(q) S grows with the token count; it must reach the RMSNorm in float32
+    from pipelines.attention import LinearSelfAttention
+
+    module = LinearSelfAttention("mhla", 64, 4, 16, AttentionOptions(blocks=(1, 2, 2))).half()
+    g = torch.Generator().manual_seed(0)
+    q = (4 * torch.randn(1, 3600, 4, 16, generator=g)).half()
+    v = (50 * torch.randn(1, 3600, 4, 16, generator=g)).half()
+    out = module(q, q, v, (4, 30, 30))
+    assert out.dtype == torch.float16 and torch.isfinite(out).all()
+    torch.testing.assert_close(out.float().pow(2).mean(-1), torch.ones(1, 3600, 4), rtol=1e-2, atol=1e-2)
