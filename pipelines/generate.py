@@ -158,8 +158,8 @@ def generate(
             ``WanPipeline``; None takes the model's defaults (``components.defaults``).
         seed: the initial noise (identical for every variant) and nothing else.
         variant: ``flash``, ``linear``, ``mhla`` or ``mhla-hybrid``.
-        layers: MHLA layers for ``mhla-hybrid``; default: the model's own split if it already runs as
-            ``mhla-hybrid`` (e.g. loaded from a checkpoint), else all but 0, 3, 6, ...
+        layers: MHLA layers for ``mhla-hybrid``; default: the model's own split if it has one (it runs as
+            ``mhla-hybrid``, or has MHLA parameters in some layers only), else all but 0, 3, 6, ...
         blocks: MHLA block count, e.g. ``"7x3x5"``; must fit this video's token grid. Default: the model's own
             (if it has MHLA parameters), else :func:`mhla.default_blocks` of this grid.
         attention_options: overrides of :class:`pipelines.attention.AttentionOptions` (e.g. ``{"normalize": True}``).
@@ -186,8 +186,12 @@ def generate(
     grid = latent_grid(height, width, num_frames, patch, stride)
     options = _resolve_options(transformer, variant, blocks, grid, components.block_shape, attention_options)
     state = self_attention_state(transformer)
-    if variant == "mhla-hybrid" and layers is None and state["variant"] == "mhla-hybrid":
-        layers = state["linear_layers"]  # keep the model's own hybrid split (e.g. from its checkpoint)
+    if variant == "mhla-hybrid" and layers is None:
+        # keep the model's own hybrid split (e.g. from its checkpoint), also after a switch to another variant
+        if state["variant"] == "mhla-hybrid":
+            layers = state["linear_layers"]
+        elif 0 < len(state["parameters"]["mhla"]) < len(transformer.blocks):
+            layers = state["parameters"]["mhla"]
     had = state["parameters"]
     convert_self_attention(transformer, variant, layers, options)
     added = {k: sorted(set(v) - set(had[k])) for k, v in self_attention_state(transformer)["parameters"].items()}

@@ -172,6 +172,9 @@ def test_local_model_dir_round_trip(components, tmp_path):
     kw = dict(variant="mhla-hybrid", seed=5, show_progress=False, output_type="latent", **SMALL)
     from_dir = generate(local, "a boat", **kw).frames  # keeps the checkpoint's own hybrid layers
     assert self_attention_state(local.transformer)["linear_layers"] == layers
+    generate(local, "a boat", **{**kw, "variant": "flash"})
+    generate(local, "a boat", **kw)  # back to hybrid: still the checkpoint's split, not the default one
+    assert self_attention_state(local.transformer)["linear_layers"] == layers
     built = generate(components, "a boat", layers=layers, **kw).frames  # same tiny weights, converted the same way
     # identical weights; outputs agree to float32 noise (tensors loaded from safetensors can take other CPU kernels)
     sa, sb = local.transformer.state_dict(), components.transformer.state_dict()
