@@ -431,16 +431,17 @@ def main(argv=None) -> int:
             show_progress=not args.no_progress,
             **request,
         )
-        out = _out_path(args.out, v, len(variants) > 1)
+        many = len(variants) > 1
+        out = _out_path(args.out, v, many)
         comment = f"{v} | seed {args.seed} | {args.prompt}"
         if components.random_weights:
             comment = f"{RANDOM_WEIGHTS_NOTE} | {comment}"
         write_mp4(out, result.frames, fps=args.fps, comment=comment)
         written = [str(out)]
         if args.gif:
-            written.append(str(write_gif(_out_path(args.gif, v, len(variants) > 1), result.frames, fps=args.fps)))
+            written.append(str(write_gif(_out_path(args.gif, v, many), result.frames, fps=args.fps, comment=comment)))
         if args.grid_png:
-            written.append(str(write_frame_grid(_out_path(args.grid_png, v, len(variants) > 1), result.frames)))
+            written.append(str(write_frame_grid(_out_path(args.grid_png, v, many), result.frames, comment=comment)))
         print(f"\nwrote {', '.join(written)}  ({len(result.frames)} frames, {request['height']}x{request['width']})")
         print(format_timing(result.timing))
         timings.append(result.timing)

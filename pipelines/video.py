@@ -36,12 +36,17 @@ def write_mp4(path: str | Path, frames, fps: int = 16, comment: str | None = Non
     return path
 
 
-def write_gif(path: str | Path, frames, fps: int = 16) -> Path:
-    import imageio.v2 as imageio
+def write_gif(path: str | Path, frames, fps: int = 16, comment: str | None = None) -> Path:
+    """Looping GIF; ``comment`` goes into the file's comment extension."""
+    from PIL import Image
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    imageio.mimsave(str(path), list(to_uint8(frames)), duration=1000.0 / fps, loop=0)
+    images = [Image.fromarray(f) for f in to_uint8(frames)]
+    extra = {"comment": comment.encode()} if comment else {}
+    images[0].save(
+        path, format="GIF", save_all=True, append_images=images[1:], duration=round(1000 / fps), loop=0, **extra
+    )
     return path
 
 
@@ -61,12 +66,17 @@ def frame_grid(frames, columns: int | None = None, max_frames: int = 16) -> np.n
     return grid
 
 
-def write_frame_grid(path: str | Path, frames, columns: int | None = None) -> Path:
-    import imageio.v2 as imageio
+def write_frame_grid(path: str | Path, frames, columns: int | None = None, comment: str | None = None) -> Path:
+    """PNG of :func:`frame_grid`; ``comment`` goes into a PNG text chunk ("Comment")."""
+    from PIL import Image
+    from PIL.PngImagePlugin import PngInfo
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    imageio.imwrite(str(path), frame_grid(frames, columns))
+    info = PngInfo()
+    if comment:
+        info.add_text("Comment", comment)
+    Image.fromarray(frame_grid(frames, columns)).save(path, format="PNG", pnginfo=info)
     return path
 
 

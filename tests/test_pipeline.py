@@ -268,7 +268,12 @@ def test_cli_writes_video_and_prints_timing(tmp_path, capsys):
         assert row in printed
     assert "3x2x2 blocks (M=12) over a 3x4x6 grid" in printed
     assert read_video(out).shape == (9, 64, 96, 3)
-    assert (tmp_path / "fox.gif").stat().st_size > 0 and (tmp_path / "fox.png").stat().st_size > 0
+    from PIL import Image
+
+    with Image.open(tmp_path / "fox.gif") as gif:
+        assert gif.n_frames == 9 and b"RANDOM weights" in gif.info["comment"]
+    with Image.open(tmp_path / "fox.png") as png:
+        assert "RANDOM weights" in png.text["Comment"] and png.size == (3 * 96, 3 * 64)
 
 
 def test_gif_and_frame_grid(tmp_path):
