@@ -196,10 +196,11 @@ def generate(
     convert_self_attention(transformer, variant, layers, options)
     added = {k: sorted(set(v) - set(had[k])) for k, v in self_attention_state(transformer)["parameters"].items()}
     if any(added.values()) and not components.random_weights:
+        where = ", ".join(f"{kind} in layers {v}" for kind, v in added.items() if v)
         warnings.warn(
-            f"variant {variant!r} added freshly initialised (untrained) attention parameters {added} to a model "
-            "without them; a softmax-trained checkpoint needs MHLA fine-tuning before those layers make good videos",
-            stacklevel=2,
+            f"variant {variant!r} added freshly initialised (untrained) attention parameters ({where}); "
+            "a softmax-trained checkpoint needs fine-tuning before those layers make good videos",
+            stacklevel=3,  # the caller of generate(), past torch.no_grad's wrapper
         )
 
     device = components.device
