@@ -1,0 +1,352 @@
+"""Self-attention variants of diffusers' Wan transformer, as attention processors.
+
+Four variants (``VARIANTS``):
+
+- ``flash``: softmax attention through the fastest backend present (:func:`mhla.softmax_attention`).
+- ``linear``: vanilla linear attention in every self-attention layer.
+- ``mhla``: 3D spatiotemporal multi-head linear attention in every self-attention layer.
+- ``mhla-hybrid``: MHLA in the layers of :func:`hybrid_layers` (default: all but 0, 3, 6, ...), softmax elsewhere.
+
+A processor reuses the layer's ``to_q / to_k / to_v / to_out`` and ``norm_q / norm_k`` unchanged. The new
+parameters of a linear-attention layer live in a :class:`LinearSelfAttention` submodule added to that
+layer's ``attn1`` (``attn1.mhla`` or ``attn1.linear_attn``), so they train, save and load with the model.
+Cross-attention (``attn2``) is never touched.
+
+Processors do not receive the latent-token grid ``(F, H, W)``; a forward pre-hook on the transformer
+records it from ``hidden_states`` ``(B, C, T, H, W)`` into a :class:`SelfAttentionContext` that every
+processor of the model shares (see :mod:`pipelines.convert`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields, replace
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mhla
+from mhla.layout import Grid
+
+from .timing import AttentionTimer
+
+VARIANTS = ("flash", "linear", "mhla", "mhla-hybrid")
+OUTPUT_NORMS = ("rms_head", "none")
+# Which submodule of attn1 holds a layer's new parameters, by kind of linear attention.
+PARAM_ATTRS = {"mhla": "mhla", "linear": "linear_attn"}
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """How converted self-attention layers compute. Defaults are the paper's Wan settings.
+
+    Args:
+        blocks: MHLA block count per axis ``(bf, bh, bw)``; fixed per converted model (the mixing matrix
+            is ``M x M`` with ``M = bf * bh * bw``). Paper: 7x3x5 = 105 blocks at 21x30x50 tokens.
+        feature_map: ``"relu"`` (relu(x) + 1e-6, paper) or ``"elu"``.
+        normalize: divide by ``phi(q) . z``. Off for Wan: the paper drops the normalizer for long
+            sequences, and the output RMSNorm takes over the scale.
+        output_norm: ``"rms_head"``: RMSNorm over each head's ``head_dim`` channels (one weight shared
+            across heads, as the authors' code), applied before ``to_out``; ``"none"``.
+        output_gate: multiply the output by ``2 * sigmoid(W x + b)`` of the layer input ``x``; ``W, b``
+            start at zero so a freshly converted layer is ungated.
+        rope: apply Wan's RoPE to ``phi(q), phi(k)`` in the numerator (never the normalizer).
+        eps: added to the normalizer.
+        mixing_init, learnable_mixing, per_head_mixing: as :class:`mhla.MHLA`.
+        softmax_backend: backend for softmax layers, one of :data:`mhla.SOFTMAX_BACKENDS`.
+    """
+
+    blocks: Grid = mhla.parse_blocks("7x3x5")
+    feature_map: str = "relu"
+    normalize: bool = False
+    output_norm: str = "rms_head"
+    output_gate: bool = False
+    rope: bool = True
+    eps: float = 1e-6
+    mixing_init: str = "locality"
+    learnable_mixing: bool = True
+    per_head_mixing: bool = False
+    softmax_backend: str = "auto"
+
+    def __post_init__(self):
+        object.__setattr__(self, "blocks", mhla.parse_blocks(self.blocks))
+        mhla.get_feature_map(self.feature_map)
+        if self.output_norm not in OUTPUT_NORMS:
+            raise ValueError(f"output_norm must be one of {OUTPUT_NORMS}, got {self.output_norm!r}")
+        if self.softmax_backend not in mhla.SOFTMAX_BACKENDS:
+            raise ValueError(f"softmax_backend must be one of {mhla.SOFTMAX_BACKENDS}, got {self.softmax_backend!r}")
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["blocks"] = list(self.blocks)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> AttentionOptions:
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown attention options {sorted(unknown)}; expected some of {sorted(known)}")
+        return cls(**d)
+
+    def replace(self, **changes) -> AttentionOptions:
+        return replace(self, **changes)
+
+
+def hybrid_layers(num_layers: int, softmax_every: int = 3) -> list[int]:
+    """Default MHLA layers of ``mhla-hybrid``: all but 0, 3, 6, ... (20 of 30 for Wan2.1-1.3B)."""
+    return [i for i in range(num_layers) if i % softmax_every != 0]
+
+
+def linear_layers_for(variant: str, num_layers: int, layers=None) -> list[int]:
+    """Indices of the layers that ``variant`` runs as linear attention (MHLA or vanilla).
+
+    ``layers`` (an explicit list) is accepted for ``mhla-hybrid`` only.
+    """
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; expected one of {VARIANTS}")
+    if layers is not None and variant != "mhla-hybrid":
+        raise ValueError(f"an explicit layer list applies to 'mhla-hybrid' only, got layers={layers!r} for {variant!r}")
+    if variant == "flash":
+        return []
+    if variant in ("linear", "mhla"):
+        return list(range(num_layers))
+    if layers is None:
+        return hybrid_layers(num_layers)
+    out = sorted({int(i) for i in layers})
+    bad = [i for i in out if not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(f"layer indices {bad} are out of range for a transformer with {num_layers} layers")
+    return out
+
+
+def parse_layers(spec: str) -> list[int]:
+    """``"1,2,4-6"`` -> ``[1, 2, 4, 5, 6]``."""
+    out = []
+    for part in spec.replace(" ", "").split(","):
+        if not part:
+            continue
+        try:
+            if "-" in part:
+                a, b = (int(x) for x in part.split("-"))
+                out += list(range(a, b + 1))
+            else:
+                out.append(int(part))
+        except ValueError:
+            raise ValueError(f"layers must look like '1,2,4-6', got {spec!r}") from None
+    return out
+
+
+def fit_blocks(blocks: Grid, grid: Grid) -> Grid:
+    """The block count used on ``grid``: ``blocks``, capped per axis at the grid's cell count."""
+    return tuple(min(b, s) for b, s in zip(blocks, grid, strict=True))  # type: ignore[return-value]
+
+
+@lru_cache(maxsize=64)
+def _layout(grid: Grid, blocks: Grid) -> mhla.BlockLayout:
+    # a layout caches its index tensors; build one per (grid, blocks), not one per layer and step
+    return mhla.BlockLayout(grid, blocks)
+
+
+def _nearest(src: int, dst: int) -> torch.Tensor:
+    """For each of ``src`` segments of [0, 1], the index of the ``dst`` segment with the nearest centre."""
+    a = (torch.arange(src, dtype=torch.float64) + 0.5) / src
+    b = (torch.arange(dst, dtype=torch.float64) + 0.5) / dst
+    return (a[:, None] - b[None, :]).abs().argmin(dim=1)  # ties go to the lower index
+
+
+@lru_cache(maxsize=64)
+def _block_map(src: Grid, dst: Grid) -> torch.Tensor:
+    """``(prod(src),)`` id in ``dst`` of the block whose centre is nearest each block of ``src``."""
+    f, h, w = (_nearest(s, d) for s, d in zip(src, dst, strict=True))
+    return ((f[:, None, None] * dst[1] + h[None, :, None]) * dst[2] + w[None, None, :]).reshape(-1)
+
+
+def resample_mixing(mixing: torch.Tensor, blocks: Grid, new_blocks: Grid) -> torch.Tensor:
+    """Adapts an ``(M, M)`` (or ``(H, M, M)``) mixing matrix of layout ``blocks`` to ``new_blocks``.
+
+    Used when a grid has fewer cells on an axis than the model has blocks (e.g. few frames), so the
+    layout must shrink. Block centres are compared in normalised coordinates ([0, 1] per axis):
+    new query block ``a`` takes the row of the old block nearest its centre, and each old key block's
+    weight goes to the new block nearest it (so weights of merged blocks add up). Rows are then
+    renormalised. Differentiable; with ``new_blocks == blocks`` it returns ``mixing`` unchanged.
+    """
+    if tuple(new_blocks) == tuple(blocks):
+        return mixing
+    blocks, new_blocks = tuple(blocks), tuple(new_blocks)
+    rows = _block_map(new_blocks, blocks).to(mixing.device)
+    cols = _block_map(blocks, new_blocks).to(mixing.device)
+    m_new = math.prod(new_blocks)
+    picked = mixing[..., rows, :]
+    out = picked.new_zeros(*picked.shape[:-1], m_new).index_add(-1, cols, picked)
+    return out / out.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(out.dtype).tiny)
+
+
+class LinearSelfAttention(nn.Module):
+    """The new parameters and the attention core of one converted self-attention layer.
+
+    ``kind="mhla"`` owns an :class:`mhla.MHLA` (mixing matrix, ``.mhla.mixing.weight``);
+    ``kind="linear"`` is vanilla linear attention (no mixing). Both optionally own an output
+    per-head RMSNorm (``.norm_out``) and an output gate (``.gate``).
+    """
+
+    def __init__(self, kind: str, dim: int, num_heads: int, head_dim: int, options: AttentionOptions):
+        super().__init__()
+        if kind not in PARAM_ATTRS:
+            raise ValueError(f"kind must be one of {tuple(PARAM_ATTRS)}, got {kind!r}")
+        self.kind = kind
+        self.options = options
+        self.mhla = None
+        if kind == "mhla":
+            self.mhla = mhla.MHLA(
+                options.blocks,
+                feature_map=options.feature_map,
+                normalize=options.normalize,
+                eps=options.eps,
+                mixing_init=options.mixing_init,
+                learnable_mixing=options.learnable_mixing,
+                per_head_mixing=options.per_head_mixing,
+                num_heads=num_heads,
+            )
+        self.norm_out = nn.RMSNorm(head_dim, eps=1e-6) if options.output_norm == "rms_head" else None
+        self.gate = None
+        if options.output_gate:
+            self.gate = nn.Linear(dim, num_heads * head_dim)
+            nn.init.zeros_(self.gate.weight)
+            nn.init.zeros_(self.gate.bias)
+
+    def layout_for(self, grid: Grid) -> tuple[mhla.BlockLayout, bool]:
+        """The layout used on ``grid`` and whether it was shrunk from the model's block count."""
+        grid = tuple(int(x) for x in grid)
+        blocks = fit_blocks(self.options.blocks, grid)
+        return _layout(grid, blocks), blocks != self.options.blocks
+
+    def forward(self, q, k, v, grid: Grid | None, rotary_emb=None, x: torch.Tensor | None = None) -> torch.Tensor:
+        """q, k, v ``(B, N, H, D)``; ``grid`` ``(F, H, W)`` with ``F*H*W == N`` (MHLA only);
+        ``x`` the layer input ``(B, N, dim)`` (gate only). Returns ``(B, N, H, D)``."""
+        rope = rotary_emb if self.options.rope else None
+        out_dtype = q.dtype
+        # The operator computes in float32 anyway, so upcasting here costs nothing extra; it keeps the
+        # un-normalised output (phi(q) S grows with the token count) in float32 until the RMSNorm, where
+        # float16 could overflow at ~30k tokens.
+        compute = torch.promote_types(q.dtype, torch.float32)
+        q, k, v = q.to(compute), k.to(compute), v.to(compute)
+        if self.mhla is None:
+            out = mhla.linear_attention(
+                q, k, v, self.options.feature_map, self.options.normalize, rope, self.options.eps
+            )
+        else:
+            if grid is None:
+                raise RuntimeError(
+                    "MHLA needs the latent-token grid (F, H, W) but none was recorded; convert the model with "
+                    "pipelines.convert_self_attention, which installs the hook that records it"
+                )
+            layout, shrunk = self.layout_for(grid)
+            if shrunk:
+                mixing = resample_mixing(self.mhla.mixing(), self.options.blocks, layout.blocks)
+                out = mhla.mhla_attention(
+                    q, k, v, layout, mixing, self.options.feature_map, self.options.normalize, rope, self.options.eps
+                )
+            else:
+                out = self.mhla(q, k, v, grid, rope)
+        if self.norm_out is not None:
+            norm = self.norm_out
+            out = F.rms_norm(out, (out.shape[-1],), norm.weight.to(out.dtype), norm.eps)
+        if self.gate is not None:
+            out = out * (2.0 * torch.sigmoid(self.gate(x))).unflatten(-1, (out.shape[2], -1)).to(out.dtype)
+        return out.to(out_dtype)
+
+    def extra_repr(self) -> str:
+        return f"kind={self.kind!r}"
+
+
+@dataclass
+class SelfAttentionContext:
+    """State shared by the self-attention processors of one transformer.
+
+    ``grid``: the latent-token grid of the current forward, set by the transformer's pre-hook.
+    ``timer``: accumulates time inside self-attention when enabled.
+    ``softmax_backend``: name of the backend the last softmax layer ran on.
+    ``layouts``: the MHLA layout used in the last forward, as text (one entry per distinct layout).
+    """
+
+    grid: Grid | None = None
+    timer: AttentionTimer = field(default_factory=AttentionTimer)
+    softmax_backend: str | None = None
+    layouts: set = field(default_factory=set)
+
+
+class SelfAttentionProcessor:
+    """Base processor for a Wan self-attention layer (``attn1``): projections, q/k norms, heads.
+
+    Subclasses implement :meth:`attend` on ``(B, N, H, D)`` tensors. Called by ``WanAttention`` as
+    ``(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)``.
+    """
+
+    variant = ""
+
+    def __init__(self, context: SelfAttentionContext, layer: int):
+        self.context = context
+        self.layer = layer
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
+        if encoder_hidden_states is not None:
+            raise ValueError(f"{type(self).__name__} is for self-attention (attn1) only; it got encoder_hidden_states")
+        if attention_mask is not None:
+            raise ValueError(f"{type(self).__name__} does not support an attention_mask (Wan never passes one)")
+        if getattr(attn, "fused_projections", False):
+            query, key, value = attn.to_qkv(hidden_states).chunk(3, dim=-1)
+        else:
+            query, key, value = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
+        # Wan's q/k RMSNorm spans all heads, so it runs before the head split, as in diffusers' processor.
+        query = attn.norm_q(query).unflatten(2, (attn.heads, -1))
+        key = attn.norm_k(key).unflatten(2, (attn.heads, -1))
+        value = value.unflatten(2, (attn.heads, -1))
+        with self.context.timer.measure(query.device):
+            out = self.attend(attn, query, key, value, rotary_emb, hidden_states)
+        out = out.flatten(2, 3).type_as(query)
+        return attn.to_out[1](attn.to_out[0](out))
+
+    def attend(self, attn, q, k, v, rotary_emb, hidden_states) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(layer={self.layer})"
+
+
+class SoftmaxSelfAttnProcessor(SelfAttentionProcessor):
+    """Softmax self-attention (the ``flash`` variant) through :func:`mhla.softmax_attention`."""
+
+    variant = "flash"
+
+    def __init__(self, context: SelfAttentionContext, layer: int, backend: str = "auto"):
+        super().__init__(context, layer)
+        self.backend = backend
+
+    def attend(self, attn, q, k, v, rotary_emb, hidden_states):
+        if rotary_emb is not None:
+            # same rotation as diffusers' WanAttnProcessor, computed in float32, back to the input dtype
+            q = mhla.apply_rotary(q, rotary_emb).type_as(v)
+            k = mhla.apply_rotary(k, rotary_emb).type_as(v)
+        out = mhla.softmax_attention(q, k, v, backend=self.backend)
+        self.context.softmax_backend = mhla.last_softmax_backend()
+        return out
+
+
+class LinearSelfAttnProcessor(SelfAttentionProcessor):
+    """Linear or MHLA self-attention through the layer's :class:`LinearSelfAttention` submodule."""
+
+    def __init__(self, context: SelfAttentionContext, layer: int, kind: str):
+        super().__init__(context, layer)
+        self.kind = kind
+        self.variant = kind
+
+    def attend(self, attn, q, k, v, rotary_emb, hidden_states):
+        module: LinearSelfAttention = getattr(attn, PARAM_ATTRS[self.kind])
+        if module.mhla is not None and self.context.grid is not None:
+            layout, shrunk = module.layout_for(self.context.grid)
+            note = f" (shrunk from {'x'.join(map(str, module.options.blocks))})" if shrunk else ""
+            self.context.layouts.add(f"{layout}{note}")
+        return module(q, k, v, self.context.grid, rotary_emb, hidden_states)

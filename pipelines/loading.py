@@ -1,0 +1,270 @@
+"""Loading Wan2.1 T2V components from a local diffusers-format directory, or the built-in tiny model.
+
+Nothing is ever fetched from a hub: a path that is missing or incomplete raises an error that lists the
+files expected. Text encoder and VAE are loaded once and shared; transformers (one per variant, or one
+switched between variants) are loaded with :func:`load_transformer`, which rebuilds the saved variant.
+"""
+
+from __future__ import annotations
+
+import json
+import logging as _logging
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .attention import PARAM_ATTRS, AttentionOptions
+from .convert import CONFIG_KEY, add_attention_parameters, convert_self_attention
+from .tiny import TINY_BLOCK_SHAPE, TINY_DEFAULTS, WAN_DEFAULTS, build_tiny_components
+
+WEIGHTS = ("diffusion_pytorch_model.safetensors", "model.safetensors")
+# What a diffusers-format Wan2.1 T2V directory must contain (weights: a single file or a sharded index).
+EXPECTED = {
+    "model_index.json": "model_index.json",
+    "scheduler": "scheduler/scheduler_config.json",
+    "tokenizer": "tokenizer/tokenizer_config.json",
+    "text_encoder": "text_encoder/config.json + model.safetensors (or model.safetensors.index.json)",
+    "transformer": "transformer/config.json + diffusion_pytorch_model.safetensors (or .safetensors.index.json)",
+    "vae": "vae/config.json + diffusion_pytorch_model.safetensors",
+}
+
+
+@dataclass
+class WanComponents:
+    """The parts of a Wan2.1 T2V model, loaded once and shared by every variant.
+
+    ``transformer`` is the default transformer (callers may keep others, one per variant).
+    ``random_weights`` is True for the built-in tiny model: its output is noise and must be labelled so.
+    ``defaults``: height, width, num_frames, num_inference_steps, guidance_scale suited to the model.
+    ``block_shape``: target block shape in tokens for the default MHLA layout (paper: 3x10x10).
+    """
+
+    tokenizer: object
+    text_encoder: torch.nn.Module
+    vae: torch.nn.Module
+    scheduler: object
+    transformer: torch.nn.Module
+    source: str
+    random_weights: bool
+    device: torch.device
+    dtype: torch.dtype
+    defaults: dict = field(default_factory=dict)
+    block_shape: tuple[int, int, int] = (3, 10, 10)
+
+
+def resolve_device(device: str | torch.device | None = None) -> torch.device:
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(device)!r} was asked for, but CUDA is not available here")
+    return device
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """``"auto"``/None: bfloat16 on GPU, float32 on CPU (CPU half precision is slow and lossy)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {('auto', *DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def _has_weights(folder: Path, name: str) -> bool:
+    return (folder / name).is_file() or (folder / f"{name}.index.json").is_file()
+
+
+def missing_model_files(model_dir: str | Path) -> list[str]:
+    """The expected files of a diffusers-format Wan2.1 T2V directory that ``model_dir`` lacks."""
+    root = Path(model_dir)
+    missing = []
+    if not (root / "model_index.json").is_file():
+        missing.append(EXPECTED["model_index.json"])
+    if not (root / "scheduler" / "scheduler_config.json").is_file():
+        missing.append(EXPECTED["scheduler"])
+    tok = root / "tokenizer"
+    if not (tok / "tokenizer_config.json").is_file() and not (tok / "tokenizer.json").is_file():
+        missing.append(EXPECTED["tokenizer"])
+    for part, weights in (("text_encoder", "model.safetensors"), ("transformer", WEIGHTS[0]), ("vae", WEIGHTS[0])):
+        folder = root / part
+        if not (folder / "config.json").is_file() or not _has_weights(folder, weights):
+            missing.append(EXPECTED[part])
+    return missing
+
+
+def check_model_dir(model_dir: str | Path) -> Path:
+    """Raises ``FileNotFoundError`` naming what is missing unless ``model_dir`` is a complete Wan2.1 T2V dir."""
+    root = Path(model_dir)
+    if not root.is_dir():
+        raise FileNotFoundError(
+            f"model directory {str(root)!r} does not exist; expected a local diffusers-format Wan2.1 T2V directory "
+            f"({', '.join(EXPECTED.values())}), or no --model for the built-in tiny model"
+        )
+    missing = missing_model_files(root)
+    if missing:
+        raise FileNotFoundError(
+            f"model directory {str(root)!r} is incomplete (nothing is downloaded); missing: " + "; ".join(missing)
+        )
+    return root
+
+
+@contextmanager
+def _quiet_diffusers():
+    # from_pretrained warns about the config key and weights it does not know (ours); we load both ourselves.
+    import diffusers
+
+    logger = diffusers.utils.logging.get_logger("diffusers")
+    level = logger.level
+    logger.setLevel(_logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    single = folder / WEIGHTS[0]
+    if single.is_file():
+        return [single]
+    index = folder / f"{WEIGHTS[0]}.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / s for s in shards]
+    raise FileNotFoundError(f"{str(folder)!r} has no {WEIGHTS[0]} (or its .index.json)")
+
+
+def load_transformer(
+    path: str | Path, dtype: str | torch.dtype | None = "auto", device: str | torch.device | None = "auto"
+):
+    """Loads a ``WanTransformer3DModel`` saved with ``save_pretrained``, as the variant it was saved as.
+
+    A plain Wan transformer loads as ``flash``. A converted one has a ``self_attention`` entry in its
+    ``config.json``: the base weights load through diffusers' ``from_pretrained``, then the variant's
+    parameters are rebuilt and their saved values loaded from the safetensors files. Every parameter
+    the saved config promises must be found, or ``ValueError`` names the missing keys.
+    ``dtype``/``device``: as :func:`load_components` (default bfloat16 on GPU, float32 on CPU).
+    """
+    from diffusers import WanTransformer3DModel
+    from safetensors import safe_open
+
+    folder = Path(path)
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{str(folder)!r} has no config.json; expected a save_pretrained transformer folder")
+    state = json.loads(config_file.read_text()).get(CONFIG_KEY)
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
+    with _quiet_diffusers():
+        model = WanTransformer3DModel.from_pretrained(folder, dtype=dtype).to(device).eval()
+    if not state:
+        return convert_self_attention(model, "flash")
+    # diffusers passes unknown config keys through today; set ours explicitly so that never matters
+    model.register_to_config(**{CONFIG_KEY: state})
+
+    options = AttentionOptions.from_dict(state["options"])
+    # rebuild every parameter holder the checkpoint has (possibly more than the active variant uses)
+    for kind, layers in state["parameters"].items():
+        add_attention_parameters(model, kind, layers, options)
+    wanted = {k for k in model.state_dict() if any(f".attn1.{a}." in k for a in PARAM_ATTRS.values())}
+    found = {}
+    for file in _weight_files(folder):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for key in wanted.intersection(f.keys()):
+                found[key] = f.get_tensor(key)
+    missing = sorted(wanted - set(found))
+    if missing:
+        raise ValueError(f"checkpoint {str(folder)!r} lacks {len(missing)} attention parameters, e.g. {missing[:4]}")
+    model.load_state_dict(found, strict=False)
+    layers = state["linear_layers"] if state["variant"] == "mhla-hybrid" else None
+    return convert_self_attention(model, state["variant"], layers, options, allow_new_parameters=False)
+
+
+def save_transformer(transformer, path: str | Path) -> None:
+    """``save_pretrained`` in safetensors; the variant travels in ``config.json`` (see :mod:`pipelines.convert`)."""
+    transformer.save_pretrained(str(path), safe_serialization=True)
+
+
+def _load_scheduler(folder: Path):
+    """The scheduler class the directory names (Wan2.1 ships UniPCMultistepScheduler with flow_shift 3.0)."""
+    import diffusers
+
+    name = json.loads((folder / "scheduler_config.json").read_text()).get("_class_name", "UniPCMultistepScheduler")
+    cls = getattr(diffusers, name, None)
+    if cls is None or not hasattr(cls, "from_pretrained"):
+        raise ValueError(f"{str(folder)!r} names scheduler class {name!r}, which diffusers does not have")
+    return cls.from_pretrained(folder)
+
+
+def _cast(model, device: torch.device, dtype: torch.dtype):
+    """``model.to(device, dtype)`` keeping the modules diffusers keeps in float32 (norms, time embedding,
+    RoPE), as ``from_pretrained(dtype=...)`` does."""
+    model = model.to(device)
+    if dtype == torch.float32:
+        return model
+    keep = getattr(model, "_keep_in_fp32_modules", None) or []
+    for name, module in model.named_modules():
+        if not any(k in name.split(".") for k in keep):
+            for p in module.parameters(recurse=False):
+                p.data = p.data.to(dtype)
+    return model
+
+
+def load_components(
+    model_dir: str | Path | None = None,
+    dtype: str | torch.dtype | None = "auto",
+    device: str | torch.device | None = "auto",
+    seed: int = 0,
+) -> WanComponents:
+    """Loads a local Wan2.1 T2V directory, or builds the tiny random-weight model when ``model_dir`` is None.
+
+    The transformer and text encoder get ``dtype`` (default bfloat16 on GPU, float32 on CPU); the VAE
+    stays float32, as in diffusers' Wan examples, because its decode is sensitive to precision.
+    ``seed`` only affects the tiny model's random weights.
+    """
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
+    if model_dir is None:
+        parts = build_tiny_components(seed)
+        transformer = convert_self_attention(_cast(parts["transformer"], device, dtype), "flash")
+        return WanComponents(
+            tokenizer=parts["tokenizer"],
+            text_encoder=parts["text_encoder"].to(device, dtype),
+            vae=parts["vae"].to(device),
+            scheduler=parts["scheduler"],
+            transformer=transformer,
+            source=f"built-in tiny Wan2.1 (seed {seed}, RANDOM weights)",
+            random_weights=True,
+            device=device,
+            dtype=dtype,
+            defaults=dict(TINY_DEFAULTS),
+            block_shape=TINY_BLOCK_SHAPE,
+        )
+
+    root = check_model_dir(model_dir)
+    from diffusers import AutoencoderKLWan
+    from transformers import AutoTokenizer, UMT5EncoderModel
+
+    tokenizer = AutoTokenizer.from_pretrained(root / "tokenizer")
+    text_encoder = UMT5EncoderModel.from_pretrained(root / "text_encoder", dtype=dtype).to(device).eval()
+    vae = AutoencoderKLWan.from_pretrained(root / "vae", dtype=torch.float32).to(device).eval()
+    scheduler = _load_scheduler(root / "scheduler")
+    transformer = load_transformer(root / "transformer", dtype=dtype, device=device)
+    return WanComponents(
+        tokenizer=tokenizer,
+        text_encoder=text_encoder,
+        vae=vae,
+        scheduler=scheduler,
+        transformer=transformer,
+        source=str(root),
+        random_weights=False,
+        device=device,
+        dtype=dtype,
+        defaults=dict(WAN_DEFAULTS),
+    )

@@ -1,0 +1,145 @@
+"""Timers for generation and a printable timing table.
+
+GPU work is asynchronous, so wall-clock stages synchronise the device before reading the clock
+(:func:`sync`), and time inside self-attention is measured with CUDA events, which cost no sync per call.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+
+def sync(device: torch.device | str | None) -> None:
+    """Waits for queued GPU work on ``device`` (no-op on CPU), so a wall clock read after it is honest."""
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class AttentionTimer:
+    """Accumulates time spent inside self-attention while :attr:`enabled`.
+
+    On CPU: wall clock (``time.perf_counter``) around each call. On CUDA: a pair of events per call,
+    summed by :meth:`seconds` after one synchronisation.
+    """
+
+    def __init__(self):
+        self.enabled = False
+        self.calls = 0
+        self._cpu_seconds = 0.0
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def reset(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.calls = 0
+        self._cpu_seconds = 0.0
+        self._events = []
+
+    @contextmanager
+    def measure(self, device: torch.device):
+        if not self.enabled:
+            yield
+            return
+        self.calls += 1
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._events.append((start, end))
+        else:
+            t0 = time.perf_counter()
+            yield
+            self._cpu_seconds += time.perf_counter() - t0
+
+    def seconds(self) -> float:
+        """Total measured seconds (synchronises the GPU when CUDA events were recorded)."""
+        if self._events:
+            self._events[-1][1].synchronize()
+        return self._cpu_seconds + sum(s.elapsed_time(e) for s, e in self._events) / 1000.0
+
+
+@dataclass
+class Timing:
+    """Where the time of one generation went. Seconds unless named otherwise."""
+
+    variant: str
+    device: str
+    dtype: str
+    total: float = 0.0
+    text_encoding: float = 0.0
+    denoising: float = 0.0
+    steps: list[float] = field(default_factory=list)
+    vae_decode: float = 0.0
+    self_attention: float = 0.0
+    self_attention_calls: int = 0
+    peak_memory_bytes: int | None = None
+    num_tokens: int = 0
+    grid: tuple[int, int, int] = (0, 0, 0)
+    layout: str = "-"
+    num_blocks: int | None = None
+    softmax_backend: str | None = None
+    random_weights: bool = False
+
+    @property
+    def per_step(self) -> float:
+        return sum(self.steps) / len(self.steps) if self.steps else 0.0
+
+    def as_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["per_step"] = self.per_step
+        return d
+
+
+def _peak(b: int | None) -> str:
+    return "n/a (CPU)" if b is None else f"{b / 2**30:.2f} GiB"
+
+
+def format_timing(timing: Timing) -> str:
+    """One generation's timing as a two-column table."""
+    f, h, w = timing.grid
+    rows = [
+        ("variant", timing.variant + ("  (RANDOM WEIGHTS: output is noise)" if timing.random_weights else "")),
+        ("device / dtype", f"{timing.device} / {timing.dtype}"),
+        ("tokens (F x H x W)", f"{timing.num_tokens} ({f}x{h}x{w})"),
+        ("MHLA layout", timing.layout),
+        ("softmax backend", timing.softmax_backend or "-"),
+        ("total", f"{timing.total:.3f} s"),
+        ("text encoding", f"{timing.text_encoding:.3f} s"),
+        ("denoising", f"{timing.denoising:.3f} s ({len(timing.steps)} steps)"),
+        ("per step", f"{timing.per_step:.3f} s"),
+        ("inside self-attention", f"{timing.self_attention:.3f} s ({timing.self_attention_calls} calls)"),
+        ("VAE decode", f"{timing.vae_decode:.3f} s"),
+        ("peak GPU memory", _peak(timing.peak_memory_bytes)),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
+
+
+def format_comparison(timings: list[Timing]) -> str:
+    """Several generations side by side, one row per variant (for READMEs and benchmarks)."""
+    head = ("variant", "tokens", "M", "total s", "text s", "denoise s", "step s", "attn s", "VAE s", "peak", "softmax")
+    rows = [head]
+    for t in timings:
+        rows.append(
+            (
+                t.variant,
+                str(t.num_tokens),
+                "-" if t.num_blocks is None else str(t.num_blocks),
+                f"{t.total:.3f}",
+                f"{t.text_encoding:.3f}",
+                f"{t.denoising:.3f}",
+                f"{t.per_step:.3f}",
+                f"{t.self_attention:.3f}",
+                f"{t.vae_decode:.3f}",
+                "-" if t.peak_memory_bytes is None else f"{t.peak_memory_bytes / 2**30:.2f}G",
+                t.softmax_backend or "-",
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |" for r in rows]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)

@@ -1,0 +1,80 @@
+"""The built-in tiny Wan2.1 model: real Wan architecture, tiny sizes, RANDOM weights.
+
+It exists so the whole product (conversion, generation, video writing, the app, CI) runs on a
+2-core CPU in seconds with nothing downloaded. Its weights are random: its videos are noise, and
+everything that shows them must say so (see :attr:`pipelines.loading.WanComponents.random_weights`).
+
+Parts, all built deterministically from ``seed``:
+- ``WanTransformer3DModel``: 30 layers like Wan2.1-1.3B (so ``mhla-hybrid`` converts 20 of 30), 2 heads x 16.
+- ``AutoencoderKLWan``: z_dim 16 (Wan2.1's latent channels, so the default latents_mean/std fit),
+  strides 4 x 8 x 8 like the real VAE, 8 base channels.
+- ``UMT5EncoderModel`` from a small ``UMT5Config`` (d_model 32, 2 layers).
+- ``ByT5Tokenizer``: byte-level, needs no vocabulary file.
+- ``UniPCMultistepScheduler`` with Wan's flow settings (shift 3.0).
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Tiny analogue of the paper's 3x10x10-token blocks: on the tiny default 3x4x6 grid the default rule
+# (mhla.default_blocks with this shape) gives several blocks instead of one.
+TINY_BLOCK_SHAPE = (1, 2, 2)
+TINY_DEFAULTS = {"height": 64, "width": 96, "num_frames": 9, "num_inference_steps": 4, "guidance_scale": 5.0}
+# The released Wan2.1 T2V defaults (diffusers' WanPipeline): 480x832, 81 frames, 50 steps, CFG 5.
+WAN_DEFAULTS = {"height": 480, "width": 832, "num_frames": 81, "num_inference_steps": 50, "guidance_scale": 5.0}
+
+TINY_TRANSFORMER = dict(
+    patch_size=(1, 2, 2),
+    num_attention_heads=2,
+    attention_head_dim=16,
+    in_channels=16,
+    out_channels=16,
+    text_dim=32,
+    freq_dim=32,
+    ffn_dim=64,
+    num_layers=30,
+    rope_max_seq_len=1024,
+)
+TINY_VAE = dict(
+    base_dim=8,
+    z_dim=16,
+    dim_mult=[1, 1, 1, 1],
+    num_res_blocks=0,
+    temperal_downsample=[False, True, True],
+)
+TINY_TEXT_ENCODER = dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, relative_attention_num_buckets=8)
+
+
+def build_tiny_transformer(seed: int = 0, num_layers: int = 30, **overrides):
+    """A random-weight ``WanTransformer3DModel`` of the tiny config (float32, CPU)."""
+    from diffusers import WanTransformer3DModel
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return WanTransformer3DModel(**{**TINY_TRANSFORMER, "num_layers": num_layers, **overrides}).eval()
+
+
+def build_tiny_components(seed: int = 0) -> dict:
+    """``tokenizer, text_encoder, vae, scheduler, transformer`` of the tiny model (float32, CPU, eval mode).
+
+    Same ``seed`` -> bit-identical weights. Takes well under a second.
+    """
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler
+    from transformers import ByT5Tokenizer, UMT5Config, UMT5EncoderModel
+
+    tokenizer = ByT5Tokenizer()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        text_encoder = UMT5EncoderModel(UMT5Config(vocab_size=len(tokenizer), **TINY_TEXT_ENCODER)).eval()
+        torch.manual_seed(seed + 1)
+        vae = AutoencoderKLWan(**TINY_VAE).eval()
+    transformer = build_tiny_transformer(seed + 2)
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+    return {
+        "tokenizer": tokenizer,
+        "text_encoder": text_encoder,
+        "vae": vae,
+        "scheduler": scheduler,
+        "transformer": transformer,
+    }

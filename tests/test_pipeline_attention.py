@@ -1,0 +1,257 @@
+"""Conversion of the Wan transformer's self-attention: what changes, what does not, and the math."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import mhla
+from pipelines.attention import (
+    AttentionOptions,
+    LinearSelfAttnProcessor,
+    SoftmaxSelfAttnProcessor,
+    hybrid_layers,
+    linear_layers_for,
+    parse_layers,
+    resample_mixing,
+)
+from pipelines.convert import convert_self_attention, self_attention_state, set_variant
+from pipelines.tiny import build_tiny_transformer
+
+
+def _inputs(grid=(3, 4, 6), seed=0, text_tokens=8):
+    """Seeded transformer inputs for a latent-token grid (patch 1x2x2 -> latent H, W twice the grid)."""
+    g = torch.Generator().manual_seed(seed)
+    f, h, w = grid
+    return dict(
+        hidden_states=torch.randn(1, 16, f, 2 * h, 2 * w, generator=g),
+        timestep=torch.tensor([700]),
+        encoder_hidden_states=torch.randn(1, text_tokens, 32, generator=g),
+        return_dict=False,
+    )
+
+
+def _forward(model, grid=(3, 4, 6), seed=0):
+    with torch.no_grad():
+        return model(**_inputs(grid, seed))[0]
+
+
+@pytest.fixture(scope="module")
+def base_state():
+    return {k: v.clone() for k, v in build_tiny_transformer(seed=3).state_dict().items()}
+
+
+@pytest.mark.parametrize("variant", ["flash", "linear", "mhla", "mhla-hybrid"])
+def test_conversion_changes_only_requested_self_attention(variant, base_state):
+    model = build_tiny_transformer(seed=3)
+    cross_before = {n: p for n, p in model.attn_processors.items() if ".attn2." in n}
+    convert_self_attention(model, variant, options=AttentionOptions(blocks=(2, 2, 3)))
+
+    expected = {"flash": [], "linear": list(range(30)), "mhla": list(range(30)), "mhla-hybrid": hybrid_layers(30)}
+    targets = expected[variant]
+    if variant == "mhla-hybrid":
+        assert len(targets) == 20 and all(i % 3 != 0 for i in targets)
+
+    state = model.state_dict()
+    # every pretrained tensor (cross-attention, FFN, norms, q/k/v/out projections...) is byte-identical
+    for key, before in base_state.items():
+        assert torch.equal(state[key], before), key
+    # the only new tensors are the variant's own parameters, in exactly the requested layers
+    new_keys = set(state) - set(base_state)
+    attr = "linear_attn" if variant == "linear" else "mhla"
+    assert {int(k.split(".")[1]) for k in new_keys} == set(targets)
+    assert all(f".attn1.{attr}." in k for k in new_keys)
+    if variant in ("mhla", "mhla-hybrid"):
+        mixing = [k for k in new_keys if k.endswith("mixing.weight")]
+        assert len(mixing) == len(targets)
+        assert state[mixing[0]].shape == (12, 12)
+
+    procs = model.attn_processors
+    for i in range(30):
+        p = procs[f"blocks.{i}.attn1.processor"]
+        assert isinstance(p, LinearSelfAttnProcessor if i in targets else SoftmaxSelfAttnProcessor)
+    for name, proc in cross_before.items():
+        assert procs[name] is proc  # cross-attention processors are the very same objects
+    assert self_attention_state(model)["linear_layers"] == targets
+    assert model.config["self_attention"]["variant"] == variant
+
+
+def test_one_processor_instance_per_layer():
+    model = convert_self_attention(build_tiny_transformer(seed=3), "mhla-hybrid")
+    procs = [p for n, p in model.attn_processors.items() if ".attn1." in n]
+    assert len({id(p) for p in procs}) == 30
+
+
+def test_flash_matches_diffusers_processor():
+    model = build_tiny_transformer(seed=4)
+    reference = _forward(model)
+    convert_self_attention(model, "flash")
+    out = _forward(model)
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+    assert model.blocks[0].attn1.processor.context.softmax_backend is not None
+
+
+def _capture_layer(model, layer: int):
+    """Hooks that record q, k, v (after norm_q/norm_k), rotary_emb and the attention output before to_out."""
+    attn = model.blocks[layer].attn1
+    seen = {}
+    hooks = [
+        attn.norm_q.register_forward_hook(lambda m, a, out: seen.__setitem__("q", out)),
+        attn.norm_k.register_forward_hook(lambda m, a, out: seen.__setitem__("k", out)),
+        attn.to_v.register_forward_hook(lambda m, a, out: seen.__setitem__("v", out)),
+        attn.register_forward_pre_hook(lambda m, a: seen.__setitem__("rope", a[3])),
+        attn.to_out[0].register_forward_pre_hook(lambda m, a: seen.__setitem__("out", a[0])),
+    ]
+    return seen, hooks
+
+
+@pytest.mark.parametrize(
+    "grid,blocks,normalize,output_norm",
+    [
+        ((3, 4, 6), (3, 2, 2), False, "rms_head"),  # paper's Wan settings, even split
+        ((3, 5, 13), (2, 2, 5), True, "none"),  # uneven split (tiny analogue of 21x30x52), normalizer on
+        ((1, 4, 6), (3, 2, 2), False, "rms_head"),  # fewer frames than frame blocks: layout shrinks to 1x2x2
+    ],
+)
+def test_mhla_layer_equals_dense_reference(grid, blocks, normalize, output_norm):
+    model = build_tiny_transformer(seed=5, num_layers=3)
+    options = AttentionOptions(blocks=blocks, normalize=normalize, output_norm=output_norm)
+    convert_self_attention(model, "mhla", options=options)
+    module = model.blocks[1].attn1.mhla
+    with torch.no_grad():  # a trained-looking, non-local mixing matrix
+        module.mhla.mixing.weight.add_(
+            torch.rand(module.mhla.mixing.weight.shape, generator=torch.Generator().manual_seed(0))
+        )
+        if module.norm_out is not None:
+            module.norm_out.weight.normal_()
+    seen, hooks = _capture_layer(model, 1)
+    _forward(model, grid)
+    for h in hooks:
+        h.remove()
+
+    heads = model.blocks[1].attn1.heads
+    q, k, v = (seen[n].unflatten(2, (heads, -1)).double() for n in ("q", "k", "v"))
+    fitted = tuple(min(b, s) for b, s in zip(blocks, grid, strict=True))
+    layout = mhla.BlockLayout(grid, fitted)
+    mixing = resample_mixing(module.mhla.mixing().double(), blocks, fitted)
+    ref = mhla.mhla_attention_dense(
+        q, k, v, layout, mixing, feature_map="relu", normalize=normalize, rotary_emb=seen["rope"]
+    )
+    if module.norm_out is not None:
+        ref = torch.nn.functional.rms_norm(ref, (ref.shape[-1],), module.norm_out.weight.double(), 1e-6)
+    torch.testing.assert_close(seen["out"].double(), ref.flatten(2, 3), rtol=2e-4, atol=2e-5)
+    assert math.prod(seen["q"].shape[:2]) == math.prod(grid)
+
+
+def test_linear_layer_equals_dense_reference():
+    model = build_tiny_transformer(seed=6, num_layers=2)
+    convert_self_attention(model, "linear", options=AttentionOptions(normalize=True, output_norm="none"))
+    seen, hooks = _capture_layer(model, 0)
+    _forward(model)
+    for h in hooks:
+        h.remove()
+    q, k, v = (seen[n].unflatten(2, (2, -1)).double() for n in ("q", "k", "v"))
+    ref = mhla.linear_attention_dense(q, k, v, normalize=True, rotary_emb=seen["rope"])
+    torch.testing.assert_close(seen["out"].double(), ref.flatten(2, 3), rtol=2e-4, atol=2e-5)
+
+
+def test_resample_mixing_to_one_frame_block():
+    layout = mhla.BlockLayout((21, 30, 50), (7, 3, 5))
+    m = mhla.locality_init(layout).float()
+    out = resample_mixing(m, (7, 3, 5), (1, 3, 5))
+    assert out.shape == (15, 15)
+    # one frame block sits at the centre: its rows are those of the middle frame block (3 of 7),
+    # and the weights of all 7 frame blocks fold onto the one that is left
+    expected = m.view(7, 15, 7, 15)[3].sum(dim=1)
+    torch.testing.assert_close(out, expected / expected.sum(-1, keepdim=True))
+    torch.testing.assert_close(out.sum(-1), torch.ones(15))
+    assert resample_mixing(m, (7, 3, 5), (7, 3, 5)) is m
+
+
+def test_resample_mixing_per_head_and_differentiable():
+    m = torch.rand(4, 12, 12, requires_grad=True)
+    out = resample_mixing(m, (3, 2, 2), (2, 1, 2))
+    assert out.shape == (4, 4, 4)
+    assert (out >= 0).all()
+    torch.testing.assert_close(out.sum(-1), torch.ones(4, 4))
+    out[..., 0].sum().backward()
+    assert m.grad is not None and m.grad.abs().sum() > 0
+
+
+def test_variant_switch_keeps_weights():
+    model = build_tiny_transformer(seed=7, num_layers=6)
+    flash = _forward(model)
+    convert_self_attention(model, "mhla", options=AttentionOptions(blocks=(3, 2, 2)))
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn1.mhla.mhla.mixing.weight.uniform_(0.0, 1.0)
+    mixed = _forward(model)
+    assert not torch.allclose(mixed, flash)
+
+    set_variant(model, "flash")
+    torch.testing.assert_close(_forward(model), flash, rtol=1e-5, atol=1e-5)
+    set_variant(model, "mhla")
+    torch.testing.assert_close(_forward(model), mixed, rtol=0, atol=0)
+    set_variant(model, "mhla-hybrid", layers=[1, 2])
+    assert self_attention_state(model)["linear_layers"] == [1, 2]
+    with pytest.raises(ValueError, match="needs linear parameters in layers"):
+        set_variant(model, "linear")
+    with pytest.raises(ValueError, match="built with blocks"):
+        convert_self_attention(model, "mhla", options=AttentionOptions(blocks=(1, 2, 2)))
+
+
+def test_layer_lists():
+    assert linear_layers_for("mhla-hybrid", 30) == [i for i in range(30) if i % 3]
+    assert linear_layers_for("mhla-hybrid", 30, [5, 1, 1]) == [1, 5]
+    assert parse_layers("1,2,4-6") == [1, 2, 4, 5, 6]
+    with pytest.raises(ValueError, match="out of range"):
+        linear_layers_for("mhla-hybrid", 30, [30])
+    with pytest.raises(ValueError, match="mhla-hybrid' only"):
+        linear_layers_for("mhla", 30, [1])
+    with pytest.raises(ValueError, match="unknown variant 'sparse'"):
+        linear_layers_for("sparse", 30)
+
+
+def test_output_gate_starts_as_identity():
+    model = build_tiny_transformer(seed=8, num_layers=2)
+    convert_self_attention(model, "mhla", options=AttentionOptions(blocks=(1, 2, 2)))
+    ungated = _forward(model)
+    gated = build_tiny_transformer(seed=8, num_layers=2)
+    convert_self_attention(gated, "mhla", options=AttentionOptions(blocks=(1, 2, 2), output_gate=True))
+    assert gated.blocks[0].attn1.mhla.gate is not None
+    torch.testing.assert_close(_forward(gated), ungated, rtol=1e-6, atol=1e-6)
+
+
+def test_clone_is_independent():
+    from pipelines.convert import clone_transformer
+
+    model = convert_self_attention(
+        build_tiny_transformer(seed=10, num_layers=4), "mhla", options=AttentionOptions(blocks=(1, 2, 2))
+    )
+    clone = clone_transformer(model)
+    assert self_attention_state(clone) == self_attention_state(model)
+    torch.testing.assert_close(_forward(clone), _forward(model), rtol=0, atol=0)
+    set_variant(clone, "flash")
+    _forward(clone, grid=(2, 3, 3))  # the clone records its own grid, not the original's
+    assert clone.blocks[0].attn1.processor.context.grid == (2, 3, 3)
+    assert model.blocks[0].attn1.processor.context.grid == (3, 4, 6)
+    assert self_attention_state(model)["variant"] == "mhla"
+    assert (
+        clone.blocks[0].attn1.mhla.mhla.mixing.weight.data_ptr()
+        != model.blocks[0].attn1.mhla.mhla.mixing.weight.data_ptr()
+    )
+
+
+def test_unnormalised_output_survives_float16():
+    # without the normalizer phi(q) S grows with the token count; it must reach the RMSNorm in float32
+    from pipelines.attention import LinearSelfAttention
+
+    module = LinearSelfAttention("mhla", 64, 4, 16, AttentionOptions(blocks=(1, 2, 2))).half()
+    g = torch.Generator().manual_seed(0)
+    q = (4 * torch.randn(1, 3600, 4, 16, generator=g)).half()
+    v = (50 * torch.randn(1, 3600, 4, 16, generator=g)).half()
+    out = module(q, q, v, (4, 30, 30))
+    assert out.dtype == torch.float16 and torch.isfinite(out).all()
+    torch.testing.assert_close(out.float().pow(2).mean(-1), torch.ones(1, 3600, 4), rtol=1e-2, atol=1e-2)
