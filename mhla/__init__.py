@@ -6,7 +6,7 @@ with tokens flattened in (frame, height, width) order of a latent-token grid ``(
 
 from .diagnostics import attention_weights, expressivity, rank_and_entropy
 from .feature_maps import FEATURE_MAPS, get_feature_map
-from .layout import PAPER_BLOCK_SHAPE, BlockLayout, default_blocks, parse_blocks, split_points
+from .layout import PAPER_BLOCK_SHAPE, BlockLayout, cached_layout, default_blocks, parse_blocks, split_points
 from .mixing import MixingCoefficients, constrain_mixing, locality_init, uniform_init
 from .module import MHLA
 from .ops import block_summaries, linear_attention, mhla_attention, mix_summaries
@@ -24,6 +24,7 @@ __all__ = [
     "apply_rotary",
     "attention_weights",
     "block_summaries",
+    "cached_layout",
     "constrain_mixing",
     "default_blocks",
     "expressivity",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import torch
 
@@ -173,6 +173,17 @@ class BlockLayout:
         out[flat[keep]] = positions[keep]
         return out
 
+    def on(self, name: str, device: torch.device) -> torch.Tensor:
+        """Index tensor ``name`` (``"gather_index"``, ``"scatter_index"``, ``"token_block"``) on ``device``.
+
+        Cached per device, so a forward pass does not copy it from the host in every layer.
+        """
+        cache = self.__dict__.setdefault("_device_cache", {})
+        key = (name, str(device))
+        if key not in cache:
+            cache[key] = getattr(self, name).to(device)
+        return cache[key]
+
     @property
     def is_even(self) -> bool:
         return all(size % b == 0 for size, b in zip(self.grid, self.blocks))
@@ -195,3 +206,10 @@ class BlockLayout:
             raise ValueError(f"units must be 'block' or 'token', got {units!r}")
         f, h, w = torch.meshgrid(*axes, indexing="ij")
         return torch.stack([f, h, w], dim=-1).reshape(-1, 3)
+
+
+@lru_cache(maxsize=64)
+def cached_layout(grid: Grid, blocks: Grid) -> BlockLayout:
+    """One shared :class:`BlockLayout` per ``(grid, blocks)``: layouts cache their index tensors (per
+    device), so every layer and step of a model should reuse the same instance."""
+    return BlockLayout(tuple(int(x) for x in grid), parse_blocks(blocks))

@@ -5,22 +5,14 @@ Drop it into any attention layer that produces q, k, v as ``(batch, tokens, head
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
 from torch import nn
 
 from .feature_maps import get_feature_map
-from .layout import BlockLayout, Grid, parse_blocks
+from .layout import BlockLayout, Grid, cached_layout, parse_blocks
 from .mixing import MixingCoefficients
 from .ops import mhla_attention
 from .rope import Rotary
-
-
-@lru_cache(maxsize=64)
-def _layout(grid: Grid, blocks: Grid) -> BlockLayout:
-    # layouts cache their index tensors; keep one per (grid, blocks) across layers and steps
-    return BlockLayout(grid, blocks)
 
 
 class MHLA(nn.Module):
@@ -69,7 +61,7 @@ class MHLA(nn.Module):
         )
 
     def layout(self, grid: Grid) -> BlockLayout:
-        return _layout(tuple(int(x) for x in grid), self.blocks)
+        return cached_layout(tuple(int(x) for x in grid), self.blocks)
 
     def forward(self, q, k, v, grid: Grid, rotary_emb: Rotary | None = None) -> torch.Tensor:
         """q, k ``(B, N, H, D)``, v ``(B, N, H, E)``, ``grid`` = ``(F, H, W)`` with ``F*H*W == N``."""

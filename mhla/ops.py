@@ -77,7 +77,7 @@ def check_mixing(mixing: torch.Tensor, num_blocks: int, num_heads: int) -> None:
 
 def _to_blocks(x: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
     """``(B, N, H, D)`` -> ``(B, M, L, H, D)`` in block order; padded slots are zero."""
-    index = layout.gather_index.to(x.device)
+    index = layout.on("gather_index", x.device)
     if not layout.is_even:
         x = torch.cat([x, x.new_zeros(x.shape[0], 1, *x.shape[2:])], dim=1)
     return x[:, index]
@@ -86,7 +86,7 @@ def _to_blocks(x: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
 def _from_blocks(x: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
     """``(B, M, L, H, D)`` -> ``(B, N, H, D)`` in token order (padded slots dropped)."""
     flat = x.flatten(1, 2)
-    return flat.index_select(1, layout.scatter_index.to(x.device))
+    return flat.index_select(1, layout.on("scatter_index", x.device))
 
 
 def block_summaries(fk: torch.Tensor, v: torch.Tensor, layout: BlockLayout, fk_rope: torch.Tensor | None = None):

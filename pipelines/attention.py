@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mhla
-from mhla.layout import Grid
+from mhla.layout import Grid, cached_layout
 
 from .timing import AttentionTimer
 
@@ -144,12 +144,6 @@ def fit_blocks(blocks: Grid, grid: Grid) -> Grid:
     return tuple(min(b, s) for b, s in zip(blocks, grid, strict=True))  # type: ignore[return-value]
 
 
-@lru_cache(maxsize=64)
-def _layout(grid: Grid, blocks: Grid) -> mhla.BlockLayout:
-    # a layout caches its index tensors; build one per (grid, blocks), not one per layer and step
-    return mhla.BlockLayout(grid, blocks)
-
-
 def _nearest(src: int, dst: int) -> torch.Tensor:
     """For each of ``src`` segments of [0, 1], the index of the ``dst`` segment with the nearest centre."""
     a = (torch.arange(src, dtype=torch.float64) + 0.5) / src
@@ -221,7 +215,7 @@ class LinearSelfAttention(nn.Module):
         """The layout used on ``grid`` and whether it was shrunk from the model's block count."""
         grid = tuple(int(x) for x in grid)
         blocks = fit_blocks(self.options.blocks, grid)
-        return _layout(grid, blocks), blocks != self.options.blocks
+        return cached_layout(grid, blocks), blocks != self.options.blocks
 
     def forward(self, q, k, v, grid: Grid | None, rotary_emb=None, x: torch.Tensor | None = None) -> torch.Tensor:
         """q, k, v ``(B, N, H, D)``; ``grid`` ``(F, H, W)`` with ``F*H*W == N`` (MHLA only);
