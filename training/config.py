@@ -1,0 +1,140 @@
+"""Fine-tuning configuration: defaults, YAML files in ``configs/finetune/``, ``key=value`` overrides.
+
+Every key a config may set is in :data:`DEFAULTS`; a misspelt key in a file or on the command line is
+an error naming it, not a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+DEFAULTS: dict = {
+    "run_dir": "runs/finetune",
+    "resume": None,  # null | latest | path to a checkpoint folder
+    "model": {
+        "path": None,  # local diffusers Wan2.1 T2V directory; null = the built-in tiny model
+        "transformer": None,  # optional: start from this transformer folder (e.g. a previous run's checkpoint)
+        "seed": 0,  # weights of the tiny model
+        "variant": "mhla",  # flash | linear | mhla | mhla-hybrid
+        "layers": None,  # MHLA layers of mhla-hybrid, e.g. [1, 2, 4, 5]; null = all but 0, 3, 6, ...
+        "blocks": None,  # MHLA layout, e.g. "7x3x5"; null = the default rule for the training grid
+        "attention": {},  # pipelines.AttentionOptions overrides: normalize, feature_map, output_norm, ...
+        "dtype": "auto",  # frozen text encoder / VAE: auto = bf16 on GPU, float32 on CPU
+    },
+    "data": {
+        "source": "synthetic",  # synthetic | folder | cache
+        "path": None,  # folder (manifest or .txt captions) or precomputed cache
+        "num_samples": 64,  # synthetic only
+        "num_frames": 81,
+        "height": 480,
+        "width": 800,
+        "frame_stride": 1,
+        "caption_dropout": 0.1,
+        "num_workers": 0,
+        "max_sequence_length": 512,
+    },
+    "train": {
+        "steps": 1000,
+        "batch_size": 1,  # per process
+        "grad_accum": 1,
+        "trainable": "all",  # all | attention | new | lora
+        "lr": 2e-5,
+        "mixing_lr": None,  # lr of the MHLA mixing coefficients; null = lr
+        "betas": [0.9, 0.999],
+        "weight_decay": 0.0,
+        "adam_eps": 1e-10,
+        "warmup_steps": 1000,
+        "grad_clip": 0.1,
+        "precision": "bf16",  # no | bf16 | fp16 (autocast; master weights stay float32)
+        "gradient_checkpointing": True,
+        "seed": 0,
+        "max_nonfinite": 10,  # this many non-finite losses in a row stop the run
+        "lora": {"rank": 32, "alpha": 32, "target_modules": ["to_q", "to_k", "to_v", "to_out.0"]},
+    },
+    "flow": {"shift": 3.0, "weighting": "logit_normal", "logit_mean": 0.0, "logit_std": 1.0},
+    # attention transfer: this many steps before the train.steps end-to-end steps (0 = off)
+    "transfer": {"steps": 0, "lr": 1e-4},
+    "log": {"every": 10, "tensorboard": True, "param_digest": False},
+    "validation": {
+        "every": 0,  # steps between validation videos; 0 = none during training
+        "prompts": ["a red circle moves to the right on a grey background"],
+        "seeds": [0],
+        "num_inference_steps": 50,
+        "guidance_scale": 5.0,
+        "loss_batches": 1,  # fixed batches (fixed noise) for the held-out loss at start and end
+    },
+    "checkpoint": {"every": 500, "keep": 3},
+}
+
+SOURCES = ("synthetic", "folder", "cache")
+TRAINABLE = ("all", "attention", "new", "lora")
+PRECISIONS = ("no", "bf16", "fp16")
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> DictConfig:
+    """Defaults <- the YAML file <- ``key=value`` overrides (dotted keys, e.g. ``train.steps=10``)."""
+    cfg = OmegaConf.create(DEFAULTS)
+    OmegaConf.set_struct(cfg, True)
+    layers = []
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"config file {str(path)!r} does not exist (see configs/finetune/)")
+        layers.append(OmegaConf.load(path))
+    if overrides:
+        bad = [o for o in overrides if "=" not in o]
+        if bad:
+            raise ValueError(f"overrides must look like key=value (e.g. train.steps=10), got {bad}")
+        layers.append(OmegaConf.from_dotlist(list(overrides)))
+    try:
+        # model.attention is free-form (validated by AttentionOptions)
+        with open_dict_at(cfg, "model.attention"):
+            cfg = OmegaConf.merge(cfg, *layers)
+    except Exception as e:  # omegaconf's ConfigKeyError and friends
+        raise ValueError(f"bad configuration: {e}".splitlines()[0]) from None
+    validate(cfg)
+    return cfg
+
+
+class open_dict_at:
+    def __init__(self, cfg: DictConfig, key: str):
+        self.node = OmegaConf.select(cfg, key)
+
+    def __enter__(self):
+        OmegaConf.set_struct(self.node, False)
+
+    def __exit__(self, *exc):
+        return False
+
+
+def validate(cfg: DictConfig) -> None:
+    """Checks values that need no model: raises ValueError naming the key, the value and what was expected."""
+
+    def need(ok: bool, key: str, expected: str):
+        if not ok:
+            raise ValueError(f"{key}={OmegaConf.select(cfg, key)!r}: expected {expected}")
+
+    need(cfg.data.source in SOURCES, "data.source", f"one of {SOURCES}")
+    need(cfg.train.trainable in TRAINABLE, "train.trainable", f"one of {TRAINABLE}")
+    need(cfg.train.precision in PRECISIONS, "train.precision", f"one of {PRECISIONS}")
+    need(cfg.data.num_frames >= 1 and (cfg.data.num_frames - 1) % 4 == 0, "data.num_frames", "4k+1 (e.g. 17, 81)")
+    need(cfg.data.height % 16 == 0 and cfg.data.height > 0, "data.height", "a positive multiple of 16")
+    need(cfg.data.width % 16 == 0 and cfg.data.width > 0, "data.width", "a positive multiple of 16")
+    need(0 <= cfg.data.caption_dropout < 1, "data.caption_dropout", "a probability in [0, 1)")
+    need(cfg.train.steps >= 1, "train.steps", "at least 1")
+    need(cfg.train.batch_size >= 1, "train.batch_size", "at least 1")
+    need(cfg.train.grad_accum >= 1, "train.grad_accum", "at least 1")
+    need(cfg.transfer.steps >= 0, "transfer.steps", "0 (off) or more")
+    need(cfg.data.source == "synthetic" or cfg.data.path, "data.path", f"a folder for data.source={cfg.data.source}")
+    if cfg.data.path and cfg.data.source != "synthetic":
+        need(Path(cfg.data.path).exists(), "data.path", "an existing folder or manifest")
+    if cfg.model.path:
+        need(Path(cfg.model.path).is_dir(), "model.path", "a local diffusers-format Wan2.1 T2V directory")
+    if cfg.transfer.steps:
+        need(
+            cfg.model.variant != "flash",
+            "model.variant",
+            "a converted variant (attention transfer has no teacher to copy otherwise)",
+        )

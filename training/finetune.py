@@ -1,0 +1,610 @@
+"""Fine-tune a Wan2.1 transformer converted to MHLA, linear or hybrid MHLA self-attention.
+
+    python training/finetune.py --config configs/finetune/tiny.yaml                  # CPU smoke test
+    python training/finetune.py --config configs/finetune/wan2.1-1.3b-mhla.yaml model.path=... data.path=...
+    accelerate launch --num_processes 8 training/finetune.py --config ...             # DDP (or FSDP via accelerate config)
+    torchrun --nproc_per_node 8 training/finetune.py --config ...
+
+The file reads top to bottom as the recipe: configuration, model and conversion, data, the optional
+attention-transfer stage, the flow-matching loop, checkpoints. Distribution is accelerate's.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import argparse
+import copy
+import hashlib
+import json
+import math
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+from torch.utils.data import DataLoader, Dataset
+from tqdm.auto import tqdm
+
+from pipelines import AttentionOptions, convert_self_attention, load_components, load_transformer, save_transformer
+from pipelines.attention import PARAM_ATTRS, LinearSelfAttention
+from pipelines.generate import generate, latent_grid
+from pipelines.video import write_mp4
+from training import checkpoint as ckpt
+from training.config import load_config
+from training.data import ResumableSampler, VideoFolderDataset
+from training.encoding import Encoder
+from training.flow import FlowMatching
+from training.synthetic import SyntheticVideoDataset
+
+# --------------------------------------------------------------------------- model
+
+
+def build_model(cfg, device: torch.device):
+    """Components (tokenizer, text encoder, VAE frozen) and the converted transformer in float32."""
+    components = load_components(cfg.model.path, dtype=cfg.model.dtype, device=device, seed=cfg.model.seed)
+    transformer = components.transformer
+    if cfg.model.transformer:
+        transformer = load_transformer(cfg.model.transformer, dtype=torch.float32, device=device)
+    transformer = transformer.float()  # master weights in float32; autocast does the mixed precision
+    for part in (components.text_encoder, components.vae):
+        part.requires_grad_(False)
+
+    grid = latent_grid(cfg.data.height, cfg.data.width, cfg.data.num_frames, tuple(transformer.config.patch_size))
+    import mhla
+
+    blocks = cfg.model.blocks or "x".join(map(str, mhla.default_blocks(grid, components.block_shape)))
+    mhla.BlockLayout(grid, blocks)  # fails early, naming the axis, if the layout does not fit the training grid
+    options = AttentionOptions(blocks=blocks, **OmegaConf.to_container(cfg.model.attention))
+    layers = list(cfg.model.layers) if cfg.model.layers is not None else None
+    convert_self_attention(transformer, cfg.model.variant, layers, options)
+    components.transformer = transformer
+    return components, transformer, grid
+
+
+def new_parameter_names(transformer) -> set[str]:
+    return {n for n, _ in transformer.named_parameters() if any(f".attn1.{a}." in n for a in PARAM_ATTRS.values())}
+
+
+def select_trainable(transformer, cfg) -> list[str]:
+    """Sets ``requires_grad`` by ``train.trainable``; returns the trainable parameter names.
+
+    all: every transformer weight. attention: the self-attention layers (projections, q/k norms, new
+    parameters). new: only MHLA's / linear attention's own parameters. lora: LoRA adapters (peft) on
+    ``train.lora.target_modules`` plus the new parameters.
+    """
+    mode = cfg.train.trainable
+    new = new_parameter_names(transformer)
+    if mode == "lora":
+        from peft import LoraConfig
+
+        transformer.requires_grad_(False)
+        lora = cfg.train.lora
+        transformer.add_adapter(
+            LoraConfig(
+                r=lora.rank, lora_alpha=lora.alpha, target_modules=list(lora.target_modules), init_lora_weights=True
+            )
+        )
+    for name, p in transformer.named_parameters():
+        if mode == "all":
+            p.requires_grad_(True)
+        elif mode == "attention":
+            p.requires_grad_(".attn1." in name)
+        elif mode == "new":
+            p.requires_grad_(name in new)
+        else:  # lora: adapters were made trainable by peft; add the new attention parameters
+            p.requires_grad_(p.requires_grad or name in new)
+    names = [n for n, p in transformer.named_parameters() if p.requires_grad]
+    if not names:
+        raise ValueError(f"train.trainable={mode!r} leaves nothing to train for model.variant={cfg.model.variant!r}")
+    return names
+
+
+def param_groups(transformer, lr: float, mixing_lr: float | None):
+    """AdamW groups: the MHLA mixing coefficients may learn at their own rate."""
+    mixing, rest = [], []
+    for name, p in transformer.named_parameters():
+        if p.requires_grad:
+            (mixing if name.endswith("mixing.weight") else rest).append(p)
+    groups = [{"params": rest, "lr": lr, "name": "weights"}]
+    if mixing:
+        groups.append({"params": mixing, "lr": mixing_lr or lr, "name": "mixing"})
+    return [g for g in groups if g["params"]]
+
+
+def project_mixing(transformer) -> None:
+    """Clip the stored mixing coefficients to [0, 1] and renormalise rows after each update (paper 4.2)."""
+    for module in transformer.modules():
+        if isinstance(module, LinearSelfAttention) and module.mhla is not None:
+            module.mhla.mixing.project_()
+
+
+def save_model_for_pipeline(transformer, folder: Path, lora: bool) -> None:
+    """The transformer in the pipeline's save format; LoRA adapters are merged into a copy first."""
+    if lora:
+        transformer = copy.deepcopy(transformer)
+        transformer.fuse_lora()
+        transformer.unload_lora()
+    save_transformer(transformer, folder)
+
+
+# --------------------------------------------------------------------------- data
+
+
+class CachedLatents(Dataset):
+    """Items of a cache written by ``training/precompute.py``: latents and text embeddings, no decoding."""
+
+    def __init__(self, path: str | Path):
+        from safetensors.torch import load_file
+
+        root = Path(path)
+        index = root / "index.json"
+        if not index.is_file():
+            raise FileNotFoundError(
+                f"{str(root)!r} is not a precomputed cache (no index.json); run training/precompute.py"
+            )
+        meta = json.loads(index.read_text())
+        self.meta = meta
+        self.items = meta["items"]
+        if not self.items:
+            raise ValueError(f"cache {str(root)!r} holds no samples")
+        self.root = root
+        self.empty_text = load_file(root / "empty_text.safetensors")["text"]
+        self._load = load_file
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, key):
+        index = int(key[0] if isinstance(key, tuple) else key)
+        t = self._load(self.root / self.items[index]["file"])
+        return {"latents": t["latents"], "text": t["text"], "caption": self.items[index]["caption"], "index": index}
+
+
+def build_dataset(cfg):
+    d = cfg.data
+    if d.source == "synthetic":
+        return SyntheticVideoDataset(
+            d.num_samples, seed=cfg.train.seed, num_frames=d.num_frames, height=d.height, width=d.width
+        )
+    if d.source == "folder":
+        return VideoFolderDataset(
+            d.path,
+            num_frames=d.num_frames,
+            height=d.height,
+            width=d.width,
+            frame_stride=d.frame_stride,
+            seed=cfg.train.seed,
+        )
+    cache = CachedLatents(d.path)
+    want = [d.num_frames, d.height, d.width]
+    if cache.meta.get("video") != want:
+        raise ValueError(
+            f"cache {d.path!r} holds videos of (frames, height, width) {cache.meta.get('video')}, config asks {want}"
+        )
+    return cache
+
+
+def collate(items: list[dict]) -> dict:
+    out = {"caption": [it["caption"] for it in items], "index": torch.tensor([it["index"] for it in items])}
+    for key in ("video", "latents", "text"):
+        if key in items[0]:
+            out[key] = torch.stack([it[key] for it in items])
+    return out
+
+
+class BatchEncoder:
+    """Latents and text embeddings of a batch, with caption dropout drawn from the training generator."""
+
+    def __init__(self, encoder: Encoder | None, empty_text: torch.Tensor | None, dropout: float, device):
+        self.encoder, self.empty_text, self.dropout, self.device = encoder, empty_text, dropout, device
+
+    def __call__(self, batch: dict, generator: torch.Generator | None):
+        n = len(batch["caption"])
+        drop = torch.zeros(n, dtype=torch.bool)
+        if generator is not None and self.dropout > 0:
+            drop = (torch.rand(n, generator=generator, device=generator.device) < self.dropout).cpu()
+        if "latents" in batch:  # precomputed cache
+            text = batch["text"].clone()
+            text[drop] = self.empty_text.to(text.dtype)
+            return batch["latents"].to(self.device), text.to(self.device)
+        captions = ["" if d else c for c, d in zip(batch["caption"], drop.tolist())]
+        return self.encoder.latents(batch["video"]), self.encoder.text(captions)
+
+
+# --------------------------------------------------------------------------- attention transfer
+
+
+class AttentionTransfer:
+    """Per-layer MSE between each converted self-attention layer and a frozen copy of the original softmax layer,
+    on the same input. Only while active; the copies are made before the model trains."""
+
+    def __init__(self, transformer, layers: list[int]):
+        from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+
+        self.teachers = {}
+        for i in layers:
+            teacher = copy.deepcopy(transformer.blocks[i].attn1)
+            for attr in PARAM_ATTRS.values():
+                if hasattr(teacher, attr):
+                    delattr(teacher, attr)
+            teacher.set_processor(WanAttnProcessor())
+            self.teachers[i] = teacher.requires_grad_(False).eval()
+        self.losses: list[torch.Tensor] = []
+        self.handles = [
+            transformer.blocks[i].attn1.register_forward_hook(self._hook(i), with_kwargs=True) for i in layers
+        ]
+
+    def _hook(self, i):
+        def hook(module, args, kwargs, output):
+            # WanTransformerBlock calls attn1(hidden_states, None, None, rotary_emb)
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            rotary = kwargs.get("rotary_emb", args[3] if len(args) > 3 else None)
+            with torch.no_grad():
+                target = self.teachers[i](hidden, None, None, rotary)
+            self.losses.append(F.mse_loss(output.float(), target.float()))
+
+        return hook
+
+    def take_loss(self) -> torch.Tensor:
+        loss = torch.stack(self.losses).mean()
+        self.losses = []
+        return loss
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+        self.teachers.clear()
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python training/finetune.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", required=True, help="a YAML file in configs/finetune/")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.steps=10 resume=latest")
+    return p.parse_args(argv)
+
+
+def make_optimizer(transformer, cfg, stage: str):
+    lr = cfg.transfer.lr if stage == "transfer" else cfg.train.lr
+    mixing_lr = cfg.transfer.lr if stage == "transfer" else cfg.train.mixing_lr
+    groups = param_groups(transformer, lr, mixing_lr)
+    opt = torch.optim.AdamW(
+        groups, betas=tuple(cfg.train.betas), eps=cfg.train.adam_eps, weight_decay=cfg.train.weight_decay
+    )
+    warmup = max(1, cfg.train.warmup_steps if stage == "train" else 1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))  # warm-up, then constant
+    return opt, sched
+
+
+def set_stage_trainable(transformer, cfg, stage: str, trainable: list[str], converted: list[int]):
+    """Transfer stage: only the converted layers' attention trains. End-to-end: ``train.trainable``."""
+    names = set(trainable)
+    prefixes = tuple(f"blocks.{i}.attn1." for i in converted)
+    for name, p in transformer.named_parameters():
+        p.requires_grad_(name in names and (stage == "train" or name.startswith(prefixes)))
+
+
+def digest(model) -> str:
+    h = hashlib.sha256()
+    for name, p in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def main(argv=None) -> int:
+    from accelerate import Accelerator, DistributedDataParallelKwargs
+
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    run_dir = Path(cfg.run_dir)
+    accelerator = Accelerator(
+        mixed_precision=cfg.train.precision,
+        gradient_accumulation_steps=cfg.train.grad_accum,
+        log_with="tensorboard" if cfg.log.tensorboard else None,
+        project_dir=str(run_dir),
+        # the transfer stage leaves non-attention weights without gradients
+        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=cfg.transfer.steps > 0)],
+    )
+    main_proc, rank, world = accelerator.is_main_process, accelerator.process_index, accelerator.num_processes
+    device = accelerator.device
+    say = accelerator.print
+    torch.manual_seed(cfg.train.seed)
+
+    # ---- model
+    components, transformer, grid = build_model(cfg, device)
+    trainable = select_trainable(transformer, cfg)
+    state = transformer.config["self_attention"]
+    converted = state["linear_layers"]
+    if cfg.train.gradient_checkpointing:
+        transformer.enable_gradient_checkpointing()
+    transformer.train()
+    n_train = sum(p.numel() for n, p in transformer.named_parameters() if n in set(trainable))
+    say(
+        f"model: {components.source}; variant {state['variant']} ({len(converted)} of {len(transformer.blocks)} "
+        f"self-attention layers converted), grid {'x'.join(map(str, grid))} = {math.prod(grid)} tokens, "
+        f"{n_train / 1e6:.2f}M trainable parameters ({cfg.train.trainable})"
+    )
+    if components.random_weights:
+        say("NOTE: the built-in tiny model has RANDOM weights: this run checks the recipe, not video quality")
+
+    # ---- data
+    dataset = build_dataset(cfg)
+    sampler = ResumableSampler(len(dataset), seed=cfg.train.seed, rank=rank, world_size=world)
+    flow = FlowMatching(**OmegaConf.to_container(cfg.flow))
+    cached = cfg.data.source == "cache"
+    batches = BatchEncoder(
+        None if cached else Encoder(components, cfg.data.max_sequence_length),
+        dataset.empty_text if cached else None,
+        cfg.data.caption_dropout,
+        device,
+    )
+
+    # ---- resume
+    total_steps = cfg.transfer.steps + cfg.train.steps
+    step, samples, nonfinite = 0, 0, 0
+    generator = torch.Generator(device=device).manual_seed(cfg.train.seed * 1000 + rank)
+    resume_from = ckpt.resolve_resume(cfg.resume, run_dir)
+    resume_state = None
+    if resume_from is not None:
+        from safetensors.torch import load_file
+
+        resume_state = ckpt.load_state(resume_from / ckpt.STATE_FILE)
+        if resume_state["world_size"] != world:
+            raise ValueError(
+                f"checkpoint {resume_from} was written by {resume_state['world_size']} processes, this run has {world}"
+            )
+        weights = {}
+        for f in sorted((resume_from / "transformer").glob("*.safetensors")):
+            weights.update(load_file(f))
+        if cfg.train.trainable == "lora":
+            weights = load_file(resume_from / "trainable.safetensors")
+        missing, unexpected = transformer.load_state_dict(weights, strict=False)
+        if unexpected or (cfg.train.trainable != "lora" and missing):
+            raise ValueError(
+                f"checkpoint {resume_from} does not match this model: missing {missing[:3]}, unexpected {unexpected[:3]}"
+            )
+        rank_state = ckpt.load_state(resume_from / f"rank{rank}.pt")
+        generator.set_state(rank_state["generator"])
+        sampler.load_state_dict(rank_state["data"])
+        samples = rank_state["data"]["samples_consumed"]
+        step, nonfinite = resume_state["step"], resume_state["nonfinite_in_a_row"]
+        say(f"resumed from {resume_from} at step {step}")
+
+    # ---- held-out loss on fixed batches with fixed noise, to compare start and end
+    eval_batches = [
+        collate([dataset[(i * cfg.train.batch_size + j) % len(dataset)] for j in range(cfg.train.batch_size)])
+        for i in range(cfg.validation.loss_batches)
+    ]
+
+    def held_out_loss(model) -> float:
+        g = torch.Generator(device=device).manual_seed(12345)
+        losses = []
+        with torch.no_grad(), accelerator.autocast():
+            for b in eval_batches:
+                latents, text = batches(b, None)
+                x_t, t, target = flow.noisy_input(latents, g)
+                pred = model(hidden_states=x_t, timestep=t, encoder_hidden_states=text, return_dict=False)[0]
+                losses.append(F.mse_loss(pred.float(), target.float()).item())
+        return sum(losses) / len(losses)
+
+    metrics_file = run_dir / "metrics.jsonl"
+    if main_proc:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+        if step == 0:
+            metrics_file.write_text("")
+    if cfg.log.tensorboard:
+        accelerator.init_trackers("finetune", config={k: str(v) for k, v in OmegaConf.to_container(cfg).items()})
+    start_loss = held_out_loss(transformer)
+    if main_proc and step == 0:
+        with metrics_file.open("a") as f:
+            f.write(json.dumps({"step": 0, "held_out_loss": start_loss}) + "\n")
+    say(f"held-out flow loss at step {step}: {start_loss:.4f}")
+
+    # ---- stages: optional attention transfer, then end-to-end flow matching
+    stages = [("transfer", cfg.transfer.steps), ("train", cfg.train.steps)]
+    model = None
+    progress = tqdm(total=total_steps, initial=step, disable=not main_proc, desc="fine-tune", dynamic_ncols=True)
+    stage_start = 0
+    for stage, n_steps in stages:
+        stage_end = stage_start + n_steps
+        if step >= stage_end or n_steps == 0:
+            stage_start = stage_end
+            continue
+        set_stage_trainable(transformer, cfg, stage, trainable, converted)
+        transfer = AttentionTransfer(transformer, converted) if stage == "transfer" else None
+        optimizer, scheduler = make_optimizer(transformer, cfg, stage)
+        if resume_state is not None and resume_state["stage"] == stage:
+            optimizer.load_state_dict(resume_state["optimizer"])
+            scheduler.load_state_dict(resume_state["lr_scheduler"])
+        model, optimizer = accelerator.prepare(transformer, optimizer)
+        sampler.samples_consumed = samples  # the next stage continues the data order where this one stopped
+        loader = DataLoader(
+            dataset,
+            batch_size=cfg.train.batch_size,
+            sampler=sampler,
+            num_workers=cfg.data.num_workers,
+            drop_last=True,
+            collate_fn=collate,
+            persistent_workers=False,
+        )
+        data_iter = iter(loader)
+        while step < stage_end:
+            t0 = time.perf_counter()
+            grad_norm, finite = None, True
+            for _ in range(cfg.train.grad_accum):
+                batch = next(data_iter)
+                samples += len(batch["caption"])
+                with accelerator.accumulate(model):
+                    latents, text = batches(batch, generator)
+                    x_t, t, target = flow.noisy_input(latents, generator)
+                    if transfer is not None:
+                        transfer.losses.clear()  # drop losses a checkpointed layer's recompute appended
+                    with accelerator.autocast():
+                        pred = model(hidden_states=x_t, timestep=t, encoder_hidden_states=text, return_dict=False)[0]
+                    if transfer is not None:
+                        loss = transfer.take_loss()
+                    else:
+                        loss = F.mse_loss(pred.float(), target.float())
+                    finite = bool(accelerator.gather(torch.isfinite(loss.detach()).reshape(1)).all())
+                    if finite:
+                        accelerator.backward(loss)
+                        if accelerator.sync_gradients and cfg.train.grad_clip:
+                            grad_norm = accelerator.clip_grad_norm_(
+                                [p for p in model.parameters() if p.requires_grad], cfg.train.grad_clip
+                            )
+                        optimizer.step()
+                        optimizer.zero_grad(set_to_none=True)
+                    else:
+                        optimizer.zero_grad(set_to_none=True)
+            if not finite:
+                nonfinite += 1
+                warnings.warn(
+                    f"step {step + 1}: non-finite loss ({loss.item()}); step skipped ({nonfinite} in a row)",
+                    stacklevel=1,
+                )
+                if nonfinite >= cfg.train.max_nonfinite:
+                    progress.close()
+                    say(
+                        f"error: {nonfinite} non-finite losses in a row (train.max_nonfinite={cfg.train.max_nonfinite}); "
+                        f"stopping. The last checkpoint in {run_dir / 'checkpoints'} is intact."
+                    )
+                    accelerator.end_training()
+                    return 3
+                continue
+            nonfinite = 0
+            scheduler.step()
+            project_mixing(accelerator.unwrap_model(model))
+            step += 1
+            dt = time.perf_counter() - t0
+            loss_value = accelerator.gather(loss.detach().reshape(1)).mean().item()
+            lr = scheduler.get_last_lr()[0]
+            tokens = cfg.train.batch_size * cfg.train.grad_accum * world * math.prod(grid)
+            progress.update(1)
+            progress.set_postfix(
+                stage=stage, loss=f"{loss_value:.4f}", lr=f"{lr:.2e}", s_step=f"{dt:.2f}", tok_s=f"{tokens / dt:.0f}"
+            )
+            row = {
+                "step": step,
+                "stage": stage,
+                "loss": loss_value,
+                "lr": lr,
+                "step_time": dt,
+                "tokens_per_s": tokens / dt,
+                "grad_norm": None if grad_norm is None else float(grad_norm),
+            }
+            if main_proc:
+                with metrics_file.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+            if cfg.log.tensorboard and step % cfg.log.every == 0:
+                accelerator.log({k: v for k, v in row.items() if isinstance(v, float)}, step=step)
+
+            if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == total_steps):
+                save(
+                    accelerator,
+                    cfg,
+                    run_dir,
+                    step,
+                    stage,
+                    model,
+                    optimizer,
+                    scheduler,
+                    generator,
+                    sampler,
+                    samples,
+                    nonfinite,
+                )
+            if main_proc and cfg.validation.every and (step % cfg.validation.every == 0 or step == total_steps):
+                validation_videos(cfg, components, accelerator.unwrap_model(model), run_dir, step)
+        if transfer is not None:
+            transfer.remove()
+        stage_start = stage_end
+    progress.close()
+
+    final = accelerator.unwrap_model(model) if model is not None else transformer
+    end_loss = held_out_loss(final)
+    say(f"held-out flow loss at step {step}: {end_loss:.4f} (start {start_loss:.4f})")
+    if main_proc:
+        with metrics_file.open("a") as f:
+            f.write(json.dumps({"step": step, "held_out_loss": end_loss}) + "\n")
+        skipped = getattr(dataset, "skip_summary", None)
+        if skipped is not None:
+            say(skipped())
+    if cfg.log.param_digest:
+        (run_dir / "param_digest").mkdir(parents=True, exist_ok=True)
+        (run_dir / "param_digest" / f"rank{rank}.txt").write_text(digest(final))
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return 0
+
+
+def save(accelerator, cfg, run_dir, step, stage, model, optimizer, scheduler, generator, sampler, samples, nonfinite):
+    """One checkpoint, assembled in a temporary folder by all ranks, renamed into place by the main one."""
+    if accelerator.is_main_process:
+        tmp = ckpt.begin_checkpoint(run_dir, step)
+    accelerator.wait_for_everyone()
+    tmp = ckpt.pending_dir(run_dir, step)
+    rank = accelerator.process_index
+    ckpt.save_state({"generator": generator.get_state(), "data": sampler.state_dict(samples)}, tmp / f"rank{rank}.pt")
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        unwrapped = accelerator.unwrap_model(model)
+        lora = cfg.train.trainable == "lora"
+        save_model_for_pipeline(unwrapped, tmp / "transformer", lora)
+        if lora:
+            from safetensors.torch import save_file
+
+            trainable = {
+                n: p.detach().contiguous() for n, p in unwrapped.named_parameters() if "lora_" in n or ".attn1." in n
+            }
+            save_file(trainable, tmp / "trainable.safetensors")
+        ckpt.save_state(
+            {
+                "step": step,
+                "stage": stage,
+                "optimizer": optimizer.state_dict(),
+                "lr_scheduler": scheduler.state_dict(),
+                "nonfinite_in_a_row": nonfinite,
+                "world_size": accelerator.num_processes,
+            },
+            tmp / ckpt.STATE_FILE,
+        )
+        (tmp / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+        ckpt.finish_checkpoint(run_dir, step, cfg.checkpoint.keep)
+    accelerator.wait_for_everyone()
+
+
+def validation_videos(cfg, components, transformer, run_dir: Path, step: int) -> None:
+    """Fixed prompts and seeds, written as mp4 under ``<run>/validation/step-XXXXXXX/``."""
+    out = run_dir / "validation" / f"step-{step:07d}"
+    out.mkdir(parents=True, exist_ok=True)
+    was_training = transformer.training
+    transformer.eval()
+    variant = transformer.config["self_attention"]["variant"]
+    with torch.no_grad():
+        for i, prompt in enumerate(cfg.validation.prompts):
+            for seed in cfg.validation.seeds:
+                result = generate(
+                    components, prompt, height=cfg.data.height, width=cfg.data.width, num_frames=cfg.data.num_frames,
+                    num_inference_steps=cfg.validation.num_inference_steps, guidance_scale=cfg.validation.guidance_scale,
+                    seed=seed, variant=variant, transformer=transformer, show_progress=False,
+                )  # fmt: skip
+                write_mp4(out / f"prompt{i}_seed{seed}.mp4", result.frames, fps=16)
+    transformer.train(was_training)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
