@@ -8,6 +8,7 @@ Without ``--model`` the built-in tiny model runs (random weights: its video is n
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
@@ -319,11 +320,17 @@ def _parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt", required=True)
     p.add_argument("--negative-prompt", default="")
     p.add_argument(
-        "--variant", default="mhla-hybrid",
-        help=f"one of {', '.join(VARIANTS)}; a comma list or 'all' generates each (out file gets a _VARIANT suffix)",
+        "--variant", default=None,
+        help=f"one of {', '.join(VARIANTS)}; a comma list or 'all' generates each (out file gets a _VARIANT suffix); "
+        "default: mhla-hybrid, or the saved variant of --transformer",
     )  # fmt: skip
     p.add_argument("--out", default="out.mp4", help="mp4 to write")
     p.add_argument("--model", default=None, help="local diffusers-format Wan2.1 T2V directory (default: tiny model)")
+    p.add_argument(
+        "--transformer", default=None,
+        help="a saved transformer folder (e.g. a fine-tuning checkpoint's transformer/) to use instead of the "
+        "model's own; --variant defaults to the variant it was saved as",
+    )  # fmt: skip
     p.add_argument("--height", type=int, default=None)
     p.add_argument("--width", type=int, default=None)
     p.add_argument("--frames", type=int, default=None, help="num_frames, of the form 4k+1")
@@ -367,13 +374,24 @@ def _out_path(out: str, variant: str, many: bool) -> Path:
 
 
 def main(argv=None) -> int:
-    from .loading import check_model_dir, load_components, resolve_device, resolve_dtype
+    from .loading import check_model_dir, load_components, load_transformer, resolve_device, resolve_dtype
     from .tiny import TINY_DEFAULTS, WAN_DEFAULTS
     from .video import write_frame_grid, write_gif, write_mp4
 
     args = _parse_args(argv)
     try:
         # everything cheap is checked before any model is loaded
+        if args.transformer:
+            saved = Path(args.transformer) / "config.json"
+            if not saved.is_file():
+                raise FileNotFoundError(
+                    f"--transformer {args.transformer!r} has no config.json; expected a folder written by "
+                    "save_transformer (e.g. runs/<run>/checkpoints/step-XXXXXXX/transformer)"
+                )
+            if args.variant is None:
+                state = json.loads(saved.read_text()).get("self_attention") or {"variant": "flash"}
+                args.variant = state["variant"]
+        args.variant = args.variant or "mhla-hybrid"
         variants = _variants(args.variant)
         defaults = WAN_DEFAULTS if args.model else TINY_DEFAULTS
         request = dict(
@@ -415,6 +433,9 @@ def main(argv=None) -> int:
         return 2
 
     components = load_components(args.model, dtype=dtype, device=device)
+    if args.transformer:
+        components.transformer = load_transformer(args.transformer, dtype=dtype, device=device)
+        components.source += f" + transformer {args.transformer}"
     print(f"model: {components.source}")
     if components.random_weights:
         print(f"NOTE: {RANDOM_WEIGHTS_NOTE}")

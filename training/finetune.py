@@ -22,6 +22,7 @@ import copy
 import hashlib
 import json
 import math
+import os
 import time
 import warnings
 
@@ -315,10 +316,14 @@ def main(argv=None) -> int:
         gradient_accumulation_steps=cfg.train.grad_accum,
         log_with="tensorboard" if cfg.log.tensorboard else None,
         project_dir=str(run_dir),
+        cpu=not torch.cuda.is_available(),  # several CPU processes (torchrun / accelerate launch) then use gloo
         # the transfer stage leaves non-attention weights without gradients
         kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=cfg.transfer.steps > 0)],
     )
     main_proc, rank, world = accelerator.is_main_process, accelerator.process_index, accelerator.num_processes
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched != world:
+        raise RuntimeError(f"launched as {launched} processes but accelerate set up {world}; check the launcher")
     device = accelerator.device
     say = accelerator.print
     torch.manual_seed(cfg.train.seed)

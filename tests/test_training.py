@@ -1,0 +1,231 @@
+"""The fine-tuning recipe on the built-in tiny model, on CPU: it learns, resumes exactly, runs on two
+processes, keeps the mixing valid, stops cleanly on bad losses and rejects bad configs."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from training import checkpoint as ckpt
+from training.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "finetune" / "tiny.yaml")
+QUIET = ["log.tensorboard=false"]
+
+
+def finetune(run_dir, *overrides, launcher=None, check=True):
+    cmd = [
+        *(launcher or [sys.executable]),
+        str(ROOT / "training" / "finetune.py"),
+        "--config",
+        TINY,
+        f"run_dir={run_dir}",
+        *QUIET,
+        *overrides,
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"finetune failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def metrics(run_dir):
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def digest(run_dir, rank=0):
+    return (Path(run_dir) / "param_digest" / f"rank{rank}.txt").read_text()
+
+
+def test_tiny_recipe_learns_and_its_checkpoint_generates(tmp_path):
+    run = tmp_path / "run"
+    finetune(run, "train.steps=16", "checkpoint.every=8")
+    rows = metrics(run)
+    held = [r["held_out_loss"] for r in rows if "held_out_loss" in r]
+    assert len(held) == 2 and held[1] < 0.9 * held[0], held  # fixed batches and noise: a real drop
+    steps = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, 17))
+    assert all(r["lr"] > 0 and r["tokens_per_s"] > 0 for r in steps)
+    found = ckpt.list_checkpoints(run)
+    assert [p.name for p in found] == ["step-0000008", "step-0000016"]
+    out = tmp_path / "ft.mp4"
+    gen = subprocess.run(
+        [sys.executable, "-m", "pipelines.generate", "--prompt", "a red circle moves to the left",
+         "--transformer", str(found[-1] / "transformer"), "--out", str(out), "--no-progress"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert gen.returncode == 0, gen.stderr
+    assert "variant                mhla" in gen.stdout  # the checkpoint's own variant
+    import imageio.v3 as iio
+
+    assert iio.imread(out).shape == (9, 64, 96, 3)
+
+
+def test_kill_and_resume_gives_the_same_parameters(tmp_path):
+    steps = ["train.steps=12", "checkpoint.every=3", "log.param_digest=true"]
+    finetune(tmp_path / "straight", *steps)
+
+    run = tmp_path / "killed"
+    cmd = [sys.executable, str(ROOT / "training" / "finetune.py"), "--config", TINY, f"run_dir={run}", *QUIET, *steps]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while time.time() < deadline and not (run / "checkpoints" / "step-0000006").exists():
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)  # no chance to clean up, possibly mid-checkpoint
+    proc.wait()
+    done = ckpt.list_checkpoints(run)
+    assert done and int(done[-1].name[5:]) < 12, "the run was meant to be killed before finishing"
+    finetune(run, *steps, "resume=latest")
+    assert digest(run) == digest(tmp_path / "straight")
+
+
+def test_two_process_ddp_on_cpu_stays_in_step(tmp_path):
+    run = tmp_path / "ddp"
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517"]
+    finetune(run, "train.steps=3", "checkpoint.every=3", "log.param_digest=true", launcher=launcher)
+    assert digest(run, 0) == digest(run, 1)
+    final = ckpt.list_checkpoints(run)[-1]
+    data = [ckpt.load_state(final / f"rank{r}.pt")["data"] for r in (0, 1)]
+    assert data[0]["world_size"] == 2 and data[0]["samples_consumed"] == data[1]["samples_consumed"] == 6
+
+
+def test_mixing_stays_valid_under_a_huge_learning_rate(tmp_path):
+    run = tmp_path / "mix"
+    finetune(
+        run,
+        "train.steps=3",
+        "train.trainable=new",
+        "train.lr=10",
+        "train.mixing_lr=100",
+        "train.warmup_steps=1",
+        "train.grad_clip=0",
+        "checkpoint.every=3",
+    )
+    from safetensors.torch import load_file
+
+    weights = load_file(ckpt.list_checkpoints(run)[-1] / "transformer" / "diffusion_pytorch_model.safetensors")
+    mixing = {k: v for k, v in weights.items() if k.endswith("mixing.weight")}
+    assert len(mixing) == 30
+    moved = 0
+    from mhla import BlockLayout, locality_init
+
+    init = locality_init(BlockLayout((3, 4, 6), (3, 2, 2))).float()
+    for m in mixing.values():
+        assert (m >= 0).all() and (m <= 1).all()
+        torch.testing.assert_close(m.sum(1), torch.ones(m.shape[0]))
+        moved += not torch.allclose(m, init, atol=1e-3)
+    assert moved > 0  # the huge steps did change the coefficients
+
+
+def test_attention_transfer_trains_only_converted_attention(tmp_path):
+    run = tmp_path / "transfer"
+    finetune(run, "transfer.steps=3", "train.steps=1", "checkpoint.every=3", "checkpoint.keep=0")
+    rows = [r for r in metrics(run) if r.get("stage") == "transfer"]
+    assert len(rows) == 3 and rows[-1]["loss"] < rows[0]["loss"]
+    from safetensors.torch import load_file
+
+    from pipelines.tiny import build_tiny_transformer
+
+    after = load_file(ckpt.checkpoint_dir(run, 3) / "transformer" / "diffusion_pytorch_model.safetensors")
+    base = build_tiny_transformer(seed=2).state_dict()  # the tiny model's transformer (load_components seed 0 + 2)
+    changed = {k for k, v in base.items() if not torch.equal(v, after[k])}
+    assert changed and all(".attn1." in k for k in changed)
+    assert any(".attn1.to_q." in k for k in changed)
+
+
+def test_nonfinite_losses_stop_the_run_and_keep_the_checkpoint(tmp_path):
+    run = tmp_path / "nan"
+    proc = finetune(
+        run,
+        "train.steps=20",
+        "train.lr=1e20",
+        "train.warmup_steps=1",
+        "train.grad_clip=0",
+        "train.max_nonfinite=3",
+        "checkpoint.every=1",
+        check=False,
+    )
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert "non-finite losses in a row" in proc.stdout + proc.stderr
+    last = ckpt.list_checkpoints(run)[-1]
+    assert ckpt.load_state(last / ckpt.STATE_FILE)["step"] >= 1
+    assert not list((run / "checkpoints").glob(".*tmp"))  # nothing half-written left behind
+
+
+def test_precomputed_cache_trains(tmp_path):
+    cache = tmp_path / "cache"
+    pre = subprocess.run(
+        [sys.executable, str(ROOT / "training" / "precompute.py"), "--config", TINY, "--out", str(cache),
+         "data.num_samples=4"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert pre.returncode == 0, pre.stderr
+    index = json.loads((cache / "index.json").read_text())
+    assert len(index["items"]) == 4 and index["video"] == [9, 64, 96]
+    finetune(
+        tmp_path / "run",
+        "data.source=cache",
+        f"data.path={cache}",
+        "data.num_samples=4",
+        "train.steps=2",
+        "checkpoint.every=0",
+    )
+    assert [r["step"] for r in metrics(tmp_path / "run") if "loss" in r] == [1, 2]
+
+
+def test_lora_checkpoint_is_merged_into_the_pipeline_format(tmp_path):
+    from peft import LoraConfig
+
+    from pipelines import convert_self_attention, load_transformer
+    from pipelines.tiny import build_tiny_transformer
+    from training.finetune import save_model_for_pipeline
+
+    model = convert_self_attention(build_tiny_transformer(seed=3, num_layers=3), "mhla", options=None)
+    model.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_v"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_()  # a LoRA that does something
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 16, 3, 8, 12, generator=g)
+    text = torch.randn(1, 8, 32, generator=g)
+    t = torch.tensor([500.0])
+    with torch.no_grad():
+        expected = model(hidden_states=x, timestep=t, encoder_hidden_states=text, return_dict=False)[0]
+    save_model_for_pipeline(model, tmp_path / "merged", lora=True)
+    loaded = load_transformer(tmp_path / "merged", dtype=torch.float32, device="cpu")
+    assert not any("lora" in k for k in loaded.state_dict())
+    with torch.no_grad():
+        got = loaded(hidden_states=x, timestep=t, encoder_hidden_states=text, return_dict=False)[0]
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("train.stpes=5", "stpes"),
+        ("data.num_frames=10", "data.num_frames=10: expected 4k+1"),
+        ("data.source=folder", "data.path=None: expected a folder"),
+        ("train.trainable=some", "train.trainable='some'"),
+        ("model.path=/no/such/dir", "model.path='/no/such/dir'"),
+    ],
+)
+def test_bad_config_is_rejected_before_work(override, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_config(TINY, [override])
+
+
+def test_shipped_configs_load():
+    for path in sorted((ROOT / "configs" / "finetune").glob("*.yaml")):
+        cfg = load_config(path, ["data.path=null", "data.source=synthetic"])
+        assert cfg.model.variant in ("mhla", "mhla-hybrid", "linear")
+        if path.name.startswith("wan2.1-1.3b"):
+            assert (cfg.train.lr, cfg.train.weight_decay, cfg.flow.shift) == (2e-5, 0.0, 3.0)
+            assert (cfg.data.num_frames, cfg.data.height, cfg.data.width) == (81, 480, 800)

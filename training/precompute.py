@@ -1,0 +1,93 @@
+"""Encode a dataset's VAE latents and text embeddings once, so training runs without the text encoder.
+
+    python training/precompute.py --config configs/finetune/wan2.1-1.3b-mhla.yaml --out cache/mydata [key=value ...]
+    python training/finetune.py   --config configs/finetune/wan2.1-1.3b-mhla.yaml data.source=cache data.path=cache/mydata
+
+The dataset, resolution and frame count come from the same config as training (``data.*``, ``model.path``).
+The cache holds one ``sample_XXXXXXX.safetensors`` per video (``latents`` ``(16, F, h, w)`` and
+``text`` ``(max_sequence_length, text_dim)``), ``empty_text.safetensors`` (the embedding caption
+dropout swaps in) and ``index.json``. Each file is written under a temporary name and renamed, and an
+interrupted run picks up where it stopped. Each video is cached with one clip (its first-epoch clip).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import argparse
+import json
+import os
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+from pipelines import load_components
+from training.config import load_config
+from training.encoding import Encoder
+
+
+def _atomic_save(tensors: dict, path: Path, metadata: dict | None = None) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+    os.replace(tmp, path)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python training/precompute.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", required=True)
+    p.add_argument("--out", required=True, help="cache folder to write")
+    p.add_argument("overrides", nargs="*")
+    args = p.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        if cfg.data.source == "cache":
+            raise ValueError("data.source=cache: precompute reads videos (data.source folder or synthetic)")
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from training.finetune import build_dataset  # the same dataset training would read
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    components = load_components(cfg.model.path, dtype=cfg.model.dtype, device=device, seed=cfg.model.seed)
+    encoder = Encoder(components, cfg.data.max_sequence_length)
+    dataset = build_dataset(cfg)
+    _atomic_save({"text": encoder.text([""])[0]}, out / "empty_text.safetensors")
+
+    items = []
+    for i in tqdm(range(len(dataset)), desc="precompute", unit="video"):
+        name = f"sample_{i:07d}.safetensors"
+        if (out / name).is_file():  # done by an earlier, interrupted run
+            with safe_open(str(out / name), framework="pt") as f:
+                items.append({"file": name, "caption": f.metadata()["caption"]})
+            continue
+        item = dataset[i]  # a bad video is replaced by the next good one and counted
+        latents = encoder.latents(item["video"][None])[0]
+        text = encoder.text([item["caption"]])[0]
+        _atomic_save({"latents": latents, "text": text}, out / name, {"caption": item["caption"]})
+        items.append({"file": name, "caption": item["caption"]})
+    index = {
+        "video": [cfg.data.num_frames, cfg.data.height, cfg.data.width],
+        "model": components.source,
+        "max_sequence_length": cfg.data.max_sequence_length,
+        "items": items,
+    }
+    tmp = out / "index.json.tmp"
+    tmp.write_text(json.dumps(index, indent=1))
+    os.replace(tmp, out / "index.json")
+    print(f"wrote {len(items)} samples to {out}")
+    summary = getattr(dataset, "skip_summary", None)
+    if summary is not None:
+        print(summary())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
