@@ -49,7 +49,7 @@ def test_tiny_recipe_learns_and_its_checkpoint_generates(tmp_path):
     run = tmp_path / "run"
     finetune(run, "train.steps=16", "checkpoint.every=8")
     rows = metrics(run)
-    held = [r["held_out_loss"] for r in rows if "held_out_loss" in r]
+    held = [r["eval_loss"] for r in rows if "eval_loss" in r]
     assert len(held) == 2 and held[1] < 0.9 * held[0], held  # fixed batches and noise: a real drop
     steps = [r for r in rows if "loss" in r]
     assert [r["step"] for r in steps] == list(range(1, 17))

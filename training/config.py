@@ -63,7 +63,7 @@ DEFAULTS: dict = {
         "seeds": [0],
         "num_inference_steps": 50,
         "guidance_scale": 5.0,
-        "loss_batches": 1,  # fixed batches (fixed noise) for the held-out loss at start and end
+        "loss_batches": 1,  # fixed batches (fixed noise) for the eval loss at start and end
     },
     "checkpoint": {"every": 500, "keep": 3},
 }

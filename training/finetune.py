@@ -388,13 +388,21 @@ def main(argv=None) -> int:
         step, nonfinite = resume_state["step"], resume_state["nonfinite_in_a_row"]
         say(f"resumed from {resume_from} at step {step}")
 
-    # ---- held-out loss on fixed batches with fixed noise, to compare start and end
+    # ---- evaluation loss on fixed batches with fixed noise, to compare start and end: the synthetic
+    # validation split (unseen captions and held-out attribute combinations), else the first training videos
+    eval_set = dataset
+    if cfg.data.source == "synthetic":
+        d = cfg.data
+        eval_set = SyntheticVideoDataset(
+            max(1, cfg.validation.loss_batches * cfg.train.batch_size), seed=cfg.train.seed, split="validation",
+            num_frames=d.num_frames, height=d.height, width=d.width,
+        )  # fmt: skip
     eval_batches = [
-        collate([dataset[(i * cfg.train.batch_size + j) % len(dataset)] for j in range(cfg.train.batch_size)])
+        collate([eval_set[(i * cfg.train.batch_size + j) % len(eval_set)] for j in range(cfg.train.batch_size)])
         for i in range(cfg.validation.loss_batches)
     ]
 
-    def held_out_loss(model) -> float:
+    def eval_loss(model) -> float:
         g = torch.Generator(device=device).manual_seed(12345)
         losses = []
         with torch.no_grad(), accelerator.autocast():
@@ -413,11 +421,11 @@ def main(argv=None) -> int:
             metrics_file.write_text("")
     if cfg.log.tensorboard:
         accelerator.init_trackers("finetune", config={k: str(v) for k, v in OmegaConf.to_container(cfg).items()})
-    start_loss = held_out_loss(transformer)
+    start_loss = eval_loss(transformer)
     if main_proc and step == 0:
         with metrics_file.open("a") as f:
-            f.write(json.dumps({"step": 0, "held_out_loss": start_loss}) + "\n")
-    say(f"held-out flow loss at step {step}: {start_loss:.4f}")
+            f.write(json.dumps({"step": 0, "eval_loss": start_loss}) + "\n")
+    say(f"eval flow loss at step {step}: {start_loss:.4f}")
 
     # ---- stages: optional attention transfer, then end-to-end flow matching
     stages = [("transfer", cfg.transfer.steps), ("train", cfg.train.steps)]
@@ -540,11 +548,11 @@ def main(argv=None) -> int:
     progress.close()
 
     final = accelerator.unwrap_model(model) if model is not None else transformer
-    end_loss = held_out_loss(final)
-    say(f"held-out flow loss at step {step}: {end_loss:.4f} (start {start_loss:.4f})")
+    end_loss = eval_loss(final)
+    say(f"eval flow loss at step {step}: {end_loss:.4f} (start {start_loss:.4f})")
     if main_proc:
         with metrics_file.open("a") as f:
-            f.write(json.dumps({"step": step, "held_out_loss": end_loss}) + "\n")
+            f.write(json.dumps({"step": step, "eval_loss": end_loss}) + "\n")
         skipped = getattr(dataset, "skip_summary", None)
         if skipped is not None:
             say(skipped())
