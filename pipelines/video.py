@@ -18,8 +18,9 @@ def to_uint8(frames) -> np.ndarray:
     return (np.clip(frames, 0.0, 1.0) * 255.0 + 0.5).astype(np.uint8)
 
 
-def write_mp4(path: str | Path, frames, fps: int = 16, comment: str | None = None) -> Path:
-    """H.264 mp4 in yuv420p (plays in browsers and common players). ``comment`` goes into the file's metadata."""
+def write_mp4(path: str | Path, frames, fps: float = 16, comment: str | None = None, quality: int = 8) -> Path:
+    """H.264 mp4 in yuv420p (plays in browsers and common players). ``comment`` goes into the file's metadata;
+    ``quality`` is imageio's 0-10 scale (9 is near-lossless, for training data whose colours must survive)."""
     import imageio.v2 as imageio
 
     frames = to_uint8(frames)
@@ -29,7 +30,14 @@ def write_mp4(path: str | Path, frames, fps: int = 16, comment: str | None = Non
     # macro_block_size=16 would silently resize sizes that are not multiples of 16; heights and widths
     # are multiples of 16 already, and 2 keeps yuv420p valid for any other even size.
     with imageio.get_writer(
-        str(path), fps=fps, codec="libx264", pixelformat="yuv420p", quality=8, macro_block_size=2, output_params=params
+        str(path),
+        fps=fps,
+        codec="libx264",
+        pixelformat="yuv420p",
+        quality=quality,
+        macro_block_size=2,
+        output_params=params,
+        ffmpeg_log_level="error",
     ) as writer:
         for frame in frames:
             writer.append_data(frame)

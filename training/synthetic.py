@@ -461,27 +461,15 @@ class SyntheticVideoDataset(Dataset):
 
 
 def write_mp4(path: str | Path, frames: np.ndarray, fps: float = 16) -> None:
-    """Writes uint8 ``(T, H, W, 3)`` frames as H.264 mp4 at near-lossless quality (crf ~5) so colours survive."""
-    import imageio.v2 as imageio
+    """Writes uint8 ``(T, H, W, 3)`` frames as H.264 mp4 at near-lossless quality so colours survive."""
+    from pipelines.video import write_mp4 as write_video
 
     frames = np.asarray(frames)
     if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8:
         raise ValueError(f"frames must be uint8 (T, H, W, 3), got {frames.dtype} {frames.shape}")
     if frames.shape[1] % 2 or frames.shape[2] % 2:
         raise ValueError(f"H.264 yuv420p needs even height and width, got {frames.shape[1]}x{frames.shape[2]}")
-    # macro_block_size=2: keep the exact size (imageio would otherwise resize to multiples of 16).
-    with imageio.get_writer(
-        str(path),
-        format="FFMPEG",
-        fps=fps,
-        codec="libx264",
-        quality=9,
-        pixelformat="yuv420p",
-        macro_block_size=2,
-        ffmpeg_log_level="error",
-    ) as writer:
-        for frame in frames:
-            writer.append_data(frame)
+    write_video(path, frames, fps=fps, quality=9)
 
 
 def _flat_row(video: str, caption: str, split: str, attributes: dict) -> dict:
