@@ -154,6 +154,7 @@ class VariantRun:
 
     variant: str
     note: str
+    kind: str = ""
     video: Path | None = None
     timing: Timing | None = None
     error: str | None = None
@@ -209,7 +210,7 @@ def run_compare(models: AppModels, request: CompareRequest, out_root: Path, prog
         vm = models.variants[name]
         if progress is not None:
             progress(i, len(request.variants), f"{name} ({i + 1}/{len(request.variants)})")
-        run = VariantRun(name, vm.note)
+        run = VariantRun(name, vm.note, vm.kind)
         try:
             with warnings.catch_warnings():
                 # "untrained attention parameters": the column already says "converted, not fine-tuned"
@@ -283,8 +284,8 @@ TABLE_HEADERS = [
     "self-attn s",
     "attn share",
     "peak memory",
-    "speedup vs flash (per step)",
-    "self-attn speedup vs flash",
+    "speedup vs flash",  # per denoising step
+    "self-attn speedup",
     "softmax backend",
 ]
 
@@ -296,7 +297,7 @@ def table_rows(result: CompareResult) -> list[list]:
     rows = []
     for r in result.runs:
         if r.error:
-            rows.append([r.variant, r.note, "", "", "", "", "", "", "", "", "", "", f"error: {r.error}"])
+            rows.append([r.variant, r.kind, "", "", "", "", "", "", "", "", "", "", f"error: {r.error}"])
             continue
         t = r.timing
         speed = f"{base.per_step / t.per_step:.2f}x" if base and t.per_step > 0 else "-"
@@ -304,7 +305,7 @@ def table_rows(result: CompareResult) -> list[list]:
         rows.append(
             [
                 r.variant,
-                r.note,
+                r.kind,
                 t.num_tokens,
                 "-" if t.num_blocks is None else t.num_blocks,
                 round(t.total, 4),

@@ -35,7 +35,8 @@ class VariantModel:
 
     name: str
     transformer: torch.nn.Module
-    note: str  # shown in the variant's column: where the weights come from
+    note: str  # shown in the variant's column: where the weights come from and what the video is worth
+    kind: str  # short form for tables: "base", "converted", "fine-tuned" (+ ", random" for random weights)
 
 
 @dataclass
@@ -179,16 +180,19 @@ def load_app_models(
         components = load_components(model, dtype=dtype, device=device)
         random_note = RANDOM_WEIGHTS_NOTE.replace("this video is", "every video is") if components.random_weights else None
     variants = {}
-    base_note = "random weights" if components.random_weights else f"base weights: {components.source}"
+    rnd = components.random_weights
+    noise = "; RANDOM weights: the video is noise" if rnd else ""
     for name in VARIANTS:
         folder = (variant_dirs or {}).get(name)
         if folder is not None:
             transformer = load_transformer(folder, dtype=components.dtype, device=components.device)
-            variants[name] = VariantModel(name, transformer, f"fine-tuned: {folder}")
+            variants[name] = VariantModel(name, transformer, f"fine-tuned: {folder}", "fine-tuned")
         elif name == "flash":
-            variants[name] = VariantModel(name, components.transformer, base_note)
+            note = "RANDOM weights: the video is noise" if rnd else f"base weights: {components.source}"
+            variants[name] = VariantModel(name, components.transformer, note, "base, random" if rnd else "base")
         else:
-            variants[name] = VariantModel(name, components.transformer, CONVERTED_NOTE)
+            kind = "converted, random" if rnd else "converted"
+            variants[name] = VariantModel(name, components.transformer, CONVERTED_NOTE + noise, kind)
     shared = [k for k, v in variants.items() if k != "flash" and v.transformer is components.transformer]
     if shared:
         prepare_converted(components, shared)

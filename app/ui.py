@@ -102,7 +102,8 @@ def build_demo(models: AppModels, max_tokens: int | None = None, max_bench_token
         )
         return status, bench.figure(result), bench.table(result), [str(f) for f in files]
 
-    with gr.Blocks(title="MHLA video: attention variants side by side") as demo:
+    # delete_cache: gradio copies every returned video into its cache; drop copies older than a day, hourly
+    with gr.Blocks(title="MHLA video: attention variants side by side", delete_cache=(3600, 86400)) as demo:
         gr.Markdown(header_markdown(models))
         if models.random_note:
             gr.Markdown(f"**{models.random_note}.**", elem_classes="random-note", elem_id="random-note")
@@ -128,7 +129,9 @@ def build_demo(models: AppModels, max_tokens: int | None = None, max_bench_token
             with gr.Row(equal_height=False):
                 for name in VARIANTS:
                     with gr.Column(min_width=200, elem_id=f"col-{name}") as col:
-                        video = gr.Video(label=name, autoplay=True, loop=True, interactive=False, elem_id=f"video-{name}")
+                        video = gr.Video(
+                            label=name, autoplay=True, loop=True, interactive=False, height=260, elem_id=f"video-{name}"
+                        )
                         md = gr.Markdown(f"### {name}\n_{models.variants[name].note}_", elem_id=f"latency-{name}")
                     columns += [col, video, md]
             summary = gr.Markdown(elem_id="summary")

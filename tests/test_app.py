@@ -60,9 +60,10 @@ def test_request_keeps_canonical_variant_order(models):
 
 def test_variant_notes(models):
     assert models.random_note and "RANDOM weights" in models.random_note
-    assert models.variants["flash"].note == "random weights"
+    assert models.variants["flash"].note == "RANDOM weights: the video is noise"
     for name in ("linear", "mhla", "mhla-hybrid"):
-        assert models.variants[name].note == CONVERTED_NOTE
+        assert models.variants[name].note == CONVERTED_NOTE + "; RANDOM weights: the video is noise"
+        assert models.variants[name].kind == "converted, random"
         assert models.variants[name].transformer is models.components.transformer  # shared, not copied
 
 

@@ -151,6 +151,8 @@ def test_browser_compare_and_error(server, tmp_path):
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            elsewhere = []  # the page must work with no network: every request goes to the app itself
+            page.on("request", lambda r: None if r.url.startswith((server, "data:", "blob:")) else elsewhere.append(r.url))
             page.set_default_timeout(60_000)
             page.goto(server)
             page.locator("#random-note").wait_for()
@@ -180,6 +182,7 @@ def test_browser_compare_and_error(server, tmp_path):
             page.locator("#prompt textarea").fill("a paper boat in the rain")
             page.locator("#generate").click()
             status.filter(has_text="Done: 2 variant(s)").wait_for(timeout=120_000)
+            assert not elsewhere, f"the page requested other hosts: {elsewhere[:5]}"
         finally:
             browser.close()
     assert shot.stat().st_size > 10_000
