@@ -104,6 +104,18 @@ def operator_rows(models: AppModels, grids, warmup=1, repeats=3, progress=None) 
     return rows
 
 
+def _forward(transformer, grid, device):
+    """One forward of ``transformer`` on random latents for token grid ``grid`` (batch 1, 64 text tokens)."""
+    cfg = transformer.config
+    f, h, w = grid
+    p_t, p_h, p_w = cfg.patch_size
+    dtype = transformer.dtype
+    latents = torch.randn(1, cfg.in_channels, f * p_t, h * p_h, w * p_w, device=device, dtype=dtype)
+    text = torch.randn(1, 64, cfg.text_dim, device=device, dtype=dtype)
+    step = torch.tensor([500], device=device)
+    return lambda: transformer(hidden_states=latents, timestep=step, encoder_hidden_states=text, return_dict=False)
+
+
 @torch.no_grad()
 def transformer_rows(models: AppModels, grids, variants=VARIANTS, warmup=1, repeats=2, progress=None) -> list[dict]:
     """One transformer forward (all blocks, batch 1, random latents and text embeddings) per variant and grid."""
@@ -114,10 +126,15 @@ def transformer_rows(models: AppModels, grids, variants=VARIANTS, warmup=1, repe
         for name in variants:
             vm = models.variants[name]
             tr = vm.transformer
-            cfg = tr.config
             if progress is not None:
                 progress(f"transformer [{name}] at {n:,} tokens")
-            row = {"level": "transformer forward", "variant": name, "grid": "x".join(map(str, grid)), "tokens": n, "M": ""}
+            row = {
+                "level": "transformer forward",
+                "variant": name,
+                "grid": "x".join(map(str, grid)),
+                "tokens": n,
+                "M": "",
+            }
             if name in stopped:
                 row["note"] = "skipped: a smaller size did not fit"
                 rows.append(row)
@@ -126,14 +143,7 @@ def transformer_rows(models: AppModels, grids, variants=VARIANTS, warmup=1, repe
                 if current_variant(tr) != name:
                     # the shared base transformer switches in place, as generate() does at each run
                     convert_self_attention(tr, name)
-                f, h, w = grid
-                p_t, p_h, p_w = cfg.patch_size
-                latents = torch.randn(1, cfg.in_channels, f * p_t, h * p_h, w * p_w, device=device, dtype=tr.dtype)
-                text = torch.randn(1, 64, cfg.text_dim, device=device, dtype=tr.dtype)
-                step = torch.tensor([500], device=device)
-                fn = lambda: tr(hidden_states=latents, timestep=step, encoder_hidden_states=text, return_dict=False)  # noqa: E731
-                row["ms"] = measure(fn, device, warmup, repeats)["ms"]
-                del latents, text
+                row["ms"] = measure(_forward(tr, grid, device), device, warmup, repeats)["ms"]
             except (RuntimeError, torch.OutOfMemoryError, ValueError) as e:
                 row["note"] = "out of memory" if _oom(e) else str(e).splitlines()[0][:120]
                 stopped.add(name)

@@ -72,7 +72,12 @@ def parse_preset(key) -> tuple[int, int, int]:
 
 def _as_int(name: str, value, lo: int, hi: int | None = None) -> int:
     # gr.Number sends floats; an integral float is fine, 2.5 steps is not
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value != int(value):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value != int(value)
+    ):
         raise ValueError(f"{name} must be a whole number, got {value!r}")
     value = int(value)
     if value < lo or (hi is not None and value > hi):
@@ -198,7 +203,9 @@ def new_run_dir(out_root: Path) -> Path:
     return run_dir
 
 
-def run_compare(models: AppModels, request: CompareRequest, out_root: Path, progress=None, fps: int = 16) -> CompareResult:
+def run_compare(
+    models: AppModels, request: CompareRequest, out_root: Path, progress=None, fps: int = 16
+) -> CompareResult:
     """Runs each chosen variant with the same seed, one after the other; writes one mp4 per variant.
 
     ``progress(done, total, desc)`` is called before each variant. A variant that fails (out of memory,

@@ -178,7 +178,9 @@ def load_app_models(
         )
     else:
         components = load_components(model, dtype=dtype, device=device)
-        random_note = RANDOM_WEIGHTS_NOTE.replace("this video is", "every video is") if components.random_weights else None
+        random_note = (
+            RANDOM_WEIGHTS_NOTE.replace("this video is", "every video is") if components.random_weights else None
+        )
     variants = {}
     rnd = components.random_weights
     noise = "; RANDOM weights: the video is noise" if rnd else ""

@@ -59,9 +59,11 @@ def build_demo(models: AppModels, max_tokens: int | None = None, max_bench_token
     out_root = Path(out_root or tempfile.mkdtemp(prefix="mhla-app-"))
     defaults = models.components.defaults
 
-    def on_compare(prompt, negative, seed, steps, guidance, preset, variants, progress=gr.Progress(track_tqdm=True)):
+    def on_compare(prompt, negative, seed, steps, guidance, preset, variants, progress=gr.Progress(track_tqdm=True)):  # noqa: B008 (gradio's way)
         try:
-            request = compare.check_request(models, prompt, negative, seed, steps, guidance, preset, variants, max_tokens)
+            request = compare.check_request(
+                models, prompt, negative, seed, steps, guidance, preset, variants, max_tokens
+            )
         except ValueError as e:
             # columns and table keep the previous run; only the status line changes
             return [f"**Error:** {e}"] + [gr.skip()] * (3 * len(VARIANTS) + 3)
@@ -86,7 +88,7 @@ def build_demo(models: AppModels, max_tokens: int | None = None, max_bench_token
         outs += [compare.summary_markdown(result), compare.table_rows(result), compare.speedup_figure(result)]
         return outs
 
-    def on_bench(grids, levels, variants, repeats, progress=gr.Progress()):
+    def on_bench(grids, levels, variants, repeats, progress=gr.Progress()):  # noqa: B008
         try:
             result = bench.run_benchmark(
                 models, grids, levels=levels, variants=variants or [], max_tokens=max_bench_tokens,
@@ -118,11 +120,15 @@ def build_demo(models: AppModels, max_tokens: int | None = None, max_bench_token
                         compare.preset_choices(), value=_default_preset(models, max_tokens),
                         label="Frames and resolution (latent tokens, MHLA blocks M)", elem_id="preset",
                     )  # fmt: skip
-                    variants = gr.CheckboxGroup(list(VARIANTS), value=list(VARIANTS), label="Variants", elem_id="variants")
+                    variants = gr.CheckboxGroup(
+                        list(VARIANTS), value=list(VARIANTS), label="Variants", elem_id="variants"
+                    )
                     with gr.Row():
                         seed = gr.Number(0, label="Seed", precision=0, elem_id="seed")
                         steps = gr.Slider(1, compare.MAX_STEPS, defaults["num_inference_steps"], step=1, label="Steps")
-                        guidance = gr.Slider(0, compare.MAX_GUIDANCE, defaults["guidance_scale"], step=0.5, label="Guidance")
+                        guidance = gr.Slider(
+                            0, compare.MAX_GUIDANCE, defaults["guidance_scale"], step=0.5, label="Guidance"
+                        )
             run_button = gr.Button("Generate with each variant", variant="primary", elem_id="generate")
             status = gr.Markdown(elem_id="status")
             columns = []

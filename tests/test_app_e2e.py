@@ -152,7 +152,9 @@ def test_browser_compare_and_error(server, tmp_path):
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             elsewhere = []  # the page must work with no network: every request goes to the app itself
-            page.on("request", lambda r: None if r.url.startswith((server, "data:", "blob:")) else elsewhere.append(r.url))
+            page.on(
+                "request", lambda r: None if r.url.startswith((server, "data:", "blob:")) else elsewhere.append(r.url)
+            )
             page.set_default_timeout(60_000)
             page.goto(server)
             page.locator("#random-note").wait_for()
