@@ -63,7 +63,7 @@ def _oom(e: BaseException) -> bool:
     return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
 
 
-def operator_rows(models: AppModels, grids, warmup=1, repeats=3, progress=None) -> list[dict]:
+def operator_rows(models: AppModels, grids, warmup=2, repeats=3, progress=None) -> list[dict]:
     """Operator latency (ms, median of ``repeats``) per operator and grid."""
     cfg = models.components.transformer.config
     heads, dim = cfg.num_attention_heads, cfg.attention_head_dim

@@ -130,7 +130,7 @@ def build_demo(models: AppModels, max_tokens: int | None = None, max_bench_token
                             0, compare.MAX_GUIDANCE, defaults["guidance_scale"], step=0.5, label="Guidance"
                         )
             run_button = gr.Button("Generate with each variant", variant="primary", elem_id="generate")
-            status = gr.Markdown(elem_id="status")
+            status = gr.Markdown(elem_id="status", min_height=70, container=True, padding=True)
             columns = []
             with gr.Row(equal_height=False):
                 for name in VARIANTS:
@@ -149,6 +149,8 @@ def build_demo(models: AppModels, max_tokens: int | None = None, max_bench_token
                 [status, *columns, summary, table, chart],
                 concurrency_id="device",  # one run at a time: compare and benchmark share the device
                 concurrency_limit=1,
+                # one progress bar (variant i/n, then its denoising steps) in the status box, not over every video
+                show_progress_on=[status],
                 api_name="compare",
             )
         with gr.Tab("Benchmark"):
@@ -163,9 +165,9 @@ def build_demo(models: AppModels, max_tokens: int | None = None, max_bench_token
                     ["operator", "transformer forward"], value=["operator", "transformer forward"], label="Levels"
                 )
                 bench_variants = gr.CheckboxGroup(list(VARIANTS), value=["flash", "mhla"], label="Transformer variants")
-                repeats = gr.Slider(1, 20, 2 if models.device.type == "cpu" else 10, step=1, label="Repeats (median)")
+                repeats = gr.Slider(1, 20, 3 if models.device.type == "cpu" else 10, step=1, label="Repeats (median)")
             bench_button = gr.Button("Run benchmark", variant="primary", elem_id="bench")
-            bench_status = gr.Markdown(elem_id="bench-status")
+            bench_status = gr.Markdown(elem_id="bench-status", min_height=70, container=True, padding=True)
             bench_plot = gr.Plot(label="Latency vs tokens (log-log)")
             bench_table = gr.Dataframe(headers=list(bench.FIELDS), label="Results", elem_id="bench-table")
             bench_files = gr.File(label="Download JSON / CSV", file_count="multiple", interactive=False)
@@ -175,6 +177,7 @@ def build_demo(models: AppModels, max_tokens: int | None = None, max_bench_token
                 [bench_status, bench_plot, bench_table, bench_files],
                 concurrency_id="device",
                 concurrency_limit=1,
+                show_progress_on=[bench_status],
                 api_name="benchmark",
             )
     return demo
