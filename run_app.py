@@ -44,6 +44,8 @@ def main(argv=None) -> int:
     from app.models import load_app_models, parse_variant_dirs
 
     try:
+        if args.model is not None and args.random_weights is not None:
+            raise ValueError("--model and --random-weights exclude each other: random weights replace the model's")
         variant_dirs = parse_variant_dirs(args.variant)
         if args.model is not None:
             from pipelines import check_model_dir

@@ -196,3 +196,19 @@ def test_random_weights_at_true_size_on_gpu(tmp_path):
         192,
         3,
     )
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--variant", "mhla"], "--variant expects NAME=DIR"),
+        (["--variant", "fast=ckpt"], "unknown variant 'fast'"),
+        (["--model", "/nowhere/wan"], "'/nowhere/wan' does not exist"),
+        (["--model", "/nowhere/wan", "--random-weights", "1.3b"], "exclude each other"),
+    ],
+)
+def test_launcher_refuses_bad_arguments_before_loading(argv, message, capsys):
+    import run_app
+
+    assert run_app.main(argv) == 2
+    assert message in capsys.readouterr().err
