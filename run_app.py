@@ -1,79 +1,76 @@
-"""Entry point of the product's front end.
+"""The product's front end: the same prompt through FlashAttention, linear attention and MHLA, side by side.
 
-The Gradio app (FlashAttention, linear attention and MHLA side by side) is not built yet; until it
-is, this runs a short demo of the MHLA operator on this machine: the paper's 81-frame 480x800
-token grid, agreement with the dense reference, latency of the three attentions and the rank of
-their attention matrices.
+    python run_app.py                                   # built-in tiny model (random weights), 127.0.0.1:7860
+    python run_app.py --model /models/Wan2.1-T2V-1.3B-Diffusers --variant mhla=ckpt/wan-mhla
+    python run_app.py --random-weights 1.3b             # true-size latency, videos are noise
+
+Serves on 127.0.0.1 unless --host says otherwise; a public share link only with --share.
 """
 
 from __future__ import annotations
 
 import argparse
-import time
+import os
+import sys
 
-import torch
-
-from mhla import (
-    BlockLayout,
-    expressivity,
-    last_softmax_backend,
-    linear_attention,
-    locality_init,
-    mhla_attention,
-    mhla_attention_dense,
-    softmax_attention,
-)
+# before gradio is imported: no analytics calls (the app must run with no network at all)
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 
-def timed(fn, repeats=3):
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e3
-
-
-def main(argv=None):
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
+    p.add_argument("--host", default="127.0.0.1", help="address to serve on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=7860)
+    p.add_argument("--share", action="store_true", help="also open a public gradio share link")
+    p.add_argument("--model", default=None, help="local diffusers-format Wan2.1 T2V directory (default: tiny model)")
+    p.add_argument(
+        "--variant", action="append", default=[], metavar="NAME=DIR",
+        help="a fine-tuned transformer for a variant, e.g. mhla=ckpt/wan-mhla (repeatable)",
+    )  # fmt: skip
+    p.add_argument("--random-weights", choices=("1.3b", "14b"), default=None,
+                   help="Wan2.1 architecture at true size with random weights: real latency, videos are noise")  # fmt: skip
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, float32 on CPU), float32, bfloat16, float16")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="largest compare request in latent tokens (default: 8192 on CPU, no limit on GPU)")  # fmt: skip
+    p.add_argument("--max-bench-tokens", type=int, default=None,
+                   help="largest benchmark grid in tokens (default: 16384 on CPU, no limit on GPU)")  # fmt: skip
+    return p.parse_args(argv)
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    g = torch.Generator().manual_seed(args.seed)
-    layout = BlockLayout.for_grid((21, 30, 50))
-    print(f"MHLA operator demo on {device}. Default layout for 81 frames at 480x800: {layout}")
 
-    small = BlockLayout.for_grid((6, 10, 12), "2x2x3")
-    q, k, v = (torch.randn(1, small.num_tokens, 2, 16, generator=g, dtype=torch.float64) for _ in range(3))
-    mix = locality_init(small)
-    err = (mhla_attention(q, k, v, small, mix) - mhla_attention_dense(q, k, v, small, mix)).abs().max()
-    print(f"efficient vs dense O(N^2) MHLA on {small}: max abs difference {err:.2e}")
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from app.compare import CPU_MAX_TOKENS
+    from app.models import load_app_models, parse_variant_dirs
 
-    stats = expressivity(q[0, :, 0], k[0, :, 0], small, mix)
-    print("attention-matrix rank / mean row entropy (nats), head_dim 16:")
-    for kind, s in stats.items():
-        print(f"  {kind:<8} rank {s['rank']:>4}   entropy {s['entropy']:.3f} of max {s['max_entropy']:.3f}")
+    try:
+        if args.model is not None and args.random_weights is not None:
+            raise ValueError("--model and --random-weights exclude each other: random weights replace the model's")
+        variant_dirs = parse_variant_dirs(args.variant)
+        if args.model is not None:
+            from pipelines import check_model_dir
 
-    shape = (1, layout.num_tokens, args.heads, args.dim)
-    q, k, v = (torch.randn(shape, generator=g).to(device) for _ in range(3))
-    mix = locality_init(layout).float().to(device)
-    with torch.no_grad():
-        rows = [
-            ("softmax", timed(lambda: softmax_attention(q, k, v), repeats=1)),
-            ("linear", timed(lambda: linear_attention(q, k, v))),
-            ("mhla", timed(lambda: mhla_attention(q, k, v, layout, mix))),
-        ]
-    print(f"forward latency at N={layout.num_tokens}, {args.heads} heads x {args.dim} (best of 3; softmax: 1 run):")
-    for name, ms in rows:
-        extra = f" ({last_softmax_backend()})" if name == "softmax" else ""
-        print(f"  {name:<8} {ms:9.1f} ms{extra}   {rows[0][1] / ms:5.1f}x vs softmax")
+            check_model_dir(args.model)
+        models = load_app_models(args.model, variant_dirs, args.random_weights, args.device, args.dtype)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    cpu = models.device.type == "cpu"
+    max_tokens = args.max_tokens if args.max_tokens is not None else (CPU_MAX_TOKENS if cpu else None)
+    max_bench = args.max_bench_tokens if args.max_bench_tokens is not None else (16384 if cpu else None)
+
+    from app.ui import CSS, THEME, build_demo
+
+    demo = build_demo(models, max_tokens=max_tokens, max_bench_tokens=max_bench)
+    print(f"model: {models.components.source} on {models.device}")
+    if models.random_note:
+        print(f"NOTE: {models.random_note}")
+    demo.queue(default_concurrency_limit=1).launch(
+        server_name=args.host, server_port=args.port, share=args.share, show_error=True,
+        theme=THEME, css=CSS, ssr_mode=False, footer_links=["api", "settings"],
+    )  # fmt: skip
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

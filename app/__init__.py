@@ -1,0 +1,8 @@
+"""The Gradio app: the same prompt through softmax ("flash"), linear, MHLA and hybrid MHLA self-attention,
+side by side with measured latency; and a live latency-versus-sequence-length benchmark.
+
+- :mod:`app.models`: what is loaded once (shared text encoder and VAE, transformers per variant).
+- :mod:`app.compare`: presets, request checks, running the variants, the comparison table and chart.
+- :mod:`app.bench`: operator and transformer latency against token count, plot, JSON/CSV.
+- :mod:`app.ui`: the ``gr.Blocks`` page, a thin layer over the three modules above.
+"""
