@@ -45,6 +45,7 @@ from .common import (
     matmul_rate,
     measure,
     parse_grid,
+    write_partial,
     write_results,
 )
 
@@ -206,6 +207,7 @@ def main(argv=None) -> dict:
         f"copy {bandwidth / 1e9:.1f} GB/s, matmul {rate / 1e12:.3g} TFLOP/s; median of {repeats} after {warmup}",
         flush=True,
     )
+    tag = args.tag or default_tag("attention", device)
     rows = []
     gen = torch.Generator(device="cpu").manual_seed(args.seed)
     for grid in grids:
@@ -259,12 +261,13 @@ def main(argv=None) -> dict:
                             torch.cuda.empty_cache()
                 rows.append(row)
                 print(format_row(row), flush=True)
+                if not args.no_save:
+                    write_partial(args.out_dir, tag, meta, rows)
             del q, k, v
     add_speedups(rows)
     table = markdown(rows, meta)
     print("\n" + table, flush=True)
     if not args.no_save:
-        tag = args.tag or default_tag("attention", device)
         write_results(args.out_dir, tag, meta, rows, table, lambda plt: plot(plt, rows, meta))
     return {"meta": meta, "rows": rows}
 

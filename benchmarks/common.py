@@ -175,13 +175,22 @@ def default_tag(prefix: str, device: torch.device) -> str:
     return f"{prefix}_{device_kind(device)}_{dt.datetime.now(dt.timezone.utc).strftime('%Y%m%d')}"
 
 
+def write_partial(out_dir: Path, tag: str, meta: dict, rows: list[dict]) -> None:
+    """Writes ``<tag>.json`` with the rows so far (``meta["complete"] = False``), so a run that is
+    killed part-way (a time limit on the GPU machine) still leaves its measurements behind."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data = {"meta": {**meta, "complete": False}, "rows": rows}
+    (out_dir / f"{tag}.json").write_text(json.dumps(data, indent=2) + "\n")
+
+
 def write_results(out_dir: Path, tag: str, meta: dict, rows: list[dict], table: str, plot=None) -> list[Path]:
     """Writes ``<tag>.json`` (meta + rows), ``<tag>.md`` (the table) and, when ``plot`` is given and
     matplotlib is installed, ``<tag>.png`` (``plot(ax_factory, path)``). Returns the paths written."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = [out_dir / f"{tag}.json", out_dir / f"{tag}.md"]
-    written[0].write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    written[0].write_text(json.dumps({"meta": {**meta, "complete": True}, "rows": rows}, indent=2) + "\n")
     written[1].write_text(table)
     if plot is not None:
         try:

@@ -46,6 +46,7 @@ from .common import (
     measure,
     parse_grid,
     sync,
+    write_partial,
     write_results,
 )
 
@@ -108,10 +109,9 @@ def build_transformer(config: dict, device: torch.device, dtype: torch.dtype, se
     finally:
         torch.set_default_dtype(previous)
     keep = getattr(model, "_keep_in_fp32_modules", None) or []
-    for name, module in model.named_modules():
+    for name, p in model.named_parameters():  # by parameter name, as from_pretrained: covers scale_shift_table
         if any(k in name.split(".") for k in keep):
-            for p in module.parameters(recurse=False):
-                p.data = p.data.float()
+            p.data = p.data.float()
     return model.eval()
 
 
@@ -252,6 +252,7 @@ def main(argv=None) -> dict:
 
     gen = torch.Generator().manual_seed(args.seed)
     timer = Timer(device)
+    tag = args.tag or default_tag(f"wan_step_{config_name}", device)
     rows = []
     for size, grid in cases:
         tokens = grid[0] * grid[1] * grid[2]
@@ -290,12 +291,13 @@ def main(argv=None) -> dict:
                         torch.cuda.empty_cache()
                 rows.append(row)
                 print(format_row(row), flush=True)
+                if not args.no_save:
+                    write_partial(args.out_dir, tag, meta, rows)
             del inputs
     add_speedups(rows)
     table = markdown(rows, meta)
     print("\n" + table, flush=True)
     if not args.no_save:
-        tag = args.tag or default_tag(f"wan_step_{config_name}", device)
         write_results(args.out_dir, tag, meta, rows, table, lambda plt: plot(plt, rows, meta))
     return {"meta": meta, "rows": rows}
 
