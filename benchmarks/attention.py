@@ -11,6 +11,10 @@ Times, on q, k, v of shape ``(1, N, heads, dim)`` over latent-token grids ``F x 
 - ``linear[torch]`` / ``mhla[torch]``: the PyTorch path of :mod:`mhla.ops`;
 - ``linear[triton]`` / ``mhla[triton]``: the fused Triton kernels (default on CUDA when Triton is
   installed; ``--impls torch,triton`` forces them, e.g. in Triton's interpreter on a CPU);
+- ``linear[layer]`` / ``mhla[layer]`` (``--impls`` ``layer``, in the default set): the attention core of a
+  converted Wan layer as the pipeline runs it (:class:`pipelines.LinearSelfAttention`: inputs upcast
+  to float32, the operator with ``impl="auto"``, output RMSNorm, cast back), so the cost of what
+  surrounds the operator shows next to the operator alone;
 
 forward (``fwd``) and forward+backward (``fwd+bwd``). MHLA runs with the paper's video settings
 (default block layout, e.g. 7x3x5 at 21x30x50; no normalizer; RoPE on the numerator).
@@ -53,6 +57,7 @@ CPU_GRIDS = "2x16x16,4x16x16,8x16x16"
 # 1k ... 128k tokens, with the two Wan2.1 480p grids (31,500 and 32,760 tokens) in between
 GPU_GRIDS = "1x32x32,4x32x32,16x32x32,21x30x50,21x30x52,32x48x48,32x64x64"
 PASSES = ("fwd", "fwd+bwd")
+IMPLS = ("torch", "triton", "layer")
 
 
 def triton_runs_here(device: torch.device) -> bool:
@@ -94,8 +99,21 @@ def flops(kind: str, n: int, heads: int, dim: int, blocks: int, backward: bool) 
     return fwd * 3 if backward else fwd  # dq, dS~ (one pass), dk, dv (one pass): two products each
 
 
+def layer_core(kind: str, layout: BlockLayout, heads: int, dim: int, device, dtype):
+    """The pipeline's attention core of a converted layer (new parameters as a fresh conversion makes them)."""
+    from pipelines import AttentionOptions, LinearSelfAttention
+
+    module = LinearSelfAttention(kind, heads * dim, heads, dim, AttentionOptions(blocks=layout.blocks))
+    for name, p in module.named_parameters():  # as pipelines.convert: mixing in float32, the rest in the layer's dtype
+        p.data = p.data.to(device, torch.float32 if name.startswith("mhla.") else dtype)
+    return module
+
+
 def make_fn(kind, arg, q, k, v, layout, mixing, rope, backward):
-    if kind == "softmax":
+    if arg == "layer":
+        core = layer_core(kind, layout, q.shape[2], q.shape[3], q.device, q.dtype)
+        fwd = lambda: core(q, k, v, layout.grid, rope)  # noqa: E731
+    elif kind == "softmax":
         fwd = lambda: softmax_attention(q, k, v, backend=arg)  # noqa: E731
     elif kind == "linear":
         fwd = lambda: linear_attention(q, k, v, normalize=False, rotary_emb=rope, impl=arg)  # noqa: E731
@@ -136,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--impls",
         default=None,
-        help="linear/MHLA paths: comma-separated torch, triton (default torch, plus triton on CUDA with Triton)",
+        help="linear/MHLA paths: comma-separated torch, triton, layer (default torch,layer, plus triton on CUDA)",
     )
     p.add_argument("--warmup", type=int, default=None, help="untimed runs first (default 3 on GPU, 1 on CPU)")
     p.add_argument("--repeats", type=int, default=None, help="timed runs, median reported (default 10 GPU, 3 CPU)")
@@ -170,10 +188,11 @@ def main(argv=None) -> dict:
     bad = [s for s in passes if s not in PASSES]
     if bad:
         raise SystemExit(f"unknown passes {bad}; expected some of {PASSES}")
-    impls = args.impls.split(",") if args.impls else (["torch", "triton"] if triton_runs_here(device) else ["torch"])
-    bad = [i for i in impls if i not in ("torch", "triton")]
+    default_impls = ["torch", "triton", "layer"] if triton_runs_here(device) else ["torch", "layer"]
+    impls = args.impls.split(",") if args.impls else default_impls
+    bad = [i for i in impls if i not in IMPLS]
     if bad:
-        raise SystemExit(f"unknown impls {bad}; expected torch and/or triton")
+        raise SystemExit(f"unknown impls {bad}; expected some of {IMPLS}")
     warmup = args.warmup if args.warmup is not None else (1 if cpu else 3)
     repeats = args.repeats if args.repeats is not None else (3 if cpu else 10)
     max_softmax = args.max_softmax_tokens or (8192 if cpu else None)

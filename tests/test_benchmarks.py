@@ -32,7 +32,7 @@ def test_attention_benchmark_smoke(tmp_path):
     argv = ["--device", "cpu", "--grids", "1x4x8,2x6x5", "--heads", "2", "--dim", "16", "--softmax-backends", "all"]
     # the fused kernels run on CPU tensors only in Triton's interpreter (set up by conftest without a GPU)
     interpreted = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
-    impls = ["torch", "triton"] if interpreted else ["torch"]
+    impls = ["torch", "triton", "layer"] if interpreted else ["torch", "layer"]
     argv += ["--impls", ",".join(impls), "--warmup", "0", "--repeats", "1", "--out-dir", str(tmp_path), "--tag", "t"]
     result = attention.main(argv)
     data = load(tmp_path, "t")
