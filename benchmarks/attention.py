@@ -43,6 +43,7 @@ from .common import (
     RESULTS,
     Timer,
     copy_bandwidth,
+    cpu_caveat,
     default_tag,
     dtype_name,
     environment,
@@ -322,7 +323,7 @@ def _fmt(x, spec=".2f", suffix=""):
 
 
 def markdown(rows: list[dict], meta: dict) -> str:
-    lines = [
+    lines = cpu_caveat(meta) + [
         f"Attention op, {meta['device']} ({meta['device_type']}), {meta['dtype']}, batch 1, "
         f"{meta['heads']} heads x {meta['head_dim']}; torch {meta['torch']}, CUDA {meta['cuda']}, "
         f"Triton {meta['triton']} ({meta['triton_mode']}); copy {meta['copy_bandwidth_gbs']:.0f} GB/s, "
@@ -362,8 +363,10 @@ def plot(plt, rows: list[dict], meta: dict):
         sel = [r for r in rows if r["pass"] == pass_]
         for variant in dict.fromkeys(r["variant"] for r in sel):
             pts = sorted((r["tokens"], r["ms"]) for r in sel if r["variant"] == variant and "ms" in r)
+            backend = next((r.get("backend") for r in sel if r["variant"] == variant and r.get("backend")), None)
+            label = f"softmax[auto: {backend}]" if variant == "softmax[auto]" and backend else variant
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=variant)
+                ax.plot(*zip(*pts), marker="o", label=label)
         floor = sorted({(r["tokens"], r["mem_floor_ms"]) for r in sel})
         ax.plot(*zip(*floor), "k--", lw=1, label="memory floor")
         ax.set(

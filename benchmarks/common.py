@@ -175,6 +175,17 @@ def default_tag(prefix: str, device: torch.device) -> str:
     return f"{prefix}_{device_kind(device)}_{dt.datetime.now(dt.timezone.utc).strftime('%Y%m%d')}"
 
 
+def cpu_caveat(meta: dict) -> list[str]:
+    """A line that heads every CPU table: such runs check the scripts, they measure no speed."""
+    if meta.get("device_type") == "cuda":
+        return []
+    return [
+        f"**CPU run ({meta.get('device_type')}): this checks that the benchmark runs; its times (wall clock on a "
+        "shared machine, few repeats) say nothing about GPU speed.**",
+        "",
+    ]
+
+
 def write_partial(out_dir: Path, tag: str, meta: dict, rows: list[dict]) -> None:
     """Writes ``<tag>.json`` with the rows so far (``meta["complete"] = False``), so a run that is
     killed part-way (a time limit on the GPU machine) still leaves its measurements behind."""

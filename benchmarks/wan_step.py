@@ -40,6 +40,7 @@ from .common import (
     DTYPES,
     RESULTS,
     Timer,
+    cpu_caveat,
     default_tag,
     dtype_name,
     environment,
@@ -335,7 +336,7 @@ def _fmt(x, spec=".2f", suffix=""):
 
 def markdown(rows: list[dict], meta: dict) -> str:
     ckpt = ", gradient checkpointing" if meta["grad_ckpt"] else ""
-    lines = [
+    lines = cpu_caveat(meta) + [
         f"Wan2.1 {meta['config']} transformer ({meta['transformer']['num_layers']} layers, random weights), "
         f"{meta['device']} ({meta['device_type']}), {meta['dtype']}; fwd at batch {meta['batch_fwd']} (CFG), "
         f"fwd+bwd at batch {meta['batch_fwd_bwd']}{ckpt}; torch {meta['torch']}, CUDA {meta['cuda']}, "
