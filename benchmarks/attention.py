@@ -1,286 +1,385 @@
 """Attention operator latency and peak memory versus token count.
 
-    python -m benchmarks.attention                          # CPU-sized defaults on this machine
-    python -m benchmarks.attention --grids 21x30x50,21x30x52 --heads 12 --dim 128 --dtype bf16 --backward
+    python -m benchmarks.attention                    # CPU-sized defaults (fp32, small grids, seconds)
+    python -m benchmarks.attention --passes fwd       # forward only (--backward: forward+backward only)
+    python -m benchmarks.attention --grids 21x30x50,21x30x52 --dim 128 --dtype bf16 --softmax-backends all  # GPU
 
-Times softmax (the fastest backend present, or every backend with --softmax-backends all),
-vanilla linear attention and MHLA (PyTorch path) on q, k, v of shape (1, N, heads, dim) over
-latent-token grids, forward (and forward+backward with --backward). Prints a markdown table with
-each variant's ratio to the memory floor (bytes of q, k, v and output over the measured copy
-bandwidth) and writes JSON, markdown and a log-log PNG to benchmarks/results/.
-Median of --repeats timed runs after --warmup runs; CUDA events on a GPU, wall clock on a CPU.
+Times, on q, k, v of shape ``(1, N, heads, dim)`` over latent-token grids ``F x H x W``:
+
+- ``softmax[<backend>]``: the fastest backend present (``--softmax-backends auto``), or every backend
+  that can run here, each under its own name (``all``), or a comma-separated list of names;
+- ``linear[torch]`` / ``mhla[torch]``: the PyTorch path of :mod:`mhla.ops`;
+- ``linear[triton]`` / ``mhla[triton]``: the fused Triton kernels (default on CUDA when Triton is
+  installed; ``--impls torch,triton`` forces them, e.g. in Triton's interpreter on a CPU);
+- ``linear[layer]`` / ``mhla[layer]`` (``--impls`` ``layer``, in the default set): the attention core of a
+  converted Wan layer as the pipeline runs it (:class:`pipelines.LinearSelfAttention`: inputs upcast
+  to float32, the operator with ``impl="auto"``, output RMSNorm, cast back), so the cost of what
+  surrounds the operator shows next to the operator alone;
+
+forward (``fwd``) and forward+backward (``fwd+bwd``). MHLA runs with the paper's video settings
+(default block layout, e.g. 7x3x5 at 21x30x50; no normalizer; RoPE on the numerator).
+
+Each row carries two floors (device method notes): the memory floor, the fewest bytes the op must
+move (q, k, v read and the output written once forward; plus the output gradient read and dq, dk, dv
+written backward) over the measured copy bandwidth; and the arithmetic floor, its FLOPs over the
+measured bf16/fp16/fp32 matrix-product rate. ``x mem floor`` is measured time over the memory floor.
+Median of ``--repeats`` runs after ``--warmup``; CUDA events with the L2 flushed before each run on a
+GPU, wall clock on a CPU. Writes JSON, markdown and a PNG to ``benchmarks/results/`` (``--out-dir``).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
-import platform
-import statistics
-import sys
-import time
+import os
 from pathlib import Path
 
 import torch
 
 from mhla import BlockLayout, last_softmax_backend, linear_attention, locality_init, mhla_attention, softmax_attention
-from mhla.softmax import _candidates
+from mhla.softmax import SOFTMAX_BACKENDS, _candidates, installed_external_backends
 
-RESULTS = Path(__file__).resolve().parent / "results"
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-CPU_GRIDS = "2x32x32,8x32x32,32x32x32"
+from .common import (
+    DTYPES,
+    RESULTS,
+    Timer,
+    copy_bandwidth,
+    cpu_caveat,
+    default_tag,
+    dtype_name,
+    environment,
+    matmul_rate,
+    measure,
+    parse_grid,
+    write_partial,
+    write_results,
+)
+
+CPU_GRIDS = "2x16x16,4x16x16,8x16x16"
+# 1k ... 128k tokens, with the two Wan2.1 480p grids (31,500 and 32,760 tokens) in between
 GPU_GRIDS = "1x32x32,4x32x32,16x32x32,21x30x50,21x30x52,32x48x48,32x64x64"
+PASSES = ("fwd", "fwd+bwd")
+IMPLS = ("torch", "triton", "layer")
 
 
-def parse_grid(text: str) -> tuple[int, int, int]:
-    parts = text.lower().split("x")
-    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise argparse.ArgumentTypeError(f"a grid looks like 21x30x50 (frames x height x width), got {text!r}")
-    return tuple(int(p) for p in parts)  # type: ignore[return-value]
+def triton_runs_here(device: torch.device) -> bool:
+    """Whether the fused kernels run compiled on ``device`` (CUDA with Triton installed)."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    from mhla import triton_ops
+
+    return triton_ops.available()
 
 
-def timer(device: torch.device):
-    """Returns a function that times ``fn()`` once in milliseconds."""
-    if device.type == "cuda":
-
-        def run(fn):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize(device)
-            return start.elapsed_time(end)
-
+def variants(device: torch.device, dtype: torch.dtype, softmax_backends: str, impls: list[str]):
+    """``(label, kind, backend_or_impl)`` for every variant to time."""
+    probe = torch.empty(0, device=device, dtype=dtype)
+    if softmax_backends == "none":
+        backends = []
+    elif softmax_backends == "auto":
+        backends = ["auto"]
+    elif softmax_backends == "all":
+        backends = _candidates(probe)
     else:
-
-        def run(fn):
-            t0 = time.perf_counter()
-            fn()
-            return (time.perf_counter() - t0) * 1e3
-
-    return run
-
-
-def copy_bandwidth(device: torch.device) -> float:
-    """Measured device copy bandwidth in bytes/s (read + write), median of a few large copies."""
-    n = (256 if device.type == "cuda" else 64) * 2**20
-    src = torch.empty(n, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    t = timer(device)
-    for _ in range(2):
-        dst.copy_(src)
-    ms = statistics.median(t(lambda: dst.copy_(src)) for _ in range(5))
-    return 2 * n / (ms / 1e3)
-
-
-def measure(fn, device, warmup: int, repeats: int) -> dict:
-    t = timer(device)
-    for _ in range(warmup):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-    times = [t(fn) for _ in range(repeats)]
-    peak = (torch.cuda.max_memory_allocated(device) - base) / 2**20 if device.type == "cuda" else None
-    return {"ms": statistics.median(times), "ms_min": min(times), "peak_mib": peak}
-
-
-def variants(args, device, dtype):
-    backends = _candidates(torch.empty(0, device=device, dtype=dtype)) if args.softmax_backends == "all" else ["auto"]
+        backends = [b.strip() for b in softmax_backends.split(",") if b.strip()]
+        bad = [b for b in backends if b not in SOFTMAX_BACKENDS]
+        if bad:
+            raise ValueError(f"unknown softmax backends {bad}; expected some of {SOFTMAX_BACKENDS}, 'all' or 'auto'")
     out = [(f"softmax[{b}]", "softmax", b) for b in backends]
-    return out + [("linear", "linear", None), ("mhla", "mhla", None)]
+    for kind in ("linear", "mhla"):
+        out += [(f"{kind}[{impl}]", kind, impl) for impl in impls]
+    return out
 
 
-def run_case(kind, backend, q, k, v, layout, mixing, rope, backward):
+def flops(kind: str, n: int, heads: int, dim: int, blocks: int, backward: bool) -> float:
+    """Multiply-adds x 2 of the matrix products (feature maps, RoPE and softmax's exp not counted)."""
     if kind == "softmax":
-        fwd = lambda: softmax_attention(q, k, v, backend=backend)  # noqa: E731
+        fwd = 4 * n * n * dim * heads  # q k^T and p v
+        return fwd * 3.5 if backward else fwd  # backward recomputes q k^T and does 4 more products: 2.5x
+    mix = 2 * blocks * blocks * dim * dim * heads if kind == "mhla" else 0
+    fwd = 4 * n * dim * dim * heads + mix  # summaries phi(k)^T v, then phi(q) S~
+    return fwd * 3 if backward else fwd  # dq, dS~ (one pass), dk, dv (one pass): two products each
+
+
+def layer_core(kind: str, layout: BlockLayout, heads: int, dim: int, device, dtype):
+    """The pipeline's attention core of a converted layer (new parameters as a fresh conversion makes them)."""
+    from pipelines import AttentionOptions, LinearSelfAttention
+
+    module = LinearSelfAttention(kind, heads * dim, heads, dim, AttentionOptions(blocks=layout.blocks))
+    for name, p in module.named_parameters():  # as pipelines.convert: mixing in float32, the rest in the layer's dtype
+        p.data = p.data.to(device, torch.float32 if name.startswith("mhla.") else dtype)
+    return module
+
+
+def make_fn(kind, arg, q, k, v, layout, mixing, rope, backward):
+    if arg == "layer":
+        core = layer_core(kind, layout, q.shape[2], q.shape[3], q.device, q.dtype)
+        fwd = lambda: core(q, k, v, layout.grid, rope)  # noqa: E731
+    elif kind == "softmax":
+        fwd = lambda: softmax_attention(q, k, v, backend=arg)  # noqa: E731
     elif kind == "linear":
-        fwd = lambda: linear_attention(q, k, v, normalize=False, rotary_emb=rope)  # noqa: E731
+        fwd = lambda: linear_attention(q, k, v, normalize=False, rotary_emb=rope, impl=arg)  # noqa: E731
     else:
-        fwd = lambda: mhla_attention(q, k, v, layout, mixing, normalize=False, rotary_emb=rope)  # noqa: E731
+        fwd = lambda: mhla_attention(q, k, v, layout, mixing, normalize=False, rotary_emb=rope, impl=arg)  # noqa: E731
     if not backward:
-        return fwd
+
+        def run():
+            with torch.no_grad():
+                return fwd()
+
+        return run
+    grad = torch.randn(q.shape, device=q.device, dtype=q.dtype)  # random, not ones: no special values
 
     def step():
         out = fwd()
-        out.backward(torch.ones_like(out))
+        out.backward(grad)
         for t in (q, k, v):
             t.grad = None
 
     return step
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--grids", default=None, help=f"comma-separated FxHxW token grids (CPU default {CPU_GRIDS})")
     p.add_argument("--heads", type=int, default=12)
     p.add_argument("--dim", type=int, default=None, help="head dim (default 128 on GPU, 64 on CPU)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default bf16 on GPU, fp32 on CPU")
-    p.add_argument("--backward", action="store_true", help="time forward+backward instead of forward")
-    p.add_argument("--softmax-backends", choices=["auto", "all"], default="auto")
-    p.add_argument("--warmup", type=int, default=None)
-    p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--passes", default="fwd,fwd+bwd", help="comma-separated: fwd, fwd+bwd")
+    p.add_argument("--backward", action="store_true", help="same as --passes fwd+bwd")
+    p.add_argument(
+        "--softmax-backends",
+        default="auto",
+        help="auto (fastest present), all (every backend that runs here), none, or names such as sdpa_flash,sdpa_cudnn",
+    )
+    p.add_argument(
+        "--impls",
+        default=None,
+        help="linear/MHLA paths: comma-separated torch, triton, layer (default torch,layer, plus triton on CUDA)",
+    )
+    p.add_argument("--warmup", type=int, default=None, help="untimed runs first (default 3 on GPU, 1 on CPU)")
+    p.add_argument("--repeats", type=int, default=None, help="timed runs, median reported (default 10 GPU, 3 CPU)")
     p.add_argument(
         "--max-softmax-tokens",
         type=int,
         default=None,
-        help="skip softmax above this many tokens (default: no limit on GPU, 40k on CPU)",
+        help="skip softmax above this many tokens (default: no limit on GPU, 8192 on CPU)",
     )
-    p.add_argument("--tag", default=None, help="name of the result files (default attention_<device>)")
+    p.add_argument(
+        "--max-math-tokens",
+        type=int,
+        default=16_384,
+        help="skip sdpa_math (forms N x N) above this many tokens",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", type=Path, default=RESULTS)
+    p.add_argument("--tag", default=None, help="result file name (default attention_<device kind>_<date>)")
     p.add_argument("--no-save", action="store_true")
-    args = p.parse_args(argv)
+    return p
 
+
+def main(argv=None) -> dict:
+    args = build_parser().parse_args(argv)
     device = torch.device(args.device)
     cpu = device.type == "cpu"
     dtype = DTYPES[args.dtype or ("fp32" if cpu else "bf16")]
     dim = args.dim or (64 if cpu else 128)
     grids = [parse_grid(g) for g in (args.grids or (CPU_GRIDS if cpu else GPU_GRIDS)).split(",")]
-    warmup = args.warmup if args.warmup is not None else (1 if cpu else 5)
-    repeats = args.repeats if args.repeats is not None else (3 if cpu else 20)
-    max_softmax = args.max_softmax_tokens or (40_000 if cpu else None)
+    passes = ["fwd+bwd"] if args.backward else [s.strip() for s in args.passes.split(",") if s.strip()]
+    bad = [s for s in passes if s not in PASSES]
+    if bad:
+        raise SystemExit(f"unknown passes {bad}; expected some of {PASSES}")
+    default_impls = ["torch", "triton", "layer"] if triton_runs_here(device) else ["torch", "layer"]
+    impls = args.impls.split(",") if args.impls else default_impls
+    bad = [i for i in impls if i not in IMPLS]
+    if bad:
+        raise SystemExit(f"unknown impls {bad}; expected some of {IMPLS}")
+    warmup = args.warmup if args.warmup is not None else (1 if cpu else 3)
+    repeats = args.repeats if args.repeats is not None else (3 if cpu else 10)
+    max_softmax = args.max_softmax_tokens or (8192 if cpu else None)
+    env = environment(device)
     bandwidth = copy_bandwidth(device)
-    device_name = (
-        torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine())
-    )
+    rate = matmul_rate(device, dtype)
+    timer = Timer(device)
+    todo = variants(device, dtype, args.softmax_backends, impls)
 
+    meta = {
+        "benchmark": "attention",
+        **env,
+        "dtype": dtype_name(dtype),
+        "heads": args.heads,
+        "head_dim": dim,
+        "batch": 1,
+        "passes": passes,
+        "impls": impls,
+        "softmax_backends_requested": args.softmax_backends,
+        "softmax_backends_available": _candidates(torch.empty(0, device=device, dtype=dtype)),
+        "softmax_external_installed": installed_external_backends(),
+        "copy_bandwidth_gbs": bandwidth / 1e9,
+        "matmul_tflops": rate / 1e12,
+        "warmup": warmup,
+        "repeats": repeats,
+        "mhla_settings": "default block layout, relu feature map, no normalizer, RoPE on the numerator",
+    }
     print(
-        f"# attention {'forward+backward' if args.backward else 'forward'} on {device_name} ({device.type}), "
-        f"{str(dtype).replace('torch.', '')}, heads={args.heads}, dim={dim}, torch {torch.__version__}, "
-        f"copy bandwidth {bandwidth / 1e9:.1f} GB/s, median of {repeats} after {warmup} warm-up"
+        f"# attention on {env['device']} ({device.type}), {dtype_name(dtype)}, heads={args.heads}, dim={dim}, "
+        f"torch {env['torch']}, CUDA {env['cuda']}, Triton {env['triton']} ({env['triton_mode']}); "
+        f"copy {bandwidth / 1e9:.1f} GB/s, matmul {rate / 1e12:.3g} TFLOP/s; median of {repeats} after {warmup}",
+        flush=True,
     )
+    tag = args.tag or default_tag("attention", device)
     rows = []
-    gen = torch.Generator(device="cpu").manual_seed(0)
+    gen = torch.Generator(device="cpu").manual_seed(args.seed)
     for grid in grids:
         layout = BlockLayout.for_grid(grid)
         n = layout.num_tokens
         shape = (1, n, args.heads, dim)
-        q, k, v = (torch.randn(shape, generator=gen).to(device, dtype).requires_grad_(args.backward) for _ in range(3))
         angles = torch.rand(1, n, 1, dim // 2, generator=gen).repeat_interleave(2, -1) * 6.28
         rope = (angles.cos().to(device), angles.sin().to(device))
         mixing = locality_init(layout).float().to(device)
-        floor_ms = 4 * q.numel() * q.element_size() / bandwidth * 1e3 * (3 if args.backward else 1)
-        for name, kind, backend in variants(args, device, dtype):
-            row = {
-                "grid": "x".join(map(str, grid)),
-                "tokens": n,
-                "blocks": layout.num_blocks,
-                "variant": name,
-                "floor_ms": floor_ms,
-            }
-            if kind == "softmax" and max_softmax and n > max_softmax:
-                row["skipped"] = f"softmax above {max_softmax} tokens (--max-softmax-tokens)"
-            else:
-                try:
-                    fn = run_case(kind, backend, q, k, v, layout, mixing, rope, args.backward)
-                    row.update(measure(fn, device, warmup, repeats))
-                    if kind == "softmax":
-                        row["backend"] = last_softmax_backend()
-                except (RuntimeError, torch.cuda.OutOfMemoryError) as e:  # OOM or unsupported: report, go on
-                    row["skipped"] = str(e).splitlines()[0][:100]
-                    if device.type == "cuda":
-                        torch.cuda.empty_cache()
-            rows.append(row)
-            print(format_row(row), flush=True)
-        del q, k, v
-
-    meta = {
-        "benchmark": "attention",
-        "pass": "forward+backward" if args.backward else "forward",
-        "device": device_name,
-        "device_type": device.type,
-        "dtype": str(dtype).replace("torch.", ""),
-        "heads": args.heads,
-        "head_dim": dim,
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "python": sys.version.split()[0],
-        "copy_bandwidth_gbs": bandwidth / 1e9,
-        "warmup": warmup,
-        "repeats": repeats,
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-    }
+        tensor_bytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        for pass_ in passes:
+            backward = pass_ == "fwd+bwd"
+            q, k, v = (torch.randn(shape, generator=gen).to(device, dtype).requires_grad_(backward) for _ in range(3))
+            # forward: q, k, v read, out written; backward: q, k, v, d_out read, dq, dk, dv written
+            min_bytes = tensor_bytes * (4 + (7 if backward else 0))
+            mem_floor = min_bytes / bandwidth * 1e3
+            for label, kind, arg in todo:
+                f = flops(kind, n, args.heads, dim, layout.num_blocks, backward)
+                row = {
+                    "grid": "x".join(map(str, grid)),
+                    "tokens": n,
+                    "blocks": layout.num_blocks if kind == "mhla" else (1 if kind == "linear" else None),
+                    "layout": str(layout) if kind == "mhla" else None,
+                    "pass": pass_,
+                    "variant": label,
+                    "kind": kind,
+                    "impl": arg if kind != "softmax" else None,
+                    "min_bytes": min_bytes,
+                    "mem_floor_ms": mem_floor,
+                    "flops": f,
+                    "flop_floor_ms": f / rate * 1e3,
+                }
+                if kind == "softmax" and max_softmax and n > max_softmax:
+                    row["skipped"] = f"softmax above {max_softmax} tokens (--max-softmax-tokens)"
+                elif arg == "sdpa_math" and n > args.max_math_tokens:
+                    row["skipped"] = f"sdpa_math above {args.max_math_tokens} tokens (--max-math-tokens)"
+                else:
+                    try:
+                        fn = make_fn(kind, arg, q, k, v, layout, mixing, rope, backward)
+                        row.update(measure(fn, device, warmup, repeats, timer))
+                        if kind == "softmax":
+                            row["backend"] = last_softmax_backend()
+                        row["x_mem_floor"] = row["ms"] / mem_floor
+                        row["x_floor"] = row["ms"] / max(mem_floor, row["flop_floor_ms"])
+                    except (RuntimeError, ValueError, NotImplementedError, torch.cuda.OutOfMemoryError) as e:
+                        row["skipped"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160]}"
+                    finally:
+                        for t in (q, k, v):
+                            t.grad = None
+                        if device.type == "cuda":
+                            torch.cuda.empty_cache()
+                rows.append(row)
+                print(format_row(row), flush=True)
+                if not args.no_save:
+                    write_partial(args.out_dir, tag, meta, rows)
+            del q, k, v
+    add_speedups(rows)
     table = markdown(rows, meta)
-    print("\n" + table)
+    print("\n" + table, flush=True)
     if not args.no_save:
-        tag = args.tag or f"attention_{device.type}{'_bwd' if args.backward else ''}"
-        save(rows, meta, table, tag)
+        write_results(args.out_dir, tag, meta, rows, table, lambda plt: plot(plt, rows, meta))
+    return {"meta": meta, "rows": rows}
 
 
-def format_row(row):
-    if "skipped" in row:
-        return f"{row['grid']:>10} N={row['tokens']:>7} {row['variant']:<22} skipped: {row['skipped']}"
-    peak = f" peak {row['peak_mib']:.0f} MiB" if row.get("peak_mib") is not None else ""
-    return (
-        f"{row['grid']:>10} N={row['tokens']:>7} {row['variant']:<22} {row['ms']:10.2f} ms "
-        f"({row['ms'] / row['floor_ms']:.1f}x floor){peak}"
-    )
-
-
-def markdown(rows, meta) -> str:
-    lines = [
-        f"Attention {meta['pass']}, {meta['device']} ({meta['device_type']}), {meta['dtype']}, "
-        f"{meta['heads']} heads x {meta['head_dim']}, torch {meta['torch']}, {meta['date']}",
-        "",
-        "| grid | tokens | M | variant | backend | ms | x floor | growth vs previous grid | peak MiB |",
-        "|---|---:|---:|---|---|---:|---:|---:|---:|",
-    ]
-    prev: dict[str, tuple[int, float]] = {}
+def add_speedups(rows: list[dict]) -> None:
+    """Per (grid, pass): ``speedup_vs_softmax`` against the fastest softmax row, and
+    ``speedup_vs_torch`` of a Triton row against the same kind's PyTorch row."""
+    groups: dict[tuple, list[dict]] = {}
     for r in rows:
+        groups.setdefault((r["grid"], r["pass"]), []).append(r)
+    for group in groups.values():
+        timed = [r for r in group if "ms" in r]
+        soft = [r["ms"] for r in timed if r["kind"] == "softmax"]
+        best = min(soft) if soft else None
+        torch_ms = {r["kind"]: r["ms"] for r in timed if r.get("impl") == "torch"}
+        for r in timed:
+            r["speedup_vs_softmax"] = best / r["ms"] if best else None
+            r["speedup_vs_torch"] = (
+                torch_ms[r["kind"]] / r["ms"] if r.get("impl") == "triton" and r["kind"] in torch_ms else None
+            )
+
+
+def format_row(row: dict) -> str:
+    head = f"{row['pass']:>7} {row['grid']:>10} N={row['tokens']:>7} {row['variant']:<24}"
+    if "skipped" in row:
+        return f"{head} skipped: {row['skipped']}"
+    peak = f" peak {row['peak_mib']:.0f} MiB" if row.get("peak_mib") is not None else ""
+    return f"{head} {row['ms']:10.3f} ms ({row['x_mem_floor']:.1f}x mem floor {row['mem_floor_ms']:.3f} ms){peak}"
+
+
+def _fmt(x, spec=".2f", suffix=""):
+    return "" if x is None else f"{x:{spec}}{suffix}"
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    lines = cpu_caveat(meta) + [
+        f"Attention op, {meta['device']} ({meta['device_type']}), {meta['dtype']}, batch 1, "
+        f"{meta['heads']} heads x {meta['head_dim']}; torch {meta['torch']}, CUDA {meta['cuda']}, "
+        f"Triton {meta['triton']} ({meta['triton_mode']}); copy {meta['copy_bandwidth_gbs']:.0f} GB/s, "
+        f"matmul {meta['matmul_tflops']:.3g} TFLOP/s (both measured); median of {meta['repeats']}; {meta['date']}",
+        "",
+        "| pass | grid | tokens | variant | backend | ms | mem floor ms | x mem floor | x floor | vs softmax | "
+        "vs torch | peak MiB |",
+        "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in sorted(rows, key=lambda r: (PASSES.index(r["pass"]), r["tokens"], r["grid"])):
         if "skipped" in r:
-            lines.append(f"| {r['grid']} | {r['tokens']} | {r['blocks']} | {r['variant']} | | skipped | | | |")
+            lines.append(
+                f"| {r['pass']} | {r['grid']} | {r['tokens']} | {r['variant']} | | skipped | "
+                f"{r['mem_floor_ms']:.3f} | | | | | |"
+            )
             continue
-        growth = ""
-        if r["variant"] in prev:
-            n0, ms0 = prev[r["variant"]]
-            growth = f"{r['ms'] / ms0:.1f}x for {r['tokens'] / n0:.1f}x tokens"
-        prev[r["variant"]] = (r["tokens"], r["ms"])
-        peak = f"{r['peak_mib']:.0f}" if r.get("peak_mib") is not None else ""
         lines.append(
-            f"| {r['grid']} | {r['tokens']} | {r['blocks']} | {r['variant']} | {r.get('backend', '')} | "
-            f"{r['ms']:.2f} | {r['ms'] / r['floor_ms']:.1f} | {growth} | {peak} |"
+            f"| {r['pass']} | {r['grid']} | {r['tokens']} | {r['variant']} | {r.get('backend') or r.get('impl') or ''} | "
+            f"{r['ms']:.3f} | {r['mem_floor_ms']:.3f} | {r['x_mem_floor']:.1f} | {r['x_floor']:.1f} | "
+            f"{_fmt(r.get('speedup_vs_softmax'), '.2f', 'x')} | {_fmt(r.get('speedup_vs_torch'), '.2f', 'x')} | "
+            f"{_fmt(r.get('peak_mib'), '.0f')} |"
         )
+    lines += [
+        "",
+        "mem floor: bytes of q, k, v and output (forward; plus d_out, dq, dk, dv backward) over the measured copy "
+        "bandwidth; x floor: measured over max(mem floor, FLOPs / measured matmul rate). vs softmax: the fastest "
+        "softmax backend's time over this row's, same grid and pass. vs torch: the PyTorch path's time over the "
+        "fused kernel's.",
+    ]
     return "\n".join(lines) + "\n"
 
 
-def save(rows, meta, table, tag):
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{tag}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    (RESULTS / f"{tag}.md").write_text(table)
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot written")
-        return
-    fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    for variant in dict.fromkeys(r["variant"] for r in rows):
-        pts = [(r["tokens"], r["ms"]) for r in rows if r["variant"] == variant and "ms" in r]
-        if pts:
-            ax.plot(*zip(*pts), marker="o", label=variant)
-    done = [r for r in rows if "ms" in r]
-    if done:
-        n0 = min(r["tokens"] for r in done)
-        t0 = min(r["ms"] for r in done if r["tokens"] == n0)
-        ns = sorted({r["tokens"] for r in rows})
-        ax.plot(ns, [t0 * n / n0 for n in ns], "k:", lw=1, label="O(N) slope")
-        ax.plot(ns, [t0 * (n / n0) ** 2 for n in ns], "k--", lw=1, label="O(N^2) slope")
-    ax.set(
-        xscale="log",
-        yscale="log",
-        xlabel="tokens N",
-        ylabel="ms",
-        title=f"attention {meta['pass']}: {meta['device']}, {meta['dtype']}",
-    )
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+def plot(plt, rows: list[dict], meta: dict):
+    passes = [p for p in PASSES if any(r["pass"] == p for r in rows)]
+    fig, axes = plt.subplots(1, len(passes), figsize=(6 * len(passes), 4.5), squeeze=False)
+    for ax, pass_ in zip(axes[0], passes):
+        sel = [r for r in rows if r["pass"] == pass_]
+        for variant in dict.fromkeys(r["variant"] for r in sel):
+            pts = sorted((r["tokens"], r["ms"]) for r in sel if r["variant"] == variant and "ms" in r)
+            backend = next((r.get("backend") for r in sel if r["variant"] == variant and r.get("backend")), None)
+            label = f"softmax[auto: {backend}]" if variant == "softmax[auto]" and backend else variant
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=label)
+        floor = sorted({(r["tokens"], r["mem_floor_ms"]) for r in sel})
+        ax.plot(*zip(*floor), "k--", lw=1, label="memory floor")
+        ax.set(
+            xscale="log",
+            yscale="log",
+            xlabel="tokens N",
+            ylabel="ms (median)",
+            title=f"{pass_}: {meta['device']}, {meta['dtype']}, {meta['heads']}x{meta['head_dim']}",
+        )
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(RESULTS / f"{tag}.png", dpi=120)
-    print(f"wrote {RESULTS / tag}.json/.md/.png")
+    return fig
 
 
 if __name__ == "__main__":

@@ -1,0 +1,221 @@
+"""Shared by the benchmark scripts: timing, device facts, measured ceilings, result files.
+
+Timing follows the device method notes: warm-up first, then the median of repeated runs; CUDA
+events on a GPU (with the L2 cache flushed before each timed run, as ``triton.testing.do_bench``
+does, so small inputs are not timed out of the cache), wall clock on a CPU.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import platform
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {v: k for k, v in DTYPES.items()}.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def parse_grid(text: str) -> tuple[int, int, int]:
+    """``"21x30x50"`` -> ``(21, 30, 50)`` (frames x height x width)."""
+    parts = text.strip().lower().split("x")
+    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"a grid looks like 21x30x50 (frames x height x width), got {text!r}")
+    return tuple(int(p) for p in parts)  # type: ignore[return-value]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Timer:
+    """Times ``fn()`` in milliseconds: CUDA events (after an L2 flush) on a GPU, wall clock on a CPU."""
+
+    def __init__(self, device: torch.device, flush_l2: bool = True):
+        self.device = device
+        self.flush = None
+        if device.type == "cuda" and flush_l2:
+            self.flush = torch.empty(256 * 2**20, dtype=torch.int8, device=device)
+
+    def __call__(self, fn) -> float:
+        if self.device.type != "cuda":
+            t0 = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t0) * 1e3
+        if self.flush is not None:
+            self.flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+
+def measure(fn, device: torch.device, warmup: int, repeats: int, timer: Timer | None = None) -> dict:
+    """Median (and min, spread) of ``repeats`` timed runs after ``warmup`` runs, and the peak memory
+    the runs allocate above what was allocated before them (CUDA only; ``None`` on a CPU)."""
+    timer = timer or Timer(device)
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    times = [timer(fn) for _ in range(repeats)]
+    out = {
+        "ms": statistics.median(times),
+        "ms_min": min(times),
+        "ms_max": max(times),
+        "repeats": repeats,
+        "peak_mib": None,
+        "peak_total_mib": None,
+    }
+    if device.type == "cuda":
+        out["peak_mib"] = (torch.cuda.max_memory_allocated(device) - base) / 2**20
+        out["peak_total_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
+    return out
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Measured device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    n = (1024 if device.type == "cuda" else 64) * 2**20
+    src = torch.randint(0, 255, (n,), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    t = Timer(device, flush_l2=False)
+    for _ in range(3):
+        dst.copy_(src)
+    ms = statistics.median(t(lambda: dst.copy_(src)) for _ in range(10 if device.type == "cuda" else 5))
+    return 2 * n / (ms / 1e3)
+
+
+def matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
+    """Measured dense matrix-product rate in FLOP/s for ``dtype`` (random operands, never zeros)."""
+    n = 8192 if device.type == "cuda" else 1024
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    t = Timer(device, flush_l2=False)
+    for _ in range(3):
+        a @ b
+    ms = statistics.median(t(lambda: a @ b) for _ in range(10 if device.type == "cuda" else 3))
+    return 2 * n**3 / (ms / 1e3)
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def device_kind(device: torch.device) -> str:
+    """Short file-name tag for the device: ``h100``, ``h200``, ``a100``..., or ``cpu``."""
+    if device.type != "cuda":
+        return "cpu"
+    name = torch.cuda.get_device_name(device).lower()
+    m = re.search(r"\b([a-z]{1,2}\d{2,4}[a-z]?)\b", name)
+    return m.group(1) if m else re.sub(r"[^a-z0-9]+", "-", name).strip("-")[:20]
+
+
+def environment(device: torch.device) -> dict:
+    """Device and software facts for the JSON header."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    import os
+
+    info = {
+        "device": device_name(device),
+        "device_type": device.type,
+        "device_kind": device_kind(device),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": triton_version,
+        "triton_mode": (
+            "interpreter"
+            if os.environ.get("TRITON_INTERPRET") == "1"
+            else ("compiled" if device.type == "cuda" else "unused (no GPU)")
+        ),
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(
+            gpu_memory_gib=round(props.total_memory / 2**30, 1),
+            multiprocessors=props.multi_processor_count,
+            compute_capability=f"{props.major}.{props.minor}",
+        )
+        try:
+            import diffusers
+
+            info["diffusers"] = diffusers.__version__
+        except ImportError:
+            pass
+    else:
+        info["cpu_threads"] = torch.get_num_threads()
+    return info
+
+
+def default_tag(prefix: str, device: torch.device) -> str:
+    return f"{prefix}_{device_kind(device)}_{dt.datetime.now(dt.timezone.utc).strftime('%Y%m%d')}"
+
+
+def cpu_caveat(meta: dict) -> list[str]:
+    """A line that heads every CPU table: such runs check the scripts, they measure no speed."""
+    if meta.get("device_type") == "cuda":
+        return []
+    return [
+        f"**CPU run ({meta.get('device_type')}): this checks that the benchmark runs; its times (wall clock on a "
+        "shared machine, few repeats) say nothing about GPU speed.**",
+        "",
+    ]
+
+
+def write_partial(out_dir: Path, tag: str, meta: dict, rows: list[dict]) -> None:
+    """Writes ``<tag>.json`` with the rows so far (``meta["complete"] = False``), so a run that is
+    killed part-way (a time limit on the GPU machine) still leaves its measurements behind."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data = {"meta": {**meta, "complete": False}, "rows": rows}
+    (out_dir / f"{tag}.json").write_text(json.dumps(data, indent=2) + "\n")
+
+
+def write_results(out_dir: Path, tag: str, meta: dict, rows: list[dict], table: str, plot=None) -> list[Path]:
+    """Writes ``<tag>.json`` (meta + rows), ``<tag>.md`` (the table) and, when ``plot`` is given and
+    matplotlib is installed, ``<tag>.png`` (``plot(ax_factory, path)``). Returns the paths written."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = [out_dir / f"{tag}.json", out_dir / f"{tag}.md"]
+    written[0].write_text(json.dumps({"meta": {**meta, "complete": True}, "rows": rows}, indent=2) + "\n")
+    written[1].write_text(table)
+    if plot is not None:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            print("matplotlib not installed: no plot written")
+        else:
+            fig = plot(plt)
+            png = out_dir / f"{tag}.png"
+            fig.savefig(png, dpi=110)
+            plt.close(fig)
+            written.append(png)
+    print("wrote " + ", ".join(str(p) for p in written))
+    return written

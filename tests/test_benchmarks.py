@@ -1,0 +1,164 @@
+"""CPU smoke tests of the benchmark scripts at tiny sizes: they run, write their files, and the JSON
+holds the fields the README and the GPU script rely on. Nothing here compares times (no timed asserts)."""
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from benchmarks import attention, wan_step
+from benchmarks.common import parse_grid
+
+ROOT = Path(__file__).resolve().parents[1]
+META_KEYS = {"device", "device_type", "device_kind", "torch", "cuda", "triton", "triton_mode", "date", "dtype"}
+
+
+def load(out_dir: Path, tag: str) -> dict:
+    files = sorted(p.name for p in out_dir.iterdir())
+    assert files == [f"{tag}.json", f"{tag}.md", f"{tag}.png"]
+    assert (out_dir / f"{tag}.png").stat().st_size > 1000
+    return json.loads((out_dir / f"{tag}.json").read_text())
+
+
+def tokens_of(grid: str) -> int:
+    return math.prod(parse_grid(grid))
+
+
+def test_attention_benchmark_smoke(tmp_path):
+    argv = ["--device", "cpu", "--grids", "1x4x8,2x6x5", "--heads", "2", "--dim", "16", "--softmax-backends", "all"]
+    # the fused kernels run on CPU tensors only in Triton's interpreter (set up by conftest without a GPU)
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
+    impls = ["torch", "triton", "layer"] if interpreted else ["torch", "layer"]
+    argv += ["--impls", ",".join(impls), "--warmup", "0", "--repeats", "1", "--out-dir", str(tmp_path), "--tag", "t"]
+    result = attention.main(argv)
+    data = load(tmp_path, "t")
+    assert data["meta"].keys() >= META_KEYS | {"copy_bandwidth_gbs", "matmul_tflops", "softmax_backends_available"}
+    assert data["meta"]["copy_bandwidth_gbs"] > 0 and data["meta"]["matmul_tflops"] > 0
+    assert data["meta"]["impls"] == impls
+    rows = data["rows"]
+    assert rows == json.loads(json.dumps(result["rows"]))
+    softmax = [f"softmax[{b}]" for b in data["meta"]["softmax_backends_available"]]
+    expected = set(softmax) | {f"{kind}[{impl}]" for kind in ("linear", "mhla") for impl in impls}
+    for grid in ("1x4x8", "2x6x5"):
+        for pass_ in ("fwd", "fwd+bwd"):
+            got = {r["variant"] for r in rows if r["grid"] == grid and r["pass"] == pass_}
+            assert got == expected, (grid, pass_)
+    for r in rows:
+        assert r["tokens"] == tokens_of(r["grid"])
+        assert r["mem_floor_ms"] > 0 and r["flop_floor_ms"] > 0
+        assert "skipped" not in r, r  # every path runs on a CPU at these sizes
+        assert r["ms"] > 0 and r["ms_min"] <= r["ms"] <= r["ms_max"]
+        assert r["x_mem_floor"] == pytest.approx(r["ms"] / r["mem_floor_ms"])
+        assert r["speedup_vs_softmax"] > 0
+        if r["impl"] == "triton":
+            assert r["speedup_vs_torch"] > 0
+        if r["kind"] == "softmax":
+            assert r["backend"] in data["meta"]["softmax_backends_available"]
+        if r["kind"] == "mhla":
+            assert r["blocks"] >= 1 and r["layout"]
+    md = (tmp_path / "t.md").read_text()
+    assert "| pass | grid | tokens | variant |" in md and f"mhla[{impls[-1]}]" in md
+
+
+def test_attention_benchmark_skips_and_bad_arguments(tmp_path):
+    result = attention.main(
+        ["--device", "cpu", "--grids", "2x4x4", "--heads", "1", "--dim", "8", "--passes", "fwd"]
+        + ["--max-softmax-tokens", "16", "--warmup", "0", "--repeats", "1", "--no-save"]
+    )
+    soft = [r for r in result["rows"] if r["kind"] == "softmax"]
+    assert soft and all("skipped" in r and "ms" not in r for r in soft)
+    assert all(r["speedup_vs_softmax"] is None for r in result["rows"] if "ms" in r)
+    with pytest.raises(SystemExit):
+        attention.main(["--device", "cpu", "--passes", "bwd", "--no-save"])
+    with pytest.raises(ValueError, match="21x30x50"):
+        attention.main(["--device", "cpu", "--grids", "21x30", "--no-save"])
+
+
+def test_wan_sizes_give_the_paper_token_grids():
+    assert wan_step.parse_size("81x480x800") == (21, 30, 50)
+    assert wan_step.parse_size("81x480x832") == (21, 30, 52)
+    with pytest.raises(ValueError, match="4k\\+1"):
+        wan_step.parse_size("80x480x800")
+    cfg = wan_step.CONFIGS["1.3b"]
+    assert (cfg["num_layers"], cfg["num_attention_heads"], cfg["attention_head_dim"], cfg["ffn_dim"]) == (
+        30,
+        12,
+        128,
+        8960,
+    )
+
+
+def test_wan_step_smoke(tmp_path):
+    # 2x4x6 has fewer cells than the 7x3x5 blocks on two axes: the MHLA layout shrinks
+    argv = ["--device", "cpu", "--config", "tiny", "--layers", "2", "--grids", "2x4x6", "--text-len", "16"]
+    argv += ["--warmup", "0", "--repeats", "1", "--steps", "50", "--out-dir", str(tmp_path), "--tag", "w"]
+    wan_step.main(argv)
+    data = load(tmp_path, "w")
+    meta, rows = data["meta"], data["rows"]
+    assert meta.keys() >= META_KEYS | {"config", "parameters", "batch_fwd", "batch_fwd_bwd", "grad_ckpt", "steps"}
+    assert meta["transformer"]["num_layers"] == 2 and meta["hybrid_mhla_layers"] == [1]
+    assert len(rows) == 2 * 4
+    for r in rows:
+        assert "skipped" not in r, r
+        assert r["tokens"] == tokens_of(r["grid"])
+        assert r["ms"] > 0 and r["speedup_vs_flash"] > 0
+        assert r["batch"] == (2 if r["pass"] == "fwd" else 1)
+        if r["variant"] == "flash":
+            assert r["speedup_vs_flash"] == 1.0 and r["softmax_backend"]
+        if r["variant"] == "mhla":
+            assert r["mhla_layers"] == 2 and r["layouts"]
+        if r["variant"] == "mhla-hybrid":
+            assert r["mhla_layers"] == 1 and r["softmax_backend"]
+        if r["pass"] == "fwd":
+            assert r["projected_s"] == pytest.approx(r["ms"] * 50 / 1e3)
+            assert r["attn_ms"] > 0 and r["attn_calls"] == 2
+    assert any("shrunk" in layout for r in rows for layout in r.get("layouts", []))
+    md = (tmp_path / "w.md").read_text()
+    assert "| pass | size | tokens | variant |" in md and "mhla-hybrid" in md
+
+
+def test_gpu_script_is_valid_bash():
+    script = ROOT / "benchmarks" / "run_gpu.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+
+
+def test_render_marks_a_partial_run(tmp_path):
+    from benchmarks import render
+    from benchmarks.common import write_partial
+
+    result = attention.main(
+        ["--device", "cpu", "--grids", "1x4x4", "--heads", "1", "--dim", "8", "--passes", "fwd", "--no-save"]
+        + ["--warmup", "0", "--repeats", "1"]
+    )
+    rows = result["rows"][:2]
+    write_partial(tmp_path, "cut", result["meta"], rows)
+    render.render(tmp_path / "cut.json")
+    assert (tmp_path / "cut.md").read_text().startswith("PARTIAL RUN: stopped after 2 rows.")
+    assert json.loads((tmp_path / "cut.json").read_text())["meta"]["complete"] is False
+    assert (tmp_path / "cut.png").exists()
+
+
+@pytest.mark.gpu
+def test_benchmarks_on_gpu(tmp_path):
+    """The GPU paths of both scripts (bf16, fused kernels, CUDA events, peak memory) at small sizes."""
+    result = attention.main(
+        ["--grids", "4x16x16", "--heads", "2", "--dim", "64", "--warmup", "1", "--repeats", "2"]
+        + ["--out-dir", str(tmp_path), "--tag", "a"]
+    )
+    variants = {r["variant"] for r in result["rows"]}
+    assert {"mhla[torch]", "mhla[triton]", "linear[torch]", "linear[triton]"} <= variants
+    for r in result["rows"]:
+        assert "skipped" not in r, r
+        assert r["ms"] > 0 and r["peak_mib"] is not None
+    wan = wan_step.main(
+        ["--config", "tiny", "--layers", "2", "--grids", "3x8x8", "--warmup", "1", "--repeats", "2"]
+        + ["--out-dir", str(tmp_path), "--tag", "w"]
+    )
+    assert wan["meta"]["dtype"] == "bf16"
+    for r in wan["rows"]:
+        assert "skipped" not in r, r
+        assert r["ms"] > 0 and r["peak_total_mib"] > 0
