@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 import mhla
-from benchmarks.attention import measure, parse_grid, run_case
+from benchmarks.attention import make_fn
+from benchmarks.common import measure, parse_grid
 from pipelines import VARIANTS, convert_self_attention, current_variant
 
 from .models import AppModels, device_name
@@ -90,7 +91,7 @@ def operator_rows(models: AppModels, grids, warmup=2, repeats=3, progress=None) 
                 row["note"] = "skipped: a smaller size did not fit"
             else:
                 try:
-                    fn = run_case(op, "auto", q, k, v, layout, mixing, rope, backward=False)
+                    fn = make_fn(op, "auto", q, k, v, layout, mixing, rope, backward=False)
                     row["ms"] = measure(fn, device, warmup, repeats)["ms"]
                     if op == "softmax":
                         row["backend"] = mhla.last_softmax_backend()
