@@ -63,8 +63,9 @@ class MHLA(nn.Module):
     def layout(self, grid: Grid) -> BlockLayout:
         return cached_layout(tuple(int(x) for x in grid), self.blocks)
 
-    def forward(self, q, k, v, grid: Grid, rotary_emb: Rotary | None = None) -> torch.Tensor:
-        """q, k ``(B, N, H, D)``, v ``(B, N, H, E)``, ``grid`` = ``(F, H, W)`` with ``F*H*W == N``."""
+    def forward(self, q, k, v, grid: Grid, rotary_emb: Rotary | None = None, out_dtype=None) -> torch.Tensor:
+        """q, k ``(B, N, H, D)``, v ``(B, N, H, E)``, ``grid`` = ``(F, H, W)`` with ``F*H*W == N``;
+        ``out_dtype`` as :func:`mhla.mhla_attention`."""
         return mhla_attention(
             q,
             k,
@@ -75,6 +76,7 @@ class MHLA(nn.Module):
             normalize=self.normalize,
             rotary_emb=rotary_emb,
             eps=self.eps,
+            out_dtype=out_dtype,
         )
 
     def extra_repr(self) -> str:

@@ -137,6 +137,7 @@ def mhla_attention(
     rotary_emb: Rotary | None = None,
     eps: float = 1e-6,
     impl: str = "auto",
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Multi-head linear attention over spatiotemporal blocks.
 
@@ -152,8 +153,11 @@ def mhla_attention(
         rotary_emb: ``(cos, sin)``, each ``(1, N, 1, D)``, as diffusers' Wan passes it.
         impl: ``"auto"`` runs the fused Triton kernels on CUDA when Triton is present and this
             PyTorch path otherwise; ``"torch"`` or ``"triton"`` force one.
+        out_dtype: dtype of the output (default: that of ``q``). ``torch.float32`` keeps an
+            un-normalised output (it grows with the token count) out of float16's range limits while
+            q, k, v stay in half precision.
     Returns:
-        ``(B, N, H, E)`` in the dtype of ``q``.
+        ``(B, N, H, E)`` in ``out_dtype``.
     """
     check_qkv(q, k, v)
     if not isinstance(layout, BlockLayout):
@@ -182,7 +186,7 @@ def mhla_attention(
         z = mix_summaries(mixing, z)
         den = torch.einsum("bmlhd,bmhd->bmlh", qb if rotary_emb is None else _to_blocks(fq, layout), z)
         out = out / (den[..., None] + eps)
-    return _from_blocks(out, layout).to(q.dtype)
+    return _from_blocks(out, layout).to(out_dtype or q.dtype)
 
 
 def linear_attention(
@@ -194,15 +198,17 @@ def linear_attention(
     rotary_emb: Rotary | None = None,
     eps: float = 1e-6,
     impl: str = "auto",
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Vanilla linear attention: ``phi(q_t) G / (phi(q_t) . z + eps)`` with one global
-    ``G = sum_s phi(k_s)^T v_s`` and ``z = sum_s phi(k_s)``. Shapes and ``impl`` as :func:`mhla_attention`."""
+    ``G = sum_s phi(k_s)^T v_s`` and ``z = sum_s phi(k_s)``. Shapes, ``impl`` and ``out_dtype`` as
+    :func:`mhla_attention`."""
     check_qkv(q, k, v)
     check_rotary(rotary_emb, q.shape[1], q.shape[3])
     if _use_fused(impl, q):
         from .triton_ops import linear_attention_fused
 
-        out = _run_fused(linear_attention_fused, q, k, v, feature_map, normalize, rotary_emb, eps, impl=impl)
+        out = _run_fused(linear_attention_fused, q, k, v, feature_map, normalize, rotary_emb, eps, out_dtype, impl=impl)
         if out is not None:
             return out
     fq, fk, rq, rk = _features(q, k, feature_map, rotary_emb)
@@ -211,4 +217,4 @@ def linear_attention(
     if normalize:
         den = torch.einsum("bnhd,bhd->bnh", fq, fk.sum(dim=1))
         out = out / (den[..., None] + eps)
-    return out.to(q.dtype)
+    return out.to(out_dtype or q.dtype)

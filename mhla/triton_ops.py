@@ -518,7 +518,7 @@ class _Geometry:
 
 class _MHLAFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mixing, layout, feature, normalize, rotary_emb, eps):
+    def forward(ctx, q, k, v, mixing, layout, feature, normalize, rotary_emb, eps, out_dtype):
         g = _Geometry(q, v, layout, rotary_emb)
         summaries = q.new_empty((g.B * g.H, g.M, 2 * g.D_HALF, g.E), dtype=torch.float32)
         z = q.new_empty((g.B * g.H, g.M, 2 * g.D_HALF), dtype=torch.float32)
@@ -528,7 +528,7 @@ class _MHLAFunction(torch.autograd.Function):
         )
         mixed = _mix(mixing, summaries, g.B, g.H)
         mixed_z = _mix(mixing, z, g.B, g.H) if normalize else z
-        out = q.new_empty((g.B, g.N, g.H, g.E))
+        out = q.new_empty((g.B, g.N, g.H, g.E), dtype=out_dtype)
         den = q.new_empty((g.B * g.H, g.N), dtype=torch.float32) if normalize else z
         _output_kernel[g.launch](
             q,
@@ -613,7 +613,7 @@ class _MHLAFunction(torch.autograd.Function):
             *g.grid_args,
             **common,
         )
-        return dq, dk, dv, d_mixing, None, None, None, None, None
+        return dq, dk, dv, d_mixing, None, None, None, None, None, None
 
 
 def mhla_attention_fused(
@@ -626,6 +626,7 @@ def mhla_attention_fused(
     normalize: bool = True,
     rotary_emb: Rotary | None = None,
     eps: float = 1e-6,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Same contract as :func:`mhla.mhla_attention`, run by the fused Triton kernels.
 
@@ -648,10 +649,17 @@ def mhla_attention_fused(
         raise ValueError(
             f"the fused kernels take fp16, bf16 or fp32 q, k, v of one dtype; got {q.dtype}, {k.dtype}, {v.dtype}"
         )
-    return _MHLAFunction.apply(q, k, v, mixing.float(), layout, FEATURE_IDS[feature_map], normalize, rotary_emb, eps)
+    out_dtype = out_dtype or q.dtype
+    if out_dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"out_dtype must be fp16, bf16 or fp32, got {out_dtype}")
+    return _MHLAFunction.apply(
+        q, k, v, mixing.float(), layout, FEATURE_IDS[feature_map], normalize, rotary_emb, eps, out_dtype
+    )
 
 
-def linear_attention_fused(q, k, v, feature_map="relu", normalize=True, rotary_emb=None, eps=1e-6) -> torch.Tensor:
+def linear_attention_fused(
+    q, k, v, feature_map="relu", normalize=True, rotary_emb=None, eps=1e-6, out_dtype=None
+) -> torch.Tensor:
     """Vanilla linear attention by the fused kernels.
 
     One global summary is MHLA whose mixing matrix is all ones: every query block sums all block
@@ -662,4 +670,4 @@ def linear_attention_fused(q, k, v, feature_map="relu", normalize=True, rotary_e
     chunks = max(1, min(256, n // 256))
     layout = BlockLayout((1, 1, n), (1, 1, chunks))
     ones = torch.ones(chunks, chunks, device=q.device)
-    return mhla_attention_fused(q, k, v, layout, ones, feature_map, normalize, rotary_emb, eps)
+    return mhla_attention_fused(q, k, v, layout, ones, feature_map, normalize, rotary_emb, eps, out_dtype)

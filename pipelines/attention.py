@@ -222,14 +222,13 @@ class LinearSelfAttention(nn.Module):
         ``x`` the layer input ``(B, N, dim)`` (gate only). Returns ``(B, N, H, D)``."""
         rope = rotary_emb if self.options.rope else None
         out_dtype = q.dtype
-        # The operator computes in float32 anyway, so upcasting here costs nothing extra; it keeps the
-        # un-normalised output (phi(q) S grows with the token count) in float32 until the RMSNorm, where
-        # float16 could overflow at ~30k tokens.
+        # q, k, v go in as they are (the operator accumulates in float32 and the fused kernels read
+        # half precision directly); the output comes back in float32 because the un-normalised
+        # phi(q) S grows with the token count and could overflow float16 before the RMSNorm.
         compute = torch.promote_types(q.dtype, torch.float32)
-        q, k, v = q.to(compute), k.to(compute), v.to(compute)
         if self.mhla is None:
             out = mhla.linear_attention(
-                q, k, v, self.options.feature_map, self.options.normalize, rope, self.options.eps
+                q, k, v, self.options.feature_map, self.options.normalize, rope, self.options.eps, out_dtype=compute
             )
         else:
             if grid is None:
@@ -241,10 +240,11 @@ class LinearSelfAttention(nn.Module):
             if shrunk:
                 mixing = resample_mixing(self.mhla.mixing(), self.options.blocks, layout.blocks)
                 out = mhla.mhla_attention(
-                    q, k, v, layout, mixing, self.options.feature_map, self.options.normalize, rope, self.options.eps
-                )
+                    q, k, v, layout, mixing, self.options.feature_map, self.options.normalize, rope,
+                    self.options.eps, out_dtype=compute,
+                )  # fmt: skip
             else:
-                out = self.mhla(q, k, v, grid, rope)
+                out = self.mhla(q, k, v, grid, rope, out_dtype=compute)
         if self.norm_out is not None:
             norm = self.norm_out
             out = F.rms_norm(out, (out.shape[-1],), norm.weight.to(out.dtype), norm.eps)

@@ -191,3 +191,16 @@ def test_module_trains_mixing_and_handles_grids(gen):
     assert mod.mixing.weight.grad is not None and mod.mixing.weight.grad.abs().sum() > 0
     with pytest.raises(ValueError, match="only 1 cells"):
         mod(q[:, :30], k[:, :30], v[:, :30], grid=(1, 6, 5))
+
+
+def test_out_dtype_keeps_half_inputs_with_a_float32_output(gen):
+    layout = BlockLayout((3, 4, 6), (1, 2, 2))
+    q, k, v = (draw(gen, (1, layout.num_tokens, 2, 16)) for _ in range(3))
+    mix = locality_init(layout)
+    ref = mhla_attention_dense(q, k, v, layout, mix, normalize=False)
+    half = [t.to(torch.float16) for t in (q, k, v)]
+    out = mhla_attention(*half, layout, mix.float(), normalize=False, out_dtype=torch.float32)
+    assert out.dtype == torch.float32 and rel_err(out, ref) < 5e-3
+    lin = linear_attention(*half, normalize=False, out_dtype=torch.float32)
+    assert lin.dtype == torch.float32
+    assert rel_err(lin, linear_attention_dense(q, k, v, normalize=False)) < 5e-3

@@ -150,3 +150,16 @@ def test_fused_gpu_wan_grids(gen, grid, dtype):
             if normalize:
                 num = num / (((fq[0, rows, head] @ fk[0, :, head].T) * pair).sum(-1, keepdim=True) + 1e-6)
             assert rel_err(out[0, rows, head], num) < tol
+
+
+def test_fused_out_dtype_float32_from_half_inputs(gen):
+    layout = BlockLayout((2, 4, 6), (2, 2, 2))
+    (q, k, v, m), rope = inputs(gen, layout, b=1)
+    leaves = [t.to(DEVICE, torch.float16).requires_grad_() for t in (q, k, v)]
+    out = triton_ops.mhla_attention_fused(
+        *leaves, layout, m.float().to(DEVICE), normalize=False, out_dtype=torch.float32
+    )
+    assert out.dtype == torch.float32
+    assert rel_err(out, mhla_attention_dense(q, k, v, layout, m, normalize=False)) < 5e-3
+    out.square().mean().backward()
+    assert all(t.grad is not None and t.grad.dtype == torch.float16 for t in leaves)
