@@ -47,7 +47,11 @@ def digest(run_dir, rank=0):
 
 def test_tiny_recipe_learns_and_its_checkpoint_generates(tmp_path):
     run = tmp_path / "run"
-    finetune(run, "train.steps=16", "checkpoint.every=8")
+    finetune(run, "train.steps=16", "checkpoint.every=8", "validation.every=16", "log.tensorboard=true")
+    assert list(run.rglob("events.out.tfevents.*"))  # TensorBoard scalars
+    import imageio.v3 as iio
+
+    assert iio.imread(run / "validation" / "step-0000016" / "prompt0_seed0.mp4").shape == (9, 64, 96, 3)
     rows = metrics(run)
     held = [r["eval_loss"] for r in rows if "eval_loss" in r]
     assert len(held) == 2 and held[1] < 0.9 * held[0], held  # fixed batches and noise: a real drop
@@ -64,8 +68,6 @@ def test_tiny_recipe_learns_and_its_checkpoint_generates(tmp_path):
     )  # fmt: skip
     assert gen.returncode == 0, gen.stderr
     assert "variant                mhla" in gen.stdout  # the checkpoint's own variant
-    import imageio.v3 as iio
-
     assert iio.imread(out).shape == (9, 64, 96, 3)
 
 
