@@ -512,3 +512,26 @@ def test_paths_and_formats_are_checked(base_dir, tmp_path, capsys):
     with pytest.raises(ValueError, match=r"no state dict under 'ema'; its top-level keys are \['state_dict', 'step'\]"):
         torch.save({"state_dict": {"a": torch.zeros(1)}, "step": 3}, tmp_path / "t.pt")
         imp.load_checkpoint_tensors(tmp_path / "t.pt", state_dict_key="ema")
+
+
+def test_fused_kernels_take_signed_unnormalised_mixing(gen):
+    # the published mixing is partly negative with rows far from 1; the Triton path (on a GPU by default) must
+    # use it as given too. Without a GPU this runs in Triton's interpreter (see conftest).
+    triton_ops = pytest.importorskip("mhla.triton_ops")
+    if not triton_ops.available():
+        pytest.skip("Triton is not installed")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    layout = BlockLayout((2, 4, 6), (2, 2, 3))
+    q, k, v = (torch.randn(1, 48, 2, 16, generator=gen, dtype=torch.float64) for _ in range(3))
+    mixing = torch.randn(12, 12, generator=gen, dtype=torch.float64)
+    angles = (torch.rand(1, 48, 1, 8, generator=gen, dtype=torch.float64) * 6.28).repeat_interleave(2, -1)
+    rope = (angles.cos(), angles.sin())
+    ref = mhla.mhla_attention_dense(q, k, v, layout, mixing, normalize=False, rotary_emb=rope)
+    out = triton_ops.mhla_attention_fused(
+        *(t.to(device, torch.float32) for t in (q, k, v)),
+        layout,
+        mixing.to(device, torch.float32),
+        normalize=False,
+        rotary_emb=tuple(t.to(device, torch.float32) for t in rope),
+    )
+    assert float((out.double().cpu() - ref).abs().max() / ref.abs().max()) < 1e-4
