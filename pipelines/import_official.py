@@ -424,6 +424,16 @@ def build_transformer(plan: ImportPlan, transformer_config: dict, tensors: dict[
     return model
 
 
+def _remove_contents(folder: Path, remove_dir: bool) -> None:
+    for child in folder.iterdir():
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child)
+        else:
+            child.unlink()
+    if remove_dir:
+        folder.rmdir()
+
+
 def _check_out(out: Path, base: Path) -> None:
     if out.resolve() == base.resolve():
         raise ValueError(f"--out {str(out)!r} is the --base directory; expected a new directory")
@@ -475,15 +485,20 @@ def import_official(
 
     model = build_transformer(plan, transformer_config, tensors)
     del tensors
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
-    save_transformer(model, out / "transformer")
-    for part in COMPONENTS:
-        src = (base / part).resolve()
-        if components == "copy":
-            shutil.copytree(src, out / part)
-        else:
-            os.symlink(src, out / part, target_is_directory=True)
-    shutil.copy2(base / "model_index.json", out / "model_index.json")
+    try:
+        save_transformer(model, out / "transformer")
+        for part in COMPONENTS:
+            src = (base / part).resolve()
+            if components == "copy":
+                shutil.copytree(src, out / part)
+            else:
+                os.symlink(src, out / part, target_is_directory=True)
+        shutil.copy2(base / "model_index.json", out / "model_index.json")
+    except BaseException:
+        _remove_contents(out, remove_dir=created)  # no half-written directory that loads as something it is not
+        raise
     record = {
         "checkpoint": str(checkpoint.resolve()),
         "checkpoint_bytes": checkpoint.stat().st_size,

@@ -535,3 +535,22 @@ def test_fused_kernels_take_signed_unnormalised_mixing(gen):
         rotary_emb=tuple(t.to(device, torch.float32) for t in rope),
     )
     assert float((out.double().cpu() - ref).abs().max() / ref.abs().max()) < 1e-4
+
+
+def test_failed_write_leaves_no_half_model(tmp_path, monkeypatch):
+    base = _small_base(tmp_path, 3)
+    ckpt = synthetic_checkpoint(build_tiny_transformer(num_layers=3), [1, 2], 6)
+    path = _checkpoint_file(tmp_path, ckpt)
+
+    def disk_full(*a, **k):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(imp.shutil, "copy2", disk_full)  # fails after the transformer and components are written
+    with pytest.raises(OSError, match="No space left"):
+        imp.import_official(path, base, tmp_path / "out", grid=(3, 4, 6))
+    assert not (tmp_path / "out").exists()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(OSError, match="No space left"):
+        imp.import_official(path, base, tmp_path / "empty", grid=(3, 4, 6))
+    assert (tmp_path / "empty").is_dir() and not any((tmp_path / "empty").iterdir())
+    assert (base / "vae").is_dir()  # the symlinked base parts are untouched
