@@ -7,7 +7,7 @@ with tokens flattened in (frame, height, width) order of a latent-token grid ``(
 from .diagnostics import attention_weights, expressivity, rank_and_entropy
 from .feature_maps import FEATURE_MAPS, get_feature_map
 from .layout import PAPER_BLOCK_SHAPE, BlockLayout, cached_layout, default_blocks, parse_blocks, split_points
-from .mixing import MixingCoefficients, constrain_mixing, locality_init, uniform_init
+from .mixing import MixingCoefficients, constrain_mixing, locality_columns_init, locality_init, uniform_init
 from .module import MHLA
 from .ops import block_summaries, linear_attention, mhla_attention, mix_summaries
 from .reference import linear_attention_dense, mhla_attention_dense, softmax_attention_dense
@@ -32,6 +32,7 @@ __all__ = [
     "last_softmax_backend",
     "linear_attention",
     "linear_attention_dense",
+    "locality_columns_init",
     "locality_init",
     "mhla_attention",
     "mhla_attention_dense",

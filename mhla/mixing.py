@@ -13,7 +13,7 @@ from torch import nn
 
 from .layout import BlockLayout
 
-MIXING_INITS = ("locality", "uniform")
+MIXING_INITS = ("locality", "uniform", "locality_columns")
 
 
 def locality_init(layout: BlockLayout, units: str = "block") -> torch.Tensor:
@@ -28,6 +28,20 @@ def locality_init(layout: BlockLayout, units: str = "block") -> torch.Tensor:
     far = dist.max(dim=1, keepdim=True).values
     m = torch.where(far > 0, 1.0 - dist / far.clamp_min(1e-300), torch.ones_like(dist))
     return m / m.sum(dim=1, keepdim=True)
+
+
+def locality_columns_init(layout: BlockLayout, units: str = "block") -> torch.Tensor:
+    """``(M, M)`` float64 locality mixing as the MHLA authors' code initialises it (not the paper's rule).
+
+    ``m_ij ~ 1 - dist(i, j) / max dist`` with one global maximum distance, each *column* normalised to
+    sum to 1 (rows of the result do not sum to 1). Only for reproducing their training recipe; our
+    conversions use :func:`locality_init`. With a single block the matrix is [[1]].
+    """
+    centres = layout.block_centres(units)
+    dist = torch.cdist(centres, centres)
+    far = dist.max()
+    m = 1.0 - dist / far if far > 0 else torch.ones_like(dist)
+    return m / m.sum(dim=0, keepdim=True)
 
 
 def uniform_init(num_blocks: int) -> torch.Tensor:
@@ -52,7 +66,8 @@ class MixingCoefficients(nn.Module):
 
     Args:
         layout: the block layout; only its number of blocks and block centres are used.
-        init: ``"locality"`` (paper default) or ``"uniform"`` (ablation, paper Table 7a).
+        init: ``"locality"`` (paper default), ``"uniform"`` (ablation, paper Table 7a) or
+            ``"locality_columns"`` (the authors' code: global max distance, columns normalised).
         units: distance units of the locality init, ``"block"`` or ``"token"``.
         learnable: ``False`` freezes the coefficients (stored as a buffer, still saved).
         per_head: one matrix per attention head, shape ``(H, M, M)``, instead of one shared ``(M, M)``.
@@ -78,6 +93,8 @@ class MixingCoefficients(nn.Module):
             matrix = locality_init(layout, units)
         elif init == "uniform":
             matrix = uniform_init(layout.num_blocks)
+        elif init == "locality_columns":
+            matrix = locality_columns_init(layout, units)
         else:
             raise ValueError(f"unknown mixing init {init!r}; expected one of {MIXING_INITS}")
         if per_head:

@@ -55,6 +55,9 @@ class AttentionOptions:
         rope: apply Wan's RoPE to ``phi(q), phi(k)`` in the numerator (never the normalizer).
         eps: added to the normalizer.
         mixing_init, learnable_mixing, per_head_mixing: as :class:`mhla.MHLA`.
+        constrain_mixing: clamp the mixing matrix to [0, 1] and renormalise its rows on every use (the
+            paper's rule). ``False`` uses the stored matrix as it is, as the MHLA authors' code does: only for
+            their published checkpoints (see :mod:`pipelines.import_official`), never for our conversions.
         softmax_backend: backend for softmax layers, one of :data:`mhla.SOFTMAX_BACKENDS`.
     """
 
@@ -69,12 +72,15 @@ class AttentionOptions:
     learnable_mixing: bool = True
     per_head_mixing: bool = False
     softmax_backend: str = "auto"
+    constrain_mixing: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "blocks", mhla.parse_blocks(self.blocks))
         mhla.get_feature_map(self.feature_map)
         if self.output_norm not in OUTPUT_NORMS:
             raise ValueError(f"output_norm must be one of {OUTPUT_NORMS}, got {self.output_norm!r}")
+        if not isinstance(self.constrain_mixing, bool):
+            raise ValueError(f"constrain_mixing must be True or False, got {self.constrain_mixing!r}")
         if self.softmax_backend not in mhla.SOFTMAX_BACKENDS:
             raise ValueError(f"softmax_backend must be one of {mhla.SOFTMAX_BACKENDS}, got {self.softmax_backend!r}")
 
@@ -158,14 +164,16 @@ def _block_map(src: Grid, dst: Grid) -> torch.Tensor:
     return ((f[:, None, None] * dst[1] + h[None, :, None]) * dst[2] + w[None, None, :]).reshape(-1)
 
 
-def resample_mixing(mixing: torch.Tensor, blocks: Grid, new_blocks: Grid) -> torch.Tensor:
+def resample_mixing(mixing: torch.Tensor, blocks: Grid, new_blocks: Grid, renormalize: bool = True) -> torch.Tensor:
     """Adapts an ``(M, M)`` (or ``(H, M, M)``) mixing matrix of layout ``blocks`` to ``new_blocks``.
 
     Used when a grid has fewer cells on an axis than the model has blocks (e.g. few frames), so the
     layout must shrink. Block centres are compared in normalised coordinates ([0, 1] per axis):
     new query block ``a`` takes the row of the old block nearest its centre, and each old key block's
     weight goes to the new block nearest it (so weights of merged blocks add up). Rows are then
-    renormalised. Differentiable; with ``new_blocks == blocks`` it returns ``mixing`` unchanged.
+    renormalised, unless ``renormalize=False`` (unconstrained mixing, whose rows need not sum to 1: each new
+    row then keeps the total weight of the old row it came from). Differentiable; with
+    ``new_blocks == blocks`` it returns ``mixing`` unchanged.
     """
     if tuple(new_blocks) == tuple(blocks):
         return mixing
@@ -175,6 +183,8 @@ def resample_mixing(mixing: torch.Tensor, blocks: Grid, new_blocks: Grid) -> tor
     m_new = math.prod(new_blocks)
     picked = mixing[..., rows, :]
     out = picked.new_zeros(*picked.shape[:-1], m_new).index_add(-1, cols, picked)
+    if not renormalize:
+        return out
     return out / out.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(out.dtype).tiny)
 
 
@@ -203,6 +213,7 @@ class LinearSelfAttention(nn.Module):
                 learnable_mixing=options.learnable_mixing,
                 per_head_mixing=options.per_head_mixing,
                 num_heads=num_heads,
+                constrain_mixing=options.constrain_mixing,
             )
         self.norm_out = nn.RMSNorm(head_dim, eps=1e-6) if options.output_norm == "rms_head" else None
         self.gate = None
@@ -238,7 +249,9 @@ class LinearSelfAttention(nn.Module):
                 )
             layout, shrunk = self.layout_for(grid)
             if shrunk:
-                mixing = resample_mixing(self.mhla.mixing(), self.options.blocks, layout.blocks)
+                mixing = resample_mixing(
+                    self.mhla.mixing(), self.options.blocks, layout.blocks, renormalize=self.options.constrain_mixing
+                )
                 out = mhla.mhla_attention(
                     q, k, v, layout, mixing, self.options.feature_map, self.options.normalize, rope,
                     self.options.eps, out_dtype=compute,

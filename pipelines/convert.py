@@ -187,6 +187,7 @@ def convert_self_attention(
                         options.normalize,
                         options.eps,
                     )
+                    mod.mhla.mixing.constrain = options.constrain_mixing
 
     transformer.register_to_config(
         **{
