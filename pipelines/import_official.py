@@ -29,6 +29,11 @@ or renormalised, and the released values are partly negative. The conv maps bloc
 ``S~_i = sum_j W[i, j] S_j`` (a 1x1 ``Conv2d`` over the block axis: output channel ``i``, input channel
 ``j``), which is :func:`mhla.mix_summaries`' ``m_ij`` orientation, so ``W[:, :, 0, 0]`` is stored as our
 mixing matrix unchanged, not transposed.
+
+Not verifiable without the real files (their video model code is not at hand either): that blocks are
+numbered in (frame, height, width) row-major order, as :class:`mhla.BlockLayout` numbers them (a different
+order would permute the mixing matrix); the epsilon of their output RMSNorm (1e-6 here; negligible against
+un-normalised linear-attention outputs); and that the files hold no keys beyond the ones above.
 """
 
 from __future__ import annotations
