@@ -1,6 +1,7 @@
 """The product's front end: the same prompt through FlashAttention, linear attention and MHLA, side by side.
 
-    python run_app.py                                   # built-in tiny model (random weights), 127.0.0.1:7860
+    python run_app.py                                   # the built-in model (trained on moving shapes), 127.0.0.1:7860
+    python run_app.py --model tiny-random               # the tiny random-weight model (fastest; videos are noise)
     python run_app.py --model /models/Wan2.1-T2V-1.3B-Diffusers --variant mhla=ckpt/wan-mhla
     python run_app.py --random-weights 1.3b             # true-size latency, videos are noise
 
@@ -22,7 +23,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1", help="address to serve on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=7860)
     p.add_argument("--share", action="store_true", help="also open a public gradio share link")
-    p.add_argument("--model", default=None, help="local diffusers-format Wan2.1 T2V directory (default: tiny model)")
+    p.add_argument("--model", default=None, help="local diffusers-format Wan2.1 T2V directory (default: the built-in model; tiny-random: the tiny "
+                   "random-weight model)")
     p.add_argument(
         "--variant", action="append", default=[], metavar="NAME=DIR",
         help="a fine-tuned transformer for a variant, e.g. mhla=ckpt/wan-mhla (repeatable)",
@@ -47,7 +49,7 @@ def main(argv=None) -> int:
         if args.model is not None and args.random_weights is not None:
             raise ValueError("--model and --random-weights exclude each other: random weights replace the model's")
         variant_dirs = parse_variant_dirs(args.variant)
-        if args.model is not None:
+        if args.model is not None and args.model != "tiny-random":
             from pipelines import check_model_dir
 
             check_model_dir(args.model)

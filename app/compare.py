@@ -24,7 +24,8 @@ from .models import AppModels, device_name
 # (num_frames, height, width). Token grid: ((frames-1)/4+1) x height/16 x width/16.
 PRESETS = (
     (5, 32, 48),  # 2x2x3 = 12 tokens: quick on a CPU with the tiny model
-    (9, 64, 96),  # the tiny model's default size
+    (9, 64, 96),  # the tiny random model's default size
+    (17, 128, 160),  # the built-in model's size: 5x16x20 = 1,600 tokens with its 1x1x1 patch
     (17, 128, 192),
     (33, 240, 416),
     (17, 480, 832),
@@ -46,20 +47,21 @@ def preset_key(preset: tuple[int, int, int]) -> str:
 
 
 def preset_grid(preset: tuple[int, int, int], patch=(1, 2, 2)) -> tuple[int, int, int]:
+    """Latent-token grid of a preset for a transformer with ``patch`` (Wan2.1: 1x2x2)."""
     frames, height, width = preset
     return ((frames - 1) // 4 + 1) // patch[0], height // 8 // patch[1], width // 8 // patch[2]
 
 
-def preset_label(preset: tuple[int, int, int]) -> str:
-    """E.g. ``81 frames, 480x800: 31,500 tokens (21x30x50), M=105``."""
+def preset_label(preset: tuple[int, int, int], patch=(1, 2, 2), block_shape=PAPER_BLOCK_SHAPE) -> str:
+    """E.g. ``81 frames, 480x800: 31,500 tokens (21x30x50), M=105`` (tokens and M for this patch and block shape)."""
     frames, height, width = preset
-    grid = preset_grid(preset)
-    m = math.prod(mhla.default_blocks(grid, PAPER_BLOCK_SHAPE))
+    grid = preset_grid(preset, patch)
+    m = math.prod(mhla.default_blocks(grid, block_shape))
     return f"{frames} frames, {height}x{width}: {math.prod(grid):,} tokens ({'x'.join(map(str, grid))}), M={m}"
 
 
-def preset_choices() -> list[tuple[str, str]]:
-    return [(preset_label(p), preset_key(p)) for p in PRESETS]
+def preset_choices(patch=(1, 2, 2), block_shape=PAPER_BLOCK_SHAPE) -> list[tuple[str, str]]:
+    return [(preset_label(p, patch, block_shape), preset_key(p)) for p in PRESETS]
 
 
 def parse_preset(key) -> tuple[int, int, int]:
@@ -139,7 +141,7 @@ def check_request(
     tokens = math.prod(grid)
     if max_tokens is not None and tokens > max_tokens:
         raise ValueError(
-            f"preset {preset_label(preset)} is too large for this device ({device_name(models.device)}): "
+            f"preset {preset_label(preset, models.patch, models.components.block_shape)} is too large for this device ({device_name(models.device)}): "
             f"{tokens:,} tokens, this app allows at most {max_tokens:,} here (start it with --max-tokens to change)"
         )
     return CompareRequest(

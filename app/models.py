@@ -50,9 +50,12 @@ class AppModels:
     def device(self) -> torch.device:
         return self.components.device
 
+    @property
+    def patch(self) -> tuple[int, int, int]:
+        return tuple(self.components.transformer.config.patch_size)
+
     def grid(self, height: int, width: int, num_frames: int) -> tuple[int, int, int]:
-        patch = tuple(self.components.transformer.config.patch_size)
-        return latent_grid(height, width, num_frames, patch)
+        return latent_grid(height, width, num_frames, self.patch)
 
     def num_blocks(self, grid) -> int:
         """M of the default MHLA layout for ``grid`` with this model's target block shape."""
@@ -166,8 +169,10 @@ def load_app_models(
     device="auto",
     dtype="auto",
 ) -> AppModels:
-    """Loads once what every request shares. ``model``: a local Wan2.1 T2V diffusers dir (None: tiny model);
-    ``variant_dirs``: fine-tuned transformers by variant; ``random_weights``: ``1.3b``/``14b`` (excludes ``model``)."""
+    """Loads once what every request shares. ``model``: a local Wan2.1 T2V diffusers dir (None: the built-in
+    model, ``"tiny-random"``: the tiny random-weight one); ``variant_dirs``: fine-tuned transformers by
+    variant (default: those the model ships, e.g. the built-in model's); ``random_weights``:
+    ``1.3b``/``14b`` (excludes ``model``)."""
     if model is not None and random_weights is not None:
         raise ValueError("--model and --random-weights exclude each other: random weights replace the model's")
     if random_weights is not None:
@@ -181,6 +186,7 @@ def load_app_models(
         random_note = (
             RANDOM_WEIGHTS_NOTE.replace("this video is", "every video is") if components.random_weights else None
         )
+    variant_dirs = {**components.variant_dirs, **(variant_dirs or {})}
     variants = {}
     rnd = components.random_weights
     noise = "; RANDOM weights: the video is noise" if rnd else ""

@@ -25,6 +25,17 @@ EXAMPLE_PROMPTS = [
     "an astronaut riding a horse across a desert at sunset",
     "time-lapse of clouds rolling over snowy mountains",
 ]
+# what the built-in model knows: coloured shapes moving on plain or textured backgrounds
+BUILTIN_PROMPTS = [
+    "a large red square moves to the right on a grey background",
+    "a small yellow circle bounces up and down on a black background",
+    "a large blue triangle moves diagonally up and to the left on a checkered background",
+    "a small green diamond moves up and a large purple circle stays still on a white background",
+]
+
+
+def example_prompts(models: AppModels) -> list[str]:
+    return BUILTIN_PROMPTS if models.components.source.startswith("built-in model") else EXAMPLE_PROMPTS
 # System fonts: the default theme pulls Google Fonts, and the app must work with no network at all.
 THEME = gr.themes.Default(
     font=[gr.themes.Font("system-ui"), "sans-serif"], font_mono=[gr.themes.Font("ui-monospace"), "monospace"]
@@ -37,7 +48,7 @@ def _default_preset(models: AppModels, max_tokens: int | None) -> str:
     d = models.components.defaults
     own = (d.get("num_frames"), d.get("height"), d.get("width"))
     if own in compare.PRESETS:
-        if max_tokens is None or math.prod(compare.preset_grid(own)) <= max_tokens:
+        if max_tokens is None or math.prod(compare.preset_grid(own, models.patch)) <= max_tokens:
             return compare.preset_key(own)
     return compare.preset_key(compare.PRESETS[0])
 
@@ -112,12 +123,12 @@ def build_demo(models: AppModels, max_tokens: int | None = None, max_bench_token
         with gr.Tab("Compare"):
             with gr.Row():
                 with gr.Column(scale=3):
-                    prompt = gr.Textbox(label="Prompt", lines=2, elem_id="prompt", placeholder=EXAMPLE_PROMPTS[0])
+                    prompt = gr.Textbox(label="Prompt", lines=2, elem_id="prompt", placeholder=example_prompts(models)[0])
                     negative = gr.Textbox(label="Negative prompt", lines=1, elem_id="negative")
-                    gr.Examples(EXAMPLE_PROMPTS, inputs=[prompt], label="Example prompts")
+                    gr.Examples(example_prompts(models), inputs=[prompt], label="Example prompts")
                 with gr.Column(scale=2):
                     preset = gr.Dropdown(
-                        compare.preset_choices(), value=_default_preset(models, max_tokens),
+                        compare.preset_choices(models.patch, models.components.block_shape), value=_default_preset(models, max_tokens),
                         label="Frames and resolution (latent tokens, MHLA blocks M)", elem_id="preset",
                     )  # fmt: skip
                     variants = gr.CheckboxGroup(

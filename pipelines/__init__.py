@@ -4,19 +4,22 @@ Built on diffusers' Wan (``WanTransformer3DModel``, ``AutoencoderKLWan``, UMT5) 
 
 - :mod:`pipelines.attention`: the variants as attention processors, and :class:`AttentionOptions`.
 - :mod:`pipelines.convert`: :func:`convert_self_attention` / :func:`set_variant` on a transformer, in place.
-- :mod:`pipelines.loading`: local Wan2.1 directories, the built-in tiny model, transformer save/load.
+- :mod:`pipelines.loading`: local Wan2.1 directories, the built-in model, transformer save/load.
 - :mod:`pipelines.generate`: ``generate()`` (one video + timing) and the command line; import it from there
   (``from pipelines.generate import generate``) so ``python -m pipelines.generate`` stays clean.
 - :mod:`pipelines.video`, :mod:`pipelines.timing`: writing videos, timing tables.
 """
 
 from .attention import VARIANTS, AttentionOptions, LinearSelfAttention, hybrid_layers, resample_mixing
+from .builtin import BUILTIN_DIR, TINY_RANDOM
 from .convert import convert_self_attention, current_variant, self_attention_state, set_variant
 from .loading import WanComponents, check_model_dir, load_components, load_transformer, save_transformer
 from .timing import Timing, format_comparison, format_timing
 from .video import read_video, write_frame_grid, write_gif, write_mp4
 
 __all__ = [
+    "BUILTIN_DIR",
+    "TINY_RANDOM",
     "VARIANTS",
     "AttentionOptions",
     "LinearSelfAttention",

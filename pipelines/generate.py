@@ -148,7 +148,7 @@ def generate(
     attention_options: dict | None = None,
     transformer=None,
     output_type: str = "np",
-    max_sequence_length: int = 512,
+    max_sequence_length: int | None = None,
     show_progress: bool = True,
 ) -> GenerationResult:
     """Generates one video with ``variant`` self-attention and times it.
@@ -176,6 +176,8 @@ def generate(
     num_frames = d.get("num_frames") if num_frames is None else num_frames
     num_inference_steps = d.get("num_inference_steps") if num_inference_steps is None else num_inference_steps
     guidance_scale = d.get("guidance_scale") if guidance_scale is None else guidance_scale
+    # text embeddings are padded to this length and not masked in cross-attention: use the model's own
+    max_sequence_length = d.get("max_sequence_length", 512) if max_sequence_length is None else max_sequence_length
     transformer = components.transformer if transformer is None else transformer
     vae = components.vae
     patch = tuple(transformer.config.patch_size)
@@ -325,7 +327,8 @@ def _parse_args(argv=None) -> argparse.Namespace:
         "default: mhla-hybrid, or the saved variant of --transformer",
     )  # fmt: skip
     p.add_argument("--out", default="out.mp4", help="mp4 to write")
-    p.add_argument("--model", default=None, help="local diffusers-format Wan2.1 T2V directory (default: tiny model)")
+    p.add_argument("--model", default=None, help="local diffusers-format Wan2.1 T2V directory (default: the built-in model; "
+                   "tiny-random: the tiny random-weight model)")
     p.add_argument(
         "--transformer", default=None,
         help="a saved transformer folder (e.g. a fine-tuning checkpoint's transformer/) to use instead of the "
@@ -374,8 +377,8 @@ def _out_path(out: str, variant: str, many: bool) -> Path:
 
 
 def main(argv=None) -> int:
-    from .loading import check_model_dir, load_components, load_transformer, resolve_device, resolve_dtype
-    from .tiny import TINY_DEFAULTS, WAN_DEFAULTS
+    from .builtin import TINY_RANDOM
+    from .loading import check_model_dir, load_components, load_transformer, model_settings, resolve_device, resolve_dtype
     from .video import write_frame_grid, write_gif, write_mp4
 
     args = _parse_args(argv)
@@ -393,7 +396,9 @@ def main(argv=None) -> int:
                 args.variant = state["variant"]
         args.variant = args.variant or "mhla-hybrid"
         variants = _variants(args.variant)
-        defaults = WAN_DEFAULTS if args.model else TINY_DEFAULTS
+        if args.model and args.model != TINY_RANDOM:
+            check_model_dir(args.model)
+        defaults = model_settings(args.model)[0]
         request = dict(
             height=defaults["height"] if args.height is None else args.height,
             width=defaults["width"] if args.width is None else args.width,
@@ -426,8 +431,6 @@ def main(argv=None) -> int:
             raise ValueError(f"--out must end in .mp4, got {args.out!r}")
         device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, device)
-        if args.model:
-            check_model_dir(args.model)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -441,6 +444,10 @@ def main(argv=None) -> int:
         print(f"NOTE: {RANDOM_WEIGHTS_NOTE}")
     timings = []
     for v in variants:
+        transformer = None  # the base transformer, converted in place
+        if not args.transformer and v in components.variant_dirs:  # the model ships a fine-tuned one
+            transformer = load_transformer(components.variant_dirs[v], dtype=dtype, device=device)
+            print(f"{v}: fine-tuned transformer {components.variant_dirs[v]}")
         result = generate(
             components,
             args.prompt,
@@ -450,6 +457,7 @@ def main(argv=None) -> int:
             layers=layers,
             blocks=_blocks_for(v, args.blocks),
             attention_options=overrides,
+            transformer=transformer,
             show_progress=not args.no_progress,
             **request,
         )

@@ -17,6 +17,7 @@ import torch
 
 from .attention import PARAM_ATTRS, AttentionOptions
 from .convert import CONFIG_KEY, add_attention_parameters, convert_self_attention
+from .builtin import BUILTIN_DIR, TINY_RANDOM, builtin_available, builtin_variant_dirs
 from .tiny import TINY_BLOCK_SHAPE, TINY_DEFAULTS, WAN_DEFAULTS, build_tiny_components
 
 WEIGHTS = ("diffusion_pytorch_model.safetensors", "model.safetensors")
@@ -39,6 +40,7 @@ class WanComponents:
     ``random_weights`` is True for the built-in tiny model: its output is noise and must be labelled so.
     ``defaults``: height, width, num_frames, num_inference_steps, guidance_scale suited to the model.
     ``block_shape``: target block shape in tokens for the default MHLA layout (paper: 3x10x10).
+    ``variant_dirs``: fine-tuned transformer folders by variant that ship with the model (the built-in one's).
     """
 
     tokenizer: object
@@ -52,6 +54,26 @@ class WanComponents:
     dtype: torch.dtype
     defaults: dict = field(default_factory=dict)
     block_shape: tuple[int, int, int] = (3, 10, 10)
+    variant_dirs: dict[str, Path] = field(default_factory=dict)
+
+
+def model_settings(model_dir: str | Path | None) -> tuple[dict, tuple[int, int, int], dict[str, Path]]:
+    """``(defaults, block_shape, variant_dirs)`` of a model, read without loading it.
+
+    ``None`` is the built-in model (or the tiny random one if ``assets/builtin`` is absent),
+    ``"tiny-random"`` the tiny random-weight model. A directory with a ``builtin.json`` (the built-in
+    model's layout) takes its generation defaults, MHLA block shape and ``variants/`` from there;
+    any other directory is a Wan2.1 release (480x832, 81 frames, 50 steps, the paper's 3x10x10 blocks).
+    """
+    if model_dir is None:
+        model_dir = BUILTIN_DIR if builtin_available() else TINY_RANDOM
+    if str(model_dir) == TINY_RANDOM:
+        return dict(TINY_DEFAULTS), TINY_BLOCK_SHAPE, {}
+    info = Path(model_dir) / "builtin.json"
+    if info.is_file():
+        meta = json.loads(info.read_text())
+        return dict(meta["defaults"]), tuple(meta["block_shape"]), builtin_variant_dirs(model_dir)
+    return dict(WAN_DEFAULTS), (3, 10, 10), {}
 
 
 def resolve_device(device: str | torch.device | None = None) -> torch.device:
@@ -222,7 +244,8 @@ def load_components(
     device: str | torch.device | None = "auto",
     seed: int = 0,
 ) -> WanComponents:
-    """Loads a local Wan2.1 T2V directory, or builds the tiny random-weight model when ``model_dir`` is None.
+    """Loads a local Wan2.1 T2V directory; ``None`` loads the built-in model (``assets/builtin``: trained
+    on synthetic moving shapes); ``"tiny-random"`` builds the tiny random-weight model (tests, smoke runs).
 
     The transformer and text encoder get ``dtype`` (default bfloat16 on GPU, float32 on CPU); the VAE
     stays float32, as in diffusers' Wan examples, because its decode is sensitive to precision.
@@ -230,7 +253,12 @@ def load_components(
     """
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
-    if model_dir is None:
+    builtin = model_dir is None and builtin_available()
+    if model_dir is None and not builtin:
+        model_dir = TINY_RANDOM
+    if builtin:
+        model_dir = BUILTIN_DIR
+    if str(model_dir) == TINY_RANDOM:
         parts = build_tiny_components(seed)
         transformer = convert_self_attention(_cast(parts["transformer"], device, dtype), "flash")
         return WanComponents(
@@ -256,15 +284,21 @@ def load_components(
     vae = AutoencoderKLWan.from_pretrained(root / "vae", dtype=torch.float32).to(device).eval()
     scheduler = _load_scheduler(root / "scheduler")
     transformer = load_transformer(root / "transformer", dtype=dtype, device=device)
+    defaults, block_shape, variant_dirs = model_settings(root)
+    source = str(root)
+    if (root / "builtin.json").is_file():
+        source = f"built-in model ({root.name}: trained on synthetic moving shapes)"
     return WanComponents(
         tokenizer=tokenizer,
         text_encoder=text_encoder,
         vae=vae,
         scheduler=scheduler,
         transformer=transformer,
-        source=str(root),
+        source=source,
         random_weights=False,
         device=device,
         dtype=dtype,
-        defaults=dict(WAN_DEFAULTS),
+        defaults=defaults,
+        block_shape=block_shape,
+        variant_dirs=variant_dirs,
     )

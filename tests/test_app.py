@@ -12,7 +12,7 @@ SMALLEST = compare.preset_key(compare.PRESETS[0])
 
 @pytest.fixture(scope="module")
 def models():
-    return load_app_models()
+    return load_app_models("tiny-random")
 
 
 def test_presets_name_their_token_count():

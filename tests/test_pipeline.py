@@ -20,7 +20,7 @@ SMALL = dict(height=64, width=96, num_frames=9, num_inference_steps=2, guidance_
 
 @pytest.fixture(scope="module")
 def components():
-    return load_components(None, dtype="float32", device="cpu")
+    return load_components("tiny-random", dtype="float32", device="cpu")
 
 
 def test_tiny_model_is_deterministic():
@@ -259,7 +259,8 @@ def test_cli_bad_input(argv, message, capsys):
 
 def test_cli_writes_video_and_prints_timing(tmp_path, capsys):
     out = tmp_path / "fox.mp4"
-    argv = ["--prompt", "a fox", "--variant", "mhla-hybrid", "--out", str(out), "--steps", "2", "--no-progress"]
+    argv = ["--prompt", "a fox", "--model", "tiny-random", "--variant", "mhla-hybrid", "--out", str(out), "--steps", "2"]
+    argv += ["--no-progress"]
     argv += ["--gif", str(tmp_path / "fox.gif"), "--grid-png", str(tmp_path / "fox.png"), "--blocks", "3x2x2"]
     assert main(argv) == 0
     printed = capsys.readouterr().out

@@ -11,6 +11,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 DEFAULTS: dict = {
+    "task": "transformer",  # transformer (flow matching) | vae (train model.path's VAE, see training/vae.py)
     "run_dir": "runs/finetune",
     "resume": None,  # null | latest | path to a checkpoint folder
     "model": {
@@ -27,6 +28,7 @@ DEFAULTS: dict = {
         "source": "synthetic",  # synthetic | folder | cache
         "path": None,  # folder (manifest or .txt captions) or precomputed cache
         "num_samples": 64,  # synthetic only
+        "short_captions": 0.0,  # synthetic only: probability of leaving sizes / background out of a caption
         "num_frames": 81,
         "height": 480,
         "width": 800,
@@ -66,7 +68,10 @@ DEFAULTS: dict = {
         "loss_batches": 1,  # fixed batches (fixed noise) for the eval loss at start and end
     },
     "checkpoint": {"every": 500, "keep": 3},
+    # task=vae only: crop size of training clips, KL weight, clips for the latent statistics, where to install it
+    "vae": {"crop": 64, "kl_weight": 1e-6, "object_weight": 10.0, "stats_samples": 64, "export": None},
 }
+TASKS = ("transformer", "vae")
 
 SOURCES = ("synthetic", "folder", "cache")
 TRAINABLE = ("all", "attention", "new", "lora")
@@ -116,6 +121,7 @@ def validate(cfg: DictConfig) -> None:
         if not ok:
             raise ValueError(f"{key}={OmegaConf.select(cfg, key)!r}: expected {expected}")
 
+    need(cfg.task in TASKS, "task", f"one of {TASKS}")
     need(cfg.data.source in SOURCES, "data.source", f"one of {SOURCES}")
     need(cfg.train.trainable in TRAINABLE, "train.trainable", f"one of {TRAINABLE}")
     need(cfg.train.precision in PRECISIONS, "train.precision", f"one of {PRECISIONS}")

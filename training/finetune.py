@@ -41,7 +41,7 @@ from training.config import load_config
 from training.data import ResumableSampler, VideoFolderDataset
 from training.encoding import Encoder
 from training.flow import FlowMatching
-from training.synthetic import SyntheticVideoDataset
+from training.synthetic import SyntheticVideoDataset, SyntheticWorld
 
 # --------------------------------------------------------------------------- model
 
@@ -171,8 +171,9 @@ def build_dataset(cfg):
     d = cfg.data
     if d.source == "synthetic":
         return SyntheticVideoDataset(
-            d.num_samples, seed=cfg.train.seed, num_frames=d.num_frames, height=d.height, width=d.width
-        )
+            d.num_samples, seed=cfg.train.seed, num_frames=d.num_frames, height=d.height, width=d.width,
+            world=SyntheticWorld(short_captions=d.short_captions),
+        )  # fmt: skip
     if d.source == "folder":
         return VideoFolderDataset(
             d.path,
@@ -310,6 +311,10 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if cfg.task == "vae":
+        from training.vae import train_vae
+
+        return train_vae(cfg)
     run_dir = Path(cfg.run_dir)
     accelerator = Accelerator(
         mixed_precision=cfg.train.precision,

@@ -136,6 +136,9 @@ class SyntheticWorld:
     max_objects: int = 2
     two_object_probability: float = 0.4
     held_out: tuple[dict[str, str], ...] = field(default=DEFAULT_HELD_OUT)
+    # probability that a caption leaves out the sizes, and (drawn apart) the background phrase, so a
+    # model trained on them also follows short prompts ("a red square moves to the right")
+    short_captions: float = 0.0
 
     def __post_init__(self):
         for name, values, known in (
@@ -296,10 +299,22 @@ def sample_attributes(
     }
 
 
-def caption_for(attributes: dict) -> str:
-    """``"a small red circle moves to the left and ... on a grey background"``."""
-    clauses = [f"a {o['size']} {o['colour']} {o['shape']} {MOTION_PHRASES[o['motion']]}" for o in attributes["objects"]]
-    return f"{' and '.join(clauses)} on a {attributes['background']} background"
+def caption_for(attributes: dict, sizes: bool = True, background: bool = True) -> str:
+    """``"a small red circle moves to the left and ... on a grey background"``; without ``sizes`` /
+    ``background`` the size words / the background phrase are left out."""
+    clauses = [
+        f"a {o['size'] + ' ' if sizes else ''}{o['colour']} {o['shape']} {MOTION_PHRASES[o['motion']]}"
+        for o in attributes["objects"]
+    ]
+    return " and ".join(clauses) + (f" on a {attributes['background']} background" if background else "")
+
+
+def sample_caption(seed: int, index: int, split: str, attributes: dict, world: SyntheticWorld) -> str:
+    """The caption of sample ``index``: the full template, or a short form with ``world.short_captions``."""
+    if world.short_captions <= 0:
+        return caption_for(attributes)
+    rng = np.random.default_rng([int(seed), SPLITS.index(split), int(index), 1])
+    return caption_for(attributes, sizes=rng.random() >= world.short_captions, background=rng.random() >= world.short_captions)
 
 
 # --------------------------------------------------------------------------- rendering
@@ -403,9 +418,10 @@ def generate_sample(
     world: SyntheticWorld | None = None,
 ) -> SyntheticSample:
     """Generates sample ``index`` of ``split``: frames uint8 ``(num_frames, height, width, 3)``, caption, attributes."""
+    world = world or SyntheticWorld()
     attributes = sample_attributes(seed, index, split, world, aspect=width / height)
     frames = render_video(attributes, num_frames, height, width)
-    return SyntheticSample(frames=frames, caption=caption_for(attributes), attributes=attributes)
+    return SyntheticSample(frames=frames, caption=sample_caption(seed, index, split, attributes, world), attributes=attributes)
 
 
 class SyntheticVideoDataset(Dataset):

@@ -1,0 +1,137 @@
+"""The built-in model: how it is built (tokenizer, model directory, VAE training task) and what ships.
+
+The shipped model (``assets/builtin``) is loaded offline by default, runs each variant from its own
+fine-tuned transformer, and makes the video its prompt asks for (checked by the analyser).
+"""
+
+import json
+
+import numpy as np
+import pytest
+
+from pipelines import BUILTIN_DIR, load_components
+from pipelines.builtin import builtin_available
+from training.analyse import analyse
+
+needs_builtin = pytest.mark.skipif(
+    not builtin_available(), reason="assets/builtin is missing (python -m training.builtin build)"
+)
+
+
+def test_tokenizer_reads_world_words_and_marks_unknown_ones():
+    from training.builtin import build_tokenizer, world_vocabulary
+
+    tok = build_tokenizer()
+    ids = tok("A red Square moves to the right").input_ids
+    assert ids[-1] == tok.eos_token_id and tok.unk_token_id not in ids
+    assert tok.convert_ids_to_tokens(ids[:3]) == ["a", "red", "square"]
+    assert tok("a red fox").input_ids[2] == tok.unk_token_id
+    padded = tok("a red square", padding="max_length", max_length=8).input_ids
+    assert padded[4:] == [tok.pad_token_id] * 4 and tok.pad_token_id == 0
+    assert {"diagonally", "checkered", "bounces", "grows"} <= set(world_vocabulary())
+
+
+@pytest.fixture(scope="module")
+def fresh_model_dir(tmp_path_factory):
+    from training.builtin import init_model_dir
+
+    return init_model_dir(tmp_path_factory.mktemp("builtin") / "model", seed=3)
+
+
+def test_init_writes_a_loadable_model_dir(fresh_model_dir):
+    c = load_components(fresh_model_dir, dtype="float32", device="cpu")
+    assert tuple(c.transformer.config.patch_size) == (1, 1, 1)
+    assert c.vae.config.z_dim == 16 and not c.random_weights
+
+
+def test_vae_task_trains_installs_with_statistics_and_resumes(fresh_model_dir, tmp_path):
+    from training.finetune import main
+
+    run = tmp_path / "vae"
+    export = tmp_path / "installed_vae"
+    args = ["--config", "configs/builtin/vae.yaml", f"run_dir={run}", f"model.path={fresh_model_dir}",
+            f"vae.export={export}", "data.num_samples=4", "data.height=32", "data.width=48", "train.batch_size=1",
+            "vae.crop=32", "vae.stats_samples=2", "checkpoint.every=2", "train.warmup_steps=1"]  # fmt: skip
+    assert main([*args, "train.steps=2"]) == 0
+    before = json.loads((export / "config.json").read_text())
+    assert len(before["latents_mean"]) == 16 and all(s > 0 for s in before["latents_std"])
+    assert before["latents_std"] != json.loads((fresh_model_dir / "vae" / "config.json").read_text())["latents_std"]
+    assert json.loads((export / "trained.json").read_text())["steps"] == 2
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all(np.isfinite(r["loss"]) for r in rows)
+    assert main([*args, "train.steps=3", "resume=latest"]) == 0  # continues from the step-2 checkpoint
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+
+
+def test_vae_task_needs_a_model_dir(capsys):
+    from training.finetune import main
+
+    with pytest.raises(ValueError, match="task=vae needs model.path"):
+        main(["--config", "configs/builtin/vae.yaml", "model.path=null"])
+    assert main(["--config", "configs/builtin/vae.yaml", "task=gan"]) == 2
+    assert "task='gan': expected one of" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- the shipped model
+
+
+@pytest.fixture(scope="module")
+def builtin():
+    return load_components(None, dtype="float32", device="cpu")
+
+
+@needs_builtin
+def test_builtin_is_the_default_and_ships_every_variant(builtin):
+    assert builtin.source.startswith("built-in model") and not builtin.random_weights
+    assert sorted(builtin.variant_dirs) == ["linear", "mhla", "mhla-hybrid"]
+    info = json.loads((BUILTIN_DIR / "builtin.json").read_text())
+    assert builtin.defaults == info["defaults"] and builtin.defaults["max_sequence_length"] == 32
+    size = sum(f.stat().st_size for f in BUILTIN_DIR.rglob("*.safetensors"))
+    assert size < 100e6, f"built-in weights take {size / 1e6:.0f} MB"
+
+
+@needs_builtin
+def test_red_square_moves_right(builtin):
+    from pipelines.generate import generate
+
+    result = generate(builtin, "a red square moves to the right", seed=0, show_progress=False)
+    verdict = analyse(result.frames, "a red square moves to the right")
+    assert verdict["colour"] and verdict["motion"], verdict["found"]
+
+
+@needs_builtin
+def test_cli_runs_each_variant_from_its_fine_tuned_transformer(tmp_path, capsys):
+    from pipelines.generate import main
+    from pipelines.video import read_video
+
+    out = tmp_path / "v.mp4"
+    argv = ["--prompt", "a blue circle moves up", "--variant", "all", "--steps", "2", "--out", str(out)]
+    assert main([*argv, "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "built-in model" in printed and "RANDOM" not in printed
+    for v in ("linear", "mhla", "mhla-hybrid"):
+        assert f"{v}: fine-tuned transformer" in printed
+        assert read_video(tmp_path / f"v_{v}.mp4").shape == (17, 128, 160, 3)
+
+
+@needs_builtin
+def test_evaluate_writes_its_table(tmp_path):
+    from training.evaluate import main
+
+    out = tmp_path / "eval"
+    argv = ["--num-prompts", "1", "--steps", "2", "--loss-batches", "1", "--batch-size", "1",
+            "--variants", "flash,mhla", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    res = json.loads(out.with_suffix(".json").read_text())
+    assert list(res["variants"]) == ["flash", "mhla"] and res["num_prompts"] == 1
+    for r in res["variants"].values():
+        assert np.isfinite(r["flow_loss"]) and 0 <= r["overall"] <= 1 and r["total_s"] > 0
+    assert "| MHLA |" in out.with_suffix(".md").read_text() and out.with_suffix(".png").stat().st_size > 1000
+
+
+def test_evaluate_refuses_random_weights():
+    from training.evaluate import main
+
+    with pytest.raises(SystemExit, match="random weights"):
+        main(["--model", "tiny-random", "--num-prompts", "1"])

@@ -1,0 +1,261 @@
+"""Build the built-in model (``assets/builtin/``) from nothing, with this project's own recipe.
+
+    python -m training.builtin build                 # every stage below, resumable: a finished stage is skipped
+    python -m training.builtin build --until base    # stop after a stage
+    python -m training.builtin init --out runs/builtin/model
+
+Stages (each a plain command; ``build`` prints them as it runs them):
+
+1. ``init``: an untrained Wan2.1-architecture model directory ``runs/builtin/model``: a word-level
+   tokenizer over the synthetic world's vocabulary, a small UMT5 text encoder (random and frozen: the
+   transformer's cross-attention learns to read it), a small AutoencoderKLWan (z_dim 16), Wan's
+   UniPC flow scheduler and a randomly initialised transformer (6 layers, 4 heads x 32, patch 1x1x1).
+2. ``vae``: ``training/finetune.py --config configs/builtin/vae.yaml`` trains the VAE to reconstruct
+   synthetic clips, measures its latents' per-channel mean and std and installs it in the model
+   directory with those statistics (the pipeline normalises latents with them).
+3. ``data``: ``training/precompute.py`` encodes the synthetic training split once (latents and text
+   embeddings).
+4. ``base``: ``finetune.py --config configs/builtin/base.yaml`` trains the transformer from scratch
+   with softmax attention (flow matching).
+5. ``linear``, ``mhla``, ``mhla-hybrid``: each converts the base and fine-tunes it with the same budget
+   (``configs/builtin/<variant>.yaml``).
+6. ``assemble``: copies the model directory, the trained base transformer and the three fine-tuned
+   variants into ``assets/builtin/`` with ``builtin.json`` (what was trained, how long, where).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import time
+
+import torch
+
+from pipelines.builtin import BUILTIN_BLOCK_SHAPE, BUILTIN_DEFAULTS, BUILTIN_DIR, VARIANTS_SUBDIR
+from training import checkpoint as ckpt
+from training.synthetic import BACKGROUNDS, COLOURS, MOTION_PHRASES, SHAPES, SIZES
+
+ROOT = Path(__file__).resolve().parents[1]
+WORK = Path("runs/builtin")
+MODEL = WORK / "model"
+CACHE = WORK / "cache-train"
+CONFIGS = Path("configs/builtin")
+CONVERSIONS = ("linear", "mhla", "mhla-hybrid")
+STAGES = ("init", "vae", "data", "base", *CONVERSIONS, "assemble")
+
+TRANSFORMER = dict(
+    patch_size=(1, 1, 1),
+    num_attention_heads=4,
+    attention_head_dim=32,
+    in_channels=16,
+    out_channels=16,
+    text_dim=64,
+    freq_dim=64,
+    ffn_dim=512,
+    num_layers=6,
+    rope_max_seq_len=1024,
+)
+VAE = dict(base_dim=12, z_dim=16, dim_mult=[1, 2, 2, 4], num_res_blocks=1, temperal_downsample=[False, True, True])
+TEXT_ENCODER = dict(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, relative_attention_num_buckets=8)
+SPECIAL_TOKENS = ("<pad>", "</s>", "<unk>")  # ids 0, 1, 2: UMT5's pad and eos ids
+
+
+def world_vocabulary() -> list[str]:
+    """Every word a synthetic caption can contain, sorted (see :func:`training.synthetic.caption_for`)."""
+    words = {"a", "and", "on", "background", *SIZES, *COLOURS, *SHAPES, *BACKGROUNDS}
+    for phrase in MOTION_PHRASES.values():
+        words.update(phrase.split())
+    return sorted(words)
+
+
+def build_tokenizer():
+    """A word-level ``PreTrainedTokenizerFast``: lower-cased words, unknown words -> ``<unk>``, ``</s>`` appended."""
+    from tokenizers import Tokenizer, normalizers, pre_tokenizers, processors
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate([*SPECIAL_TOKENS, *world_vocabulary()])}
+    tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace()])
+    tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", vocab["</s>"])])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>", model_max_length=512
+    )
+
+
+def init_model_dir(out: str | Path, seed: int = 0) -> Path:
+    """Writes the untrained model directory (stage 1). Same ``seed`` -> identical weights."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    out = Path(out)
+    tokenizer = build_tokenizer()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        text_encoder = UMT5EncoderModel(UMT5Config(vocab_size=len(tokenizer), **TEXT_ENCODER)).eval()
+        torch.manual_seed(seed + 1)
+        vae = AutoencoderKLWan(**VAE).eval()
+        torch.manual_seed(seed + 2)
+        transformer = WanTransformer3DModel(**TRANSFORMER).eval()
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+    pipe = WanPipeline(
+        tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler, transformer=transformer
+    )
+    tmp = out.with_name(out.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    pipe.save_pretrained(str(tmp), safe_serialization=True)
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
+
+
+def _latest_transformer(run: Path) -> Path:
+    found = ckpt.list_checkpoints(run)
+    if not found:
+        raise FileNotFoundError(f"{run} has no checkpoint; run its stage first")
+    return found[-1] / "transformer"
+
+
+def _copytree_atomic(src: Path, dst: Path) -> None:
+    tmp = dst.with_name("." + dst.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    shutil.copytree(src, tmp, symlinks=False)
+    if dst.exists():
+        shutil.rmtree(dst)
+    os.replace(tmp, dst)
+
+
+def _run_meta(run: Path) -> dict:
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    steps = [r for r in rows if "loss" in r]
+    evals = [r for r in rows if "eval_loss" in r]
+    return {
+        "run": str(run),
+        "steps": steps[-1]["step"] if steps else 0,
+        "train_minutes": round(sum(r["step_time"] for r in steps) / 60, 1),
+        "eval_loss_start": evals[0]["eval_loss"] if evals else None,
+        "eval_loss_end": evals[-1]["eval_loss"] if len(evals) > 1 else None,
+    }
+
+
+def assemble(out: Path = BUILTIN_DIR) -> Path:
+    """Stage 6: the model directory with the trained base transformer, plus the fine-tuned variants."""
+    tmp = out.with_name("." + out.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    shutil.copytree(MODEL, tmp, ignore=shutil.ignore_patterns("transformer"))
+    shutil.copytree(_latest_transformer(WORK / "base"), tmp / "transformer")
+    for variant in CONVERSIONS:
+        shutil.copytree(_latest_transformer(WORK / variant), tmp / VARIANTS_SUBDIR / variant)
+    info = {
+        "what": "Wan2.1-architecture text-to-video model trained from scratch on the synthetic moving-shapes world",
+        "defaults": BUILTIN_DEFAULTS,
+        "block_shape": list(BUILTIN_BLOCK_SHAPE),
+        "transformer": TRANSFORMER,
+        "vae": VAE,
+        "text_encoder": {**TEXT_ENCODER, "trained": False, "tokenizer": "word-level over the world's vocabulary"},
+        "runs": {name: _run_meta(WORK / name) for name in ("vae", "base", *CONVERSIONS)},
+        "machine": f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cores".strip(),
+        "device": "cuda: " + torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "rebuild": "python -m training.builtin build",
+    }
+    (tmp / "builtin.json").write_text(json.dumps(info, indent=1) + "\n")
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
+
+
+def stage_commands(stage: str) -> list[list[str]]:
+    py, ft = sys.executable, str(ROOT / "training" / "finetune.py")
+    if stage == "vae":
+        return [[py, ft, "--config", str(CONFIGS / "vae.yaml")]]
+    if stage == "data":
+        return [[py, str(ROOT / "training" / "precompute.py"), "--config", str(CONFIGS / "base.yaml"), "--out", str(CACHE),
+                 "data.source=synthetic"]]  # fmt: skip
+    if stage in ("base", *CONVERSIONS):
+        return [[py, ft, "--config", str(CONFIGS / f"{stage}.yaml")]]
+    return []
+
+
+def stage_done(stage: str) -> bool:
+    if stage == "init":
+        return (MODEL / "model_index.json").is_file()
+    if stage == "vae":
+        return (MODEL / "vae" / "trained.json").is_file()
+    if stage == "data":
+        return (CACHE / "index.json").is_file()
+    if stage in ("base", *CONVERSIONS):
+        run = WORK / stage
+        found = ckpt.list_checkpoints(run)
+        if not found:
+            return False
+        from omegaconf import OmegaConf
+
+        c = OmegaConf.load(found[-1] / "config.yaml")
+        return int(found[-1].name.split("-")[1]) >= c.train.steps + c.transfer.steps
+    return False
+
+
+def build(until: str, force: list[str]) -> int:
+    for stage in STAGES:
+        if stage_done(stage) and stage not in force:
+            print(f"[builtin] {stage}: done, skipped")
+        else:
+            t0 = time.time()
+            print(f"[builtin] {stage}: running", flush=True)
+            if stage == "init":
+                init_model_dir(MODEL)
+            elif stage == "assemble":
+                print(f"[builtin] wrote {assemble()}")
+            else:
+                for cmd in stage_commands(stage):
+                    print("  $ " + " ".join(cmd), flush=True)
+                    rc = subprocess.call(cmd)
+                    if rc != 0:
+                        print(f"[builtin] {stage} failed (exit {rc}); run the same command again to resume")
+                        return rc
+            print(f"[builtin] {stage}: {time.time() - t0:.0f} s", flush=True)
+        if stage == until:
+            break
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m training.builtin", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build", help="run the stages in order (finished ones are skipped)")
+    b.add_argument("--until", choices=STAGES, default="assemble")
+    b.add_argument("--force", nargs="*", default=[], choices=STAGES, help="re-run these stages")
+    i = sub.add_parser("init", help="write the untrained model directory")
+    i.add_argument("--out", default=str(MODEL))
+    i.add_argument("--seed", type=int, default=0)
+    sub.add_parser("assemble", help="copy the trained parts into assets/builtin")
+    args = p.parse_args(argv)
+    if args.cmd == "init":
+        print(f"wrote {init_model_dir(args.out, args.seed)}")
+        return 0
+    if args.cmd == "assemble":
+        print(f"wrote {assemble()}")
+        return 0
+    return build(args.until, args.force)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

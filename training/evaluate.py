@@ -1,0 +1,253 @@
+"""Evaluate the built-in model's variants the way the paper's Table 5 compares them, in miniature.
+
+    python -m training.evaluate                                  # assets/builtin, every variant
+    python -m training.evaluate --num-prompts 8 --steps 10       # quicker
+    python -m training.evaluate --model DIR --out benchmarks/results/my_eval
+
+For each variant (flash = the softmax base; linear, mhla, mhla-hybrid = its fine-tuned conversions):
+
+- **held-out flow loss**: the flow-matching loss on the synthetic validation split (captions and
+  held-out attribute combinations training never saw), with the same noise and timesteps for every
+  variant;
+- **semantic score**: a video for each of the first ``--num-prompts`` validation captions and each
+  seed, judged by :mod:`training.analyse` (colour, shape, count, motion; overall = all right), split
+  into in-distribution prompts and prompts with a held-out combination; the analyser's score on
+  the VAE's own reconstructions of the real clips is printed as the ceiling;
+- **latency**: the mean denoising and total time of those generations on this machine.
+
+Writes ``<out>.json``, ``<out>.md`` (the table README quotes) and ``<out>.png``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import argparse
+import json
+import platform
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from pipelines import VARIANTS, load_components, load_transformer
+from pipelines.generate import generate
+from training.analyse import ATTRIBUTES, analyse, score
+from training.encoding import Encoder
+from training.flow import FlowMatching
+from training.synthetic import SyntheticVideoDataset
+
+NAMES = {"flash": "softmax (FA)", "linear": "linear", "mhla": "MHLA", "mhla-hybrid": "MHLA-hybrid"}
+
+
+def variant_transformers(components, variants: list[str]) -> dict:
+    """The transformer each variant runs on: its fine-tuned checkpoint where the model ships one."""
+    out = {}
+    for v in variants:
+        if v in components.variant_dirs:
+            out[v] = load_transformer(components.variant_dirs[v], dtype=components.dtype, device=components.device)
+        elif v == "flash":
+            out[v] = components.transformer
+        else:
+            raise ValueError(f"the model has no fine-tuned {v!r} transformer (variants/{v}); it has {sorted(components.variant_dirs)}")
+    return out
+
+
+@torch.no_grad()
+def heldout_loss(components, transformers: dict, dataset, batches: int, batch_size: int, seed: int = 0) -> dict:
+    """Mean flow-matching loss per variant over the same latents, noise and timesteps."""
+    from pipelines.convert import set_variant  # noqa: F401  (variants already set on their transformers)
+
+    encoder = Encoder(components, components.defaults.get("max_sequence_length", 512))
+    flow = FlowMatching()
+    g = torch.Generator().manual_seed(seed)
+    losses = {v: [] for v in transformers}
+    for b in tqdm(range(batches), desc="held-out loss", leave=False):
+        items = [dataset[(b * batch_size + j) % len(dataset)] for j in range(batch_size)]
+        latents = encoder.latents(torch.stack([it["video"] for it in items]))
+        text = encoder.text([it["caption"] for it in items])
+        x_t, t, target = flow.noisy_input(latents, g)
+        for v, tr in transformers.items():
+            pred = tr(hidden_states=x_t.to(tr.dtype), timestep=t, encoder_hidden_states=text.to(tr.dtype), return_dict=False)[0]
+            losses[v].append(F.mse_loss(pred.float(), target.float()).item())
+    return {v: float(np.mean(x)) for v, x in losses.items()}
+
+
+@torch.no_grad()
+def vae_ceiling(components, dataset, prompts: list[int]) -> dict:
+    """Analyser score of the VAE's reconstructions of the real validation clips (what a perfect transformer reaches)."""
+    vae = components.vae
+    verdicts = []
+    for i in prompts:
+        item = dataset[i]
+        z = vae.encode(item["video"][None].to(vae.device, vae.dtype)).latent_dist.mean
+        rec = vae.decode(z).sample[0].float().clamp(-1, 1)
+        frames = ((rec.permute(1, 2, 3, 0).cpu().numpy() + 1) * 127.5).round().astype(np.uint8)
+        verdicts.append(analyse(frames, dataset.attributes(i)))
+    return score(verdicts)
+
+
+def run(args) -> dict:
+    components = load_components(args.model, dtype=args.dtype, device=args.device)
+    if components.random_weights:
+        raise SystemExit("error: the model has random weights; evaluate the built-in model or a trained one (--model)")
+    d = components.defaults
+    variants = [v for v in args.variants.split(",") if v]
+    bad = [v for v in variants if v not in VARIANTS]
+    if bad:
+        raise SystemExit(f"error: unknown variants {bad}; expected some of {VARIANTS}")
+    transformers = variant_transformers(components, variants)
+    validation = SyntheticVideoDataset(
+        max(args.num_prompts, args.loss_batches * args.batch_size), seed=args.data_seed, split="validation",
+        num_frames=d["num_frames"], height=d["height"], width=d["width"],
+    )  # fmt: skip
+    print(f"model: {components.source}; variants {variants}; device {components.device}")
+    t0 = time.time()
+    losses = heldout_loss(components, transformers, validation, args.loss_batches, args.batch_size)
+    print("held-out flow loss: " + ", ".join(f"{v} {x:.4f}" for v, x in losses.items()))
+    prompts = list(range(args.num_prompts))
+    ceiling = vae_ceiling(components, validation, prompts)
+    print(f"analyser on VAE reconstructions of the real clips: overall {ceiling['overall']:.2f}")
+
+    rows, samples = {}, {}
+    for v in variants:
+        verdicts, timings = [], []
+        for i in tqdm(prompts, desc=f"generate [{v}]"):
+            caption = validation[i]["caption"]
+            for seed in args.seeds:
+                result = generate(
+                    components, caption, variant=v, transformer=transformers[v], seed=seed,
+                    num_inference_steps=args.steps, show_progress=False,
+                )  # fmt: skip
+                verdict = analyse(result.frames, caption)
+                verdict["held_out"] = validation.attributes(i)["held_out"]
+                verdicts.append(verdict)
+                timings.append(result.timing)
+                if i < 4 and seed == args.seeds[0]:
+                    samples.setdefault(v, []).append(result.frames)
+        held = [x for x in verdicts if x["held_out"]]
+        seen = [x for x in verdicts if not x["held_out"]]
+        rows[v] = {
+            "flow_loss": losses[v],
+            **{k: val for k, val in score(verdicts).items()},
+            "overall_in_distribution": score(seen)["overall"] if seen else None,
+            "overall_held_out": score(held)["overall"] if held else None,
+            "denoise_s": float(np.mean([t.denoising for t in timings])),
+            "total_s": float(np.mean([t.total for t in timings])),
+        }
+        r = rows[v]
+        print(f"{v}: overall {r['overall']:.2f} (colour {r['colour']:.2f}, shape {r['shape']:.2f}, count {r['count']:.2f}, "
+              f"motion {r['motion']:.2f}); {r['total_s']:.1f} s per video")  # fmt: skip
+    return {
+        "model": components.source,
+        "builtin": json.loads((Path(args.model or "assets/builtin") / "builtin.json").read_text())
+        if (Path(args.model or "assets/builtin") / "builtin.json").is_file() else None,
+        "device": str(components.device),
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "num_prompts": len(prompts),
+        "seeds": list(args.seeds),
+        "num_inference_steps": args.steps or d["num_inference_steps"],
+        "guidance_scale": d["guidance_scale"],
+        "loss_clips": args.loss_batches * args.batch_size,
+        "vae_ceiling": ceiling,
+        "variants": rows,
+        "minutes": round((time.time() - t0) / 60, 1),
+        "_samples": samples,
+    }
+
+
+def markdown(res: dict) -> str:
+    def f(x, p=2):
+        return "n/a" if x is None else f"{x:.{p}f}"
+
+    lines = [
+        f"Built-in model, {res['num_prompts']} validation prompts x {len(res['seeds'])} seed(s), "
+        f"{res['num_inference_steps']} steps, CFG {res['guidance_scale']}, on {res['device']} ({res['machine']}), {res['date']}.",
+        "",
+        "| variant | held-out flow loss | colour | shape | count | motion | overall | overall, held-out combos | latency per video (denoise) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for v, r in res["variants"].items():
+        lines.append(
+            f"| {NAMES.get(v, v)} | {r['flow_loss']:.4f} | {f(r['colour'])} | {f(r['shape'])} | {f(r['count'])} | "
+            f"{f(r['motion'])} | **{f(r['overall'])}** | {f(r['overall_held_out'])} | {r['total_s']:.1f} s ({r['denoise_s']:.1f} s) |"
+        )
+    c = res["vae_ceiling"]
+    lines.append(
+        f"| *VAE reconstruction of the real clips (ceiling)* | | {f(c['colour'])} | {f(c['shape'])} | {f(c['count'])} | "
+        f"{f(c['motion'])} | {f(c['overall'])} | | |"
+    )
+    return "\n".join(lines) + "\n"
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    samples = res["_samples"]
+    variants = list(res["variants"])
+    cols = max(len(s) for s in samples.values()) if samples else 0
+    fig = plt.figure(figsize=(3 + 2.2 * max(cols, 1), 2.0 * len(variants) + 2.2))
+    ax = fig.add_axes([0.08, 0.78, 0.88, 0.18])
+    keys = [*ATTRIBUTES, "overall"]
+    width = 0.8 / len(variants)
+    for i, v in enumerate(variants):
+        ax.bar(np.arange(len(keys)) + i * width, [res["variants"][v][k] or 0 for k in keys], width, label=NAMES.get(v, v))
+    ax.set_xticks(np.arange(len(keys)) + 0.4 - width / 2, keys)
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("accuracy")
+    ax.legend(ncol=len(variants), fontsize=8, loc="upper left", bbox_to_anchor=(0, 1.25))
+    for r, v in enumerate(variants):
+        for c, frames in enumerate(samples.get(v, [])):
+            a = fig.add_axes([0.08 + c * 0.88 / cols, 0.72 - (r + 1) * 0.7 / len(variants), 0.88 / cols - 0.01, 0.7 / len(variants) - 0.01])
+            t = len(frames)
+            a.imshow(np.concatenate([frames[0], frames[t // 2], frames[-1]], axis=1))
+            a.set_xticks([])
+            a.set_yticks([])
+            if c == 0:
+                a.set_ylabel(NAMES.get(v, v), fontsize=8)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m training.evaluate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="model directory (default: the built-in model in assets/builtin)")
+    p.add_argument("--variants", default="flash,linear,mhla,mhla-hybrid")
+    p.add_argument("--num-prompts", type=int, default=24, help="validation captions to generate")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0])
+    p.add_argument("--steps", type=int, default=None, help="denoising steps (default: the model's)")
+    p.add_argument("--loss-batches", type=int, default=16)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--data-seed", type=int, default=0, help="seed of the synthetic validation split")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--out", default="benchmarks/results/builtin_eval", help="writes OUT.json, OUT.md, OUT.png")
+    args = p.parse_args(argv)
+    if args.num_prompts < 1:
+        p.error(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    res = run(args)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    plot(res, out.with_suffix(".png"))
+    res.pop("_samples")
+    out.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n")
+    table = markdown(res)
+    out.with_suffix(".md").write_text(table)
+    print("\n" + table)
+    print(f"wrote {out.with_suffix('.json')}, {out.with_suffix('.md')}, {out.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""Training the Wan2.1 VAE (``AutoencoderKLWan``) to reconstruct videos: ``finetune.py`` with ``task: vae``.
+
+    python training/finetune.py --config configs/builtin/vae.yaml
+
+The VAE of ``model.path`` is trained on random ``vae.crop`` x ``vae.crop`` crops of the configured
+clips (it is fully convolutional and causal in time, so it then encodes whole, longer clips): L1 + MSE
+reconstruction of the posterior mean, objects weighted up (``vae.object_weight``), plus
+``vae.kl_weight`` times the KL term; AdamW, warm-up then constant rate.
+Checkpoints (``checkpoints/step-XXXXXXX/vae/`` + optimizer and generator state) are atomic and
+``resume=latest`` continues a killed run. At the end it measures the per-channel mean and std of the
+latents (posterior means of ``vae.stats_samples`` full-size clips), writes them into the VAE's config
+as ``latents_mean`` / ``latents_std`` (what WanPipeline normalises latents with) and, with
+``vae.export`` set, installs the VAE there (e.g. the model directory's ``vae/``) atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+from tqdm.auto import tqdm
+
+from training import checkpoint as ckpt
+from training.data import ResumableSampler
+
+
+def _random_crop(video: torch.Tensor, size: int, generator: torch.Generator) -> torch.Tensor:
+    """``(B, 3, T, H, W)`` -> ``(B, 3, T, size, size)``, one crop position per clip."""
+    b, _, _, h, w = video.shape
+    if size <= 0 or (size >= h and size >= w):
+        return video
+    size_h, size_w = min(size, h), min(size, w)
+    out = []
+    for i in range(b):
+        top = int(torch.randint(0, h - size_h + 1, (1,), generator=generator))
+        left = int(torch.randint(0, w - size_w + 1, (1,), generator=generator))
+        out.append(video[i, :, :, top : top + size_h, left : left + size_w])
+    return torch.stack(out)
+
+
+def decode_unclamped(vae, z: torch.Tensor) -> torch.Tensor:
+    """``AutoencoderKLWan.decode`` without its final clamp to [-1, 1], which would stop the gradient of
+    every saturated pixel (most of them at initialisation). Same causal frame-by-frame loop."""
+    vae.clear_cache()
+    x = vae.post_quant_conv(z)
+    out = []
+    for i in range(z.shape[2]):
+        vae._conv_idx = [0]
+        out.append(vae.decoder(x[:, :, i : i + 1], feat_cache=vae._feat_map, feat_idx=vae._conv_idx, first_chunk=i == 0))
+    vae.clear_cache()
+    return torch.cat(out, 2)
+
+
+def vae_loss(vae, video: torch.Tensor, kl_weight: float, object_weight: float):
+    """Returns ``(loss, reconstruction L1)`` of one batch ``(B, 3, T, H, W)`` in [-1, 1].
+
+    Reconstruction of the posterior mean (a sample's noise only slowed this small VAE down), squared
+    and absolute error, with saturated pixels (the objects: a few per cent of a frame on grey-toned
+    backgrounds) weighted ``1 + object_weight``; plus ``kl_weight`` times the mean KL per element.
+    """
+    posterior = vae.encode(video).latent_dist
+    recon = decode_unclamped(vae, posterior.mean)
+    saturated = (video.amax(1, keepdim=True) - video.amin(1, keepdim=True)) > 0.5
+    weight = 1.0 + object_weight * saturated.float()
+    err = recon - video
+    loss = (weight * (err.abs() + err.square())).mean()
+    loss = loss + kl_weight * posterior.kl().mean() / math.prod(video.shape[1:])
+    return loss, err.abs().mean().detach()
+
+
+@torch.no_grad()
+def latent_statistics(vae, dataset, num: int) -> tuple[list[float], list[float]]:
+    """Per-channel mean and std of posterior means over the first ``num`` clips of ``dataset``."""
+    zs = []
+    for i in tqdm(range(min(num, len(dataset))), desc="latent statistics", leave=False):
+        z = vae.encode(dataset[i]["video"][None]).latent_dist.mean  # (1, C, F, h, w)
+        zs.append(z.transpose(0, 1).reshape(z.shape[1], -1))
+    z = torch.cat(zs, dim=1)
+    return [round(v, 5) for v in z.mean(1).tolist()], [round(max(v, 1e-3), 5) for v in z.std(1).tolist()]
+
+
+def train_vae(cfg) -> int:
+    from diffusers import AutoencoderKLWan
+
+    from training.finetune import build_dataset, collate
+
+    if not cfg.model.path:
+        raise ValueError("task=vae needs model.path: a model directory whose vae/ to train")
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    torch.manual_seed(cfg.train.seed)
+    generator = torch.Generator().manual_seed(cfg.train.seed)
+    dataset = build_dataset(cfg)
+    sampler = ResumableSampler(len(dataset), seed=cfg.train.seed)
+
+    resume_from = ckpt.resolve_resume(cfg.resume, run_dir)
+    source = resume_from / "vae" if resume_from else Path(cfg.model.path) / "vae"
+    vae = AutoencoderKLWan.from_pretrained(source, dtype=torch.float32).train()
+    opt = torch.optim.AdamW(vae.parameters(), lr=cfg.train.lr, betas=tuple(cfg.train.betas), weight_decay=0.0)
+    warmup = max(1, cfg.train.warmup_steps)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
+    step, samples = 0, 0
+    metrics = run_dir / "metrics.jsonl"
+    if resume_from is not None:
+        state = ckpt.load_state(resume_from / ckpt.STATE_FILE)
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["lr_scheduler"])
+        rank_state = ckpt.load_state(resume_from / "rank0.pt")
+        generator.set_state(rank_state["generator"])
+        sampler.load_state_dict(rank_state["data"])
+        samples, step = rank_state["data"]["samples_consumed"], state["step"]
+        print(f"resumed from {resume_from} at step {step}")
+    else:
+        metrics.write_text("")
+    n_params = sum(p.numel() for p in vae.parameters())
+    print(f"vae: {source} ({n_params / 1e6:.2f}M parameters), clips {len(dataset)}, crop {cfg.vae.crop}")
+
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_size=cfg.train.batch_size, sampler=sampler, num_workers=cfg.data.num_workers,
+        drop_last=True, collate_fn=collate,
+    )  # fmt: skip
+    sampler.samples_consumed = samples
+    batches = iter(loader)
+    progress = tqdm(total=cfg.train.steps, initial=step, desc="vae", dynamic_ncols=True)
+    while step < cfg.train.steps:
+        t0 = time.perf_counter()
+        batch = next(batches)
+        samples += len(batch["caption"])
+        video = _random_crop(batch["video"], cfg.vae.crop, generator)
+        loss, l1 = vae_loss(vae, video, cfg.vae.kl_weight, cfg.vae.object_weight)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"step {step + 1}: non-finite VAE loss {loss.item()}")
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(vae.parameters(), cfg.train.grad_clip or float("inf"))
+        opt.step()
+        sched.step()
+        step += 1
+        row = {"step": step, "loss": loss.item(), "l1": l1.item(), "lr": sched.get_last_lr()[0],
+               "grad_norm": float(grad_norm), "step_time": time.perf_counter() - t0}  # fmt: skip
+        with metrics.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        progress.update(1)
+        progress.set_postfix(loss=f"{row['loss']:.4f}", l1=f"{row['l1']:.4f}")
+        if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == cfg.train.steps):
+            tmp = ckpt.begin_checkpoint(run_dir, step)
+            vae.save_pretrained(str(tmp / "vae"), safe_serialization=True)
+            ckpt.save_state({"generator": generator.get_state(), "data": sampler.state_dict(samples)}, tmp / "rank0.pt")
+            ckpt.save_state(
+                {"step": step, "stage": "vae", "optimizer": opt.state_dict(), "lr_scheduler": sched.state_dict(),
+                 "nonfinite_in_a_row": 0, "world_size": 1},
+                tmp / ckpt.STATE_FILE,
+            )  # fmt: skip
+            (tmp / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+            ckpt.finish_checkpoint(run_dir, step, cfg.checkpoint.keep)
+    progress.close()
+
+    vae.eval()
+    mean, std = latent_statistics(vae, dataset, cfg.vae.stats_samples)
+    vae.register_to_config(latents_mean=mean, latents_std=std)
+    with torch.no_grad():
+        full = collate([dataset[i] for i in range(min(4, len(dataset)))])["video"]
+        recon = vae.decode(vae.encode(full).latent_dist.mean).sample
+        psnr = (10 * torch.log10(4.0 / F.mse_loss(recon, full))).item()
+    print(f"reconstruction PSNR on {len(full)} full clips: {psnr:.1f} dB; latent std per channel {std}")
+    final = run_dir / "final" / "vae"
+    tmp = final.with_name(".vae.tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    vae.save_pretrained(str(tmp), safe_serialization=True)
+    (tmp / "trained.json").write_text(json.dumps({"steps": step, "psnr_db": round(psnr, 2), "run": str(run_dir)}) + "\n")
+    for target in [final] + ([Path(cfg.vae.export)] if cfg.vae.export else []):
+        if target != final:
+            shutil.copytree(final, target.with_name("." + target.name + ".new"), dirs_exist_ok=True)
+            src = target.with_name("." + target.name + ".new")
+        else:
+            src = tmp
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(src, target)
+        print(f"wrote {target}")
+    return 0
