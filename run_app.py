@@ -23,8 +23,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1", help="address to serve on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=7860)
     p.add_argument("--share", action="store_true", help="also open a public gradio share link")
-    p.add_argument("--model", default=None, help="local diffusers-format Wan2.1 T2V directory (default: the built-in model; tiny-random: the tiny "
-                   "random-weight model)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="local diffusers-format Wan2.1 T2V directory (default: the built-in model; tiny-random: the tiny "
+        "random-weight model)",
+    )
     p.add_argument(
         "--variant", action="append", default=[], metavar="NAME=DIR",
         help="a fine-tuned transformer for a variant, e.g. mhla=ckpt/wan-mhla (repeatable)",

@@ -36,6 +36,8 @@ BUILTIN_PROMPTS = [
 
 def example_prompts(models: AppModels) -> list[str]:
     return BUILTIN_PROMPTS if models.components.source.startswith("built-in model") else EXAMPLE_PROMPTS
+
+
 # System fonts: the default theme pulls Google Fonts, and the app must work with no network at all.
 THEME = gr.themes.Default(
     font=[gr.themes.Font("system-ui"), "sans-serif"], font_mono=[gr.themes.Font("ui-monospace"), "monospace"]
@@ -123,7 +125,9 @@ def build_demo(models: AppModels, max_tokens: int | None = None, max_bench_token
         with gr.Tab("Compare"):
             with gr.Row():
                 with gr.Column(scale=3):
-                    prompt = gr.Textbox(label="Prompt", lines=2, elem_id="prompt", placeholder=example_prompts(models)[0])
+                    prompt = gr.Textbox(
+                        label="Prompt", lines=2, elem_id="prompt", placeholder=example_prompts(models)[0]
+                    )
                     negative = gr.Textbox(label="Negative prompt", lines=1, elem_id="negative")
                     gr.Examples(example_prompts(models), inputs=[prompt], label="Example prompts")
                 with gr.Column(scale=2):

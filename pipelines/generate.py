@@ -327,8 +327,12 @@ def _parse_args(argv=None) -> argparse.Namespace:
         "default: mhla-hybrid, or the saved variant of --transformer",
     )  # fmt: skip
     p.add_argument("--out", default="out.mp4", help="mp4 to write")
-    p.add_argument("--model", default=None, help="local diffusers-format Wan2.1 T2V directory (default: the built-in model; "
-                   "tiny-random: the tiny random-weight model)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="local diffusers-format Wan2.1 T2V directory (default: the built-in model; "
+        "tiny-random: the tiny random-weight model)",
+    )
     p.add_argument(
         "--transformer", default=None,
         help="a saved transformer folder (e.g. a fine-tuning checkpoint's transformer/) to use instead of the "
@@ -378,7 +382,14 @@ def _out_path(out: str, variant: str, many: bool) -> Path:
 
 def main(argv=None) -> int:
     from .builtin import TINY_RANDOM
-    from .loading import check_model_dir, load_components, load_transformer, model_settings, resolve_device, resolve_dtype
+    from .loading import (
+        check_model_dir,
+        load_components,
+        load_transformer,
+        model_settings,
+        resolve_device,
+        resolve_dtype,
+    )
     from .video import write_frame_grid, write_gif, write_mp4
 
     args = _parse_args(argv)

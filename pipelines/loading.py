@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from .attention import PARAM_ATTRS, AttentionOptions
-from .convert import CONFIG_KEY, add_attention_parameters, convert_self_attention
 from .builtin import BUILTIN_DIR, TINY_RANDOM, builtin_available, builtin_variant_dirs
+from .convert import CONFIG_KEY, add_attention_parameters, convert_self_attention
 from .tiny import TINY_BLOCK_SHAPE, TINY_DEFAULTS, WAN_DEFAULTS, build_tiny_components
 
 WEIGHTS = ("diffusion_pytorch_model.safetensors", "model.safetensors")

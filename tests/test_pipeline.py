@@ -259,7 +259,18 @@ def test_cli_bad_input(argv, message, capsys):
 
 def test_cli_writes_video_and_prints_timing(tmp_path, capsys):
     out = tmp_path / "fox.mp4"
-    argv = ["--prompt", "a fox", "--model", "tiny-random", "--variant", "mhla-hybrid", "--out", str(out), "--steps", "2"]
+    argv = [
+        "--prompt",
+        "a fox",
+        "--model",
+        "tiny-random",
+        "--variant",
+        "mhla-hybrid",
+        "--out",
+        str(out),
+        "--steps",
+        "2",
+    ]
     argv += ["--no-progress"]
     argv += ["--gif", str(tmp_path / "fox.gif"), "--grid-png", str(tmp_path / "fox.png"), "--blocks", "3x2x2"]
     assert main(argv) == 0

@@ -52,9 +52,7 @@ def _hsv(frames: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     delta = mx - mn
     r, g, b = rgb[..., 0], rgb[..., 1], rgb[..., 2]
     safe = np.where(delta > 0, delta, 1.0)
-    hue = np.where(
-        mx == r, ((g - b) / safe) % 6, np.where(mx == g, (b - r) / safe + 2, (r - g) / safe + 4)
-    ) * 60.0
+    hue = np.where(mx == r, ((g - b) / safe) % 6, np.where(mx == g, (b - r) / safe + 2, (r - g) / safe + 4)) * 60.0
     sat = np.where(mx > 0, delta / np.where(mx > 0, mx, 1.0), 0.0)
     return hue, sat, mx
 

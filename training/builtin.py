@@ -10,9 +10,10 @@ Stages (each a plain command; ``build`` prints them as it runs them):
    tokenizer over the synthetic world's vocabulary, a small UMT5 text encoder (random and frozen: the
    transformer's cross-attention learns to read it), a small AutoencoderKLWan (z_dim 16), Wan's
    UniPC flow scheduler and a randomly initialised transformer (6 layers, 4 heads x 32, patch 1x1x1).
-2. ``vae``: ``training/finetune.py --config configs/builtin/vae.yaml`` trains the VAE to reconstruct
-   synthetic clips, measures its latents' per-channel mean and std and installs it in the model
-   directory with those statistics (the pipeline normalises latents with them).
+2. ``vae``, ``vae-17f``: ``training/finetune.py --config configs/builtin/vae.yaml`` trains the VAE to
+   reconstruct short synthetic clips, ``vae-17f.yaml`` continues it on whole 17-frame clips; each
+   measures the latents' per-channel mean and std and installs the VAE in the model directory with
+   those statistics (the pipeline normalises latents with them).
 3. ``data``: ``training/precompute.py`` encodes the synthetic training split once (latents and text
    embeddings).
 4. ``base``: ``finetune.py --config configs/builtin/base.yaml`` trains the transformer from scratch
@@ -51,7 +52,7 @@ MODEL = WORK / "model"
 CACHE = WORK / "cache-train"
 CONFIGS = Path("configs/builtin")
 CONVERSIONS = ("linear", "mhla", "mhla-hybrid")
-STAGES = ("init", "vae", "data", "base", *CONVERSIONS, "assemble")
+STAGES = ("init", "vae", "vae-17f", "data", "base", *CONVERSIONS, "assemble")
 
 TRANSFORMER = dict(
     patch_size=(1, 1, 1),
@@ -169,6 +170,7 @@ def assemble(out: Path = BUILTIN_DIR) -> Path:
         "vae": VAE,
         "text_encoder": {**TEXT_ENCODER, "trained": False, "tokenizer": "word-level over the world's vocabulary"},
         "runs": {name: _run_meta(WORK / name) for name in ("vae", "base", *CONVERSIONS)},
+        "vae_reconstruction": json.loads((MODEL / "vae" / "trained.json").read_text()),
         "machine": f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cores".strip(),
         "device": "cuda: " + torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__,
@@ -184,8 +186,8 @@ def assemble(out: Path = BUILTIN_DIR) -> Path:
 
 def stage_commands(stage: str) -> list[list[str]]:
     py, ft = sys.executable, str(ROOT / "training" / "finetune.py")
-    if stage == "vae":
-        return [[py, ft, "--config", str(CONFIGS / "vae.yaml")]]
+    if stage in ("vae", "vae-17f"):
+        return [[py, ft, "--config", str(CONFIGS / f"{stage}.yaml")]]
     if stage == "data":
         return [[py, str(ROOT / "training" / "precompute.py"), "--config", str(CONFIGS / "base.yaml"), "--out", str(CACHE),
                  "data.source=synthetic"]]  # fmt: skip
@@ -197,19 +199,20 @@ def stage_commands(stage: str) -> list[list[str]]:
 def stage_done(stage: str) -> bool:
     if stage == "init":
         return (MODEL / "model_index.json").is_file()
-    if stage == "vae":
-        return (MODEL / "vae" / "trained.json").is_file()
+    if stage in ("vae", "vae-17f"):
+        from omegaconf import OmegaConf
+
+        done = MODEL / "vae" / "trained.json"
+        want = OmegaConf.load(CONFIGS / f"{stage}.yaml").train.steps
+        return done.is_file() and json.loads(done.read_text())["steps"] >= want
     if stage == "data":
         return (CACHE / "index.json").is_file()
     if stage in ("base", *CONVERSIONS):
-        run = WORK / stage
-        found = ckpt.list_checkpoints(run)
-        if not found:
-            return False
-        from omegaconf import OmegaConf
+        from training.config import load_config
 
-        c = OmegaConf.load(found[-1] / "config.yaml")
-        return int(found[-1].name.split("-")[1]) >= c.train.steps + c.transfer.steps
+        found = ckpt.list_checkpoints(WORK / stage)
+        c = load_config(CONFIGS / f"{stage}.yaml")  # the config as it is now (steps may have grown)
+        return bool(found) and int(found[-1].name.split("-")[1]) >= c.train.steps + c.transfer.steps
     return False
 
 

@@ -15,7 +15,7 @@ DEFAULTS: dict = {
     "run_dir": "runs/finetune",
     "resume": None,  # null | latest | path to a checkpoint folder
     "model": {
-        "path": None,  # local diffusers Wan2.1 T2V directory; null = the built-in tiny model
+        "path": None,  # local diffusers Wan2.1 T2V directory; null = the built-in model; tiny-random = random tiny
         "transformer": None,  # optional: start from this transformer folder (e.g. a previous run's checkpoint)
         "seed": 0,  # weights of the tiny model
         "variant": "mhla",  # flash | linear | mhla | mhla-hybrid
@@ -136,7 +136,7 @@ def validate(cfg: DictConfig) -> None:
     need(cfg.data.source == "synthetic" or cfg.data.path, "data.path", f"a folder for data.source={cfg.data.source}")
     if cfg.data.path and cfg.data.source != "synthetic":
         need(Path(cfg.data.path).exists(), "data.path", "an existing folder or manifest")
-    if cfg.model.path:
+    if cfg.model.path and cfg.model.path != "tiny-random":
         need(Path(cfg.model.path).is_dir(), "model.path", "a local diffusers-format Wan2.1 T2V directory")
     if cfg.transfer.steps:
         need(

@@ -15,7 +15,9 @@ For each variant (flash = the softmax base; linear, mhla, mhla-hybrid = its fine
   the VAE's own reconstructions of the real clips is printed as the ceiling;
 - **latency**: the mean denoising and total time of those generations on this machine.
 
-Writes ``<out>.json``, ``<out>.md`` (the table README quotes) and ``<out>.png``.
+Writes ``<out>.json``, ``<out>.md`` (the table README quotes) and ``<out>.png`` (accuracy bars and the
+first, middle and last frame of a few videos per variant); ``<out>`` defaults to
+``benchmarks/results/builtin_eval_<device>``.
 """
 
 from __future__ import annotations
@@ -55,15 +57,15 @@ def variant_transformers(components, variants: list[str]) -> dict:
         elif v == "flash":
             out[v] = components.transformer
         else:
-            raise ValueError(f"the model has no fine-tuned {v!r} transformer (variants/{v}); it has {sorted(components.variant_dirs)}")
+            raise ValueError(
+                f"the model has no fine-tuned {v!r} transformer (variants/{v}); it has {sorted(components.variant_dirs)}"
+            )
     return out
 
 
 @torch.no_grad()
 def heldout_loss(components, transformers: dict, dataset, batches: int, batch_size: int, seed: int = 0) -> dict:
     """Mean flow-matching loss per variant over the same latents, noise and timesteps."""
-    from pipelines.convert import set_variant  # noqa: F401  (variants already set on their transformers)
-
     encoder = Encoder(components, components.defaults.get("max_sequence_length", 512))
     flow = FlowMatching()
     g = torch.Generator().manual_seed(seed)
@@ -74,7 +76,9 @@ def heldout_loss(components, transformers: dict, dataset, batches: int, batch_si
         text = encoder.text([it["caption"] for it in items])
         x_t, t, target = flow.noisy_input(latents, g)
         for v, tr in transformers.items():
-            pred = tr(hidden_states=x_t.to(tr.dtype), timestep=t, encoder_hidden_states=text.to(tr.dtype), return_dict=False)[0]
+            pred = tr(
+                hidden_states=x_t.to(tr.dtype), timestep=t, encoder_hidden_states=text.to(tr.dtype), return_dict=False
+            )[0]
             losses[v].append(F.mse_loss(pred.float(), target.float()).item())
     return {v: float(np.mean(x)) for v, x in losses.items()}
 
@@ -147,7 +151,8 @@ def run(args) -> dict:
     return {
         "model": components.source,
         "builtin": json.loads((Path(args.model or "assets/builtin") / "builtin.json").read_text())
-        if (Path(args.model or "assets/builtin") / "builtin.json").is_file() else None,
+        if (Path(args.model or "assets/builtin") / "builtin.json").is_file()
+        else None,
         "device": str(components.device),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
         "torch": torch.__version__,
@@ -202,14 +207,23 @@ def plot(res: dict, path: Path) -> None:
     keys = [*ATTRIBUTES, "overall"]
     width = 0.8 / len(variants)
     for i, v in enumerate(variants):
-        ax.bar(np.arange(len(keys)) + i * width, [res["variants"][v][k] or 0 for k in keys], width, label=NAMES.get(v, v))
+        ax.bar(
+            np.arange(len(keys)) + i * width, [res["variants"][v][k] or 0 for k in keys], width, label=NAMES.get(v, v)
+        )
     ax.set_xticks(np.arange(len(keys)) + 0.4 - width / 2, keys)
     ax.set_ylim(0, 1)
     ax.set_ylabel("accuracy")
     ax.legend(ncol=len(variants), fontsize=8, loc="upper left", bbox_to_anchor=(0, 1.25))
     for r, v in enumerate(variants):
         for c, frames in enumerate(samples.get(v, [])):
-            a = fig.add_axes([0.08 + c * 0.88 / cols, 0.72 - (r + 1) * 0.7 / len(variants), 0.88 / cols - 0.01, 0.7 / len(variants) - 0.01])
+            a = fig.add_axes(
+                [
+                    0.08 + c * 0.88 / cols,
+                    0.72 - (r + 1) * 0.7 / len(variants),
+                    0.88 / cols - 0.01,
+                    0.7 / len(variants) - 0.01,
+                ]
+            )
             t = len(frames)
             a.imshow(np.concatenate([frames[0], frames[t // 2], frames[-1]], axis=1))
             a.set_xticks([])
@@ -232,12 +246,16 @@ def main(argv=None) -> int:
     p.add_argument("--data-seed", type=int, default=0, help="seed of the synthetic validation split")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--out", default="benchmarks/results/builtin_eval", help="writes OUT.json, OUT.md, OUT.png")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="writes OUT.json, OUT.md, OUT.png (default benchmarks/results/builtin_eval_<device>)",
+    )
     args = p.parse_args(argv)
     if args.num_prompts < 1:
         p.error(f"--num-prompts must be >= 1, got {args.num_prompts}")
     res = run(args)
-    out = Path(args.out)
+    out = Path(args.out or f"benchmarks/results/builtin_eval_{res['device'].split(':')[0]}")
     out.parent.mkdir(parents=True, exist_ok=True)
     plot(res, out.with_suffix(".png"))
     res.pop("_samples")

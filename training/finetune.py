@@ -7,6 +7,8 @@
 
 The file reads top to bottom as the recipe: configuration, model and conversion, data, the optional
 attention-transfer stage, the flow-matching loop, checkpoints. Distribution is accelerate's.
+A config with ``task: vae`` trains the model directory's VAE instead (:mod:`training.vae`; the
+built-in model's first stage, ``configs/builtin/vae.yaml``).
 """
 
 from __future__ import annotations

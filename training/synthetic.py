@@ -314,7 +314,9 @@ def sample_caption(seed: int, index: int, split: str, attributes: dict, world: S
     if world.short_captions <= 0:
         return caption_for(attributes)
     rng = np.random.default_rng([int(seed), SPLITS.index(split), int(index), 1])
-    return caption_for(attributes, sizes=rng.random() >= world.short_captions, background=rng.random() >= world.short_captions)
+    return caption_for(
+        attributes, sizes=rng.random() >= world.short_captions, background=rng.random() >= world.short_captions
+    )
 
 
 # --------------------------------------------------------------------------- rendering
@@ -421,7 +423,9 @@ def generate_sample(
     world = world or SyntheticWorld()
     attributes = sample_attributes(seed, index, split, world, aspect=width / height)
     frames = render_video(attributes, num_frames, height, width)
-    return SyntheticSample(frames=frames, caption=sample_caption(seed, index, split, attributes, world), attributes=attributes)
+    return SyntheticSample(
+        frames=frames, caption=sample_caption(seed, index, split, attributes, world), attributes=attributes
+    )
 
 
 class SyntheticVideoDataset(Dataset):

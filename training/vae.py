@@ -53,7 +53,9 @@ def decode_unclamped(vae, z: torch.Tensor) -> torch.Tensor:
     out = []
     for i in range(z.shape[2]):
         vae._conv_idx = [0]
-        out.append(vae.decoder(x[:, :, i : i + 1], feat_cache=vae._feat_map, feat_idx=vae._conv_idx, first_chunk=i == 0))
+        out.append(
+            vae.decoder(x[:, :, i : i + 1], feat_cache=vae._feat_map, feat_idx=vae._conv_idx, first_chunk=i == 0)
+        )
     vae.clear_cache()
     return torch.cat(out, 2)
 
@@ -113,6 +115,9 @@ def train_vae(cfg) -> int:
         state = ckpt.load_state(resume_from / ckpt.STATE_FILE)
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["lr_scheduler"])
+        sched.base_lrs = [cfg.train.lr] * len(opt.param_groups)  # a changed train.lr takes effect on resume
+        for group, lr in zip(opt.param_groups, sched.get_lr()):
+            group["lr"] = lr
         rank_state = ckpt.load_state(resume_from / "rank0.pt")
         generator.set_state(rank_state["generator"])
         sampler.load_state_dict(rank_state["data"])
@@ -176,7 +181,9 @@ def train_vae(cfg) -> int:
     if tmp.exists():
         shutil.rmtree(tmp)
     vae.save_pretrained(str(tmp), safe_serialization=True)
-    (tmp / "trained.json").write_text(json.dumps({"steps": step, "psnr_db": round(psnr, 2), "run": str(run_dir)}) + "\n")
+    (tmp / "trained.json").write_text(
+        json.dumps({"steps": step, "psnr_db": round(psnr, 2), "run": str(run_dir)}) + "\n"
+    )
     for target in [final] + ([Path(cfg.vae.export)] if cfg.vae.export else []):
         if target != final:
             shutil.copytree(final, target.with_name("." + target.name + ".new"), dirs_exist_ok=True)
