@@ -448,7 +448,18 @@ def main(argv=None) -> int:
 
     components = load_components(args.model, dtype=dtype, device=device)
     if args.transformer:
-        components.transformer = load_transformer(args.transformer, dtype=dtype, device=device)
+        loaded = load_transformer(args.transformer, dtype=dtype, device=device)
+        base = components.transformer.config
+        keys = ("text_dim", "in_channels", "out_channels")
+        if any(loaded.config[k] != base[k] for k in keys):
+            print(
+                f"error: --transformer {args.transformer!r} does not fit the model {components.source!r}: "
+                + ", ".join(f"{k} {loaded.config[k]} vs {base[k]}" for k in keys)
+                + "; pass the --model it was trained with (e.g. --model tiny-random)",
+                file=sys.stderr,
+            )
+            return 2
+        components.transformer = loaded
         components.source += f" + transformer {args.transformer}"
     print(f"model: {components.source}")
     if components.random_weights:

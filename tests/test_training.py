@@ -62,8 +62,8 @@ def test_tiny_recipe_learns_and_its_checkpoint_generates(tmp_path):
     assert [p.name for p in found] == ["step-0000008", "step-0000016"]
     out = tmp_path / "ft.mp4"
     gen = subprocess.run(
-        [sys.executable, "-m", "pipelines.generate", "--prompt", "a red circle moves to the left",
-         "--transformer", str(found[-1] / "transformer"), "--out", str(out), "--no-progress"],
+        [sys.executable, "-m", "pipelines.generate", "--prompt", "a red circle moves to the left", "--model",
+         "tiny-random", "--transformer", str(found[-1] / "transformer"), "--out", str(out), "--no-progress"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert gen.returncode == 0, gen.stderr
