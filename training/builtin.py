@@ -130,16 +130,6 @@ def _latest_transformer(run: Path) -> Path:
     return found[-1] / "transformer"
 
 
-def _copytree_atomic(src: Path, dst: Path) -> None:
-    tmp = dst.with_name("." + dst.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    shutil.copytree(src, tmp, symlinks=False)
-    if dst.exists():
-        shutil.rmtree(dst)
-    os.replace(tmp, dst)
-
-
 def _run_meta(run: Path) -> dict:
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
     steps = [r for r in rows if "loss" in r]

@@ -122,6 +122,7 @@ def validate(cfg: DictConfig) -> None:
             raise ValueError(f"{key}={OmegaConf.select(cfg, key)!r}: expected {expected}")
 
     need(cfg.task in TASKS, "task", f"one of {TASKS}")
+    need(cfg.task != "vae" or bool(cfg.model.path), "model.path", "a model directory whose vae/ to train (task=vae)")
     need(cfg.data.source in SOURCES, "data.source", f"one of {SOURCES}")
     need(cfg.train.trainable in TRAINABLE, "train.trainable", f"one of {TRAINABLE}")
     need(cfg.train.precision in PRECISIONS, "train.precision", f"one of {PRECISIONS}")
