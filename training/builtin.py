@@ -189,21 +189,18 @@ def stage_commands(stage: str) -> list[list[str]]:
 def stage_done(stage: str) -> bool:
     if stage == "init":
         return (MODEL / "model_index.json").is_file()
-    if stage in ("vae", "vae-17f"):
-        from omegaconf import OmegaConf
-
-        done = MODEL / "vae" / "trained.json"
-        want = OmegaConf.load(CONFIGS / f"{stage}.yaml").train.steps
-        return done.is_file() and json.loads(done.read_text())["steps"] >= want
     if stage == "data":
         return (CACHE / "index.json").is_file()
-    if stage in ("base", *CONVERSIONS):
-        from training.config import load_config
+    if stage == "assemble":
+        return False
+    from training.config import load_config
 
-        found = ckpt.list_checkpoints(WORK / stage)
-        c = load_config(CONFIGS / f"{stage}.yaml")  # the config as it is now (steps may have grown)
-        return bool(found) and int(found[-1].name.split("-")[1]) >= c.train.steps + c.transfer.steps
-    return False
+    c = load_config(CONFIGS / f"{stage}.yaml")  # the config as it is now (its steps may have grown)
+    if stage in ("vae", "vae-17f"):
+        done = MODEL / "vae" / "trained.json"
+        return done.is_file() and json.loads(done.read_text())["steps"] >= c.train.steps
+    found = ckpt.list_checkpoints(WORK / stage)
+    return bool(found) and int(found[-1].name.split("-")[1]) >= c.train.steps + c.transfer.steps
 
 
 def build(until: str, force: list[str]) -> int:

@@ -38,7 +38,8 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from pipelines import VARIANTS, load_components, load_transformer
+from pipelines import BUILTIN_DIR, VARIANTS, load_components, load_transformer
+from pipelines.builtin import builtin_info
 from pipelines.generate import generate
 from training.analyse import ATTRIBUTES, analyse, score
 from training.encoding import Encoder
@@ -119,6 +120,7 @@ def run(args) -> dict:
     ceiling = vae_ceiling(components, validation, prompts)
     print(f"analyser on VAE reconstructions of the real clips: overall {ceiling['overall']:.2f}")
 
+    info_dir = Path(args.model) if args.model else BUILTIN_DIR
     rows, samples = {}, {}
     for v in variants:
         verdicts, timings = [], []
@@ -150,9 +152,7 @@ def run(args) -> dict:
               f"motion {r['motion']:.2f}); {r['total_s']:.1f} s per video")  # fmt: skip
     return {
         "model": components.source,
-        "builtin": json.loads((Path(args.model or "assets/builtin") / "builtin.json").read_text())
-        if (Path(args.model or "assets/builtin") / "builtin.json").is_file()
-        else None,
+        "builtin": builtin_info(info_dir) if (info_dir / "builtin.json").is_file() else None,
         "device": str(components.device),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
         "torch": torch.__version__,

@@ -184,14 +184,22 @@ def train_vae(cfg) -> int:
     (tmp / "trained.json").write_text(
         json.dumps({"steps": step, "psnr_db": round(psnr, 2), "run": str(run_dir)}) + "\n"
     )
-    for target in [final] + ([Path(cfg.vae.export)] if cfg.vae.export else []):
-        if target != final:
-            shutil.copytree(final, target.with_name("." + target.name + ".new"), dirs_exist_ok=True)
-            src = target.with_name("." + target.name + ".new")
-        else:
-            src = tmp
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(src, target)
-        print(f"wrote {target}")
+    _replace(tmp, final)
+    targets = [final]
+    if cfg.vae.export:  # e.g. the model directory's vae/: copied beside it, then swapped in
+        export = Path(cfg.vae.export)
+        staged = export.with_name("." + export.name + ".new")
+        if staged.exists():
+            shutil.rmtree(staged)
+        shutil.copytree(final, staged)
+        _replace(staged, export)
+        targets.append(export)
+    print("wrote " + ", ".join(map(str, targets)))
     return 0
+
+
+def _replace(src: Path, dst: Path) -> None:
+    """Puts the complete folder ``src`` at ``dst`` (the old ``dst``, if any, is removed first)."""
+    if dst.exists():
+        shutil.rmtree(dst)
+    os.replace(src, dst)
