@@ -217,11 +217,61 @@ def test_lora_checkpoint_is_merged_into_the_pipeline_format(tmp_path):
         ("data.source=folder", "data.path=None: expected a folder"),
         ("train.trainable=some", "train.trainable='some'"),
         ("model.path=/no/such/dir", "model.path='/no/such/dir'"),
+        ("train.lr_schedule=step", "train.lr_schedule='step': expected one of"),
+        ("train.min_lr_ratio=2", "train.min_lr_ratio=2: expected a fraction"),
     ],
 )
 def test_bad_config_is_rejected_before_work(override, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         load_config(TINY, [override])
+
+
+def test_cosine_schedule_and_a_resumed_run_follows_the_longer_schedule():
+    from training.config import lr_multiplier
+
+    f = lr_multiplier("cosine", 10, 110, 0.1)
+    assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
+    assert f(59) == pytest.approx(0.55) and f(109) == pytest.approx(0.1) and f(500) == pytest.approx(0.1)
+    assert all(f(s) >= f(s + 1) for s in range(9, 200))
+    assert {lr_multiplier("constant", 10, 110, 0.1)(s) for s in range(9, 300)} == {1.0}
+
+    def scheduler(total):
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2.0)
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_multiplier("cosine", 10, total, 0.1))
+
+    opt, sched = scheduler(110)
+    for _ in range(50):
+        opt.step()
+        sched.step()
+    state = sched.state_dict()
+    opt2, sched2 = scheduler(1010)  # the same run resumed with train.steps grown to 1010
+    sched2.load_state_dict(state)
+    opt2.step()
+    sched2.step()
+    assert opt2.param_groups[0]["lr"] == pytest.approx(2.0 * lr_multiplier("cosine", 10, 1010, 0.1)(51))
+
+
+def test_builtin_build_restarts_a_conversion_whose_source_changed(tmp_path, monkeypatch):
+    from training import builtin
+
+    configs = tmp_path / "configs"
+    configs.mkdir()
+    run = tmp_path / "runs" / "mhla"
+    cfg = load_config(ROOT / "configs" / "builtin" / "mhla.yaml", [f"run_dir={run}", "model.path=null"])
+    from omegaconf import OmegaConf
+
+    (configs / "mhla.yaml").write_text(OmegaConf.to_yaml(cfg))
+    monkeypatch.setattr(builtin, "CONFIGS", configs)
+    assert builtin.stale_reason("mhla") is None  # no run yet
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    assert builtin.stale_reason("mhla") is None and not builtin.stage_done("mhla")  # same source, no checkpoint
+    cfg.model.transformer = "runs/builtin/base/checkpoints/step-0000100/transformer"
+    (run / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    why = builtin.stale_reason("mhla")
+    assert "step-0000100" in why and "now starts from" in why
+    moved = builtin.set_aside("mhla", why)
+    assert not run.exists() and (moved / "config.yaml").is_file() and moved.name.startswith("mhla.old-")
 
 
 def test_shipped_configs_load():

@@ -186,12 +186,46 @@ def stage_commands(stage: str) -> list[list[str]]:
     return []
 
 
+TRAINING_STAGES = ("vae", "vae-17f", "base", *CONVERSIONS)
+
+
+def stale_reason(stage: str) -> str | None:
+    """Why a conversion's existing run must not be continued (its source transformer changed), else None."""
+    from omegaconf import OmegaConf
+
+    from training.config import load_config
+
+    if stage not in CONVERSIONS:
+        return None
+    now = load_config(CONFIGS / f"{stage}.yaml")
+    saved = Path(now.run_dir) / "config.yaml"
+    if not saved.is_file():
+        return None
+    was = OmegaConf.load(saved).model.get("transformer")
+    if was != now.model.transformer:
+        return f"its run was fine-tuned from {was}, configs/builtin/{stage}.yaml now starts from {now.model.transformer}"
+    return None
+
+
+def set_aside(stage: str, why: str) -> Path | None:
+    """Move a training stage's run directory to ``<run>.old-<time>`` (nothing is deleted); a fresh run follows."""
+    from training.config import load_config
+
+    run = Path(load_config(CONFIGS / f"{stage}.yaml").run_dir)
+    if not run.exists():
+        return None
+    dest = run.with_name(f"{run.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
+    os.replace(run, dest)
+    print(f"[builtin] {stage}: {why}; moved {run} to {dest}", flush=True)
+    return dest
+
+
 def stage_done(stage: str) -> bool:
     if stage == "init":
         return (MODEL / "model_index.json").is_file()
     if stage == "data":
         return (CACHE / "index.json").is_file()
-    if stage == "assemble":
+    if stage == "assemble" or stale_reason(stage):
         return False
     from training.config import load_config
 
@@ -215,6 +249,10 @@ def build(until: str, force: list[str]) -> int:
             elif stage == "assemble":
                 print(f"[builtin] wrote {assemble()}")
             else:
+                if stage in TRAINING_STAGES:  # a grown step count resumes; a forced or stale run starts afresh
+                    why = "--force" if stage in force else stale_reason(stage)
+                    if why:
+                        set_aside(stage, why)
                 for cmd in stage_commands(stage):
                     print("  $ " + " ".join(cmd), flush=True)
                     rc = subprocess.call(cmd)
@@ -232,7 +270,11 @@ def main(argv=None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="run the stages in order (finished ones are skipped)")
     b.add_argument("--until", choices=STAGES, default="assemble")
-    b.add_argument("--force", nargs="*", default=[], choices=STAGES, help="re-run these stages")
+    b.add_argument(
+        "--force", nargs="*", default=[], choices=STAGES,
+        help="re-run these stages; a training stage's run directory is moved to <run>.old-<time> first, so it "
+        "starts afresh from its configured source (the vae stages from the VAE installed in runs/builtin/model)",
+    )  # fmt: skip
     i = sub.add_parser("init", help="write the untrained model directory")
     i.add_argument("--out", default=str(MODEL))
     i.add_argument("--seed", type=int, default=0)

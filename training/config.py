@@ -6,6 +6,8 @@ an error naming it, not a silently ignored setting.
 
 from __future__ import annotations
 
+import math
+
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -48,6 +50,8 @@ DEFAULTS: dict = {
         "weight_decay": 0.0,
         "adam_eps": 1e-10,
         "warmup_steps": 1000,
+        "lr_schedule": "constant",  # after warm-up: constant | cosine (to min_lr_ratio * lr at train.steps)
+        "min_lr_ratio": 0.1,
         "grad_clip": 0.1,
         "precision": "bf16",  # no | bf16 | fp16 (autocast; master weights stay float32)
         "gradient_checkpointing": True,
@@ -76,6 +80,27 @@ TASKS = ("transformer", "vae")
 SOURCES = ("synthetic", "folder", "cache")
 TRAINABLE = ("all", "attention", "new", "lora")
 PRECISIONS = ("no", "bf16", "fp16")
+LR_SCHEDULES = ("constant", "cosine")
+
+
+def lr_multiplier(schedule: str, warmup: int, total: int, min_ratio: float):
+    """``step -> factor of lr``: linear warm-up over ``warmup`` steps, then constant or a cosine down to
+    ``min_ratio`` at step ``total`` (and ``min_ratio`` after it).
+
+    A plain function on purpose: ``LambdaLR`` does not save it in its state, so a run resumed with more
+    ``train.steps`` follows the longer schedule from where it stopped.
+    """
+    warmup = max(1, warmup)
+
+    def factor(step: int) -> float:
+        if step + 1 < warmup:
+            return (step + 1) / warmup
+        if schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step + 1 - warmup) / max(1, total - warmup))
+        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> DictConfig:
@@ -131,6 +156,8 @@ def validate(cfg: DictConfig) -> None:
     need(cfg.data.width % 16 == 0 and cfg.data.width > 0, "data.width", "a positive multiple of 16")
     need(0 <= cfg.data.caption_dropout < 1, "data.caption_dropout", "a probability in [0, 1)")
     need(cfg.train.steps >= 1, "train.steps", "at least 1")
+    need(cfg.train.lr_schedule in LR_SCHEDULES, "train.lr_schedule", f"one of {LR_SCHEDULES}")
+    need(0 <= cfg.train.min_lr_ratio <= 1, "train.min_lr_ratio", "a fraction of train.lr in [0, 1]")
     need(cfg.train.batch_size >= 1, "train.batch_size", "at least 1")
     need(cfg.train.grad_accum >= 1, "train.grad_accum", "at least 1")
     need(cfg.transfer.steps >= 0, "transfer.steps", "0 (off) or more")

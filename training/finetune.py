@@ -39,7 +39,7 @@ from pipelines.attention import PARAM_ATTRS, LinearSelfAttention
 from pipelines.generate import generate, latent_grid
 from pipelines.video import write_mp4
 from training import checkpoint as ckpt
-from training.config import load_config
+from training.config import load_config, lr_multiplier
 from training.data import ResumableSampler, VideoFolderDataset
 from training.encoding import Encoder
 from training.flow import FlowMatching
@@ -283,8 +283,11 @@ def make_optimizer(transformer, cfg, stage: str):
     opt = torch.optim.AdamW(
         groups, betas=tuple(cfg.train.betas), eps=cfg.train.adam_eps, weight_decay=cfg.train.weight_decay
     )
-    warmup = max(1, cfg.train.warmup_steps if stage == "train" else 1)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))  # warm-up, then constant
+    if stage == "train":
+        factor = lr_multiplier(cfg.train.lr_schedule, cfg.train.warmup_steps, cfg.train.steps, cfg.train.min_lr_ratio)
+    else:
+        factor = lr_multiplier("constant", 1, cfg.transfer.steps, 1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
     return opt, sched
 
 

@@ -28,6 +28,7 @@ from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
 from training import checkpoint as ckpt
+from training.config import lr_multiplier
 from training.data import ResumableSampler
 
 
@@ -107,8 +108,9 @@ def train_vae(cfg) -> int:
     source = resume_from / "vae" if resume_from else Path(cfg.model.path) / "vae"
     vae = AutoencoderKLWan.from_pretrained(source, dtype=torch.float32).train()
     opt = torch.optim.AdamW(vae.parameters(), lr=cfg.train.lr, betas=tuple(cfg.train.betas), weight_decay=0.0)
-    warmup = max(1, cfg.train.warmup_steps)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lr_multiplier(cfg.train.lr_schedule, cfg.train.warmup_steps, cfg.train.steps, cfg.train.min_lr_ratio)
+    )
     step, samples = 0, 0
     metrics = run_dir / "metrics.jsonl"
     if resume_from is not None:
