@@ -29,6 +29,16 @@ WAN_TRANSFORMERS = {
 }
 
 
+def _shown(folder) -> str:
+    """A checkpoint folder as the browser sees it: relative to the working directory, never the server's
+    absolute layout (a folder outside it shows its last two parts)."""
+    path = Path(folder).resolve()
+    try:
+        return str(path.relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(Path(*path.parts[-2:]))
+
+
 @dataclass
 class VariantModel:
     """The transformer a variant runs on and what its output is worth."""
@@ -194,7 +204,7 @@ def load_app_models(
         folder = (variant_dirs or {}).get(name)
         if folder is not None:
             transformer = load_transformer(folder, dtype=components.dtype, device=components.device)
-            variants[name] = VariantModel(name, transformer, f"fine-tuned: {folder}", "fine-tuned")
+            variants[name] = VariantModel(name, transformer, f"fine-tuned: {_shown(folder)}", "fine-tuned")
         elif name == "flash":
             note = "RANDOM weights: the video is noise" if rnd else f"base weights: {components.source}"
             variants[name] = VariantModel(name, components.transformer, note, "base, random" if rnd else "base")

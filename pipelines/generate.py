@@ -24,9 +24,8 @@ from .attention import VARIANTS, AttentionOptions, fit_blocks, parse_layers
 from .convert import attention_context, attention_options, convert_self_attention, self_attention_state
 from .timing import Timing, format_comparison, format_timing, sync
 
-# Wan2.1's VAE strides (4 in time, 8 in space) and patch (1, 2, 2): the pipeline's input constraints.
+# Wan2.1's VAE strides (4 in time, 8 in space): with the transformer's patch, the pipeline's input constraints.
 TEMPORAL_STRIDE = 4
-SPATIAL_MULTIPLE = 16
 OUTPUT_TYPES = ("np", "pil", "pt", "latent")
 RANDOM_WEIGHTS_NOTE = "built-in tiny model with RANDOM weights: this video is noise, made to test the plumbing"
 
@@ -66,13 +65,15 @@ def validate_request(
     negative_prompt=None,
     seed=0,
     output_type="np",
-    spatial_multiple: int = SPATIAL_MULTIPLE,
-    temporal_stride: int = TEMPORAL_STRIDE,
+    patch_size=(1, 2, 2),
+    vae_stride=(TEMPORAL_STRIDE, 8, 8),
 ):
     """Checks a request before any heavy work; raises ``ValueError`` naming the bad value and what was expected.
 
-    Returns the latent-token grid ``(F, H, W)``.
+    ``patch_size`` and ``vae_stride`` are the model's (Wan2.1's by default). Returns the latent-token grid
+    ``(F, H, W)``.
     """
+    temporal_stride, spatial_multiple = vae_stride[0], vae_stride[1] * patch_size[1]
     if not isinstance(prompt, str) or not prompt.strip():
         raise ValueError(f"prompt must be a non-empty string describing the video, got {prompt!r}")
     if negative_prompt is not None and not isinstance(negative_prompt, str):
@@ -80,7 +81,8 @@ def validate_request(
     for name, value in (("height", height), ("width", width)):
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0 or value % spatial_multiple:
             raise ValueError(
-                f"{name} must be a positive multiple of {spatial_multiple} (VAE stride 8 x patch 2), got {value!r}"
+                f"{name} must be a positive multiple of {spatial_multiple} "
+                f"(VAE stride {vae_stride[1]} x patch {patch_size[1]}), got {value!r}"
             )
     if not isinstance(num_frames, int) or num_frames < 1 or (num_frames - 1) % temporal_stride:
         raise ValueError(f"num_frames must be of the form {temporal_stride}k+1 (1, 5, 9, ..., 81), got {num_frames!r}")
@@ -94,7 +96,7 @@ def validate_request(
         raise ValueError(f"seed must be an integer, got {seed!r}")
     if output_type not in OUTPUT_TYPES:
         raise ValueError(f"output_type must be one of {OUTPUT_TYPES}, got {output_type!r}")
-    grid = latent_grid(height, width, num_frames)
+    grid = latent_grid(height, width, num_frames, patch_size, vae_stride)
     if blocks is not None and variant not in ("mhla", "mhla-hybrid"):
         raise ValueError(
             f"blocks apply to the 'mhla' and 'mhla-hybrid' variants only, got blocks={blocks!r} for {variant!r}"
@@ -184,7 +186,7 @@ def generate(
     stride = (vae.config.scale_factor_temporal, vae.config.scale_factor_spatial, vae.config.scale_factor_spatial)
     validate_request(
         prompt, height, width, num_frames, num_inference_steps, guidance_scale, variant, blocks,
-        negative_prompt, seed, output_type, spatial_multiple=stride[1] * patch[1], temporal_stride=stride[0],
+        negative_prompt, seed, output_type, patch_size=patch, vae_stride=stride,
     )  # fmt: skip
     grid = latent_grid(height, width, num_frames, patch, stride)
     options = _resolve_options(transformer, variant, blocks, grid, components.block_shape, attention_options)
@@ -380,12 +382,32 @@ def _out_path(out: str, variant: str, many: bool) -> Path:
     return path.with_name(f"{path.stem}_{variant}{path.suffix}") if many else path
 
 
+def _check_trained_blocks(variant: str, blocks: str | None, transformer_dir) -> None:
+    """A fine-tuned MHLA transformer's mixing coefficients are M x M for its own block layout: another
+    ``--blocks`` would need new ones, so it is refused before anything loads."""
+    if variant not in ("mhla", "mhla-hybrid") or not blocks or transformer_dir is None:
+        return
+    config = Path(transformer_dir) / "config.json"
+    state = json.loads(config.read_text()).get("self_attention") if config.is_file() else None
+    if not state or not state["parameters"]["mhla"]:
+        return  # a softmax or linear transformer: converted afresh with the requested blocks
+    trained = state["options"].get("blocks")
+    if trained is not None and tuple(trained) != mhla.parse_blocks(blocks):
+        m = math.prod(trained)
+        raise ValueError(
+            f"--blocks {blocks}: the {variant} transformer {str(transformer_dir)!r} was fine-tuned with "
+            f"{'x'.join(map(str, trained))} blocks (its mixing coefficients are {m}x{m}); leave --blocks unset, "
+            "or pass an unconverted (softmax) --transformer to convert it afresh with these blocks"
+        )
+
+
 def main(argv=None) -> int:
     from .builtin import TINY_RANDOM
     from .loading import (
         check_model_dir,
         load_components,
         load_transformer,
+        model_patch_size,
         model_settings,
         resolve_device,
         resolve_dtype,
@@ -417,12 +439,18 @@ def main(argv=None) -> int:
             num_inference_steps=defaults["num_inference_steps"] if args.steps is None else args.steps,
             guidance_scale=defaults["guidance_scale"] if args.guidance is None else args.guidance,
         )
+        patch = model_patch_size(args.model, args.transformer)  # read from config files, nothing loaded yet
         for v in variants:
-            validate_request(args.prompt, variant=v, blocks=_blocks_for(v, args.blocks), seed=args.seed, **request)
+            validate_request(
+                args.prompt, variant=v, blocks=_blocks_for(v, args.blocks), seed=args.seed, patch_size=patch, **request
+            )
         if args.blocks and not any(v in ("mhla", "mhla-hybrid") for v in variants):
             raise ValueError(
                 f"--blocks applies to the mhla and mhla-hybrid variants only, got --variant {args.variant}"
             )
+        variant_dirs = model_settings(args.model)[2]
+        for v in variants:
+            _check_trained_blocks(v, args.blocks, args.transformer or variant_dirs.get(v))
         layers = parse_layers(args.layers) if args.layers else None
         if layers is not None and variants != ["mhla-hybrid"]:
             raise ValueError(f"--layers applies to --variant mhla-hybrid only, got --variant {args.variant}")

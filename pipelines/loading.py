@@ -18,7 +18,7 @@ import torch
 from .attention import PARAM_ATTRS, AttentionOptions
 from .builtin import BUILTIN_DIR, TINY_RANDOM, builtin_available, builtin_variant_dirs
 from .convert import CONFIG_KEY, add_attention_parameters, convert_self_attention
-from .tiny import TINY_BLOCK_SHAPE, TINY_DEFAULTS, WAN_DEFAULTS, build_tiny_components
+from .tiny import TINY_BLOCK_SHAPE, TINY_DEFAULTS, TINY_TRANSFORMER, WAN_DEFAULTS, build_tiny_components
 
 WEIGHTS = ("diffusion_pytorch_model.safetensors", "model.safetensors")
 # What a diffusers-format Wan2.1 T2V directory must contain (weights: a single file or a sharded index).
@@ -74,6 +74,23 @@ def model_settings(model_dir: str | Path | None) -> tuple[dict, tuple[int, int, 
         meta = json.loads(info.read_text())
         return dict(meta["defaults"]), tuple(meta["block_shape"]), builtin_variant_dirs(model_dir)
     return dict(WAN_DEFAULTS), (3, 10, 10), {}
+
+
+def model_patch_size(model_dir: str | Path | None, transformer_dir: str | Path | None = None) -> tuple[int, int, int]:
+    """The transformer's patch ``(t, h, w)``, read from config files without loading anything.
+
+    ``transformer_dir`` (a fine-tuned transformer) wins over ``model_dir``'s; ``None`` is the default model
+    (as :func:`model_settings`); a folder without a readable config is taken as Wan2.1's ``(1, 2, 2)``.
+    """
+    configs = [Path(transformer_dir) / "config.json"] if transformer_dir is not None else []
+    if model_dir is None:
+        model_dir = BUILTIN_DIR if builtin_available() else TINY_RANDOM
+    if str(model_dir) != TINY_RANDOM:
+        configs.append(Path(model_dir) / "transformer" / "config.json")
+    for config in configs:
+        if config.is_file():
+            return tuple(json.loads(config.read_text())["patch_size"])
+    return tuple(TINY_TRANSFORMER["patch_size"]) if str(model_dir) == TINY_RANDOM else (1, 2, 2)
 
 
 def resolve_device(device: str | torch.device | None = None) -> torch.device:

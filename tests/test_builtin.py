@@ -121,6 +121,33 @@ def test_cli_runs_each_variant_from_its_fine_tuned_transformer(tmp_path, capsys)
 
 
 @needs_builtin
+def test_cli_checks_blocks_on_the_builtin_models_token_grid(tmp_path, capsys):
+    from pipelines.generate import main
+    from pipelines.loading import model_patch_size
+
+    assert model_patch_size(None) == (1, 1, 1) == model_patch_size("tiny-random", BUILTIN_DIR / "variants" / "mhla")
+    base = ["--prompt", "a red square", "--variant", "mhla", "--out", str(tmp_path / "v.mp4"), "--no-progress"]
+    assert main([*base, "--blocks", "1x17x1"]) == 2  # the built-in grid is 5x16x20 tokens (patch 1x1x1)
+    assert "blocks '1x17x1' do not fit 17 frames at 128x160" in capsys.readouterr().err
+    assert main([*base, "--blocks", "1x16x1"]) == 2  # the shipped mhla was fine-tuned with 2x4x5 blocks
+    assert "was fine-tuned with 2x4x5 blocks (its mixing coefficients are 40x40)" in capsys.readouterr().err
+    fresh = ["--transformer", str(BUILTIN_DIR / "transformer"), "--blocks", "1x16x1", "--steps", "1"]
+    assert main([*base, *fresh]) == 0  # the softmax base converted afresh, finer than Wan's 2x2 patch allows
+    assert "1x16x1 blocks (M=16) over a 5x16x20 grid" in capsys.readouterr().out
+
+
+@needs_builtin
+def test_app_loads_each_fine_tuned_variant_and_shows_no_server_paths():
+    from app.models import load_app_models
+
+    m = load_app_models(None, device="cpu")
+    assert m.variants["flash"].kind == "base" and m.random_note is None
+    for v in ("linear", "mhla", "mhla-hybrid"):
+        assert m.variants[v].kind == "fine-tuned" and m.variants[v].transformer is not m.components.transformer
+        assert m.variants[v].note.endswith(f"variants/{v}") and str(BUILTIN_DIR.resolve()) not in m.variants[v].note
+
+
+@needs_builtin
 def test_evaluate_writes_its_table(tmp_path):
     from training.evaluate import main
 

@@ -225,6 +225,16 @@ def test_bad_requests_are_named(change, message):
         validate_request(**{**GOOD, **change})
 
 
+def test_requests_are_checked_on_the_models_own_patch_grid():
+    # patch 1x1x1 (the built-in model): 64x96 at 9 frames is a 3x8x12 token grid, twice Wan's 3x4x6 per axis
+    fine = dict(GOOD, blocks="1x8x12")
+    assert validate_request(**fine, patch_size=(1, 1, 1)) == (3, 8, 12)
+    with pytest.raises(ValueError, match="blocks '1x8x12' do not fit"):
+        validate_request(**fine)  # Wan's 1x2x2 patch: a 3x4x6 grid
+    with pytest.raises(ValueError, match=r"height must be a positive multiple of 8 \(VAE stride 8 x patch 1\), got 60"):
+        validate_request(**dict(GOOD, height=60), patch_size=(1, 1, 1))
+
+
 def test_generate_rejects_before_heavy_work(components, monkeypatch):
     # validation must run before the text encoder is touched
     def boom(*a, **k):

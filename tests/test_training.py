@@ -87,6 +87,8 @@ def test_kill_and_resume_gives_the_same_parameters(tmp_path):
     assert done and int(done[-1].name[5:]) < 12, "the run was meant to be killed before finishing"
     finetune(run, *steps, "resume=latest")
     assert digest(run) == digest(tmp_path / "straight")
+    logged = [r["step"] for r in metrics(run) if "loss" in r]
+    assert logged == list(range(1, 13))  # steps logged after the checkpoint and redone appear once
 
 
 def test_two_process_ddp_on_cpu_stays_in_step(tmp_path):

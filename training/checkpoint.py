@@ -96,3 +96,20 @@ def save_state(state: dict, path: str | Path) -> None:
 def load_state(path: str | Path) -> dict:
     """A state file of a checkpoint; only tensors, numbers, strings and containers are accepted."""
     return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def trim_metrics(path: str | Path, step: int) -> int:
+    """A resumed run drops the ``metrics.jsonl`` rows logged after its checkpoint's ``step`` (the part of the
+    interrupted run that is redone), so every step appears once. Atomic; returns the number of rows dropped."""
+    import json
+
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    lines = [x for x in path.read_text().splitlines() if x.strip()]
+    kept = [x for x in lines if json.loads(x).get("step", 0) <= step]
+    if len(kept) != len(lines):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(x + "\n" for x in kept))
+        os.replace(tmp, path)
+    return len(lines) - len(kept)

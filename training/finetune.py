@@ -429,6 +429,8 @@ def main(argv=None) -> int:
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
         if step == 0:
             metrics_file.write_text("")
+        else:  # rows the interrupted run logged after this checkpoint are redone now
+            ckpt.trim_metrics(metrics_file, step)
     if cfg.log.tensorboard:
         accelerator.init_trackers("finetune", config={k: str(v) for k, v in OmegaConf.to_container(cfg).items()})
     start_loss = eval_loss(transformer)

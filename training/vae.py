@@ -125,6 +125,7 @@ def train_vae(cfg) -> int:
         sampler.load_state_dict(rank_state["data"])
         samples, step = rank_state["data"]["samples_consumed"], state["step"]
         print(f"resumed from {resume_from} at step {step}")
+        ckpt.trim_metrics(metrics, step)
     else:
         metrics.write_text("")
     n_params = sum(p.numel() for p in vae.parameters())
