@@ -22,6 +22,7 @@ from training.synthetic import (
     generate_sample,
     main,
     sample_attributes,
+    sample_caption,
     write_mp4,
 )
 
@@ -113,6 +114,29 @@ def test_caption_is_built_from_the_attributes():
     assert (
         caption_for(two) == "a small red circle moves to the left and a large blue square moves up on a grey background"
     )
+
+
+def test_short_captions_leave_out_only_the_default_background():
+    world = SyntheticWorld(short_captions=0.25, default_background="grey")
+    named, unnamed, sizeless = {}, {}, 0
+    for i in range(400):
+        attrs = sample_attributes(0, i, "train", world)
+        caption = sample_caption(0, i, "train", attrs, world)
+        bg = attrs["background"]
+        (named if caption.endswith(f"on a {bg} background") else unnamed)[bg] = 1 + named.get(bg, 0)
+        sizeless += not any(f" {o['size']} " in f" {caption} " for o in attrs["objects"])
+    assert set(unnamed) == {"grey"} and named["grey"] > 0 and set(named) == set(world.backgrounds)
+    assert 0.35 < unnamed["grey"] / (unnamed["grey"] + named["grey"]) < 0.65  # half of the grey clips
+    assert 60 < sizeless < 140  # a quarter of 400 leave the sizes out
+    anywhere = SyntheticWorld(short_captions=0.25)  # None: any background may be left out
+    left_out = set()
+    for i in range(400):
+        attrs = sample_attributes(0, i, "train", anywhere)
+        if "background" not in sample_caption(0, i, "train", attrs, anywhere):
+            left_out.add(attrs["background"])
+    assert left_out == set(anywhere.backgrounds)
+    with pytest.raises(ValueError, match="default_background must be one of"):
+        SyntheticWorld(default_background="pink")
 
 
 def test_pixels_match_the_caption_colour_shape_size_and_motion():

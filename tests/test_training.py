@@ -182,6 +182,12 @@ def test_precomputed_cache_trains(tmp_path):
         "checkpoint.every=0",
     )
     assert [r["step"] for r in metrics(tmp_path / "run") if "loss" in r] == [1, 2]
+    again = subprocess.run(
+        [sys.executable, str(ROOT / "training" / "precompute.py"), "--config", TINY, "--out", str(cache),
+         "data.num_samples=4", "data.short_captions=0.5"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert again.returncode == 2 and "holds a cache written with other settings" in again.stderr
+    assert "data.short_captions: 0.0 -> 0.5" in again.stderr
 
 
 def test_lora_checkpoint_is_merged_into_the_pipeline_format(tmp_path):
@@ -220,6 +226,7 @@ def test_lora_checkpoint_is_merged_into_the_pipeline_format(tmp_path):
         ("train.trainable=some", "train.trainable='some'"),
         ("model.path=/no/such/dir", "model.path='/no/such/dir'"),
         ("train.lr_schedule=step", "train.lr_schedule='step': expected one of"),
+        ("data.default_background=pink", "data.default_background='pink': expected null or one of"),
         ("train.min_lr_ratio=2", "train.min_lr_ratio=2: expected a fraction"),
     ],
 )

@@ -195,6 +195,11 @@ def stale_reason(stage: str) -> str | None:
 
     from training.config import load_config
 
+    if stage == "data":  # the cache is written with base.yaml's data settings
+        from training.precompute import stale_cache
+
+        stale = stale_cache(CACHE, load_config(CONFIGS / "base.yaml", ["data.source=synthetic"]))
+        return f"{CACHE} was written with other settings ({stale})" if stale else None
     if stage not in CONVERSIONS:
         return None
     now = load_config(CONFIGS / f"{stage}.yaml")
@@ -208,10 +213,11 @@ def stale_reason(stage: str) -> str | None:
 
 
 def set_aside(stage: str, why: str) -> Path | None:
-    """Move a training stage's run directory to ``<run>.old-<time>`` (nothing is deleted); a fresh run follows."""
+    """Move a stage's output (a training run directory, the data cache) to ``<dir>.old-<time>``; nothing
+    is deleted, and a fresh run follows."""
     from training.config import load_config
 
-    run = Path(load_config(CONFIGS / f"{stage}.yaml").run_dir)
+    run = CACHE if stage == "data" else Path(load_config(CONFIGS / f"{stage}.yaml").run_dir)
     if not run.exists():
         return None
     dest = run.with_name(f"{run.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -224,7 +230,7 @@ def stage_done(stage: str) -> bool:
     if stage == "init":
         return (MODEL / "model_index.json").is_file()
     if stage == "data":
-        return (CACHE / "index.json").is_file()
+        return (CACHE / "index.json").is_file() and not stale_reason(stage)
     if stage == "assemble" or stale_reason(stage):
         return False
     from training.config import load_config
@@ -249,7 +255,7 @@ def build(until: str, force: list[str]) -> int:
             elif stage == "assemble":
                 print(f"[builtin] wrote {assemble()}")
             else:
-                if stage in TRAINING_STAGES:  # a grown step count resumes; a forced or stale run starts afresh
+                if stage in (*TRAINING_STAGES, "data"):  # a grown step count resumes; forced or stale: afresh
                     why = "--force" if stage in force else stale_reason(stage)
                     if why:
                         set_aside(stage, why)

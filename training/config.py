@@ -31,6 +31,7 @@ DEFAULTS: dict = {
         "path": None,  # folder (manifest or .txt captions) or precomputed cache
         "num_samples": 64,  # synthetic only
         "short_captions": 0.0,  # synthetic only: probability of leaving sizes / background out of a caption
+        "default_background": None,  # synthetic only: the one background a caption may leave out (None: any)
         "num_frames": 81,
         "height": 480,
         "width": 800,
@@ -155,6 +156,13 @@ def validate(cfg: DictConfig) -> None:
     need(cfg.data.height % 16 == 0 and cfg.data.height > 0, "data.height", "a positive multiple of 16")
     need(cfg.data.width % 16 == 0 and cfg.data.width > 0, "data.width", "a positive multiple of 16")
     need(0 <= cfg.data.caption_dropout < 1, "data.caption_dropout", "a probability in [0, 1)")
+    from training.synthetic import BACKGROUNDS
+
+    need(
+        cfg.data.default_background in (None, *BACKGROUNDS),
+        "data.default_background",
+        f"null or one of {BACKGROUNDS}",
+    )
     need(cfg.train.steps >= 1, "train.steps", "at least 1")
     need(cfg.train.lr_schedule in LR_SCHEDULES, "train.lr_schedule", f"one of {LR_SCHEDULES}")
     need(0 <= cfg.train.min_lr_ratio <= 1, "train.min_lr_ratio", "a fraction of train.lr in [0, 1]")

@@ -174,7 +174,7 @@ def build_dataset(cfg):
     if d.source == "synthetic":
         return SyntheticVideoDataset(
             d.num_samples, seed=cfg.train.seed, num_frames=d.num_frames, height=d.height, width=d.width,
-            world=SyntheticWorld(short_captions=d.short_captions),
+            world=SyntheticWorld(short_captions=d.short_captions, default_background=d.default_background),
         )  # fmt: skip
     if d.source == "folder":
         return VideoFolderDataset(

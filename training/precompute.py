@@ -8,6 +8,8 @@ The cache holds one ``sample_XXXXXXX.safetensors`` per video (``latents`` ``(16,
 ``text`` ``(max_sequence_length, text_dim)``), ``empty_text.safetensors`` (the embedding caption
 dropout swaps in) and ``index.json``. Each file is written under a temporary name and renamed, and an
 interrupted run picks up where it stopped. Each video is cached with one clip (its first-epoch clip).
+``precompute.json`` records the settings the cache was written with (the ``data.*`` keys that shape it
+and the model); a later run with other settings is refused instead of mixing two datasets in one folder.
 """
 
 from __future__ import annotations
@@ -38,6 +40,32 @@ def _atomic_save(tensors: dict, path: Path, metadata: dict | None = None) -> Non
     os.replace(tmp, path)
 
 
+RECORD = "precompute.json"
+RECORD_KEYS = ("source", "path", "num_samples", "short_captions", "default_background", "num_frames", "height",
+               "width", "frame_stride", "max_sequence_length")  # fmt: skip
+
+
+def cache_record(cfg) -> dict:
+    """What a cache written with ``cfg`` holds: the data settings that shape it, the model and seed."""
+    return {
+        "data": {k: cfg.data[k] for k in RECORD_KEYS},
+        "model": None if cfg.model.path is None else str(cfg.model.path),
+        "seed": cfg.train.seed,
+    }
+
+
+def stale_cache(out: str | Path, cfg) -> str | None:
+    """Why the cache in ``out`` was not written with ``cfg``'s settings (the differing keys), or None.
+    A folder without a record (written before records existed) is taken as matching."""
+    path = Path(out) / RECORD
+    if not path.is_file():
+        return None
+    was, now = json.loads(path.read_text()), cache_record(cfg)
+    diff = [f"data.{k}: {was['data'].get(k)!r} -> {v!r}" for k, v in now["data"].items() if was["data"].get(k) != v]
+    diff += [f"{k}: {was.get(k)!r} -> {now[k]!r}" for k in ("model", "seed") if was.get(k) != now[k]]
+    return "; ".join(diff) or None
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python training/precompute.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", required=True)
@@ -48,6 +76,12 @@ def main(argv=None) -> int:
         cfg = load_config(args.config, args.overrides)
         if cfg.data.source == "cache":
             raise ValueError("data.source=cache: precompute reads videos (data.source folder or synthetic)")
+        stale = stale_cache(args.out, cfg)
+        if stale:
+            raise ValueError(
+                f"--out {args.out!r} holds a cache written with other settings ({stale}); "
+                "write to a new folder, or move that one away"
+            )
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -55,6 +89,9 @@ def main(argv=None) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    tmp = out / (RECORD + ".tmp")
+    tmp.write_text(json.dumps(cache_record(cfg), indent=1))
+    os.replace(tmp, out / RECORD)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     components = load_components(cfg.model.path, dtype=cfg.model.dtype, device=device, seed=cfg.model.seed)
     encoder = Encoder(components, cfg.data.max_sequence_length)

@@ -139,6 +139,11 @@ class SyntheticWorld:
     # probability that a caption leaves out the sizes, and (drawn apart) the background phrase, so a
     # model trained on them also follows short prompts ("a red square moves to the right")
     short_captions: float = 0.0
+    # with short_captions > 0: the background a caption may leave unsaid. A clip on it names it half the
+    # time and every other background is always named, so a prompt that names none means this one (a
+    # model otherwise averages the five backgrounds into a texture). None: any background is left out
+    # with probability short_captions.
+    default_background: str | None = None
 
     def __post_init__(self):
         for name, values, known in (
@@ -151,6 +156,11 @@ class SyntheticWorld:
             unknown = [v for v in values if v not in known]
             if not values or unknown:
                 raise ValueError(f"world {name} must be a non-empty subset of {known}, got {values!r}")
+        if self.default_background is not None and self.default_background not in self.backgrounds:
+            raise ValueError(
+                f"default_background must be one of the world's backgrounds {self.backgrounds} or None, "
+                f"got {self.default_background!r}"
+            )
         if self.max_objects not in (1, 2):
             raise ValueError(f"max_objects must be 1 or 2, got {self.max_objects!r}")
         if self.max_objects == 2 and len(self.colours) < 2:
@@ -314,9 +324,12 @@ def sample_caption(seed: int, index: int, split: str, attributes: dict, world: S
     if world.short_captions <= 0:
         return caption_for(attributes)
     rng = np.random.default_rng([int(seed), SPLITS.index(split), int(index), 1])
-    return caption_for(
-        attributes, sizes=rng.random() >= world.short_captions, background=rng.random() >= world.short_captions
-    )
+    sizes, u = rng.random() >= world.short_captions, rng.random()
+    if world.default_background is None:
+        background = u >= world.short_captions
+    else:
+        background = attributes["background"] != world.default_background or u >= 0.5
+    return caption_for(attributes, sizes=sizes, background=background)
 
 
 # --------------------------------------------------------------------------- rendering
