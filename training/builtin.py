@@ -190,7 +190,9 @@ TRAINING_STAGES = ("vae", "vae-17f", "base", *CONVERSIONS)
 
 
 def stale_reason(stage: str) -> str | None:
-    """Why a conversion's existing run must not be continued (its source transformer changed), else None."""
+    """Why a stage's existing output must not be continued, else None: a conversion fine-tuned from another
+    transformer than its config now names, or a data cache written with other settings than ``base.yaml``'s.
+    (Each stage is judged by its own config: a changed cache does not by itself retrain ``base``.)"""
     from omegaconf import OmegaConf
 
     from training.config import load_config
@@ -278,8 +280,9 @@ def main(argv=None) -> int:
     b.add_argument("--until", choices=STAGES, default="assemble")
     b.add_argument(
         "--force", nargs="*", default=[], choices=STAGES,
-        help="re-run these stages; a training stage's run directory is moved to <run>.old-<time> first, so it "
-        "starts afresh from its configured source (the vae stages from the VAE installed in runs/builtin/model)",
+        help="re-run these stages; a training stage's run directory (or the data cache) is moved to <dir>.old-<time> "
+        "first, so it starts afresh from its configured source (the vae stages from the VAE installed in "
+        "runs/builtin/model)",
     )  # fmt: skip
     i = sub.add_parser("init", help="write the untrained model directory")
     i.add_argument("--out", default=str(MODEL))

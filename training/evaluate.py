@@ -129,7 +129,7 @@ def run(args) -> dict:
             for seed in args.seeds:
                 result = generate(
                     components, caption, variant=v, transformer=transformers[v], seed=seed,
-                    num_inference_steps=args.steps, show_progress=False,
+                    num_inference_steps=args.steps, guidance_scale=args.guidance, show_progress=False,
                 )  # fmt: skip
                 verdict = analyse(result.frames, caption)
                 verdict["held_out"] = validation.attributes(i)["held_out"]
@@ -160,7 +160,7 @@ def run(args) -> dict:
         "num_prompts": len(prompts),
         "seeds": list(args.seeds),
         "num_inference_steps": args.steps or d["num_inference_steps"],
-        "guidance_scale": d["guidance_scale"],
+        "guidance_scale": d["guidance_scale"] if args.guidance is None else args.guidance,
         "loss_clips": args.loss_batches * args.batch_size,
         "vae_ceiling": ceiling,
         "variants": rows,
@@ -241,6 +241,7 @@ def main(argv=None) -> int:
     p.add_argument("--num-prompts", type=int, default=24, help="validation captions to generate")
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--steps", type=int, default=None, help="denoising steps (default: the model's)")
+    p.add_argument("--guidance", type=float, default=None, help="CFG scale (default: the model's)")
     p.add_argument("--loss-batches", type=int, default=16)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--data-seed", type=int, default=0, help="seed of the synthetic validation split")
