@@ -94,7 +94,7 @@ def test_builtin_is_the_default_and_ships_every_variant(builtin):
 @needs_builtin
 @pytest.mark.xfail(
     strict=False,
-    reason="the shipped built-in model (800 CPU steps from scratch) does not yet draw a clean red square moving "
+    reason="the shipped built-in model (4,000 CPU steps from scratch) does not yet draw a clean red square moving "
     "right; see README, Built-in model. XPASS here means a retrained model does.",
 )
 def test_red_square_moves_right(builtin):

@@ -250,7 +250,8 @@ def test_generate_rejects_before_heavy_work(components, monkeypatch):
 @pytest.mark.parametrize(
     "argv,message",
     [
-        (["--prompt", "x", "--height", "65"], "height must be a positive multiple of 16"),
+        (["--prompt", "x", "--height", "65", "--model", "tiny-random"], "height must be a positive multiple of 16"),
+        (["--prompt", "x", "--height", "65"], "height must be a positive multiple of 8 (VAE stride 8 x patch 1)"),
         (["--prompt", "x", "--frames", "10"], "num_frames must be of the form 4k+1"),
         (["--prompt", "x", "--variant", "sparse"], "unknown variant 'sparse'"),
         (["--prompt", ""], "prompt must be a non-empty string"),

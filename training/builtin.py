@@ -241,7 +241,7 @@ def stage_done(stage: str) -> bool:
     if stage in ("vae", "vae-17f"):
         done = MODEL / "vae" / "trained.json"
         return done.is_file() and json.loads(done.read_text())["steps"] >= c.train.steps
-    found = ckpt.list_checkpoints(WORK / stage)
+    found = ckpt.list_checkpoints(c.run_dir)
     return bool(found) and int(found[-1].name.split("-")[1]) >= c.train.steps + c.transfer.steps
 
 
