@@ -8,7 +8,6 @@ Without ``--model`` the built-in tiny model runs (random weights: its video is n
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -387,8 +386,9 @@ def _check_trained_blocks(variant: str, blocks: str | None, transformer_dir) -> 
     ``--blocks`` would need new ones, so it is refused before anything loads."""
     if variant not in ("mhla", "mhla-hybrid") or not blocks or transformer_dir is None:
         return
-    config = Path(transformer_dir) / "config.json"
-    state = json.loads(config.read_text()).get("self_attention") if config.is_file() else None
+    from .loading import saved_transformer_config
+
+    state = (saved_transformer_config(transformer_dir) or {}).get("self_attention")
     if not state or not state["parameters"]["mhla"]:
         return  # a softmax or linear transformer: converted afresh with the requested blocks
     trained = state["options"].get("blocks")
@@ -411,6 +411,7 @@ def main(argv=None) -> int:
         model_settings,
         resolve_device,
         resolve_dtype,
+        saved_transformer_config,
     )
     from .video import write_frame_grid, write_gif, write_mp4
 
@@ -418,20 +419,19 @@ def main(argv=None) -> int:
     try:
         # everything cheap is checked before any model is loaded
         if args.transformer:
-            saved = Path(args.transformer) / "config.json"
-            if not saved.is_file():
+            saved = saved_transformer_config(args.transformer)
+            if saved is None:
                 raise FileNotFoundError(
                     f"--transformer {args.transformer!r} has no config.json; expected a folder written by "
                     "save_transformer (e.g. runs/<run>/checkpoints/step-XXXXXXX/transformer)"
                 )
             if args.variant is None:
-                state = json.loads(saved.read_text()).get("self_attention") or {"variant": "flash"}
-                args.variant = state["variant"]
+                args.variant = (saved.get("self_attention") or {"variant": "flash"})["variant"]
         args.variant = args.variant or "mhla-hybrid"
         variants = _variants(args.variant)
         if args.model and args.model != TINY_RANDOM:
             check_model_dir(args.model)
-        defaults = model_settings(args.model)[0]
+        defaults, _, variant_dirs = model_settings(args.model)
         request = dict(
             height=defaults["height"] if args.height is None else args.height,
             width=defaults["width"] if args.width is None else args.width,
@@ -448,7 +448,6 @@ def main(argv=None) -> int:
             raise ValueError(
                 f"--blocks applies to the mhla and mhla-hybrid variants only, got --variant {args.variant}"
             )
-        variant_dirs = model_settings(args.model)[2]
         for v in variants:
             _check_trained_blocks(v, args.blocks, args.transformer or variant_dirs.get(v))
         layers = parse_layers(args.layers) if args.layers else None

@@ -76,21 +76,27 @@ def model_settings(model_dir: str | Path | None) -> tuple[dict, tuple[int, int, 
     return dict(WAN_DEFAULTS), (3, 10, 10), {}
 
 
+def saved_transformer_config(folder: str | Path | None) -> dict | None:
+    """A transformer folder's ``config.json`` as a dict (None if there is none), without loading weights."""
+    config = Path(folder) / "config.json" if folder is not None else None
+    return json.loads(config.read_text()) if config is not None and config.is_file() else None
+
+
 def model_patch_size(model_dir: str | Path | None, transformer_dir: str | Path | None = None) -> tuple[int, int, int]:
     """The transformer's patch ``(t, h, w)``, read from config files without loading anything.
 
     ``transformer_dir`` (a fine-tuned transformer) wins over ``model_dir``'s; ``None`` is the default model
     (as :func:`model_settings`); a folder without a readable config is taken as Wan2.1's ``(1, 2, 2)``.
     """
-    configs = [Path(transformer_dir) / "config.json"] if transformer_dir is not None else []
     if model_dir is None:
         model_dir = BUILTIN_DIR if builtin_available() else TINY_RANDOM
-    if str(model_dir) != TINY_RANDOM:
-        configs.append(Path(model_dir) / "transformer" / "config.json")
-    for config in configs:
-        if config.is_file():
-            return tuple(json.loads(config.read_text())["patch_size"])
-    return tuple(TINY_TRANSFORMER["patch_size"]) if str(model_dir) == TINY_RANDOM else (1, 2, 2)
+    tiny = str(model_dir) == TINY_RANDOM
+    config = saved_transformer_config(transformer_dir) or (
+        None if tiny else saved_transformer_config(Path(model_dir) / "transformer")
+    )
+    if config is not None:
+        return tuple(config["patch_size"])
+    return tuple(TINY_TRANSFORMER["patch_size"]) if tiny else (1, 2, 2)
 
 
 def resolve_device(device: str | torch.device | None = None) -> torch.device:

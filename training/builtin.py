@@ -210,7 +210,9 @@ def stale_reason(stage: str) -> str | None:
         return None
     was = OmegaConf.load(saved).model.get("transformer")
     if was != now.model.transformer:
-        return f"its run was fine-tuned from {was}, configs/builtin/{stage}.yaml now starts from {now.model.transformer}"
+        return (
+            f"its run was fine-tuned from {was}, configs/builtin/{stage}.yaml now starts from {now.model.transformer}"
+        )
     return None
 
 

@@ -14,6 +14,7 @@ saving never spoils the last good checkpoint; ``latest`` only ever sees complete
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -101,8 +102,6 @@ def load_state(path: str | Path) -> dict:
 def trim_metrics(path: str | Path, step: int) -> int:
     """A resumed run drops the ``metrics.jsonl`` rows logged after its checkpoint's ``step`` (the part of the
     interrupted run that is redone), so every step appears once. Atomic; returns the number of rows dropped."""
-    import json
-
     path = Path(path)
     if not path.is_file():
         return 0

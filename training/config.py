@@ -7,7 +7,6 @@ an error naming it, not a silently ignored setting.
 from __future__ import annotations
 
 import math
-
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
