@@ -266,7 +266,9 @@ def test_builtin_build_restarts_a_conversion_whose_source_changed(tmp_path, monk
     configs = tmp_path / "configs"
     configs.mkdir()
     run = tmp_path / "runs" / "mhla"
-    cfg = load_config(ROOT / "configs" / "builtin" / "mhla.yaml", [f"run_dir={run}", "model.path=null"])
+    # the data cache is a build product (runs/builtin/cache-train), absent on a clean clone
+    overrides = [f"run_dir={run}", "model.path=null", "data.path=null", "data.source=synthetic"]
+    cfg = load_config(ROOT / "configs" / "builtin" / "mhla.yaml", overrides)
     from omegaconf import OmegaConf
 
     (configs / "mhla.yaml").write_text(OmegaConf.to_yaml(cfg))
