@@ -98,11 +98,13 @@ def test_builtin_is_the_default_and_ships_every_variant(builtin):
     "right; see README, Built-in model. XPASS here means a retrained model does.",
 )
 def test_red_square_moves_right(builtin):
+    """The default settings give a red object moving right for most seeds (2 of seeds 0, 1, 2), not by luck of one."""
     from pipelines.generate import generate
 
-    result = generate(builtin, "a red square moves to the right", seed=0, show_progress=False)
-    verdict = analyse(result.frames, "a red square moves to the right")
-    assert verdict["colour"] and verdict["motion"], verdict["found"]
+    prompt = "a red square moves to the right"
+    verdicts = [analyse(generate(builtin, prompt, seed=s, show_progress=False).frames, prompt) for s in range(3)]
+    passed = [bool(v["colour"] and v["motion"]) for v in verdicts]
+    assert sum(passed) >= 2, [v["found"] for v in verdicts]
 
 
 @needs_builtin
@@ -160,6 +162,40 @@ def test_evaluate_writes_its_table(tmp_path):
     for r in res["variants"].values():
         assert np.isfinite(r["flow_loss"]) and 0 <= r["overall"] <= 1 and r["total_s"] > 0
     assert "| MHLA |" in out.with_suffix(".md").read_text() and out.with_suffix(".png").stat().st_size > 1000
+
+
+@needs_builtin
+def test_evaluate_sweeps_guidance_and_marks_the_best(tmp_path):
+    from training.evaluate import main
+
+    out = tmp_path / "sweep"
+    argv = ["--num-prompts", "1", "--steps", "2", "--loss-batches", "0", "--variants", "flash",
+            "--data-seed", "1", "--guidance", "1", "3", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    res = json.loads(out.with_suffix(".json").read_text())
+    row = res["variants"]["flash"]
+    assert res["guidance_scale"] == [1.0, 3.0] and res["data_seed"] == 1 and row["flow_loss"] is None
+    assert set(row["by_guidance"]) == {"1", "3"} and row["best_guidance"] in (1.0, 3.0)
+    best = row["by_guidance"][f"{row['best_guidance']:g}"]
+    assert all(best["overall"] >= r["overall"] for r in row["by_guidance"].values())
+    table = out.with_suffix(".md").read_text()
+    assert table.count("| softmax (FA) |") == 2 and table.count("(best)") == 1
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (["--guidance", "-1"], "--guidance takes distinct finite scales >= 0, got [-1.0]"),
+        (["--guidance", "2", "2"], "--guidance takes distinct finite scales >= 0, got [2.0, 2.0]"),
+        (["--loss-batches", "-1"], "--loss-batches must be >= 0 (0 = skip the held-out loss), got -1"),
+    ],
+)
+def test_evaluate_refuses_bad_sweep_arguments(bad, message, capsys):
+    from training.evaluate import main
+
+    with pytest.raises(SystemExit):
+        main(["--num-prompts", "1", *bad])
+    assert message in capsys.readouterr().err
 
 
 def test_evaluate_refuses_random_weights():

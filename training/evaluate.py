@@ -3,6 +3,8 @@
     python -m training.evaluate                                  # assets/builtin, every variant
     python -m training.evaluate --num-prompts 8 --steps 10       # quicker
     python -m training.evaluate --model DIR --out benchmarks/results/my_eval
+    python -m training.evaluate --variants flash --data-seed 1 --loss-batches 0 --guidance 1.5 2 3 4 \
+        --out benchmarks/results/builtin_cfg_sweep_cpu    # pick the CFG scale on a separate draw
 
 For each variant (flash = the softmax base; linear, mhla, mhla-hybrid = its fine-tuned conversions):
 
@@ -14,6 +16,11 @@ For each variant (flash = the softmax base; linear, mhla, mhla-hybrid = its fine
   into in-distribution prompts and prompts with a held-out combination; the analyser's score on
   the VAE's own reconstructions of the real clips is printed as the ceiling;
 - **latency**: the mean denoising and total time of those generations on this machine.
+
+With several ``--guidance`` values it sweeps them instead: the semantic score per variant and scale,
+each variant's best scale (overall accuracy, ties broken by the mean attribute accuracy) marked, and a
+plot of accuracy against the scale. Sweep on another ``--data-seed`` than the one the table reports, so
+the scale is not tuned on the prompts it is judged by.
 
 Writes ``<out>.json``, ``<out>.md`` (the table README quotes) and ``<out>.png`` (accuracy bars and the
 first, middle and last frame of a few videos per variant); ``<out>`` defaults to
@@ -98,6 +105,40 @@ def vae_ceiling(components, dataset, prompts: list[int]) -> dict:
     return score(verdicts)
 
 
+def attribute_mean(row: dict) -> float:
+    """Mean accuracy over the attributes the prompts named (the sweep's tie-break when ``overall`` ties)."""
+    vals = [row[a] for a in ATTRIBUTES if row[a] is not None]
+    return float(np.mean(vals)) if vals else 0.0
+
+
+def semantic(components, transformer, variant: str, validation, prompts, seeds, steps, guidance) -> tuple[dict, list]:
+    """Analyser scores and latency of one variant at one CFG scale; also the first seed's frames of 4 prompts."""
+    verdicts, timings, frames = [], [], []
+    for i in tqdm(prompts, desc=f"generate [{variant}, CFG {guidance:g}]"):
+        caption = validation[i]["caption"]
+        for seed in seeds:
+            result = generate(
+                components, caption, variant=variant, transformer=transformer, seed=seed,
+                num_inference_steps=steps, guidance_scale=guidance, show_progress=False,
+            )  # fmt: skip
+            verdict = analyse(result.frames, caption)
+            verdict["held_out"] = validation.attributes(i)["held_out"]
+            verdicts.append(verdict)
+            timings.append(result.timing)
+            if i < 4 and seed == seeds[0]:
+                frames.append(result.frames)
+    held = [x for x in verdicts if x["held_out"]]
+    seen = [x for x in verdicts if not x["held_out"]]
+    row = {
+        **score(verdicts),
+        "overall_in_distribution": score(seen)["overall"] if seen else None,
+        "overall_held_out": score(held)["overall"] if held else None,
+        "denoise_s": float(np.mean([t.denoising for t in timings])),
+        "total_s": float(np.mean([t.total for t in timings])),
+    }
+    return row, frames
+
+
 def run(args) -> dict:
     components = load_components(args.model, dtype=args.dtype, device=args.device)
     if components.random_weights:
@@ -114,42 +155,35 @@ def run(args) -> dict:
     )  # fmt: skip
     print(f"model: {components.source}; variants {variants}; device {components.device}")
     t0 = time.time()
-    losses = heldout_loss(components, transformers, validation, args.loss_batches, args.batch_size)
-    print("held-out flow loss: " + ", ".join(f"{v} {x:.4f}" for v, x in losses.items()))
+    if args.loss_batches:
+        losses = heldout_loss(components, transformers, validation, args.loss_batches, args.batch_size)
+        print("held-out flow loss: " + ", ".join(f"{v} {x:.4f}" for v, x in losses.items()))
+    else:
+        losses = dict.fromkeys(variants)
     prompts = list(range(args.num_prompts))
     ceiling = vae_ceiling(components, validation, prompts)
     print(f"analyser on VAE reconstructions of the real clips: overall {ceiling['overall']:.2f}")
 
     info_dir = Path(args.model) if args.model else BUILTIN_DIR
+    guidances = args.guidance or [d["guidance_scale"]]
     rows, samples = {}, {}
     for v in variants:
-        verdicts, timings = [], []
-        for i in tqdm(prompts, desc=f"generate [{v}]"):
-            caption = validation[i]["caption"]
-            for seed in args.seeds:
-                result = generate(
-                    components, caption, variant=v, transformer=transformers[v], seed=seed,
-                    num_inference_steps=args.steps, guidance_scale=args.guidance, show_progress=False,
-                )  # fmt: skip
-                verdict = analyse(result.frames, caption)
-                verdict["held_out"] = validation.attributes(i)["held_out"]
-                verdicts.append(verdict)
-                timings.append(result.timing)
-                if i < 4 and seed == args.seeds[0]:
-                    samples.setdefault(v, []).append(result.frames)
-        held = [x for x in verdicts if x["held_out"]]
-        seen = [x for x in verdicts if not x["held_out"]]
-        rows[v] = {
-            "flow_loss": losses[v],
-            **{k: val for k, val in score(verdicts).items()},
-            "overall_in_distribution": score(seen)["overall"] if seen else None,
-            "overall_held_out": score(held)["overall"] if held else None,
-            "denoise_s": float(np.mean([t.denoising for t in timings])),
-            "total_s": float(np.mean([t.total for t in timings])),
-        }
-        r = rows[v]
-        print(f"{v}: overall {r['overall']:.2f} (colour {r['colour']:.2f}, shape {r['shape']:.2f}, count {r['count']:.2f}, "
-              f"motion {r['motion']:.2f}); {r['total_s']:.1f} s per video")  # fmt: skip
+        by_guidance = {}
+        for g in guidances:
+            row, frames = semantic(components, transformers[v], v, validation, prompts, args.seeds, args.steps, g)
+            by_guidance[g] = row
+            samples.setdefault(v, frames)
+            print(f"{v} (CFG {g:g}): overall {row['overall']:.2f} (colour {row['colour']:.2f}, shape {row['shape']:.2f}, "
+                  f"count {row['count']:.2f}, motion {row['motion']:.2f}); {row['total_s']:.1f} s per video")  # fmt: skip
+        if len(guidances) == 1:
+            rows[v] = {"flow_loss": losses[v], **by_guidance[guidances[0]]}
+        else:
+            best = max(guidances, key=lambda g: (by_guidance[g]["overall"], attribute_mean(by_guidance[g])))
+            rows[v] = {
+                "flow_loss": losses[v],
+                "best_guidance": best,
+                "by_guidance": {f"{g:g}": r for g, r in by_guidance.items()},
+            }
     return {
         "model": components.source,
         "builtin": builtin_info(info_dir) if (info_dir / "builtin.json").is_file() else None,
@@ -160,8 +194,9 @@ def run(args) -> dict:
         "num_prompts": len(prompts),
         "seeds": list(args.seeds),
         "num_inference_steps": args.steps or d["num_inference_steps"],
-        "guidance_scale": d["guidance_scale"] if args.guidance is None else args.guidance,
+        "guidance_scale": guidances[0] if len(guidances) == 1 else guidances,
         "loss_clips": args.loss_batches * args.batch_size,
+        "data_seed": args.data_seed,
         "vae_ceiling": ceiling,
         "variants": rows,
         "minutes": round((time.time() - t0) / 60, 1),
@@ -173,6 +208,8 @@ def markdown(res: dict) -> str:
     def f(x, p=2):
         return "n/a" if x is None else f"{x:.{p}f}"
 
+    if isinstance(res["guidance_scale"], list):
+        return sweep_markdown(res)
     lines = [
         f"Built-in model, {res['num_prompts']} validation prompts x {len(res['seeds'])} seed(s), "
         f"{res['num_inference_steps']} steps, CFG {res['guidance_scale']}, on {res['device']} ({res['machine']}), {res['date']}.",
@@ -182,7 +219,7 @@ def markdown(res: dict) -> str:
     ]
     for v, r in res["variants"].items():
         lines.append(
-            f"| {NAMES.get(v, v)} | {r['flow_loss']:.4f} | {f(r['colour'])} | {f(r['shape'])} | {f(r['count'])} | "
+            f"| {NAMES.get(v, v)} | {f(r['flow_loss'], 4)} | {f(r['colour'])} | {f(r['shape'])} | {f(r['count'])} | "
             f"{f(r['motion'])} | **{f(r['overall'])}** | {f(r['overall_held_out'])} | {r['total_s']:.1f} s ({r['denoise_s']:.1f} s) |"
         )
     c = res["vae_ceiling"]
@@ -193,7 +230,50 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def sweep_markdown(res: dict) -> str:
+    """The CFG sweep: one row per variant and scale; each variant's best scale (overall, then attribute mean) in bold."""
+    lines = [
+        f"CFG sweep of the built-in model, {res['num_prompts']} validation prompts (data seed {res['data_seed']}) x "
+        f"{len(res['seeds'])} seed(s), {res['num_inference_steps']} steps, on {res['device']} ({res['machine']}), {res['date']}.",
+        "",
+        "| variant | CFG | colour | shape | count | motion | overall | attribute mean | latency per video |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for v, r in res["variants"].items():
+        for g, row in r["by_guidance"].items():
+            best = g == f"{r['best_guidance']:g}"
+            cells = [row[a] for a in ATTRIBUTES] + [row["overall"], attribute_mean(row)]
+            shown = " | ".join("n/a" if x is None else f"{x:.2f}" for x in cells)
+            scale = f"**{g}** (best)" if best else g
+            lines.append(f"| {NAMES.get(v, v)} | {scale} | {shown} | {row['total_s']:.1f} s |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_sweep(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = [*ATTRIBUTES, "overall"]
+    fig, axes = plt.subplots(1, len(keys), figsize=(3 * len(keys), 3), sharey=True)
+    for ax, k in zip(axes, keys):
+        for v, r in res["variants"].items():
+            gs = [float(g) for g in r["by_guidance"]]
+            ax.plot(gs, [r["by_guidance"][g][k] or 0 for g in r["by_guidance"]], "o-", label=NAMES.get(v, v))
+        ax.set_title(k)
+        ax.set_xlabel("CFG scale")
+        ax.set_ylim(0, 1)
+    axes[0].set_ylabel("accuracy")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
 def plot(res: dict, path: Path) -> None:
+    if isinstance(res["guidance_scale"], list):
+        return plot_sweep(res, path)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -241,7 +321,10 @@ def main(argv=None) -> int:
     p.add_argument("--num-prompts", type=int, default=24, help="validation captions to generate")
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--steps", type=int, default=None, help="denoising steps (default: the model's)")
-    p.add_argument("--guidance", type=float, default=None, help="CFG scale (default: the model's)")
+    p.add_argument(
+        "--guidance", type=float, nargs="+", default=None,
+        help="CFG scale (default: the model's); several values sweep them and mark each variant's best",
+    )  # fmt: skip
     p.add_argument("--loss-batches", type=int, default=16)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--data-seed", type=int, default=0, help="seed of the synthetic validation split")
@@ -255,6 +338,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.num_prompts < 1:
         p.error(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    if args.loss_batches < 0:
+        p.error(f"--loss-batches must be >= 0 (0 = skip the held-out loss), got {args.loss_batches}")
+    bad = [g for g in args.guidance or [] if not np.isfinite(g) or g < 0]
+    if bad or len(set(args.guidance or [])) != len(args.guidance or []):
+        p.error(f"--guidance takes distinct finite scales >= 0, got {args.guidance}")
     res = run(args)
     out = Path(args.out or f"benchmarks/results/builtin_eval_{res['device'].split(':')[0]}")
     out.parent.mkdir(parents=True, exist_ok=True)
