@@ -260,6 +260,34 @@ def test_cosine_schedule_and_a_resumed_run_follows_the_longer_schedule():
     assert opt2.param_groups[0]["lr"] == pytest.approx(2.0 * lr_multiplier("cosine", 10, 1010, 0.1)(51))
 
 
+def test_a_resumed_run_takes_a_changed_lr_and_keeps_its_place_and_moments():
+    from training.checkpoint import restore_optimizer
+    from training.config import lr_multiplier
+
+    f = lr_multiplier("cosine", 5, 100, 0.1)
+    params = [torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(2))]
+
+    def build(lr, mixing_lr):
+        opt = torch.optim.AdamW([{"params": params[:1], "lr": lr}, {"params": params[1:], "lr": mixing_lr}])
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt, f)
+
+    opt, sched = build(1e-3, 1e-2)
+    for _ in range(20):
+        sum((p**2).sum() for p in params).backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    state = {"optimizer": opt.state_dict(), "lr_scheduler": sched.state_dict()}
+    opt2, sched2 = build(4e-3, 2e-2)  # train.lr and mixing_lr changed before resuming
+    restore_optimizer(opt2, sched2, state)
+    assert sched2.last_epoch == 20 and sched2.base_lrs == [4e-3, 2e-2]
+    assert [g["lr"] for g in opt2.param_groups] == pytest.approx([4e-3 * f(20), 2e-2 * f(20)])
+    assert torch.equal(opt2.state[params[0]]["exp_avg"], opt.state[params[0]]["exp_avg"])
+    opt2.step()
+    sched2.step()
+    assert [g["lr"] for g in opt2.param_groups] == pytest.approx([4e-3 * f(21), 2e-2 * f(21)])
+
+
 def test_builtin_build_restarts_a_conversion_whose_source_changed(tmp_path, monkeypatch):
     from training import builtin
 

@@ -99,6 +99,23 @@ def load_state(path: str | Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+def restore_optimizer(optimizer, scheduler, state: dict) -> None:
+    """Load a checkpoint's optimizer and LambdaLR state, keeping the learning rates the config gives now.
+
+    The schedule's position (``last_epoch``) and Adam's moments come from the checkpoint; the base rates
+    come from the freshly built ``scheduler``, so a run resumed with a changed ``train.lr`` uses it
+    from its first resumed step (torch would otherwise restore the old rates with the schedule).
+    """
+    base = list(scheduler.base_lrs)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["lr_scheduler"])
+    scheduler.base_lrs = base
+    for group, lr, factor in zip(optimizer.param_groups, base, scheduler.lr_lambdas):
+        group["initial_lr"] = lr
+        group["lr"] = lr * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+
+
 def trim_metrics(path: str | Path, step: int) -> int:
     """A resumed run drops the ``metrics.jsonl`` rows logged after its checkpoint's ``step`` (the part of the
     interrupted run that is redone), so every step appears once. Atomic; returns the number of rows dropped."""

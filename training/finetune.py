@@ -453,8 +453,7 @@ def main(argv=None) -> int:
         transfer = AttentionTransfer(transformer, converted) if stage == "transfer" else None
         optimizer, scheduler = make_optimizer(transformer, cfg, stage)
         if resume_state is not None and resume_state["stage"] == stage:
-            optimizer.load_state_dict(resume_state["optimizer"])
-            scheduler.load_state_dict(resume_state["lr_scheduler"])
+            ckpt.restore_optimizer(optimizer, scheduler, resume_state)  # a changed train.lr takes effect
         model, optimizer = accelerator.prepare(transformer, optimizer)
         sampler.samples_consumed = samples  # the next stage continues the data order where this one stopped
         loader = DataLoader(

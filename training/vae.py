@@ -115,11 +115,7 @@ def train_vae(cfg) -> int:
     metrics = run_dir / "metrics.jsonl"
     if resume_from is not None:
         state = ckpt.load_state(resume_from / ckpt.STATE_FILE)
-        opt.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["lr_scheduler"])
-        sched.base_lrs = [cfg.train.lr] * len(opt.param_groups)  # a changed train.lr takes effect on resume
-        for group, lr in zip(opt.param_groups, sched.get_lr()):
-            group["lr"] = lr
+        ckpt.restore_optimizer(opt, sched, state)  # a changed train.lr takes effect on resume
         rank_state = ckpt.load_state(resume_from / "rank0.pt")
         generator.set_state(rank_state["generator"])
         sampler.load_state_dict(rank_state["data"])
