@@ -92,11 +92,6 @@ def test_builtin_is_the_default_and_ships_every_variant(builtin):
 
 
 @needs_builtin
-@pytest.mark.xfail(
-    strict=False,
-    reason="the shipped built-in model (4,000 CPU steps from scratch) does not yet draw a clean red square moving "
-    "right; see README, Built-in model. XPASS here means a retrained model does.",
-)
 def test_red_square_moves_right(builtin):
     """The default settings give a red object moving right for most seeds (2 of seeds 0, 1, 2), not by luck of one."""
     from pipelines.generate import generate
