@@ -170,6 +170,7 @@ def test_evaluate_sweeps_guidance_and_marks_the_best(tmp_path):
     res = json.loads(out.with_suffix(".json").read_text())
     row = res["variants"]["flash"]
     assert res["guidance_scale"] == [1.0, 3.0] and res["data_seed"] == 1 and row["flow_loss"] is None
+    assert res["vae_ceiling"] is None  # not computed for a sweep: its table does not show it
     assert set(row["by_guidance"]) == {"1", "3"} and row["best_guidance"] in (1.0, 3.0)
     best = row["by_guidance"][f"{row['best_guidance']:g}"]
     assert all(best["overall"] >= r["overall"] for r in row["by_guidance"].values())
