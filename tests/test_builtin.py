@@ -8,6 +8,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from pipelines import BUILTIN_DIR, load_components
 from pipelines.builtin import builtin_available
@@ -64,6 +65,70 @@ def test_vae_task_trains_installs_with_statistics_and_resumes(fresh_model_dir, t
     assert [r["step"] for r in rows] == [1, 2, 3]
 
 
+def test_vae_decoder_task_keeps_the_encoder_and_latent_statistics(fresh_model_dir, tmp_path):
+    """``vae.trainable=decoder``: the latents a transformer was trained on stay bit for bit; the decoder learns."""
+    from safetensors.torch import load_file
+
+    from training.finetune import main
+    from training.vae import vae_runs
+
+    model = tmp_path / "model"
+    (model / "vae").mkdir(parents=True)
+    for f in ("config.json", "diffusion_pytorch_model.safetensors"):
+        (model / "vae" / f).write_bytes((fresh_model_dir / "vae" / f).read_bytes())
+    cfg = json.loads((model / "vae" / "config.json").read_text())
+    cfg.update(latents_mean=[0.5] * 16, latents_std=[2.0] * 16)  # as a trained VAE's would be
+    (model / "vae" / "config.json").write_text(json.dumps(cfg))
+    (model / "vae" / "trained.json").write_text(json.dumps({"steps": 7, "psnr_db": 20.0, "run": "runs/x/vae"}))
+    export = tmp_path / "installed"
+    args = ["--config", "configs/builtin/vae-decoder.yaml", f"run_dir={tmp_path / 'dec'}", f"model.path={model}",
+            f"vae.export={export}", "data.num_samples=4", "data.num_frames=5", "data.height=32", "data.width=48",
+            "train.batch_size=1", "vae.crop=32", "train.steps=2", "train.warmup_steps=1", "train.lr=1e-3"]  # fmt: skip
+    assert main(args) == 0
+    before = load_file(model / "vae" / "diffusion_pytorch_model.safetensors")
+    after = load_file(export / "diffusion_pytorch_model.safetensors")
+    frozen = [k for k in before if k.startswith(("encoder.", "quant_conv."))]
+    trained = [k for k in before if k.startswith(("decoder.", "post_quant_conv."))]
+    assert frozen and all(torch.equal(before[k], after[k]) for k in frozen)
+    assert any(not torch.equal(before[k], after[k]) for k in trained)
+    out_cfg = json.loads((export / "config.json").read_text())
+    assert out_cfg["latents_mean"] == [0.5] * 16 and out_cfg["latents_std"] == [2.0] * 16
+    record = json.loads((export / "trained.json").read_text())
+    assert record["trainable"] == "decoder" and record["steps"] == 2
+    assert record["history"] == [{"steps": 7, "psnr_db": 20.0, "run": "runs/x/vae"}]
+    assert vae_runs(export / "trained.json") == {"runs/x/vae": 7, str(tmp_path / "dec"): 2}
+
+
+def test_vae_runs_voids_a_decoder_run_once_the_encoder_is_retrained(tmp_path):
+    from training.vae import vae_runs
+
+    history = [{"run": "a", "steps": 5}, {"run": "dec", "steps": 3, "trainable": "decoder"}]
+    path = tmp_path / "trained.json"
+    path.write_text(json.dumps({"run": "a", "steps": 9, "trainable": "all", "history": history}))
+    assert vae_runs(path) == {"a": 9}
+    path.write_text(json.dumps({"run": "dec", "steps": 4, "trainable": "decoder", "history": history[:1]}))
+    assert vae_runs(path) == {"a": 5, "dec": 4}
+    assert vae_runs(tmp_path / "missing.json") == {}
+
+
+def test_build_runs_the_decoder_stage_after_the_vae_stages(tmp_path, monkeypatch):
+    from training import builtin
+
+    monkeypatch.setattr(builtin, "MODEL", tmp_path)
+    (tmp_path / "vae").mkdir()
+    record = tmp_path / "vae" / "trained.json"
+    record.write_text(json.dumps({"run": "runs/builtin/vae", "steps": 2800}))  # what vae-17f leaves
+    assert builtin.stage_done("vae") and builtin.stage_done("vae-17f") and not builtin.stage_done("vae-decoder")
+    history = [{"run": "runs/builtin/vae", "steps": 2800}]
+    record.write_text(json.dumps({"run": "runs/builtin/vae-decoder", "steps": 5, "trainable": "decoder",
+                                  "history": history}))  # fmt: skip
+    assert builtin.stage_done("vae-17f") and not builtin.stage_done("vae-decoder")  # 5 of its steps
+    record.write_text(json.dumps({"run": "runs/builtin/vae-decoder", "steps": 10**6, "trainable": "decoder",
+                                  "history": history}))  # fmt: skip
+    assert builtin.stage_done("vae-17f") and builtin.stage_done("vae-decoder")
+    assert builtin.STAGES.index("vae-decoder") > builtin.STAGES.index("base")
+
+
 def test_vae_task_needs_a_model_dir(capsys):
     from training.finetune import main
 
@@ -71,6 +136,8 @@ def test_vae_task_needs_a_model_dir(capsys):
     assert "model.path=None: expected a model directory whose vae/ to train" in capsys.readouterr().err
     assert main(["--config", "configs/builtin/vae.yaml", "task=gan"]) == 2
     assert "task='gan': expected one of" in capsys.readouterr().err
+    assert main(["--config", "configs/builtin/vae-decoder.yaml", "vae.trainable=encoder"]) == 2
+    assert "vae.trainable='encoder': expected one of ('all', 'decoder')" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------- the shipped model

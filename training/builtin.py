@@ -20,7 +20,9 @@ Stages (each a plain command; ``build`` prints them as it runs them):
    with softmax attention (flow matching).
 5. ``linear``, ``mhla``, ``mhla-hybrid``: each converts the base and fine-tunes it with the same budget
    (``configs/builtin/<variant>.yaml``).
-6. ``assemble``: copies the model directory, the trained base transformer and the three fine-tuned
+6. ``vae-decoder``: ``vae-decoder.yaml`` sharpens the VAE's decoder with its encoder frozen, so the
+   latents, their statistics and every transformer trained on them stay valid.
+7. ``assemble``: copies the model directory, the trained base transformer and the three fine-tuned
    variants into ``assets/builtin/`` with ``builtin.json`` (what was trained, how long, where).
 """
 
@@ -52,7 +54,8 @@ MODEL = WORK / "model"
 CACHE = WORK / "cache-train"
 CONFIGS = Path("configs/builtin")
 CONVERSIONS = ("linear", "mhla", "mhla-hybrid")
-STAGES = ("init", "vae", "vae-17f", "data", "base", *CONVERSIONS, "assemble")
+VAE_STAGES = ("vae", "vae-17f", "vae-decoder")
+STAGES = ("init", "vae", "vae-17f", "data", "base", *CONVERSIONS, "vae-decoder", "assemble")
 
 TRANSFORMER = dict(
     patch_size=(1, 1, 1),
@@ -159,7 +162,11 @@ def assemble(out: Path = BUILTIN_DIR) -> Path:
         "transformer": TRANSFORMER,
         "vae": VAE,
         "text_encoder": {**TEXT_ENCODER, "trained": False, "tokenizer": "word-level over the world's vocabulary"},
-        "runs": {name: _run_meta(WORK / name) for name in ("vae", "base", *CONVERSIONS)},
+        "runs": {
+            name: _run_meta(WORK / name)
+            for name in ("vae", "vae-decoder", "base", *CONVERSIONS)
+            if (WORK / name / "metrics.jsonl").is_file()
+        },
         "vae_reconstruction": json.loads((MODEL / "vae" / "trained.json").read_text()),
         "machine": f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cores".strip(),
         "device": "cuda: " + torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
@@ -176,7 +183,7 @@ def assemble(out: Path = BUILTIN_DIR) -> Path:
 
 def stage_commands(stage: str) -> list[list[str]]:
     py, ft = sys.executable, str(ROOT / "training" / "finetune.py")
-    if stage in ("vae", "vae-17f"):
+    if stage in VAE_STAGES:
         return [[py, ft, "--config", str(CONFIGS / f"{stage}.yaml")]]
     if stage == "data":
         return [[py, str(ROOT / "training" / "precompute.py"), "--config", str(CONFIGS / "base.yaml"), "--out", str(CACHE),
@@ -186,7 +193,7 @@ def stage_commands(stage: str) -> list[list[str]]:
     return []
 
 
-TRAINING_STAGES = ("vae", "vae-17f", "base", *CONVERSIONS)
+TRAINING_STAGES = (*VAE_STAGES, "base", *CONVERSIONS)
 
 
 def stale_reason(stage: str) -> str | None:
@@ -240,9 +247,10 @@ def stage_done(stage: str) -> bool:
     from training.config import load_config
 
     c = load_config(CONFIGS / f"{stage}.yaml")  # the config as it is now (its steps may have grown)
-    if stage in ("vae", "vae-17f"):
-        done = MODEL / "vae" / "trained.json"
-        return done.is_file() and json.loads(done.read_text())["steps"] >= c.train.steps
+    if stage in VAE_STAGES:  # the installed VAE's record names every run that trained it
+        from training.vae import vae_runs
+
+        return vae_runs(MODEL / "vae" / "trained.json").get(str(Path(c.run_dir)), 0) >= c.train.steps
     found = ckpt.list_checkpoints(c.run_dir)
     return bool(found) and int(found[-1].name.split("-")[1]) >= c.train.steps + c.transfer.steps
 

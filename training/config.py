@@ -73,9 +73,19 @@ DEFAULTS: dict = {
     },
     "checkpoint": {"every": 500, "keep": 3},
     # task=vae only: crop size of training clips, KL weight, clips for the latent statistics, where to install it
-    "vae": {"crop": 64, "kl_weight": 1e-6, "object_weight": 10.0, "stats_samples": 64, "export": None},
+    # trainable: all | decoder (the encoder, and so the latents and their statistics, stay as they are:
+    # a transformer trained on those latents stays valid while the decoder improves)
+    "vae": {
+        "crop": 64,
+        "kl_weight": 1e-6,
+        "object_weight": 10.0,
+        "stats_samples": 64,
+        "export": None,
+        "trainable": "all",
+    },
 }
 TASKS = ("transformer", "vae")
+VAE_TRAINABLE = ("all", "decoder")
 
 SOURCES = ("synthetic", "folder", "cache")
 TRAINABLE = ("all", "attention", "new", "lora")
@@ -148,6 +158,7 @@ def validate(cfg: DictConfig) -> None:
 
     need(cfg.task in TASKS, "task", f"one of {TASKS}")
     need(cfg.task != "vae" or bool(cfg.model.path), "model.path", "a model directory whose vae/ to train (task=vae)")
+    need(cfg.vae.trainable in VAE_TRAINABLE, "vae.trainable", f"one of {VAE_TRAINABLE}")
     need(cfg.data.source in SOURCES, "data.source", f"one of {SOURCES}")
     need(cfg.train.trainable in TRAINABLE, "train.trainable", f"one of {TRAINABLE}")
     need(cfg.train.precision in PRECISIONS, "train.precision", f"one of {PRECISIONS}")

@@ -10,7 +10,12 @@ Checkpoints (``checkpoints/step-XXXXXXX/vae/`` + optimizer and generator state) 
 ``resume=latest`` continues a killed run. At the end it measures the per-channel mean and std of the
 latents (posterior means of ``vae.stats_samples`` full-size clips), writes them into the VAE's config
 as ``latents_mean`` / ``latents_std`` (what WanPipeline normalises latents with) and, with
-``vae.export`` set, installs the VAE there (e.g. the model directory's ``vae/``) atomically.
+``vae.export`` set, installs the VAE there (e.g. the model directory's ``vae/``) atomically, with a
+``trained.json`` recording this run and the runs before it.
+
+``vae.trainable: decoder`` trains the decoder (and ``post_quant_conv``) only: the encoder, hence the
+latents and their statistics, stay bit for bit, so a transformer already trained on those latents
+keeps working and only gets sharper videos (the built-in model's ``vae-decoder`` stage).
 """
 
 from __future__ import annotations
@@ -61,14 +66,16 @@ def decode_unclamped(vae, z: torch.Tensor) -> torch.Tensor:
     return torch.cat(out, 2)
 
 
-def vae_loss(vae, video: torch.Tensor, kl_weight: float, object_weight: float):
+def vae_loss(vae, video: torch.Tensor, kl_weight: float, object_weight: float, train_encoder: bool = True):
     """Returns ``(loss, reconstruction L1)`` of one batch ``(B, 3, T, H, W)`` in [-1, 1].
 
     Reconstruction of the posterior mean (a sample's noise only slowed this small VAE down), squared
     and absolute error, with saturated pixels (the objects: a few per cent of a frame on grey-toned
     backgrounds) weighted ``1 + object_weight``; plus ``kl_weight`` times the mean KL per element.
+    With ``train_encoder=False`` the encoder runs without a graph (the KL term is then a constant).
     """
-    posterior = vae.encode(video).latent_dist
+    with torch.set_grad_enabled(train_encoder and torch.is_grad_enabled()):
+        posterior = vae.encode(video).latent_dist
     recon = decode_unclamped(vae, posterior.mean)
     saturated = (video.amax(1, keepdim=True) - video.amin(1, keepdim=True)) > 0.5
     weight = 1.0 + object_weight * saturated.float()
@@ -107,7 +114,13 @@ def train_vae(cfg) -> int:
     resume_from = ckpt.resolve_resume(cfg.resume, run_dir)
     source = resume_from / "vae" if resume_from else Path(cfg.model.path) / "vae"
     vae = AutoencoderKLWan.from_pretrained(source, dtype=torch.float32).train()
-    opt = torch.optim.AdamW(vae.parameters(), lr=cfg.train.lr, betas=tuple(cfg.train.betas), weight_decay=0.0)
+    train_encoder = cfg.vae.trainable == "all"
+    if not train_encoder:  # decoder only: the latents (and a transformer trained on them) stay valid
+        vae.encoder.requires_grad_(False).eval()
+        vae.quant_conv.requires_grad_(False)
+    params = [p for p in vae.parameters() if p.requires_grad]
+    history = _earlier_training(Path(cfg.model.path) / "vae" / "trained.json", run_dir)
+    opt = torch.optim.AdamW(params, lr=cfg.train.lr, betas=tuple(cfg.train.betas), weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lr_multiplier(cfg.train.lr_schedule, cfg.train.warmup_steps, cfg.train.steps, cfg.train.min_lr_ratio)
     )
@@ -124,8 +137,11 @@ def train_vae(cfg) -> int:
         ckpt.trim_metrics(metrics, step)
     else:
         metrics.write_text("")
-    n_params = sum(p.numel() for p in vae.parameters())
-    print(f"vae: {source} ({n_params / 1e6:.2f}M parameters), clips {len(dataset)}, crop {cfg.vae.crop}")
+    n_params = sum(p.numel() for p in params)
+    print(
+        f"vae: {source} ({n_params / 1e6:.2f}M trainable parameters: {cfg.vae.trainable}), clips {len(dataset)}, "
+        f"crop {cfg.vae.crop}"
+    )
 
     loader = torch.utils.data.DataLoader(
         dataset, batch_size=cfg.train.batch_size, sampler=sampler, num_workers=cfg.data.num_workers,
@@ -139,12 +155,12 @@ def train_vae(cfg) -> int:
         batch = next(batches)
         samples += len(batch["caption"])
         video = _random_crop(batch["video"], cfg.vae.crop, generator)
-        loss, l1 = vae_loss(vae, video, cfg.vae.kl_weight, cfg.vae.object_weight)
+        loss, l1 = vae_loss(vae, video, cfg.vae.kl_weight, cfg.vae.object_weight, train_encoder)
         if not torch.isfinite(loss):
             raise FloatingPointError(f"step {step + 1}: non-finite VAE loss {loss.item()}")
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(vae.parameters(), cfg.train.grad_clip or float("inf"))
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip or float("inf"))
         opt.step()
         sched.step()
         step += 1
@@ -168,8 +184,11 @@ def train_vae(cfg) -> int:
     progress.close()
 
     vae.eval()
-    mean, std = latent_statistics(vae, dataset, cfg.vae.stats_samples)
-    vae.register_to_config(latents_mean=mean, latents_std=std)
+    if train_encoder:
+        mean, std = latent_statistics(vae, dataset, cfg.vae.stats_samples)
+        vae.register_to_config(latents_mean=mean, latents_std=std)
+    else:  # same encoder, same latents: the statistics the transformer was trained with stay
+        std = vae.config.latents_std
     with torch.no_grad():
         full = collate([dataset[i] for i in range(min(4, len(dataset)))])["video"]
         recon = vae.decode(vae.encode(full).latent_dist.mean).sample
@@ -180,9 +199,8 @@ def train_vae(cfg) -> int:
     if tmp.exists():
         shutil.rmtree(tmp)
     vae.save_pretrained(str(tmp), safe_serialization=True)
-    (tmp / "trained.json").write_text(
-        json.dumps({"steps": step, "psnr_db": round(psnr, 2), "run": str(run_dir)}) + "\n"
-    )
+    record = {"steps": step, "psnr_db": round(psnr, 2), "run": str(run_dir), "trainable": cfg.vae.trainable}
+    (tmp / "trained.json").write_text(json.dumps({**record, "history": history}) + "\n")
     _replace(tmp, final)
     targets = [final]
     if cfg.vae.export:  # e.g. the model directory's vae/: copied beside it, then swapped in
@@ -195,6 +213,30 @@ def train_vae(cfg) -> int:
         targets.append(export)
     print("wrote " + ", ".join(map(str, targets)))
     return 0
+
+
+def _earlier_training(trained_json: Path, run_dir: Path) -> list[dict]:
+    """The runs that trained the VAE before this one, oldest first, from the source VAE's ``trained.json``
+    (this run's own earlier record, left there by a finished run whose steps then grew, is dropped)."""
+    if not trained_json.is_file():
+        return []
+    rec = json.loads(trained_json.read_text())
+    runs = [*rec.pop("history", []), rec]
+    return [r for r in runs if Path(r.get("run", "")) != run_dir]
+
+
+def vae_runs(trained_json: Path) -> dict[str, int]:
+    """``{run directory: steps}`` of the runs recorded in an installed VAE's ``trained.json`` that still
+    count: a decoder-only run is void once a later run retrained the encoder (it fitted other latents)."""
+    if not trained_json.is_file():
+        return {}
+    rec = json.loads(trained_json.read_text())
+    out = {}
+    for r in [*rec.get("history", []), rec]:
+        if r.get("trainable", "all") == "all":
+            out = {k: v for k, v in out.items() if not v[1]}
+        out[str(Path(r["run"]))] = (r["steps"], r.get("trainable") == "decoder")
+    return {k: v[0] for k, v in out.items()}
 
 
 def _replace(src: Path, dst: Path) -> None:
