@@ -111,9 +111,18 @@ def test_vae_runs_voids_a_decoder_run_once_the_encoder_is_retrained(tmp_path):
     assert vae_runs(tmp_path / "missing.json") == {}
 
 
-def test_build_runs_the_decoder_stage_after_the_vae_stages(tmp_path, monkeypatch):
-    from training import builtin
+def test_build_runs_the_decoder_stage_after_the_vae_stages(fresh_model_dir, tmp_path, monkeypatch):
+    from omegaconf import OmegaConf
 
+    from training import builtin
+    from training.config import load_config
+
+    configs = tmp_path / "configs"
+    configs.mkdir()
+    for stage in builtin.VAE_STAGES:  # runs/builtin/model is a build product, absent on a clean clone
+        cfg = load_config(f"configs/builtin/{stage}.yaml", [f"model.path={fresh_model_dir}"])
+        (configs / f"{stage}.yaml").write_text(OmegaConf.to_yaml(cfg))
+    monkeypatch.setattr(builtin, "CONFIGS", configs)
     monkeypatch.setattr(builtin, "MODEL", tmp_path)
     (tmp_path / "vae").mkdir()
     record = tmp_path / "vae" / "trained.json"
