@@ -254,6 +254,17 @@ def test_evaluate_sweeps_guidance_and_marks_the_best(tmp_path):
     assert table.count("| softmax (FA) |") == 2 and table.count("(best)") == 1
 
 
+def test_sweep_table_puts_each_attribute_under_its_own_header():
+    from training.evaluate import sweep_markdown
+
+    row = {"colour": 0.1, "shape": 0.2, "count": 0.3, "motion": 0.4, "overall": 0.0, "total_s": 1.0}
+    res = {"num_prompts": 1, "data_seed": 1, "seeds": [0], "num_inference_steps": 2, "device": "cpu", "machine": "m",
+           "date": "d", "variants": {"flash": {"best_guidance": 2.0, "by_guidance": {"2": row}}}}  # fmt: skip
+    header, _, line = sweep_markdown(res).splitlines()[2:5]
+    cells = dict(zip([c.strip() for c in header.split("|")], [c.strip() for c in line.split("|")]))
+    assert [cells[a] for a in ("colour", "shape", "count", "motion")] == ["0.10", "0.20", "0.30", "0.40"]
+
+
 @pytest.mark.parametrize(
     "bad, message",
     [

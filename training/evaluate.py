@@ -238,7 +238,7 @@ def sweep_markdown(res: dict) -> str:
         f"CFG sweep of the built-in model, {res['num_prompts']} validation prompts (data seed {res['data_seed']}) x "
         f"{len(res['seeds'])} seed(s), {res['num_inference_steps']} steps, on {res['device']} ({res['machine']}), {res['date']}.",
         "",
-        "| variant | CFG | colour | shape | count | motion | overall | attribute mean | latency per video |",
+        "| variant | CFG | " + " | ".join(ATTRIBUTES) + " | overall | attribute mean | latency per video |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for v, r in res["variants"].items():
