@@ -215,28 +215,29 @@ def train_vae(cfg) -> int:
     return 0
 
 
-def _earlier_training(trained_json: Path, run_dir: Path) -> list[dict]:
-    """The runs that trained the VAE before this one, oldest first, from the source VAE's ``trained.json``
-    (this run's own earlier record, left there by a finished run whose steps then grew, is dropped)."""
+def _records(trained_json: Path) -> list[dict]:
+    """The runs recorded in an installed VAE's ``trained.json``, oldest first ([] without one)."""
     if not trained_json.is_file():
         return []
     rec = json.loads(trained_json.read_text())
-    runs = [*rec.pop("history", []), rec]
-    return [r for r in runs if Path(r.get("run", "")) != run_dir]
+    return [*rec.pop("history", []), rec]
+
+
+def _earlier_training(trained_json: Path, run_dir: Path) -> list[dict]:
+    """The runs that trained the VAE before this one, from the source VAE's ``trained.json`` (this run's
+    own earlier record, left there by a finished run whose steps then grew, is dropped)."""
+    return [r for r in _records(trained_json) if Path(r.get("run", "")) != run_dir]
 
 
 def vae_runs(trained_json: Path) -> dict[str, int]:
     """``{run directory: steps}`` of the runs recorded in an installed VAE's ``trained.json`` that still
     count: a decoder-only run is void once a later run retrained the encoder (it fitted other latents)."""
-    if not trained_json.is_file():
-        return {}
-    rec = json.loads(trained_json.read_text())
-    out = {}
-    for r in [*rec.get("history", []), rec]:
+    kept: list[dict] = []
+    for r in _records(trained_json):
         if r.get("trainable", "all") == "all":
-            out = {k: v for k, v in out.items() if not v[1]}
-        out[str(Path(r["run"]))] = (r["steps"], r.get("trainable") == "decoder")
-    return {k: v[0] for k, v in out.items()}
+            kept = [k for k in kept if k.get("trainable") != "decoder"]
+        kept.append(r)
+    return {str(Path(r["run"])): r["steps"] for r in kept}
 
 
 def _replace(src: Path, dst: Path) -> None:
