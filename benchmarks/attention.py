@@ -12,9 +12,9 @@ Times, on q, k, v of shape ``(1, N, heads, dim)`` over latent-token grids ``F x 
 - ``linear[triton]`` / ``mhla[triton]``: the fused Triton kernels (default on CUDA when Triton is
   installed; ``--impls torch,triton`` forces them, e.g. in Triton's interpreter on a CPU);
 - ``linear[layer]`` / ``mhla[layer]`` (``--impls`` ``layer``, in the default set): the attention core of a
-  converted Wan layer as the pipeline runs it (:class:`pipelines.LinearSelfAttention`: inputs upcast
-  to float32, the operator with ``impl="auto"``, output RMSNorm, cast back), so the cost of what
-  surrounds the operator shows next to the operator alone;
+  converted Wan layer as the pipeline runs it (:class:`pipelines.LinearSelfAttention`: q, k, v in
+  their own dtype, the operator with ``impl="auto"`` writing a float32 output, output RMSNorm, cast
+  back), so the cost of what surrounds the operator shows next to the operator alone;
 
 forward (``fwd``) and forward+backward (``fwd+bwd``). MHLA runs with the paper's video settings
 (default block layout, e.g. 7x3x5 at 21x30x50; no normalizer; RoPE on the numerator).

@@ -171,7 +171,9 @@ def mhla_attention(
         from .triton_ops import mhla_attention_fused
 
         out = _run_fused(
-            mhla_attention_fused, q, k, v, layout, mixing, feature_map, normalize, rotary_emb, eps, impl=impl
+            mhla_attention_fused,
+            *(q, k, v, layout, mixing, feature_map, normalize, rotary_emb, eps, out_dtype),
+            impl=impl,
         )
         if out is not None:
             return out

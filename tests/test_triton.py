@@ -7,7 +7,14 @@ with a GPU the `gpu` tests run them compiled, in bf16/fp16/fp32, on the Wan grid
 import pytest
 import torch
 
-from mhla import BlockLayout, linear_attention_dense, locality_init, mhla_attention, mhla_attention_dense
+from mhla import (
+    BlockLayout,
+    linear_attention,
+    linear_attention_dense,
+    locality_init,
+    mhla_attention,
+    mhla_attention_dense,
+)
 
 triton_ops = pytest.importorskip("mhla.triton_ops")
 if not triton_ops.available():
@@ -163,3 +170,20 @@ def test_fused_out_dtype_float32_from_half_inputs(gen):
     assert rel_err(out, mhla_attention_dense(q, k, v, layout, m, normalize=False)) < 5e-3
     out.square().mean().backward()
     assert all(t.grad is not None and t.grad.dtype == torch.float16 for t in leaves)
+
+
+@pytest.mark.parametrize("kind", ["mhla", "linear"])
+def test_dispatch_passes_out_dtype_to_the_kernels(gen, kind):
+    # the converted Wan layers ask for a float32 output from half-precision q, k, v; the fused path
+    # must honour it exactly as the PyTorch path does (it once returned float16 for MHLA)
+    layout = BlockLayout((2, 4, 6), (2, 2, 2))
+    (q, k, v, m), _ = inputs(gen, layout, b=1)
+    half = [t.to(DEVICE, torch.float16) for t in (q, k, v)]
+    for impl in ("triton", "torch"):
+        if kind == "mhla":
+            out = mhla_attention(*half, layout, m.float().to(DEVICE), impl=impl, out_dtype=torch.float32)
+        else:
+            out = linear_attention(*half, impl=impl, out_dtype=torch.float32)
+        assert out.dtype == torch.float32, impl
+    ref = mhla_attention_dense(q, k, v, layout, m) if kind == "mhla" else linear_attention_dense(q, k, v)
+    assert rel_err(out, ref) < 5e-3
