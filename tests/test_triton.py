@@ -187,3 +187,21 @@ def test_dispatch_passes_out_dtype_to_the_kernels(gen, kind):
         assert out.dtype == torch.float32, impl
     ref = mhla_attention_dense(q, k, v, layout, m) if kind == "mhla" else linear_attention_dense(q, k, v)
     assert rel_err(out, ref) < 5e-3
+
+
+def test_fp16_summaries_do_not_overflow(gen):
+    # 2,048 tokens whose values average 100: the global summary's entries reach about 8e4, past
+    # float16's 65,504. The kernels must keep them in a wider type, as the PyTorch path does.
+    n, d = 2048, 32
+    q, k = (torch.randn(1, n, 1, d, generator=gen) for _ in range(2))
+    v = torch.randn(1, n, 1, d, generator=gen) + 100
+    half = [t.to(DEVICE, torch.float16) for t in (q, k, v)]
+    layout = BlockLayout((2, 4, 256), (1, 2, 2))
+    m = torch.ones(4, 4, device=DEVICE)  # unconstrained mixing: every block sums all summaries
+    for normalize in (True, False):
+        ref = linear_attention_dense(*(t.double() for t in half), normalize=normalize)
+        out = triton_ops.linear_attention_fused(*half, normalize=normalize, out_dtype=torch.float32)
+        assert torch.isfinite(out).all() and rel_err(out, ref) < 5e-3, normalize
+        ref = mhla_attention_dense(*(t.double() for t in half), layout, m.double(), normalize=normalize)
+        out = triton_ops.mhla_attention_fused(*half, layout, m, normalize=normalize, out_dtype=torch.float32)
+        assert torch.isfinite(out).all() and rel_err(out, ref) < 5e-3, normalize
