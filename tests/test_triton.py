@@ -117,25 +117,22 @@ def test_fused_dispatch_and_bad_input(gen):
         triton_ops.mhla_attention_fused(q[..., :31], k[..., :31], v, layout, m)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("grid", [(21, 30, 50), (21, 30, 52), (5, 12, 20)])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_fused_gpu_wan_grids(gen, grid, dtype):
-    """Compiled kernels on the Wan grids against the float64 PyTorch path (itself checked against the
-    dense formula above) and, on a sample of query rows, against the dense formula directly."""
+def check_wan_grid(gen, grid, dtype, device, h, d, normalizes, tol):
+    """Fused kernels on a Wan latent grid (with its default block layout) against the float64 PyTorch
+    path (itself checked against the dense formula above), forward and gradients, and on a sample of
+    query rows against the dense formula directly."""
     layout = BlockLayout.for_grid(grid)
-    n, h, d = layout.num_tokens, 2, 128
-    q, k, v = (torch.randn(1, n, h, d, generator=gen, dtype=torch.float64).cuda() for _ in range(3))
-    m = locality_init(layout).cuda()
-    angles = (torch.rand(1, n, 1, d // 2, generator=gen, dtype=torch.float64) * 6.28).repeat_interleave(2, -1).cuda()
-    rope = (angles.cos(), angles.sin())
-    tol = 1e-3 if dtype == torch.float32 else 2e-2
-    for normalize in (True, False):
+    n = layout.num_tokens
+    q, k, v = (torch.randn(1, n, h, d, generator=gen, dtype=torch.float64).to(device) for _ in range(3))
+    m = locality_init(layout).to(device)
+    angles = (torch.rand(1, n, 1, d // 2, generator=gen, dtype=torch.float64) * 6.28).repeat_interleave(2, -1)
+    rope = (angles.cos().to(device), angles.sin().to(device))
+    for normalize in normalizes:
         leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)] + [m.float().requires_grad_()]
         out = triton_ops.mhla_attention_fused(
             *leaves[:3], layout, leaves[3], normalize=normalize, rotary_emb=tuple(t.float() for t in rope)
         )
-        upstream = torch.randn(out.shape, device="cuda", dtype=torch.float64)
+        upstream = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(device)
         (out.double() * upstream).sum().backward()
         ref_leaves = [t.clone().requires_grad_() for t in (q, k, v, m)]
         ref = mhla_attention(*ref_leaves[:3], layout, ref_leaves[3], normalize=normalize, rotary_emb=rope, impl="torch")
@@ -143,8 +140,8 @@ def test_fused_gpu_wan_grids(gen, grid, dtype):
         assert rel_err(out, ref) < tol
         for a, b in zip(leaves, ref_leaves):
             assert rel_err(a.grad, b.grad) < tol
-        rows = torch.randint(0, n, (64,), generator=gen).cuda()
-        sub = layout.token_block.cuda()
+        rows = torch.randint(0, n, (64,), generator=gen).to(device)
+        sub = layout.token_block.to(device)
         pair = m[sub[rows][:, None], sub[None, :]]
         phi = lambda x: torch.relu(x) + 1e-6  # noqa: E731
         from mhla.rope import apply_rotary
@@ -157,6 +154,22 @@ def test_fused_gpu_wan_grids(gen, grid, dtype):
             if normalize:
                 num = num / (((fq[0, rows, head] @ fk[0, :, head].T) * pair).sum(-1, keepdim=True) + 1e-6)
             assert rel_err(out[0, rows, head], num) < tol
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("grid", [(21, 30, 50), (21, 30, 52), (5, 12, 20)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fused_gpu_wan_grids(gen, grid, dtype):
+    """Compiled, head_dim 128, in every input dtype."""
+    check_wan_grid(gen, grid, dtype, "cuda", 2, 128, (True, False), 1e-3 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the gpu test above covers these grids compiled")
+@pytest.mark.parametrize("grid,normalize", [((21, 30, 52), True), ((21, 30, 50), False)])
+def test_fused_wan_grids_interpreted(gen, grid, normalize):
+    """The full 31,500 and 32,760-token grids (M = 105 blocks, uneven along W at 52) in Triton's
+    interpreter: one head of dim 16, float32, about 20 s each on a 2-core CPU."""
+    check_wan_grid(gen, grid, torch.float32, DEVICE, 1, 16, (normalize,), 1e-4)
 
 
 def test_fused_out_dtype_float32_from_half_inputs(gen):
