@@ -11,6 +11,8 @@ Times, on q, k, v of shape ``(1, N, heads, dim)`` over latent-token grids ``F x 
 - ``linear[torch]`` / ``mhla[torch]``: the PyTorch path of :mod:`mhla.ops`;
 - ``linear[triton]`` / ``mhla[triton]``: the fused Triton kernels (default on CUDA when Triton is
   installed; ``--impls torch,triton`` forces them, e.g. in Triton's interpreter on a CPU);
+  ``linear[triton-v1]`` / ``mhla[triton-v1]``: the previous kernel version (float32 summaries, fixed
+  launch settings), timed in the same run so that each version's gain is measured, not assumed;
 - ``linear[layer]`` / ``mhla[layer]`` (``--impls`` ``layer``, in the default set): the attention core of a
   converted Wan layer as the pipeline runs it (:class:`pipelines.LinearSelfAttention`: q, k, v in
   their own dtype, the operator with ``impl="auto"`` writing a float32 output, output RMSNorm, cast
@@ -37,6 +39,7 @@ import torch
 
 from mhla import BlockLayout, last_softmax_backend, linear_attention, locality_init, mhla_attention, softmax_attention
 from mhla.softmax import SOFTMAX_BACKENDS, _candidates, installed_external_backends
+from mhla.triton_ops import tuned_launches
 
 from .common import (
     DTYPES,
@@ -58,7 +61,7 @@ CPU_GRIDS = "2x16x16,4x16x16,8x16x16"
 # 1k ... 128k tokens, with the two Wan2.1 480p grids (31,500 and 32,760 tokens) in between
 GPU_GRIDS = "1x32x32,4x32x32,16x32x32,21x30x50,21x30x52,32x48x48,32x64x64"
 PASSES = ("fwd", "fwd+bwd")
-IMPLS = ("torch", "triton", "layer")
+IMPLS = ("torch", "triton", "triton-v1", "layer")
 
 
 def triton_runs_here(device: torch.device) -> bool:
@@ -116,6 +119,15 @@ def make_fn(kind, arg, q, k, v, layout, mixing, rope, backward):
         fwd = lambda: core(q, k, v, layout.grid, rope)  # noqa: E731
     elif kind == "softmax":
         fwd = lambda: softmax_attention(q, k, v, backend=arg)  # noqa: E731
+    elif arg == "triton-v1":  # the previous kernel version, timed beside the current one
+        from mhla.triton_ops import linear_attention_fused, mhla_attention_fused
+
+        if kind == "linear":
+            fwd = lambda: linear_attention_fused(q, k, v, normalize=False, rotary_emb=rope, version="v1")  # noqa: E731
+        else:
+            fwd = lambda: mhla_attention_fused(  # noqa: E731
+                q, k, v, layout, mixing, normalize=False, rotary_emb=rope, version="v1"
+            )
     elif kind == "linear":
         fwd = lambda: linear_attention(q, k, v, normalize=False, rotary_emb=rope, impl=arg)  # noqa: E731
     else:
@@ -155,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--impls",
         default=None,
-        help="linear/MHLA paths: comma-separated torch, triton, layer (default torch,layer, plus triton on CUDA)",
+        help="linear/MHLA paths: comma-separated torch, triton, triton-v1, layer (default torch,layer; on CUDA all four)",
     )
     p.add_argument("--warmup", type=int, default=None, help="untimed runs first (default 3 on GPU, 1 on CPU)")
     p.add_argument("--repeats", type=int, default=None, help="timed runs, median reported (default 10 GPU, 3 CPU)")
@@ -189,7 +201,7 @@ def main(argv=None) -> dict:
     bad = [s for s in passes if s not in PASSES]
     if bad:
         raise SystemExit(f"unknown passes {bad}; expected some of {PASSES}")
-    default_impls = ["torch", "triton", "layer"] if triton_runs_here(device) else ["torch", "layer"]
+    default_impls = ["torch", "triton", "triton-v1", "layer"] if triton_runs_here(device) else ["torch", "layer"]
     impls = args.impls.split(",") if args.impls else default_impls
     bad = [i for i in impls if i not in IMPLS]
     if bad:
@@ -281,6 +293,7 @@ def main(argv=None) -> dict:
                             torch.cuda.empty_cache()
                 rows.append(row)
                 print(format_row(row), flush=True)
+                meta["triton_launches"] = tuned_launches()
                 if not args.no_save:
                     write_partial(args.out_dir, tag, meta, rows)
             del q, k, v
@@ -306,7 +319,9 @@ def add_speedups(rows: list[dict]) -> None:
         for r in timed:
             r["speedup_vs_softmax"] = best / r["ms"] if best else None
             r["speedup_vs_torch"] = (
-                torch_ms[r["kind"]] / r["ms"] if r.get("impl") == "triton" and r["kind"] in torch_ms else None
+                torch_ms[r["kind"]] / r["ms"]
+                if str(r.get("impl")).startswith("triton") and r["kind"] in torch_ms
+                else None
             )
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from mhla.triton_ops import tuned_launches
 from pipelines import AttentionOptions, convert_self_attention, set_variant
 from pipelines.attention import VARIANTS, linear_layers_for
 from pipelines.convert import attention_context
@@ -291,6 +292,7 @@ def main(argv=None) -> dict:
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
                 rows.append(row)
+                meta["triton_launches"] = tuned_launches()
                 print(format_row(row), flush=True)
                 if not args.no_save:
                     write_partial(args.out_dir, tag, meta, rows)

@@ -22,6 +22,8 @@ against the dense reference when no GPU is present.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 try:
@@ -38,8 +40,15 @@ FEATURE_IDS = {"relu": 0, "elu": 1}
 RELU_EPS = 1e-6  # same as mhla.feature_maps.RELU_EPS
 
 
+VERSIONS = ("v2", "v1")
+
+
 def available() -> bool:
     return triton is not None
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 if triton is not None:
@@ -166,8 +175,8 @@ if triton is not None:
         # S: (B*H, M, 2*D_HALF, E) contiguous, even channels first; Z: (B*H, M, 2*D_HALF)
         sp = S + (bh * M + blk) * (2 * D_HALF * E)
         ms = md[:, None] & me[None, :]
-        tl.store(sp + d[:, None] * E + e[None, :], acc_e, mask=ms)
-        tl.store(sp + (D_HALF + d[:, None]) * E + e[None, :], acc_o, mask=ms)
+        tl.store(sp + d[:, None] * E + e[None, :], acc_e.to(S.dtype.element_ty), mask=ms)
+        tl.store(sp + (D_HALF + d[:, None]) * E + e[None, :], acc_o.to(S.dtype.element_ty), mask=ms)
         zp = Z + (bh * M + blk) * (2 * D_HALF)
         tl.store(zp + d, z_e, mask=md)
         tl.store(zp + D_HALF + d, z_o, mask=md)
@@ -367,8 +376,8 @@ if triton is not None:
             tl.store(base + (2 * d[None, :]) * sq_d, dqe.to(DQ.dtype.element_ty), mask=mq)
             tl.store(base + (2 * d[None, :] + 1) * sq_d, dqo.to(DQ.dtype.element_ty), mask=mq)
         dsp = DS + (bh * M + blk) * (2 * D_HALF * E)
-        tl.store(dsp + d[:, None] * E + e[None, :], ds_e, mask=ms)
-        tl.store(dsp + (D_HALF + d[:, None]) * E + e[None, :], ds_o, mask=ms)
+        tl.store(dsp + d[:, None] * E + e[None, :], ds_e.to(DS.dtype.element_ty), mask=ms)
+        tl.store(dsp + (D_HALF + d[:, None]) * E + e[None, :], ds_o.to(DS.dtype.element_ty), mask=ms)
         if NORMALIZE:
             dzp = DZ + (bh * M + blk) * (2 * D_HALF)
             tl.store(dzp + d, dz_e, mask=md)
@@ -482,18 +491,59 @@ def _dot_types(dtype: torch.dtype):
     bf16 inputs multiply in bf16 (float32's range). fp16 inputs multiply as float32 operands on TF32
     tensor cores, not in fp16: the summaries S~ are sums over up to every token and pass fp16's
     65,504 at realistic sizes (8k tokens with values around 30 already do), which the PyTorch path,
-    computing in float32, never does. float32 inputs use exact float32 products.
+    computing in float32, never does. float32 inputs use exact float32 products. Triton's interpreter
+    computes bf16 products wrongly (Triton 3.9 on a CPU), so there bf16 inputs multiply in float32:
+    CPU tests check everything of the bf16 path but the rounding of the products' operands.
     """
-    if dtype == torch.bfloat16:
+    if dtype == torch.bfloat16 and not _interpreted():
         return tl.bfloat16, "tf32"
     if dtype == torch.float16:
         return tl.float32, "tf32"
     return tl.float32, "ieee"
 
 
+# Launch settings (tokens per step, warps, pipeline stages) the autotuner times on the first call for
+# each shape and keeps; the kernels only store (never accumulate into) their outputs, so timing runs
+# leave nothing behind. The interpreter gets v1's fixed setting (tuning would only multiply its time).
+V1_LAUNCH = dict(BLOCK_N=64, num_warps=4, num_stages=2)
+_TUNE_KEY = ["N", "M", "D_HALF", "E"]
+
+
+def _launch_configs():
+    if triton is None or _interpreted():
+        return [triton.Config({"BLOCK_N": 64}, num_warps=4, num_stages=2)] if triton else []
+    grid = [(32, 4, 2), (64, 4, 2), (64, 8, 2), (128, 8, 2), (64, 4, 3), (128, 8, 3), (32, 8, 3), (128, 4, 2)]
+    return [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=st) for n, w, st in grid]
+
+
+if triton is not None:
+    _KERNELS = {
+        "summaries": _summaries_kernel,
+        "output": _output_kernel,
+        "backward_query": _backward_query_kernel,
+        "backward_key": _backward_key_kernel,
+    }
+    _TUNED = {name: triton.autotune(_launch_configs(), key=_TUNE_KEY)(fn) for name, fn in _KERNELS.items()}
+
+
+def tuned_launches() -> dict:
+    """Launch settings the autotuner has chosen in this process: ``{kernel: {shape key: settings}}``
+    (empty where nothing was tuned: no GPU, or the interpreter's single setting)."""
+    out: dict = {}
+    if triton is None:
+        return out
+    for name, tuner in _TUNED.items():
+        for key, cfg in tuner.cache.items():
+            out.setdefault(name, {})[" ".join(map(str, key))] = (
+                f"BLOCK_N={cfg.kwargs['BLOCK_N']} num_warps={cfg.num_warps} num_stages={cfg.num_stages}"
+            )
+    return out
+
+
 def _mix(mixing: torch.Tensor, x: torch.Tensor, batch: int, heads: int, transpose: bool = False) -> torch.Tensor:
-    """Mixes ``x`` ``(B*H, M, ...)`` over blocks with ``(M, M)`` or ``(H, M, M)`` mixing."""
-    m = mixing.float()
+    """Mixes ``x`` ``(B*H, M, ...)`` over blocks with ``(M, M)`` or ``(H, M, M)`` mixing, in x's dtype
+    (a bf16 matrix product accumulates in float32)."""
+    m = mixing.to(x.dtype)
     if transpose:
         m = m.transpose(-1, -2)
     flat = x.reshape(batch, heads, x.shape[1], -1)
@@ -502,7 +552,7 @@ def _mix(mixing: torch.Tensor, x: torch.Tensor, batch: int, heads: int, transpos
 
 
 class _Geometry:
-    def __init__(self, q, v, layout: BlockLayout, rotary_emb):
+    def __init__(self, q, v, layout: BlockLayout, rotary_emb, version: str):
         self.B, self.N, self.H, D = q.shape
         self.D_HALF, self.E = D // 2, v.shape[-1]
         self.M = layout.num_blocks
@@ -519,32 +569,50 @@ class _Geometry:
         else:
             self.cos = self.sin = q  # unused pointers
             self.rope_strides = (0, 0)
-        self.blocks = dict(BLOCK_N=64, BLOCK_D=_pow2(self.D_HALF), BLOCK_E=_pow2(self.E))
+        self.version = version
+        self.dims = dict(BLOCK_D=_pow2(self.D_HALF), BLOCK_E=_pow2(self.E))
         self.dot_dtype, self.precision = _dot_types(q.dtype)
+        # v2 keeps bf16 inputs' block summaries (and their gradients) in bf16 between the passes: the
+        # products read them as bf16 operands anyway, and it halves the summary traffic. Sums stay in
+        # float32 inside the kernels; the normalizer sums z stay float32 (they are small).
+        bf16 = version == "v2" and q.dtype == torch.bfloat16
+        self.summary_dtype = torch.bfloat16 if bf16 else torch.float32
+
+    def run(self, name: str, *args, **meta) -> None:
+        if self.version == "v1":
+            _KERNELS[name][self.launch](*args, **meta, **self.dims, **V1_LAUNCH)
+        else:
+            _TUNED[name][self.launch](*args, **meta, **self.dims)
 
 
 class _MHLAFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mixing, layout, feature, normalize, rotary_emb, eps, out_dtype):
-        g = _Geometry(q, v, layout, rotary_emb)
-        summaries = q.new_empty((g.B * g.H, g.M, 2 * g.D_HALF, g.E), dtype=torch.float32)
+    def forward(ctx, q, k, v, mixing, layout, feature, normalize, rotary_emb, eps, out_dtype, version):
+        g = _Geometry(q, v, layout, rotary_emb, version)
+        summaries = q.new_empty((g.B * g.H, g.M, 2 * g.D_HALF, g.E), dtype=g.summary_dtype)
         z = q.new_empty((g.B * g.H, g.M, 2 * g.D_HALF), dtype=torch.float32)
-        common = dict(FEATURE=feature, USE_ROPE=g.use_rope, DOT_DTYPE=g.dot_dtype, PRECISION=g.precision, **g.blocks)
-        _summaries_kernel[g.launch](
-            k, v, g.cos, g.sin, summaries, z, *k.stride(), *v.stride(), *g.rope_strides, *g.grid_args, **common
+        common = dict(FEATURE=feature, USE_ROPE=g.use_rope, DOT_DTYPE=g.dot_dtype, PRECISION=g.precision)
+        g.run(
+            "summaries",
+            k,
+            v,
+            g.cos,
+            g.sin,
+            summaries,
+            z,
+            *k.stride(),
+            *v.stride(),
+            *g.rope_strides,
+            *g.grid_args,
+            **common,
         )
         mixed = _mix(mixing, summaries, g.B, g.H)
         mixed_z = _mix(mixing, z, g.B, g.H) if normalize else z
         out = q.new_empty((g.B, g.N, g.H, g.E), dtype=out_dtype)
         den = q.new_empty((g.B * g.H, g.N), dtype=torch.float32) if normalize else z
-        _output_kernel[g.launch](
-            q,
-            g.cos,
-            g.sin,
-            mixed,
-            mixed_z,
-            out,
-            den,
+        g.run(
+            "output",
+            *(q, g.cos, g.sin, mixed, mixed_z, out, den),
             *q.stride(),
             *out.stride(),
             *g.rope_strides,
@@ -555,20 +623,16 @@ class _MHLAFunction(torch.autograd.Function):
         )
         ctx.save_for_backward(q, k, v, mixing, summaries, z, den)
         ctx.layout, ctx.feature, ctx.normalize, ctx.rotary_emb = layout, feature, normalize, rotary_emb
+        ctx.version = version
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, mixing, summaries, z, den = ctx.saved_tensors
         normalize = ctx.normalize
-        g = _Geometry(q, v, ctx.layout, ctx.rotary_emb)
+        g = _Geometry(q, v, ctx.layout, ctx.rotary_emb, ctx.version)
         common = dict(
-            FEATURE=ctx.feature,
-            USE_ROPE=g.use_rope,
-            NORMALIZE=normalize,
-            DOT_DTYPE=g.dot_dtype,
-            PRECISION=g.precision,
-            **g.blocks,
+            FEATURE=ctx.feature, USE_ROPE=g.use_rope, NORMALIZE=normalize, DOT_DTYPE=g.dot_dtype, PRECISION=g.precision
         )
         mixed = _mix(mixing, summaries, g.B, g.H)
         mixed_z = _mix(mixing, z, g.B, g.H) if normalize else z
@@ -576,17 +640,9 @@ class _MHLAFunction(torch.autograd.Function):
         dq = torch.empty_like(q)
         d_mixed = torch.empty_like(summaries)
         d_mixed_z = torch.empty_like(z)
-        _backward_query_kernel[g.launch](
-            q,
-            grad_out,
-            g.cos,
-            g.sin,
-            mixed,
-            mixed_z,
-            den,
-            dq,
-            d_mixed,
-            d_mixed_z,
+        g.run(
+            "backward_query",
+            *(q, grad_out, g.cos, g.sin, mixed, mixed_z, den, dq, d_mixed, d_mixed_z),
             *q.stride(),
             *grad_out.stride(),
             *g.rope_strides,
@@ -598,29 +654,23 @@ class _MHLAFunction(torch.autograd.Function):
         d_z = _mix(mixing, d_mixed_z, g.B, g.H, transpose=True) if normalize else d_mixed_z
         d_mixing = None
         if ctx.needs_input_grad[3]:
-            dm = torch.einsum("bif,bjf->bij", d_mixed.flatten(2), summaries.flatten(2))
+            dm = torch.einsum("bif,bjf->bij", d_mixed.flatten(2), summaries.flatten(2)).float()
             if normalize:
                 dm = dm + torch.einsum("bif,bjf->bij", d_mixed_z, z)
             dm = dm.reshape(g.B, g.H, g.M, g.M)
             d_mixing = (dm.sum((0, 1)) if mixing.dim() == 2 else dm.sum(0)).to(mixing.dtype)
         dk = torch.empty_like(k)
         dv = torch.empty_like(v)
-        _backward_key_kernel[g.launch](
-            k,
-            v,
-            g.cos,
-            g.sin,
-            d_summaries,
-            d_z,
-            dk,
-            dv,
+        g.run(
+            "backward_key",
+            *(k, v, g.cos, g.sin, d_summaries, d_z, dk, dv),
             *k.stride(),
             *v.stride(),
             *g.rope_strides,
             *g.grid_args,
             **common,
         )
-        return dq, dk, dv, d_mixing, None, None, None, None, None, None
+        return dq, dk, dv, d_mixing, None, None, None, None, None, None, None
 
 
 def mhla_attention_fused(
@@ -634,11 +684,15 @@ def mhla_attention_fused(
     rotary_emb: Rotary | None = None,
     eps: float = 1e-6,
     out_dtype: torch.dtype | None = None,
+    version: str = "v2",
 ) -> torch.Tensor:
     """Same contract as :func:`mhla.mhla_attention`, run by the fused Triton kernels.
 
     q, k ``(B, N, H, D)`` with even D, v ``(B, N, H, E)``; any strides with unit stride on the last
-    dim. Differentiable in q, k, v and mixing.
+    dim. Differentiable in q, k, v and mixing. ``version``: ``"v2"`` (default) keeps bf16 inputs'
+    block summaries in bf16 between the passes and autotunes the launch settings on a GPU; ``"v1"``
+    keeps every summary in float32 and launches with fixed settings (kept to time the two side by
+    side, see benchmarks/NOTES.md).
     """
     if triton is None:
         raise RuntimeError("mhla_attention_fused needs Triton; use mhla.mhla_attention on this machine")
@@ -659,13 +713,15 @@ def mhla_attention_fused(
     out_dtype = out_dtype or q.dtype
     if out_dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"out_dtype must be fp16, bf16 or fp32, got {out_dtype}")
+    if version not in VERSIONS:
+        raise ValueError(f"unknown kernel version {version!r}; expected one of {VERSIONS}")
     return _MHLAFunction.apply(
-        q, k, v, mixing.float(), layout, FEATURE_IDS[feature_map], normalize, rotary_emb, eps, out_dtype
+        q, k, v, mixing.float(), layout, FEATURE_IDS[feature_map], normalize, rotary_emb, eps, out_dtype, version
     )
 
 
 def linear_attention_fused(
-    q, k, v, feature_map="relu", normalize=True, rotary_emb=None, eps=1e-6, out_dtype=None
+    q, k, v, feature_map="relu", normalize=True, rotary_emb=None, eps=1e-6, out_dtype=None, version="v2"
 ) -> torch.Tensor:
     """Vanilla linear attention by the fused kernels.
 
@@ -677,4 +733,4 @@ def linear_attention_fused(
     chunks = max(1, min(256, n // 256))
     layout = BlockLayout((1, 1, n), (1, 1, chunks))
     ones = torch.ones(chunks, chunks, device=q.device)
-    return mhla_attention_fused(q, k, v, layout, ones, feature_map, normalize, rotary_emb, eps, out_dtype)
+    return mhla_attention_fused(q, k, v, layout, ones, feature_map, normalize, rotary_emb, eps, out_dtype, version)

@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks import attention, wan_step
 from benchmarks.common import parse_grid
@@ -32,13 +33,15 @@ def test_attention_benchmark_smoke(tmp_path):
     argv = ["--device", "cpu", "--grids", "1x4x8,2x6x5", "--heads", "2", "--dim", "16", "--softmax-backends", "all"]
     # the fused kernels run on CPU tensors only in Triton's interpreter (set up by conftest without a GPU)
     interpreted = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
-    impls = ["torch", "triton", "layer"] if interpreted else ["torch", "layer"]
+    impls = ["torch", "triton", "triton-v1", "layer"] if interpreted else ["torch", "layer"]
     argv += ["--impls", ",".join(impls), "--warmup", "0", "--repeats", "1", "--out-dir", str(tmp_path), "--tag", "t"]
     result = attention.main(argv)
     data = load(tmp_path, "t")
     assert data["meta"].keys() >= META_KEYS | {"copy_bandwidth_gbs", "matmul_tflops", "softmax_backends_available"}
     assert data["meta"]["copy_bandwidth_gbs"] > 0 and data["meta"]["matmul_tflops"] > 0
     assert data["meta"]["impls"] == impls
+    if not torch.cuda.is_available():  # nothing is tuned in the interpreter (one launch setting)
+        assert data["meta"]["triton_launches"] == {}
     rows = data["rows"]
     assert rows == json.loads(json.dumps(result["rows"]))
     softmax = [f"softmax[{b}]" for b in data["meta"]["softmax_backends_available"]]
@@ -54,7 +57,7 @@ def test_attention_benchmark_smoke(tmp_path):
         assert r["ms"] > 0 and r["ms_min"] <= r["ms"] <= r["ms_max"]
         assert r["x_mem_floor"] == pytest.approx(r["ms"] / r["mem_floor_ms"])
         assert r["speedup_vs_softmax"] > 0
-        if r["impl"] == "triton":
+        if r["impl"] in ("triton", "triton-v1"):
             assert r["speedup_vs_torch"] > 0
         if r["kind"] == "softmax":
             assert r["backend"] in data["meta"]["softmax_backends_available"]
@@ -150,10 +153,11 @@ def test_benchmarks_on_gpu(tmp_path):
         + ["--out-dir", str(tmp_path), "--tag", "a"]
     )
     variants = {r["variant"] for r in result["rows"]}
-    assert {"mhla[torch]", "mhla[triton]", "linear[torch]", "linear[triton]"} <= variants
+    assert {"mhla[torch]", "mhla[triton]", "mhla[triton-v1]", "linear[torch]", "linear[triton]"} <= variants
     for r in result["rows"]:
         assert "skipped" not in r, r
         assert r["ms"] > 0 and r["peak_mib"] is not None
+    assert {"summaries", "output", "backward_query", "backward_key"} <= result["meta"]["triton_launches"].keys()
     wan = wan_step.main(
         ["--config", "tiny", "--layers", "2", "--grids", "3x8x8", "--warmup", "1", "--repeats", "2"]
         + ["--out-dir", str(tmp_path), "--tag", "w"]

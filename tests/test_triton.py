@@ -44,7 +44,9 @@ def inputs(gen, layout, b=2, h=2, d=32, e=32, per_head=False):
     return [q, k, v, m], (angles.cos(), angles.sin())
 
 
-def fused_vs_dense(gen, layout, dtype, normalize, use_rope, feature_map="relu", per_head=False, d=32, e=32):
+def fused_vs_dense(
+    gen, layout, dtype, normalize, use_rope, feature_map="relu", per_head=False, d=32, e=32, version="v2"
+):
     (q, k, v, m), rope = inputs(gen, layout, d=d, e=e, per_head=per_head)
     rope = rope if use_rope else None
     leaves = [t.to(DEVICE, dtype).requires_grad_() for t in (q, k, v)] + [m.to(DEVICE, torch.float32).requires_grad_()]
@@ -55,6 +57,7 @@ def fused_vs_dense(gen, layout, dtype, normalize, use_rope, feature_map="relu", 
         feature_map=feature_map,
         normalize=normalize,
         rotary_emb=None if rope is None else tuple(t.to(DEVICE, torch.float32) for t in rope),
+        version=version,
     )
     assert out.dtype == dtype and out.shape == v.shape
     upstream = torch.randn(out.shape, generator=gen, dtype=torch.float64)
@@ -80,6 +83,34 @@ def test_fused_matches_dense_fp32(gen, grid, blocks, normalize, use_rope):
     err, grad_errs = fused_vs_dense(gen, BlockLayout(grid, blocks), torch.float32, normalize, use_rope)
     assert err < 1e-4
     assert max(grad_errs) < 1e-4, grad_errs
+
+
+@pytest.mark.parametrize("version", ["v2", "v1"])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_fused_bf16_matches_dense(gen, version, normalize):
+    # v2 keeps the block summaries in bf16 between the passes, v1 in float32; both within bf16's
+    # tolerance of the float64 formula, forward and every gradient (the mixing's included)
+    layout = BlockLayout((3, 5, 13), (1, 2, 5))
+    err, grad_errs = fused_vs_dense(gen, layout, torch.bfloat16, normalize, True, version=version)
+    assert err < 2e-2
+    assert max(grad_errs) < 2e-2, grad_errs
+
+
+def test_fused_v2_keeps_bf16_summaries(gen):
+    layout = BlockLayout((2, 4, 6), (2, 2, 2))
+    (q, k, v, m), _ = inputs(gen, layout, b=1)
+    for dtype, version, expected in [
+        (torch.bfloat16, "v2", torch.bfloat16),
+        (torch.bfloat16, "v1", torch.float32),
+        (torch.float16, "v2", torch.float32),  # fp16's range is too small for summaries
+        (torch.float32, "v2", torch.float32),
+    ]:
+        leaves = [t.to(DEVICE, dtype).requires_grad_() for t in (q, k, v)]
+        out = triton_ops.mhla_attention_fused(*leaves, layout, m.float().to(DEVICE), version=version)
+        summaries = out.grad_fn.saved_tensors[4]
+        assert summaries.shape == (2, layout.num_blocks, 32, 32) and summaries.dtype == expected, (dtype, version)
+    with pytest.raises(ValueError, match="unknown kernel version"):
+        triton_ops.mhla_attention_fused(*leaves, layout, m.float().to(DEVICE), version="v3")
 
 
 def test_fused_per_head_elu_odd_sizes(gen):
