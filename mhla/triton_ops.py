@@ -94,13 +94,56 @@ if triton is not None:
         return (f * GH + h0 + r // lw) * GW + w0 + r % lw
 
     @triton.jit
-    def _load_halves(ptr, rows, row_stride, d, d_stride, mask_rows, mask_d):
-        """Loads even and odd channels of a (BLOCK_N, D) tile as two (BLOCK_N, D/2) float32 tiles."""
-        base = ptr + rows[:, None] * row_stride
-        m = mask_rows[:, None] & mask_d[None, :]
-        even = tl.load(base + (2 * d[None, :]) * d_stride, mask=m, other=0.0).to(tl.float32)
-        odd = tl.load(base + (2 * d[None, :] + 1) * d_stride, mask=m, other=0.0).to(tl.float32)
-        return even, odd
+    def _load_halves(ptr, rows, row_stride, d_stride, mask_rows, D_HALF, BLOCK_N, BLOCK_D, WIDE: tl.constexpr):
+        """Loads even and odd channels of a (BLOCK_N, D) tile as two (BLOCK_N, D/2) float32 tiles.
+
+        WIDE (v2) reads each row contiguously, so the loads are 16 bytes wide, and splits the channels
+        in registers; otherwise (v1) each half is a strided read of single elements."""
+        d = tl.arange(0, BLOCK_D)
+        if WIDE:
+            ch = tl.arange(0, 2 * BLOCK_D)
+            m = mask_rows[:, None] & (ch < 2 * D_HALF)[None, :]
+            x = tl.load(ptr + rows[:, None] * row_stride + ch[None, :] * d_stride, mask=m, other=0.0)
+            even, odd = tl.split(tl.reshape(x, (BLOCK_N, BLOCK_D, 2)))
+            return even.to(tl.float32), odd.to(tl.float32)
+        else:
+            base = ptr + rows[:, None] * row_stride
+            m = mask_rows[:, None] & (d < D_HALF)[None, :]
+            even = tl.load(base + (2 * d[None, :]) * d_stride, mask=m, other=0.0).to(tl.float32)
+            odd = tl.load(base + (2 * d[None, :] + 1) * d_stride, mask=m, other=0.0).to(tl.float32)
+            return even, odd
+
+    @triton.jit
+    def _store_halves(
+        ptr, rows, row_stride, d_stride, mask_rows, D_HALF, even, odd, BLOCK_N, BLOCK_D, WIDE: tl.constexpr
+    ):
+        """Stores two (BLOCK_N, D/2) tiles as the even and odd channels of a (BLOCK_N, D) tile."""
+        d = tl.arange(0, BLOCK_D)
+        if WIDE:
+            ch = tl.arange(0, 2 * BLOCK_D)
+            m = mask_rows[:, None] & (ch < 2 * D_HALF)[None, :]
+            x = tl.reshape(tl.join(even.to(ptr.dtype.element_ty), odd.to(ptr.dtype.element_ty)), (BLOCK_N, 2 * BLOCK_D))
+            tl.store(ptr + rows[:, None] * row_stride + ch[None, :] * d_stride, x, mask=m)
+        else:
+            base = ptr + rows[:, None] * row_stride
+            m = mask_rows[:, None] & (d < D_HALF)[None, :]
+            tl.store(base + (2 * d[None, :]) * d_stride, even.to(ptr.dtype.element_ty), mask=m)
+            tl.store(base + (2 * d[None, :] + 1) * d_stride, odd.to(ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _load_rope(COS, SIN, rows, row_stride, d_stride, mask_rows, D_HALF, BLOCK_N, BLOCK_D, WIDE: tl.constexpr):
+        """cos and sin of each channel pair, (BLOCK_N, D/2) float32 each. WIDE (v2) reads the half-width
+        tables the launcher prepared (cos at even, sin at odd channels: what the rotation uses), one
+        contiguous tile each; v1 reads the full-width tables and drops half of what it read."""
+        if WIDE:
+            d = tl.arange(0, BLOCK_D)
+            m = mask_rows[:, None] & (d < D_HALF)[None, :]
+            offsets = rows[:, None] * row_stride + d[None, :] * d_stride
+            return tl.load(COS + offsets, mask=m, other=0.0), tl.load(SIN + offsets, mask=m, other=0.0)
+        else:
+            c, _ = _load_halves(COS, rows, row_stride, d_stride, mask_rows, D_HALF, BLOCK_N, BLOCK_D, False)
+            _, s = _load_halves(SIN, rows, row_stride, d_stride, mask_rows, D_HALF, BLOCK_N, BLOCK_D, False)
+            return c, s
 
     @triton.jit
     def _summaries_kernel(
@@ -135,6 +178,7 @@ if triton is not None:
         USE_ROPE: tl.constexpr,
         DOT_DTYPE: tl.constexpr,
         PRECISION: tl.constexpr,
+        WIDE: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr,
         BLOCK_E: tl.constexpr,
@@ -159,14 +203,13 @@ if triton is not None:
             j = start + tl.arange(0, BLOCK_N)
             mj = j < nb
             n = _token_ids(j, f0, h0, w0, lh, lw, GH, GW)
-            ke, ko = _load_halves(kp, n, sk_n, d, sk_d, mj, md)
+            ke, ko = _load_halves(kp, n, sk_n, sk_d, mj, D_HALF, BLOCK_N, BLOCK_D, WIDE)
             ke = tl.where(mj[:, None] & md[None, :], _phi(ke, FEATURE), 0.0)
             ko = tl.where(mj[:, None] & md[None, :], _phi(ko, FEATURE), 0.0)
             z_e += tl.sum(ke, axis=0)
             z_o += tl.sum(ko, axis=0)
             if USE_ROPE:
-                c, _ = _load_halves(COS, n, sr_n, d, sr_d, mj, md)
-                _, s = _load_halves(SIN, n, sr_n, d, sr_d, mj, md)
+                c, s = _load_rope(COS, SIN, n, sr_n, sr_d, mj, D_HALF, BLOCK_N, BLOCK_D, WIDE)
                 ke, ko = ke * c - ko * s, ke * s + ko * c
             v = tl.load(vp + n[:, None] * sv_n + e[None, :] * sv_d, mask=mj[:, None] & me[None, :], other=0.0)
             v = v.to(DOT_DTYPE)
@@ -217,6 +260,7 @@ if triton is not None:
         NORMALIZE: tl.constexpr,
         DOT_DTYPE: tl.constexpr,
         PRECISION: tl.constexpr,
+        WIDE: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr,
         BLOCK_E: tl.constexpr,
@@ -246,14 +290,13 @@ if triton is not None:
             j = start + tl.arange(0, BLOCK_N)
             mj = j < nb
             n = _token_ids(j, f0, h0, w0, lh, lw, GH, GW)
-            qe, qo = _load_halves(qp, n, sq_n, d, sq_d, mj, md)
+            qe, qo = _load_halves(qp, n, sq_n, sq_d, mj, D_HALF, BLOCK_N, BLOCK_D, WIDE)
             qe = tl.where(md[None, :], _phi(qe, FEATURE), 0.0)
             qo = tl.where(md[None, :], _phi(qo, FEATURE), 0.0)
             if NORMALIZE:
                 den = tl.sum(qe * z_e[None, :], axis=1) + tl.sum(qo * z_o[None, :], axis=1) + eps
             if USE_ROPE:
-                c, _ = _load_halves(COS, n, sr_n, d, sr_d, mj, md)
-                _, s = _load_halves(SIN, n, sr_n, d, sr_d, mj, md)
+                c, s = _load_rope(COS, SIN, n, sr_n, sr_d, mj, D_HALF, BLOCK_N, BLOCK_D, WIDE)
                 qe, qo = qe * c - qo * s, qe * s + qo * c
             out = tl.dot(qe.to(DOT_DTYPE), s_e, input_precision=PRECISION)
             out += tl.dot(qo.to(DOT_DTYPE), s_o, input_precision=PRECISION)
@@ -302,6 +345,7 @@ if triton is not None:
         NORMALIZE: tl.constexpr,
         DOT_DTYPE: tl.constexpr,
         PRECISION: tl.constexpr,
+        WIDE: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr,
         BLOCK_E: tl.constexpr,
@@ -336,14 +380,13 @@ if triton is not None:
             j = start + tl.arange(0, BLOCK_N)
             mj = j < nb
             n = _token_ids(j, f0, h0, w0, lh, lw, GH, GW)
-            xe, xo = _load_halves(qp, n, sq_n, d, sq_d, mj, md)
+            xe, xo = _load_halves(qp, n, sq_n, sq_d, mj, D_HALF, BLOCK_N, BLOCK_D, WIDE)
             fe = tl.where(mj[:, None] & md[None, :], _phi(xe, FEATURE), 0.0)
             fo = tl.where(mj[:, None] & md[None, :], _phi(xo, FEATURE), 0.0)
             g = tl.load(gp + n[:, None] * sg_n + e[None, :] * sg_d, mask=mj[:, None] & me[None, :], other=0.0)
             g = g.to(tl.float32)
             if USE_ROPE:
-                c, _ = _load_halves(COS, n, sr_n, d, sr_d, mj, md)
-                _, s = _load_halves(SIN, n, sr_n, d, sr_d, mj, md)
+                c, s = _load_rope(COS, SIN, n, sr_n, sr_d, mj, D_HALF, BLOCK_N, BLOCK_D, WIDE)
                 re, ro = fe * c - fo * s, fe * s + fo * c
             else:
                 re, ro = fe, fo
@@ -371,10 +414,7 @@ if triton is not None:
                 dfo += dden[:, None] * z_o[None, :]
             dqe = dfe * _dphi(xe, FEATURE)
             dqo = dfo * _dphi(xo, FEATURE)
-            mq = mj[:, None] & md[None, :]
-            base = dqp + n[:, None] * sq_n
-            tl.store(base + (2 * d[None, :]) * sq_d, dqe.to(DQ.dtype.element_ty), mask=mq)
-            tl.store(base + (2 * d[None, :] + 1) * sq_d, dqo.to(DQ.dtype.element_ty), mask=mq)
+            _store_halves(dqp, n, sq_n, sq_d, mj, D_HALF, dqe, dqo, BLOCK_N, BLOCK_D, WIDE)
         dsp = DS + (bh * M + blk) * (2 * D_HALF * E)
         tl.store(dsp + d[:, None] * E + e[None, :], ds_e.to(DS.dtype.element_ty), mask=ms)
         tl.store(dsp + (D_HALF + d[:, None]) * E + e[None, :], ds_o.to(DS.dtype.element_ty), mask=ms)
@@ -419,6 +459,7 @@ if triton is not None:
         NORMALIZE: tl.constexpr,
         DOT_DTYPE: tl.constexpr,
         PRECISION: tl.constexpr,
+        WIDE: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr,
         BLOCK_E: tl.constexpr,
@@ -450,12 +491,11 @@ if triton is not None:
             j = start + tl.arange(0, BLOCK_N)
             mj = j < nb
             n = _token_ids(j, f0, h0, w0, lh, lw, GH, GW)
-            xe, xo = _load_halves(kp, n, sk_n, d, sk_d, mj, md)
+            xe, xo = _load_halves(kp, n, sk_n, sk_d, mj, D_HALF, BLOCK_N, BLOCK_D, WIDE)
             fe = tl.where(md[None, :], _phi(xe, FEATURE), 0.0)
             fo = tl.where(md[None, :], _phi(xo, FEATURE), 0.0)
             if USE_ROPE:
-                c, _ = _load_halves(COS, n, sr_n, d, sr_d, mj, md)
-                _, s = _load_halves(SIN, n, sr_n, d, sr_d, mj, md)
+                c, s = _load_rope(COS, SIN, n, sr_n, sr_d, mj, D_HALF, BLOCK_N, BLOCK_D, WIDE)
                 re, ro = fe * c - fo * s, fe * s + fo * c
             else:
                 re, ro = fe, fo
@@ -475,10 +515,8 @@ if triton is not None:
             if NORMALIZE:
                 dfe += dz_e[None, :]
                 dfo += dz_o[None, :]
-            mk = mj[:, None] & md[None, :]
-            base = dkp + n[:, None] * sk_n
-            tl.store(base + (2 * d[None, :]) * sk_d, (dfe * _dphi(xe, FEATURE)).to(DK.dtype.element_ty), mask=mk)
-            tl.store(base + (2 * d[None, :] + 1) * sk_d, (dfo * _dphi(xo, FEATURE)).to(DK.dtype.element_ty), mask=mk)
+            dke, dko = dfe * _dphi(xe, FEATURE), dfo * _dphi(xo, FEATURE)
+            _store_halves(dkp, n, sk_n, sk_d, mj, D_HALF, dke, dko, BLOCK_N, BLOCK_D, WIDE)
 
 
 def _pow2(x: int) -> int:
@@ -509,11 +547,16 @@ V1_LAUNCH = dict(BLOCK_N=64, num_warps=4, num_stages=2)
 _TUNE_KEY = ["N", "M", "D_HALF", "E"]
 
 
+# (BLOCK_N, num_warps, num_stages) candidates, v1's (64, 4, 2) among them. Chosen from
+# `python -m benchmarks.kernel_resources` (compiled for sm_90a, no GPU): settings whose kernels spill
+# kilobytes of registers or need more shared memory than an SM has were left out.
+TUNE_CANDIDATES = [(16, 4, 2), (16, 8, 2), (32, 4, 2), (32, 8, 2), (32, 8, 3), (64, 4, 2), (64, 8, 2), (128, 8, 2)]
+
+
 def _launch_configs():
     if triton is None or _interpreted():
         return [triton.Config({"BLOCK_N": 64}, num_warps=4, num_stages=2)] if triton else []
-    grid = [(32, 4, 2), (64, 4, 2), (64, 8, 2), (128, 8, 2), (64, 4, 3), (128, 8, 3), (32, 8, 3), (128, 4, 2)]
-    return [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=st) for n, w, st in grid]
+    return [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=st) for n, w, st in TUNE_CANDIDATES]
 
 
 if triton is not None:
@@ -561,7 +604,9 @@ class _Geometry:
         self.use_rope = rotary_emb is not None
         if self.use_rope:
             cos, sin = (t.float() for t in rotary_emb)
-            if cos.stride() != sin.stride():
+            if version != "v1":  # the half the rotation reads (cos at even, sin at odd channels), contiguous
+                cos, sin = cos[..., 0::2].contiguous(), sin[..., 1::2].contiguous()
+            elif cos.stride() != sin.stride():
                 sin = sin.contiguous()
                 cos = cos.contiguous()
             self.cos, self.sin = cos, sin
@@ -570,7 +615,8 @@ class _Geometry:
             self.cos = self.sin = q  # unused pointers
             self.rope_strides = (0, 0)
         self.version = version
-        self.dims = dict(BLOCK_D=_pow2(self.D_HALF), BLOCK_E=_pow2(self.E))
+        # compile-time arguments fixed by the shape and the version (BLOCK_N comes from the launch setting)
+        self.static = dict(BLOCK_D=_pow2(self.D_HALF), BLOCK_E=_pow2(self.E), WIDE=version != "v1")
         self.dot_dtype, self.precision = _dot_types(q.dtype)
         # v2 keeps bf16 inputs' block summaries (and their gradients) in bf16 between the passes: the
         # products read them as bf16 operands anyway, and it halves the summary traffic. Sums stay in
@@ -580,9 +626,9 @@ class _Geometry:
 
     def run(self, name: str, *args, **meta) -> None:
         if self.version == "v1":
-            _KERNELS[name][self.launch](*args, **meta, **self.dims, **V1_LAUNCH)
+            _KERNELS[name][self.launch](*args, **meta, **self.static, **V1_LAUNCH)
         else:
-            _TUNED[name][self.launch](*args, **meta, **self.dims)
+            _TUNED[name][self.launch](*args, **meta, **self.static)
 
 
 class _MHLAFunction(torch.autograd.Function):

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -166,3 +167,38 @@ def test_benchmarks_on_gpu(tmp_path):
     for r in wan["rows"]:
         assert "skipped" not in r, r
         assert r["ms"] > 0 and r["peak_total_mib"] > 0
+
+
+def test_kernel_resources_compiles_for_h100(tmp_path):
+    """The fused kernels compile for sm_90a here, with no GPU (Triton's ahead-of-time compile and its
+    own ptxas): catches what the interpreter cannot, such as code the GPU compiler rejects or shared
+    memory past an SM's. The register report is parsed for every kernel."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("Triton is not installed")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    argv = ["--quick", "--grid", "3x8x10", "--heads", "2", "--out-dir", str(tmp_path)]
+    run = subprocess.run(
+        [sys.executable, "-m", "benchmarks.kernel_resources", *argv],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    data = json.loads((tmp_path / "kernel_resources_sm90a_3x8x10.json").read_text())
+    assert {r["kernel"] for r in data["rows"]} == {"summaries", "output", "backward_query", "backward_key"}
+    for r in data["rows"]:
+        assert 0 < r["registers"] <= 255 and r["shared_bytes"] > 0, r
+        assert r["programs_per_sm"] >= 1, r  # the v1 launch setting fits on an SM
+    md = (tmp_path / "kernel_resources_sm90a_3x8x10.md").read_text()
+    assert "| backward_key | v2 | bf16 | bf16 | 64 | 4 | 2 |" in md
+
+
+def test_kernel_resources_occupancy_arithmetic():
+    from benchmarks.kernel_resources import occupancy
+
+    assert occupancy(255, 72 * 1024, 4) == 2  # 256 registers x 32 lanes x 4 warps = half the register file
+    assert occupancy(62, 88 * 1024, 8) == 2  # shared memory binds: 228 KB / (88 + 1) KB
+    assert occupancy(32, 1024, 4) == 16  # 64 warps per SM at most
+    assert occupancy(255, 240 * 1024, 8) == 0  # more shared memory than an SM has
