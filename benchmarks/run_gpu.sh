@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
-# Everything a session with a GPU runs, in ONE device call (under 10 minutes):
-#   1. the GPU tests (python -m pytest -m gpu: fused kernels vs the dense reference, compiled)
-#   2. benchmarks.wan_step: Wan2.1-1.3B, flash/linear/mhla/mhla-hybrid, 480x800 and 480x832, fwd + fwd+bwd
-#   3. benchmarks.attention: the op, bf16, 12 heads x 128, 1k..128k tokens, fwd + fwd+bwd, every softmax backend
-# Writes into $OUT, flat, 7 files: log.txt and <name>.json/.md/.png of each benchmark; prints the tables last.
+# What a session with a GPU runs, in two device calls of under 10 minutes each:
+#   bash benchmarks/run_gpu.sh tests,wan     1. the GPU tests (python -m pytest -m gpu: fused kernels vs the
+#                                               dense reference, compiled)
+#                                            2. benchmarks.wan_step: Wan2.1-1.3B, flash/linear/mhla/mhla-hybrid,
+#                                               480x800 and 480x832, fwd + fwd+bwd
+#   bash benchmarks/run_gpu.sh attention     3. benchmarks.attention: the op, bf16, 12 heads x 128, 1k..128k
+#                                               tokens, fwd + fwd+bwd, every softmax backend, kernels v2 and v1
+# (no argument: all three in one call, if the time allows). The first call of the fused kernels for each
+# new shape autotunes them (compiles 8 launch settings per kernel), which is why the stages are split.
+# Writes into $OUT, flat: log.txt and <name>.json/.md/.png of each benchmark; prints the tables last.
 # A stage that fails or runs out of its time is logged and the next one runs (no `set -e` on purpose).
 #
 # The device image has no diffusers: carry its wheel (pure Python) in .whl/, e.g. here, in the repo root:
@@ -20,8 +25,12 @@ LOG="$OUT/log.txt"
 export PYTHONUNBUFFERED=1
 START=$(date +%s)
 BUDGET_S="${BUDGET_S:-570}"
-TESTS_S="${TESTS_S:-150}"
-WAN_S="${WAN_S:-250}"
+TESTS_S="${TESTS_S:-200}"
+WAN_S="${WAN_S:-570}"
+STAGES=",${1:-tests,wan,attention},"
+for s in $(echo "${STAGES//,/ }"); do
+    case "$s" in tests | wan | attention) ;; *) echo "unknown stage '$s'; expected tests, wan, attention" >&2; exit 2 ;; esac
+done
 SUMMARY=()
 
 log() { echo "$*" | tee -a "$LOG"; }
@@ -60,12 +69,19 @@ fi
     python3 -c "import diffusers; print('diffusers', diffusers.__version__)" || echo "diffusers MISSING: wan_step will fail (carry .whl, see the top of this script)"
 } 2>&1 | tee -a "$LOG"
 
-run_stage "gpu tests" "$TESTS_S" python3 -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors tests
-run_stage "wan_step" "$WAN_S" python3 -m benchmarks.wan_step --config 1.3b --sizes 81x480x800,81x480x832 \
-    --grad-ckpt --warmup 2 --repeats 5 --out-dir "$OUT"
-run_stage "attention" 600 python3 -m benchmarks.attention --dtype bf16 --heads 12 --dim 128 \
-    --grids 1x32x32,4x32x32,16x32x32,21x30x50,21x30x52,32x48x48,32x64x64 --passes fwd,fwd+bwd \
-    --softmax-backends all --warmup 3 --repeats 10 --out-dir "$OUT"
+log "=== stages: ${STAGES:1:-1}"
+if [[ $STAGES == *,tests,* ]]; then
+    run_stage "gpu tests" "$TESTS_S" python3 -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors tests
+fi
+if [[ $STAGES == *,wan,* ]]; then
+    run_stage "wan_step" "$WAN_S" python3 -m benchmarks.wan_step --config 1.3b --sizes 81x480x800,81x480x832 \
+        --grad-ckpt --warmup 2 --repeats 5 --out-dir "$OUT"
+fi
+if [[ $STAGES == *,attention,* ]]; then
+    run_stage "attention" 600 python3 -m benchmarks.attention --dtype bf16 --heads 12 --dim 128 \
+        --grids 1x32x32,4x32x32,16x32x32,21x30x50,21x30x52,32x48x48,32x64x64 --passes fwd,fwd+bwd \
+        --softmax-backends all --warmup 3 --repeats 10 --out-dir "$OUT"
+fi
 
 # a stage stopped part-way leaves a partial JSON and no table: render what it measured
 for f in "$OUT"/*.json; do

@@ -125,9 +125,14 @@ def test_wan_step_smoke(tmp_path):
     assert "| pass | size | tokens | variant |" in md and "mhla-hybrid" in md
 
 
-def test_gpu_script_is_valid_bash():
+def test_gpu_script_is_valid_bash(tmp_path):
     script = ROOT / "benchmarks" / "run_gpu.sh"
     subprocess.run(["bash", "-n", str(script)], check=True)
+    # a mistyped stage stops the script before anything runs
+    run = subprocess.run(
+        ["bash", str(script), "tests,attn"], env={**os.environ, "OUT": str(tmp_path)}, capture_output=True, text=True
+    )
+    assert run.returncode == 2 and "unknown stage 'attn'" in run.stderr
 
 
 def test_render_marks_a_partial_run(tmp_path):

@@ -113,6 +113,16 @@ def test_fused_v2_keeps_bf16_summaries(gen):
         triton_ops.mhla_attention_fused(*leaves, layout, m.float().to(DEVICE), version="v3")
 
 
+def test_fused_fixed_launch_settings(gen, monkeypatch):
+    # MHLA_AUTOTUNE=0: v2 with its fixed per-kernel settings (16-32 tokens per step: blocks of up to
+    # 27 tokens take two steps, the second one masked)
+    monkeypatch.setattr(triton_ops, "AUTOTUNE", False)
+    layout = BlockLayout((3, 5, 13), (1, 2, 5))
+    for normalize in (True, False):
+        err, grad_errs = fused_vs_dense(gen, layout, torch.float32, normalize, True)
+        assert err < 1e-4 and max(grad_errs) < 1e-4, (normalize, grad_errs)
+
+
 def test_fused_per_head_elu_odd_sizes(gen):
     # head_dim 24 and value dim 20 are not powers of two: the kernels mask the padding
     layout = BlockLayout((2, 3, 7), (2, 1, 3))
@@ -148,7 +158,7 @@ def test_fused_dispatch_and_bad_input(gen):
         triton_ops.mhla_attention_fused(q[..., :31], k[..., :31], v, layout, m)
 
 
-def check_wan_grid(gen, grid, dtype, device, h, d, normalizes, tol):
+def check_wan_grid(gen, grid, dtype, device, h, d, normalizes, tol, version="v2"):
     """Fused kernels on a Wan latent grid (with its default block layout) against the float64 PyTorch
     path (itself checked against the dense formula above), forward and gradients, and on a sample of
     query rows against the dense formula directly."""
@@ -161,7 +171,12 @@ def check_wan_grid(gen, grid, dtype, device, h, d, normalizes, tol):
     for normalize in normalizes:
         leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)] + [m.float().requires_grad_()]
         out = triton_ops.mhla_attention_fused(
-            *leaves[:3], layout, leaves[3], normalize=normalize, rotary_emb=tuple(t.float() for t in rope)
+            *leaves[:3],
+            layout,
+            leaves[3],
+            normalize=normalize,
+            rotary_emb=tuple(t.float() for t in rope),
+            version=version,
         )
         upstream = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(device)
         (out.double() * upstream).sum().backward()
@@ -187,12 +202,24 @@ def check_wan_grid(gen, grid, dtype, device, h, d, normalizes, tol):
             assert rel_err(out[0, rows, head], num) < tol
 
 
+GPU_GRIDS = [(21, 30, 50), (21, 30, 52), (5, 12, 20)]
+GPU_CASES = (
+    # the autotuned launch (compiles every candidate setting: once), then the fixed settings
+    [((21, 30, 50), torch.bfloat16, "v2", True)]
+    + [(g, t, "v2", False) for t in (torch.bfloat16, torch.float16, torch.float32) for g in GPU_GRIDS]
+    + [((21, 30, 52), torch.bfloat16, "v1", False)]
+)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("grid", [(21, 30, 50), (21, 30, 52), (5, 12, 20)])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_fused_gpu_wan_grids(gen, grid, dtype):
+@pytest.mark.parametrize("grid,dtype,version,tuned", GPU_CASES)
+def test_fused_gpu_wan_grids(gen, monkeypatch, grid, dtype, version, tuned):
     """Compiled, head_dim 128, in every input dtype."""
-    check_wan_grid(gen, grid, dtype, "cuda", 2, 128, (True, False), 1e-3 if dtype == torch.float32 else 2e-2)
+    monkeypatch.setattr(triton_ops, "AUTOTUNE", tuned)
+    tol = 1e-3 if dtype == torch.float32 else 2e-2
+    check_wan_grid(gen, grid, dtype, "cuda", 2, 128, (True, False), tol, version=version)
+    if tuned:
+        assert {"summaries", "output", "backward_query", "backward_key"} <= triton_ops.tuned_launches().keys()
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the gpu test above covers these grids compiled")
