@@ -11,8 +11,8 @@ Times, on q, k, v of shape ``(1, N, heads, dim)`` over latent-token grids ``F x 
 - ``linear[torch]`` / ``mhla[torch]``: the PyTorch path of :mod:`mhla.ops`;
 - ``linear[triton]`` / ``mhla[triton]``: the fused Triton kernels (default on CUDA when Triton is
   installed; ``--impls torch,triton`` forces them, e.g. in Triton's interpreter on a CPU);
-  ``linear[triton-v1]`` / ``mhla[triton-v1]``: the previous kernel version (float32 summaries, fixed
-  launch settings), timed in the same run so that each version's gain is measured, not assumed;
+  ``linear[triton-v1]`` / ``mhla[triton-v1]``: the first kernel version (float32 summaries, strided
+  channel reads, one fixed launch setting), timed in the same run so that v2's gain is measured;
 - ``linear[layer]`` / ``mhla[layer]`` (``--impls`` ``layer``, in the default set): the attention core of a
   converted Wan layer as the pipeline runs it (:class:`pipelines.LinearSelfAttention`: q, k, v in
   their own dtype, the operator with ``impl="auto"`` writing a float32 output, output RMSNorm, cast

@@ -16,6 +16,12 @@ shuffles; summaries are stored in that de-interleaved channel order, which the d
 see. Feature map, RoPE and normalizer are fused. Summaries accumulate in float32; inputs and
 outputs may be fp16, bf16 or fp32 (fp16 inputs multiply in TF32, see ``_dot_types``).
 
+Two versions, timed side by side by ``benchmarks.attention`` (``benchmarks/NOTES.md`` has the
+predictions): ``v2`` (default) keeps bf16 inputs' summaries in bf16 between the passes, reads and
+writes whole rows (16-byte accesses) and splits the channels in registers, reads half-width RoPE
+tables, and autotunes its launch settings; ``v1`` is the first version (float32 summaries, strided
+single-element channel reads, one fixed launch setting).
+
 The kernels also run on a CPU under ``TRITON_INTERPRET=1`` (slowly), which is how CI checks them
 against the dense reference when no GPU is present.
 """
@@ -542,9 +548,14 @@ def _dot_types(dtype: torch.dtype):
 
 # Launch settings (tokens per step, warps, pipeline stages) the autotuner times on the first call for
 # each shape and keeps; the kernels only store (never accumulate into) their outputs, so timing runs
-# leave nothing behind. The interpreter gets v1's fixed setting (tuning would only multiply its time).
+# leave nothing behind. The candidates, v1's (64, 4, 2) among them, were chosen from
+# `python -m benchmarks.kernel_resources` (compiled for sm_90a, no GPU): settings whose kernels spill
+# kilobytes of registers or need more shared memory than an SM has were left out. The interpreter
+# gets v1's setting only (tuning would only multiply its time).
 V1_LAUNCH = dict(BLOCK_N=64, num_warps=4, num_stages=2)
+TUNE_CANDIDATES = [(16, 4, 2), (16, 8, 2), (32, 4, 2), (32, 8, 2), (32, 8, 3), (64, 4, 2), (64, 8, 2), (128, 8, 2)]
 _TUNE_KEY = ["N", "M", "D_HALF", "E"]
+
 # MHLA_AUTOTUNE=0 (or AUTOTUNE = False, read at each call) launches v2 with these fixed settings instead:
 # per kernel, the bf16 setting of the resource report without spills that fits most programs per SM.
 # Tuning compiles every candidate for each new specialisation, which the GPU tests cannot afford.
@@ -555,12 +566,6 @@ FIXED_LAUNCH = {
     "backward_query": dict(BLOCK_N=16, num_warps=8, num_stages=2),
     "backward_key": dict(BLOCK_N=16, num_warps=8, num_stages=2),
 }
-
-
-# (BLOCK_N, num_warps, num_stages) candidates, v1's (64, 4, 2) among them. Chosen from
-# `python -m benchmarks.kernel_resources` (compiled for sm_90a, no GPU): settings whose kernels spill
-# kilobytes of registers or need more shared memory than an SM has were left out.
-TUNE_CANDIDATES = [(16, 4, 2), (16, 8, 2), (32, 4, 2), (32, 8, 2), (32, 8, 3), (64, 4, 2), (64, 8, 2), (128, 8, 2)]
 
 
 def _launch_configs():
