@@ -53,8 +53,8 @@ def capture_launches(dtype, version: str, grid, heads: int, dim: int, batch: int
 
     layout = BlockLayout.for_grid(grid)
     n = layout.num_tokens
-    original = triton_ops._Geometry.run
-    triton_ops._Geometry.run = intercept
+    original = triton_ops._Geometry._launch
+    triton_ops._Geometry._launch = intercept
     try:
         # uninitialised CPU buffers: the kernels do not run, and the mixing in between may see garbage
         q, k, v = (torch.empty(batch, n, heads, dim, dtype=dtype).requires_grad_() for _ in range(3))
@@ -65,7 +65,7 @@ def capture_launches(dtype, version: str, grid, heads: int, dim: int, batch: int
         )
         out.backward(torch.zeros_like(out))
     finally:
-        triton_ops._Geometry.run = original
+        triton_ops._Geometry._launch = original
     return launches, layout
 
 

@@ -4,9 +4,12 @@
 #                                               dense reference, compiled)
 #                                            2. benchmarks.wan_step: Wan2.1-1.3B, flash/linear/mhla/mhla-hybrid,
 #                                               480x800 and 480x832, fwd + fwd+bwd
-#   bash benchmarks/run_gpu.sh attention     3. benchmarks.attention: the op, bf16, 12 heads x 128, 1k..128k
+#   bash benchmarks/run_gpu.sh profile,attention
+#                                            3. benchmarks.profile_mhla: the fused op's time per kernel at
+#                                               21x30x50 (v2 and v1, fwd and fwd+bwd) with each kernel's bytes
+#                                            4. benchmarks.attention: the op, bf16, 12 heads x 128, 1k..128k
 #                                               tokens, fwd + fwd+bwd, every softmax backend, kernels v2 and v1
-# (no argument: all three in one call, if the time allows). The first call of the fused kernels for each
+# (no argument: all four in one call, if the time allows). The first call of the fused kernels for each
 # new shape autotunes them (compiles 8 launch settings per kernel), which is why the stages are split.
 # Writes into $OUT, flat: log.txt and <name>.json/.md/.png of each benchmark; prints the tables last.
 # A stage that fails or runs out of its time is logged and the next one runs (no `set -e` on purpose).
@@ -27,9 +30,9 @@ START=$(date +%s)
 BUDGET_S="${BUDGET_S:-570}"
 TESTS_S="${TESTS_S:-200}"
 WAN_S="${WAN_S:-570}"
-STAGES=",${1:-tests,wan,attention},"
+STAGES=",${1:-tests,wan,profile,attention},"
 for s in $(echo "${STAGES//,/ }"); do
-    case "$s" in tests | wan | attention) ;; *) echo "unknown stage '$s'; expected tests, wan, attention" >&2; exit 2 ;; esac
+    case "$s" in tests | wan | profile | attention) ;; *) echo "unknown stage '$s'; expected tests, wan, profile, attention" >&2; exit 2 ;; esac
 done
 SUMMARY=()
 
@@ -76,6 +79,9 @@ fi
 if [[ $STAGES == *,wan,* ]]; then
     run_stage "wan_step" "$WAN_S" python3 -m benchmarks.wan_step --config 1.3b --sizes 81x480x800,81x480x832 \
         --grad-ckpt --warmup 2 --repeats 5 --out-dir "$OUT"
+fi
+if [[ $STAGES == *,profile,* ]]; then
+    run_stage "profile" 150 python3 -m benchmarks.profile_mhla --grid 21x30x50 --out-dir "$OUT"
 fi
 if [[ $STAGES == *,attention,* ]]; then
     run_stage "attention" 600 python3 -m benchmarks.attention --dtype bf16 --heads 12 --dim 128 \

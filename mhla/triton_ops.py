@@ -560,6 +560,7 @@ _TUNE_KEY = ["N", "M", "D_HALF", "E"]
 # per kernel, the bf16 setting of the resource report without spills that fits most programs per SM.
 # Tuning compiles every candidate for each new specialisation, which the GPU tests cannot afford.
 AUTOTUNE = os.environ.get("MHLA_AUTOTUNE", "1") != "0"
+PROFILE_RANGES = False  # benchmarks.profile_mhla turns on a profiler range per kernel launch
 FIXED_LAUNCH = {
     "summaries": dict(BLOCK_N=16, num_warps=8, num_stages=2),
     "output": dict(BLOCK_N=32, num_warps=8, num_stages=2),
@@ -640,6 +641,12 @@ class _Geometry:
         self.summary_dtype = torch.bfloat16 if bf16 else torch.float32
 
     def run(self, name: str, *args, **meta) -> None:
+        if PROFILE_RANGES:  # a named range per launch, so that a profile shows interpreted kernels too
+            with torch.profiler.record_function(f"mhla.{name}"):
+                return self._launch(name, *args, **meta)
+        return self._launch(name, *args, **meta)
+
+    def _launch(self, name: str, *args, **meta) -> None:
         if self.version == "v1":
             _KERNELS[name][self.launch](*args, **meta, **self.static, **V1_LAUNCH)
         elif not AUTOTUNE:

@@ -172,6 +172,15 @@ def test_benchmarks_on_gpu(tmp_path):
     for r in wan["rows"]:
         assert "skipped" not in r, r
         assert r["ms"] > 0 and r["peak_total_mib"] > 0
+    from benchmarks import profile_mhla
+
+    prof = profile_mhla.main(
+        ["--grid", "4x16x16", "--heads", "2", "--dim", "64", "--iters", "2", "--warmup", "1"]
+        + ["--out-dir", str(tmp_path)]
+    )
+    for version in ("v2", "v1"):  # the compiled kernels are found in the profile by their names
+        found = {r["entry"] for r in prof["rows"] if r["version"] == version and r["pass"] == "fwd+bwd"}
+        assert set(profile_mhla.KERNELS) <= found, found
 
 
 def test_kernel_resources_compiles_for_h100(tmp_path):
@@ -207,3 +216,38 @@ def test_kernel_resources_occupancy_arithmetic():
     assert occupancy(62, 88 * 1024, 8) == 2  # shared memory binds: 228 KB / (88 + 1) KB
     assert occupancy(32, 1024, 4) == 16  # 64 warps per SM at most
     assert occupancy(255, 240 * 1024, 8) == 0  # more shared memory than an SM has
+
+
+def test_profile_mhla_smoke(tmp_path):
+    if not (os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None):
+        pytest.skip("the fused kernels run on a CPU only in Triton's interpreter")
+    from benchmarks import profile_mhla
+
+    argv = ["--device", "cpu", "--grid", "2x4x6", "--heads", "2", "--dim", "16", "--versions", "v2"]
+    result = profile_mhla.main(argv + ["--iters", "1", "--warmup", "0", "--out-dir", str(tmp_path)])
+    rows = result["rows"]
+    for pass_, kernels in (("fwd", {"summaries", "output"}), ("fwd+bwd", set(profile_mhla.KERNELS))):
+        sel = [r for r in rows if r["pass"] == pass_]
+        assert kernels <= {r["entry"] for r in sel}, pass_
+        for r in sel:
+            if r["entry"] in kernels:
+                assert r["us"] > 0 and r["calls"] == 1 and r["bytes"] > 0
+        total = next(r for r in sel if r["entry"] == "TOTAL")
+        assert total["us"] == pytest.approx(sum(r["us"] for r in sel if r["entry"] != "TOTAL"))
+        assert total["floor_us"] > 0
+    md = (tmp_path / "profile_mhla_cpu_2x4x6.md").read_text()
+    assert "| v2 | fwd+bwd | backward_query | 1 |" in md and "**total**" in md
+
+
+def test_profile_mhla_kernel_bytes():
+    from benchmarks.profile_mhla import kernel_bytes
+
+    # Wan's 21x30x50 case, batch 1, 12 heads x 128, bf16 in and out, bf16 summaries (v2), no normalizer
+    wan = dict(b=1, n=31_500, h=12, d=128, e=128, m=105, size_in=2, size_sum=2, size_out=2, normalize=False)
+    x = 31_500 * 12 * 128 * 2  # one of q, k, v, out: 96.8 MB
+    summaries = 12 * 105 * 128 * 128 * 2  # 41.3 MB
+    rope = 31_500 * 128 * 4  # the two half-width float32 tables
+    assert kernel_bytes("summaries", rope_half=True, **wan) == 2 * x + rope + summaries + 12 * 105 * 128 * 4
+    assert kernel_bytes("output", rope_half=True, **wan) == 2 * x + rope + summaries
+    assert kernel_bytes("output", rope_half=False, **wan) == 2 * x + 2 * rope + summaries
+    assert kernel_bytes("backward_key", rope_half=True, **wan) == 4 * x + rope + summaries
