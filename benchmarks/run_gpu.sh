@@ -28,7 +28,7 @@ LOG="$OUT/log.txt"
 export PYTHONUNBUFFERED=1
 START=$(date +%s)
 BUDGET_S="${BUDGET_S:-570}"
-TESTS_S="${TESTS_S:-200}"
+TESTS_S="${TESTS_S:-240}"
 WAN_S="${WAN_S:-570}"
 STAGES=",${1:-tests,wan,profile,attention},"
 for s in $(echo "${STAGES//,/ }"); do
