@@ -200,12 +200,12 @@ def test_kernel_resources_compiles_for_h100(tmp_path):
         timeout=600,
     )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
-    data = json.loads((tmp_path / "kernel_resources_sm90a_3x8x10.json").read_text())
+    data = json.loads((tmp_path / "kernel_resources_sm90a_3x8x10_bf16.json").read_text())
     assert {r["kernel"] for r in data["rows"]} == {"summaries", "output", "backward_query", "backward_key"}
     for r in data["rows"]:
         assert 0 < r["registers"] <= 255 and r["shared_bytes"] > 0, r
         assert r["programs_per_sm"] >= 1, r  # the v1 launch setting fits on an SM
-    md = (tmp_path / "kernel_resources_sm90a_3x8x10.md").read_text()
+    md = (tmp_path / "kernel_resources_sm90a_3x8x10_bf16.md").read_text()
     assert "| backward_key | v2 | bf16 | bf16 | 64 | 4 | 2 |" in md
 
 
