@@ -266,8 +266,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
         waves = f"{r['waves']:.1f}" if r["waves"] else "-"
         lines.append(
             f"| {r['kernel']} | {r['version']} | {r['dtype']} | {r['summary_dtype']} | {r['BLOCK_N']} | "
-            f"{r['num_warps']} | {r['num_stages']} | {r['registers']} | {r['spill_store_bytes']}/{r['spill_load_bytes']} "
-            f"| {r['shared_bytes'] / 1024:.1f} | {r['programs_per_sm']} | {waves} |"
+            f"{r['num_warps']} | {r['num_stages']} | {r['registers']} | "
+            f"{r['spill_store_bytes']}/{r['spill_load_bytes']} | {r['shared_bytes'] / 1024:.1f} | "
+            f"{r['programs_per_sm']} | {waves} |"
         )
     return "\n".join(lines)
 
