@@ -183,14 +183,15 @@ def test_benchmarks_on_gpu(tmp_path):
         assert set(profile_mhla.KERNELS) <= found, found
 
 
-def test_kernel_resources_compiles_for_h100(tmp_path):
+@pytest.mark.parametrize("dim", [128, 24])  # Wan's head_dim, and one that is no power of two
+def test_kernel_resources_compiles_for_h100(tmp_path, dim):
     """The fused kernels compile for sm_90a here, with no GPU (Triton's ahead-of-time compile and its
     own ptxas): catches what the interpreter cannot, such as code the GPU compiler rejects or shared
     memory past an SM's. The register report is parsed for every kernel."""
     if importlib.util.find_spec("triton") is None:
         pytest.skip("Triton is not installed")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    argv = ["--quick", "--grid", "3x8x10", "--heads", "2", "--out-dir", str(tmp_path)]
+    argv = ["--quick", "--grid", "3x8x10", "--heads", "2", "--dim", str(dim), "--out-dir", str(tmp_path)]
     run = subprocess.run(
         [sys.executable, "-m", "benchmarks.kernel_resources", *argv],
         cwd=ROOT,
