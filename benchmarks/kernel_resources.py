@@ -154,6 +154,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--out-dtype", default="fp32", help="output dtype (default fp32, as the pipeline's converted layers ask)"
     )
     p.add_argument("--arch", default="90a", help="compute capability to compile for (default 90a: H100/H200)")
+    p.add_argument(
+        "--tf32",
+        action="store_true",
+        help="fp32 inputs multiply in TF32 (as with torch.backends.cuda.matmul.allow_tf32)",
+    )
     p.add_argument("--quick", action="store_true", help="bf16 only, the v1 launch setting only")
     p.add_argument("--out-dir", type=Path, default=RESULTS)
     p.add_argument("--no-save", action="store_true")
@@ -183,6 +188,7 @@ def main(argv=None) -> dict:
     if args.quick:
         versions = versions[:1]
     out_dtype = DTYPES[args.out_dtype]
+    torch.backends.cuda.matmul.allow_tf32 = args.tf32  # read by the launcher when it picks the products' precision
     target = GPUTarget("cuda", int(args.arch.rstrip("a")), 32)
     rows = []
     t0 = time.perf_counter()
@@ -226,6 +232,7 @@ def main(argv=None) -> dict:
         "batch": args.batch,
         "normalize": args.normalize,
         "out_dtype": args.out_dtype,
+        "fp32_products": "tf32" if args.tf32 else "ieee",
         "programs_per_launch": args.batch * args.heads * layout.num_blocks,
         "sm_limits": SM,
         "compile_seconds": round(time.perf_counter() - t0, 1),
@@ -254,7 +261,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
     lines = [
         f"Fused MHLA kernels compiled for {meta['arch']} (Triton {meta['triton']}, no GPU involved): "
         f"{meta['layout']}, batch {meta['batch']} x {meta['heads']} "
-        f"heads x {meta['head_dim']}, normalizer {'on' if meta['normalize'] else 'off'}, output {meta['out_dtype']}; "
+        f"heads x {meta['head_dim']}, normalizer {'on' if meta['normalize'] else 'off'}, output {meta['out_dtype']}, "
+        f"fp32 products {meta.get('fp32_products', 'ieee')}; "
         f"{meta['programs_per_launch']} programs per launch. Registers and spills from ptxas -v; programs/SM "
         "and waves are estimates from the per-SM limits.",
         "",

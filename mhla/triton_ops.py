@@ -535,7 +535,10 @@ def _dot_types(dtype: torch.dtype):
     bf16 inputs multiply in bf16 (float32's range). fp16 inputs multiply as float32 operands on TF32
     tensor cores, not in fp16: the summaries S~ are sums over up to every token and pass fp16's
     65,504 at realistic sizes (8k tokens with values around 30 already do), which the PyTorch path,
-    computing in float32, never does. float32 inputs use exact float32 products. Triton's interpreter
+    computing in float32, never does. float32 inputs use exact float32 products, or TF32 where
+    ``torch.backends.cuda.matmul.allow_tf32`` allows it, as PyTorch's own float32 matrix products (and
+    so the PyTorch path) do: the exact products keep tiles in local memory (benchmarks/NOTES.md), TF32
+    products run on the tensor cores at about 3e-4 relative error. Triton's interpreter
     computes bf16 products wrongly (Triton 3.9 on a CPU), so there bf16 inputs multiply in float32:
     CPU tests check everything of the bf16 path but the rounding of the products' operands.
     """
@@ -543,7 +546,7 @@ def _dot_types(dtype: torch.dtype):
         return tl.bfloat16, "tf32"
     if dtype == torch.float16:
         return tl.float32, "tf32"
-    return tl.float32, "ieee"
+    return tl.float32, ("tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee")
 
 
 # Launch settings (tokens per step, warps, pipeline stages) the autotuner times on the first call for
@@ -554,7 +557,8 @@ def _dot_types(dtype: torch.dtype):
 # gets v1's setting only (tuning would only multiply its time).
 V1_LAUNCH = dict(BLOCK_N=64, num_warps=4, num_stages=2)
 TUNE_CANDIDATES = [(16, 4, 2), (16, 8, 2), (32, 4, 2), (32, 8, 2), (32, 8, 3), (64, 4, 2), (64, 8, 2), (128, 8, 2)]
-_TUNE_KEY = ["N", "M", "D_HALF", "E"]
+# tuned once per shape and per compiled variant (the constants a kernel takes among these)
+_TUNE_KEY = ["N", "M", "D_HALF", "E", "USE_ROPE", "NORMALIZE", "PRECISION"]
 
 # MHLA_AUTOTUNE=0 (or AUTOTUNE = False, read at each call) launches v2 with these fixed settings instead:
 # per kernel, the bf16 setting of the resource report without spills that fits most programs per SM.
@@ -582,7 +586,10 @@ if triton is not None:
         "backward_query": _backward_query_kernel,
         "backward_key": _backward_key_kernel,
     }
-    _TUNED = {name: triton.autotune(_launch_configs(), key=_TUNE_KEY)(fn) for name, fn in _KERNELS.items()}
+    _TUNED = {
+        name: triton.autotune(_launch_configs(), key=[k for k in _TUNE_KEY if k in fn.arg_names])(fn)
+        for name, fn in _KERNELS.items()
+    }
 
 
 def tuned_launches() -> dict:

@@ -113,6 +113,23 @@ def test_fused_v2_keeps_bf16_summaries(gen):
         triton_ops.mhla_attention_fused(*leaves, layout, m.float().to(DEVICE), version="v3")
 
 
+def test_product_precision_policy(monkeypatch):
+    import triton.language as tl
+
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    assert triton_ops._dot_types(torch.float32) == (tl.float32, "ieee")  # exact, as PyTorch's default
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    assert triton_ops._dot_types(torch.float32) == (tl.float32, "tf32")  # follows PyTorch's TF32 switch
+    assert triton_ops._dot_types(torch.float16) == (tl.float32, "tf32")  # never fp16 operands (their range)
+
+
+@pytest.mark.gpu
+def test_fused_gpu_fp32_with_tf32_allowed(gen, monkeypatch):
+    monkeypatch.setattr(triton_ops, "AUTOTUNE", False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    check_wan_grid(gen, (21, 30, 52), torch.float32, "cuda", 2, 128, (True, False), 1e-3)
+
+
 def test_fused_fixed_launch_settings(gen, monkeypatch):
     # MHLA_AUTOTUNE=0: v2 with its fixed per-kernel settings (16-32 tokens per step: blocks of up to
     # 27 tokens take two steps, the second one masked)
