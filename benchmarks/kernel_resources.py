@@ -17,8 +17,8 @@ From the report, an estimate of what fits on one streaming multiprocessor (H100:
 the waves of programs over 132 of them. Spilled registers go to local memory: traffic the memory
 floor does not count.
 
-Writes ``kernel_resources_sm<arch>_<grid>_<dtypes>.json`` and ``.md`` to ``benchmarks/results/``. Runs without
-``TRITON_INTERPRET``; the tests run it in a subprocess with that variable removed.
+Writes ``kernel_resources_sm<arch>_<grid>_<dtypes>[_tf32].json`` and ``.md`` to ``benchmarks/results/``.
+Runs without ``TRITON_INTERPRET``; the tests run it in a subprocess with that variable removed.
 """
 
 from __future__ import annotations
@@ -241,7 +241,8 @@ def main(argv=None) -> dict:
     print("\n" + table)
     if not args.no_save:
         args.out_dir.mkdir(parents=True, exist_ok=True)
-        stem = args.out_dir / f"kernel_resources_sm{args.arch}_{args.grid}_{'-'.join(dtypes)}"
+        tag = "-".join(dtypes) + ("_tf32" if args.tf32 else "")
+        stem = args.out_dir / f"kernel_resources_sm{args.arch}_{args.grid}_{tag}"
         stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
         stem.with_suffix(".md").write_text(table + "\n")
         print(f"wrote {stem}.json and .md")
