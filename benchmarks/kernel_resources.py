@@ -42,6 +42,22 @@ SM = dict(registers=65536, shared=228 * 1024, shared_reserved=1024, warps=64, pr
 PTR_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}
 
 
+def compile_support() -> str | None:
+    """Why this Triton cannot compile ahead of time for an NVIDIA target here, or None when it can."""
+    try:
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+        from triton.backends.nvidia.compiler import get_ptxas
+        from triton.compiler import ASTSource  # noqa: F401
+    except ImportError as e:
+        return f"this Triton has no ahead-of-time NVIDIA compile API ({e})"
+    try:
+        ptxas = get_ptxas(90).path
+        subprocess.run([ptxas, "--version"], capture_output=True, check=True)
+    except Exception as e:  # noqa: BLE001 - any reason the bundled ptxas does not run here
+        return f"Triton's ptxas does not run here ({type(e).__name__}: {e})"
+    return None
+
+
 def capture_launches(dtype, version: str, grid, heads: int, dim: int, batch: int, normalize: bool, out_dtype):
     """``[(kernel name, summary dtype, args, meta)]`` of one forward and backward, launches intercepted."""
     from mhla import BlockLayout, locality_init, triton_ops
@@ -176,6 +192,9 @@ def main(argv=None) -> dict:
 
     if not triton_ops.available():
         raise SystemExit("Triton is not installed")
+    reason = compile_support()
+    if reason:
+        raise SystemExit(reason)
     grid = parse_grid(args.grid)
     dtypes = ["bf16"] if args.quick else [d.strip() for d in args.dtypes.split(",") if d.strip()]
     bad = [d for d in dtypes if d not in DTYPES]
