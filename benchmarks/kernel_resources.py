@@ -207,15 +207,19 @@ def main(argv=None) -> dict:
     if args.quick:
         versions = versions[:1]
     out_dtype = DTYPES[args.out_dtype]
-    torch.backends.cuda.matmul.allow_tf32 = args.tf32  # read by the launcher when it picks the products' precision
     target = GPUTarget("cuda", int(args.arch.rstrip("a")), 32)
     rows = []
     t0 = time.perf_counter()
     for dname in dtypes:
         for version in versions:
-            launches, layout = capture_launches(
-                DTYPES[dname], version, grid, args.heads, args.dim, args.batch, args.normalize, out_dtype
-            )
+            tf32_before = torch.backends.cuda.matmul.allow_tf32  # the launcher reads it for fp32 products
+            torch.backends.cuda.matmul.allow_tf32 = args.tf32
+            try:
+                launches, layout = capture_launches(
+                    DTYPES[dname], version, grid, args.heads, args.dim, args.batch, args.normalize, out_dtype
+                )
+            finally:
+                torch.backends.cuda.matmul.allow_tf32 = tf32_before
             programs = args.batch * args.heads * layout.num_blocks
             for name, summary_dtype, launch_args, meta in launches:
                 fn = triton_ops._KERNELS[name]
