@@ -45,6 +45,7 @@ from .common import (
     DTYPES,
     RESULTS,
     Timer,
+    attention_min_bytes,
     copy_bandwidth,
     cpu_caveat,
     default_tag,
@@ -249,12 +250,11 @@ def main(argv=None) -> dict:
         angles = torch.rand(1, n, 1, dim // 2, generator=gen).repeat_interleave(2, -1) * 6.28
         rope = (angles.cos().to(device), angles.sin().to(device))
         mixing = locality_init(layout).float().to(device)
-        tensor_bytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        size = torch.empty((), dtype=dtype).element_size()
         for pass_ in passes:
             backward = pass_ == "fwd+bwd"
             q, k, v = (torch.randn(shape, generator=gen).to(device, dtype).requires_grad_(backward) for _ in range(3))
-            # forward: q, k, v read, out written; backward: q, k, v, d_out read, dq, dk, dv written
-            min_bytes = tensor_bytes * (4 + (7 if backward else 0))
+            min_bytes = attention_min_bytes(torch.Size(shape).numel(), size, size, backward)
             mem_floor = min_bytes / bandwidth * 1e3
             for label, kind, arg in todo:
                 f = flops(kind, n, args.heads, dim, layout.num_blocks, backward)

@@ -88,6 +88,14 @@ def measure(fn, device: torch.device, warmup: int, repeats: int, timer: Timer | 
     return out
 
 
+def attention_min_bytes(numel: int, size_in: int, size_out: int, backward: bool) -> int:
+    """The fewest bytes an attention op moves, for q, k, v of ``numel`` elements each (``size_in`` bytes
+    per element) and an output as large (``size_out``): forward, q, k, v read and the output written;
+    forward+backward adds q, k, v read again, the output gradient read and dq, dk, dv written."""
+    fwd = numel * (3 * size_in + size_out)
+    return fwd + numel * (6 * size_in + size_out) if backward else fwd
+
+
 def copy_bandwidth(device: torch.device) -> float:
     """Measured device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
     n = (1024 if device.type == "cuda" else 64) * 2**20

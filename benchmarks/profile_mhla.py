@@ -10,8 +10,8 @@ per iteration: the four Triton kernels (summaries, output, backward_query, backw
 matrix products, the RoPE-table slicing and any other copy. For the Triton kernels it adds the bytes
 that kernel must move at least (its inputs read once, its outputs written once; the RoPE tables once,
 not per head) and the bandwidth that implies, next to the measured copy bandwidth of the device. The
-total is compared with the operator's memory floor (q, k, v read and the output written; backward:
-plus the output gradient read and dq, dk, dv written), as in ``benchmarks.attention``.
+total is compared with the operator's memory floor (``common.attention_min_bytes``, as in
+``benchmarks.attention``).
 
 This is the profile the issue asks for when a measured number misses its target. On a CPU the
 kernels run in Triton's interpreter and the profile only shows that the script works.
@@ -31,6 +31,7 @@ from mhla import BlockLayout, locality_init, triton_ops
 from .common import (
     DTYPES,
     RESULTS,
+    attention_min_bytes,
     copy_bandwidth,
     cpu_caveat,
     device_kind,
@@ -151,8 +152,6 @@ def main(argv=None) -> dict:
     env = environment(device)
     size_in = torch.empty((), dtype=dtype).element_size()
     size_out = torch.empty((), dtype=out_dtype).element_size()
-    floor_fwd = (3 * b * n * h * d * size_in + b * n * h * d * size_out) / bandwidth * 1e6
-    floor_bwd = floor_fwd + (3 * b * n * h * d * size_in + b * n * h * d * size_out) / bandwidth * 1e6
     print(
         f"# profile of the fused MHLA on {env['device']}: {layout}, batch {b} x {h} heads x {d}, "
         f"{dtype_name(dtype)} in, {dtype_name(out_dtype)} out; copy {bandwidth / 1e9:.0f} GB/s",
@@ -193,7 +192,7 @@ def main(argv=None) -> dict:
                     rest = {"us": sum(entries[key]["us"] for key in small), "calls": 0.0}
                     rest["calls"] = sum(entries.pop(key)["calls"] for key in small)
                     entries[f"other ({len(small)} entries under 1% each)"] = rest
-                floor = floor_bwd if backward else floor_fwd
+                floor = attention_min_bytes(b * n * h * d, size_in, size_out, backward) / bandwidth * 1e6
                 for key, x in sorted(entries.items(), key=lambda kv: -kv[1]["us"]):
                     row = {
                         "version": version,

@@ -257,3 +257,12 @@ def test_profile_mhla_kernel_bytes():
     assert kernel_bytes("output", rope_half=True, **wan) == 2 * x + rope + summaries
     assert kernel_bytes("output", rope_half=False, **wan) == 2 * x + 2 * rope + summaries
     assert kernel_bytes("backward_key", rope_half=True, **wan) == 4 * x + rope + summaries
+
+
+def test_attention_min_bytes_counts_the_tensors_once():
+    from benchmarks.common import attention_min_bytes
+
+    x = 31_500 * 12 * 128  # one of q, k, v at 21x30x50, 12 heads x 128 (benchmarks/NOTES.md)
+    assert attention_min_bytes(x, 2, 2, backward=False) == 4 * x * 2  # 387 MB: q, k, v, out
+    assert attention_min_bytes(x, 2, 2, backward=True) == 11 * x * 2  # 1,065 MB: + q, k, v, dO, dq, dk, dv
+    assert attention_min_bytes(x, 2, 4, backward=True) == x * (9 * 2 + 2 * 4)  # float32 out and dO
