@@ -42,7 +42,7 @@ from .common import (
     write_results,
 )
 
-KERNELS = ("summaries", "output", "backward_query", "backward_key")
+KERNELS = triton_ops.KERNEL_NAMES
 
 
 def kernel_bytes(name: str, *, b, n, h, d, e, m, size_in, size_sum, size_out, normalize, rope_half) -> int:
@@ -161,8 +161,7 @@ def main(argv=None) -> dict:
     triton_ops.PROFILE_RANGES = True
     try:
         for version in versions:
-            sum_dtype = torch.bfloat16 if (version == "v2" and dtype == torch.bfloat16) else torch.float32
-            size_sum = torch.empty((), dtype=sum_dtype).element_size()
+            size_sum = torch.empty((), dtype=triton_ops.summary_dtype(version, dtype)).element_size()
             for pass_ in passes:
                 backward = pass_ == "fwd+bwd"
                 leaves = [t.detach().requires_grad_(backward) for t in (q, k, v)]

@@ -47,6 +47,14 @@ RELU_EPS = 1e-6  # same as mhla.feature_maps.RELU_EPS
 
 
 VERSIONS = ("v2", "v1")
+KERNEL_NAMES = ("summaries", "output", "backward_query", "backward_key")
+
+
+def summary_dtype(version: str, dtype: torch.dtype) -> torch.dtype:
+    """dtype of the block summaries between the passes: v2 keeps bf16 inputs' summaries (and their
+    gradients) in bf16, since the products read them as bf16 operands anyway and it halves their
+    traffic; otherwise float32. Sums stay float32 inside the kernels either way."""
+    return torch.bfloat16 if version == "v2" and dtype == torch.bfloat16 else torch.float32
 
 
 def available() -> bool:
@@ -580,12 +588,9 @@ def _launch_configs():
 
 
 if triton is not None:
-    _KERNELS = {
-        "summaries": _summaries_kernel,
-        "output": _output_kernel,
-        "backward_query": _backward_query_kernel,
-        "backward_key": _backward_key_kernel,
-    }
+    _KERNELS = dict(
+        zip(KERNEL_NAMES, (_summaries_kernel, _output_kernel, _backward_query_kernel, _backward_key_kernel))
+    )
     _TUNED = {
         name: triton.autotune(_launch_configs(), key=[k for k in _TUNE_KEY if k in fn.arg_names])(fn)
         for name, fn in _KERNELS.items()
@@ -617,6 +622,28 @@ def _mix(mixing: torch.Tensor, x: torch.Tensor, batch: int, heads: int, transpos
     return mixed.reshape(x.shape)
 
 
+_rope_cache: dict = {}  # the last rotary tables seen and their halves (see _rope_halves)
+
+
+def _rope_halves(rotary_emb) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos at even and sin at odd channels, float32 and contiguous: the halves v2's kernels read.
+
+    Wan passes one (cos, sin) pair to all its layers, forward and backward, so the halves of the last
+    pair are kept (with the pair itself, so that its memory cannot be reused by other tables) and made
+    once per denoising or training step instead of twice per layer; an in-place change of the pair
+    (its version counter) makes them again."""
+    cos, sin = rotary_emb
+    key = (cos._version, sin._version)
+    hit = _rope_cache.get("pair")
+    if hit is None or hit[0] is not cos or hit[1] is not sin or _rope_cache["version"] != key:
+        _rope_cache.update(
+            pair=(cos, sin),
+            version=key,
+            halves=(cos[..., 0::2].float().contiguous(), sin[..., 1::2].float().contiguous()),
+        )
+    return _rope_cache["halves"]
+
+
 class _Geometry:
     def __init__(self, q, v, layout: BlockLayout, rotary_emb, version: str):
         self.B, self.N, self.H, D = q.shape
@@ -625,27 +652,23 @@ class _Geometry:
         self.grid_args = (self.N, self.H, *layout.grid, *layout.blocks, self.M, self.D_HALF, self.E)
         self.launch = (self.B * self.H, self.M)
         self.use_rope = rotary_emb is not None
-        if self.use_rope:
-            cos, sin = (t.float() for t in rotary_emb)
-            if version != "v1":  # the half the rotation reads (cos at even, sin at odd channels), contiguous
-                cos, sin = cos[..., 0::2].contiguous(), sin[..., 1::2].contiguous()
-            elif cos.stride() != sin.stride():
-                sin = sin.contiguous()
-                cos = cos.contiguous()
-            self.cos, self.sin = cos, sin
-            self.rope_strides = (cos.stride(1), cos.stride(3))
-        else:
+        if not self.use_rope:
             self.cos = self.sin = q  # unused pointers
             self.rope_strides = (0, 0)
+        else:
+            if version != "v1":
+                cos, sin = _rope_halves(rotary_emb)
+            else:  # v1 reads the full tables, both with the same strides
+                cos, sin = (t.float() for t in rotary_emb)
+                if cos.stride() != sin.stride():
+                    cos, sin = cos.contiguous(), sin.contiguous()
+            self.cos, self.sin = cos, sin
+            self.rope_strides = (cos.stride(1), cos.stride(3))
         self.version = version
         # compile-time arguments fixed by the shape and the version (BLOCK_N comes from the launch setting)
         self.static = dict(BLOCK_D=_pow2(self.D_HALF), BLOCK_E=_pow2(self.E), WIDE=version != "v1")
         self.dot_dtype, self.precision = _dot_types(q.dtype)
-        # v2 keeps bf16 inputs' block summaries (and their gradients) in bf16 between the passes: the
-        # products read them as bf16 operands anyway, and it halves the summary traffic. Sums stay in
-        # float32 inside the kernels; the normalizer sums z stay float32 (they are small).
-        bf16 = version == "v2" and q.dtype == torch.bfloat16
-        self.summary_dtype = torch.bfloat16 if bf16 else torch.float32
+        self.summary_dtype = summary_dtype(version, q.dtype)  # the normalizer sums z stay float32 (small)
 
     def run(self, name: str, *args, **meta) -> None:
         if PROFILE_RANGES:  # a named range per launch, so that a profile shows interpreted kernels too

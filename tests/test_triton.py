@@ -113,6 +113,23 @@ def test_fused_v2_keeps_bf16_summaries(gen):
         triton_ops.mhla_attention_fused(*leaves, layout, m.float().to(DEVICE), version="v3")
 
 
+def test_rope_halves_are_made_once_per_pair_of_tables(gen):
+    # the Wan layers share one (cos, sin): v2's half tables are sliced once, and again after a change
+    layout = BlockLayout((2, 4, 6), (2, 2, 2))
+    (q, k, v, _), rope = inputs(gen, layout, b=1)
+    rope = tuple(t.float() for t in rope)
+    first = triton_ops._Geometry(q, v, layout, rope, "v2")
+    again = triton_ops._Geometry(q, v, layout, rope, "v2")
+    assert again.cos is first.cos and again.sin is first.sin
+    torch.testing.assert_close(first.cos, rope[0][..., 0::2], rtol=0, atol=0)
+    torch.testing.assert_close(first.sin, rope[1][..., 1::2], rtol=0, atol=0)
+    rope[1].mul_(-1)  # in place: the kept halves are stale
+    changed = triton_ops._Geometry(q, v, layout, rope, "v2")
+    torch.testing.assert_close(changed.sin, rope[1][..., 1::2], rtol=0, atol=0)
+    other = tuple(t.clone() for t in rope)  # equal values, other tensors: made for them
+    assert triton_ops._Geometry(q, v, layout, other, "v2").cos is not changed.cos
+
+
 def test_product_precision_policy(monkeypatch):
     import triton.language as tl
 
