@@ -239,7 +239,7 @@ def sweep_markdown(res: dict) -> str:
         f"{len(res['seeds'])} seed(s), {res['num_inference_steps']} steps, on {res['device']} ({res['machine']}), {res['date']}.",
         "",
         "| variant | CFG | " + " | ".join(ATTRIBUTES) + " | overall | attribute mean | latency per video |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|" + "---:|" * (len(ATTRIBUTES) + 3),
     ]
     for v, r in res["variants"].items():
         for g, row in r["by_guidance"].items():
