@@ -130,20 +130,34 @@ def test_rope_halves_are_made_once_per_pair_of_tables(gen):
     assert triton_ops._Geometry(q, v, layout, other, "v2").cos is not changed.cos
 
 
-def test_product_precision_policy(monkeypatch):
+@pytest.fixture
+def tf32_switch():
+    """Sets torch.backends.cuda.matmul.allow_tf32 and restores it by hand afterwards: the switch is a
+    property of a module object, which pytest's monkeypatch (9.x) cannot undo."""
+    matmul = torch.backends.cuda.matmul
+    saved = matmul.allow_tf32
+
+    def set_tf32(value: bool) -> None:
+        matmul.allow_tf32 = value
+
+    yield set_tf32
+    matmul.allow_tf32 = saved
+
+
+def test_product_precision_policy(tf32_switch):
     import triton.language as tl
 
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    tf32_switch(False)
     assert triton_ops._dot_types(torch.float32) == (tl.float32, "ieee")  # exact, as PyTorch's default
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    tf32_switch(True)
     assert triton_ops._dot_types(torch.float32) == (tl.float32, "tf32")  # follows PyTorch's TF32 switch
     assert triton_ops._dot_types(torch.float16) == (tl.float32, "tf32")  # never fp16 operands (their range)
 
 
 @pytest.mark.gpu
-def test_fused_gpu_fp32_with_tf32_allowed(gen, monkeypatch):
+def test_fused_gpu_fp32_with_tf32_allowed(gen, monkeypatch, tf32_switch):
     monkeypatch.setattr(triton_ops, "AUTOTUNE", False)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    tf32_switch(True)
     check_wan_grid(gen, (21, 30, 52), torch.float32, "cuda", 2, 128, (True, False), 1e-3)
 
 
