@@ -228,11 +228,31 @@ def test_lora_checkpoint_is_merged_into_the_pipeline_format(tmp_path):
         ("train.lr_schedule=step", "train.lr_schedule='step': expected one of"),
         ("data.default_background=pink", "data.default_background='pink': expected null or one of"),
         ("train.min_lr_ratio=2", "train.min_lr_ratio=2: expected a fraction"),
+        ("train.lr=-1", "train.lr=-1: expected a value > 0"),
+        ("train.lr=abc", "train.lr='abc': expected a number"),
+        ("train.steps=abc", "train.steps='abc': expected an integer"),
+        ("train.steps=2.5", "train.steps=2.5: expected an integer"),
+        ("train.grad_clip=true", "train.grad_clip=True: expected a number"),
+        ("log.tensorboard=3", "log.tensorboard=3: expected true or false"),
+        ("model.layers=[1,x]", "model.layers=[1, 'x']: expected a list of integers"),
+        ("model.variant=softmax", "model.variant='softmax': expected one of"),
+        ("data.short_captions=2", "data.short_captions=2: expected a value >= 0 and <= 1"),
+        ("resume=/no/such/checkpoint", "resume='/no/such/checkpoint': expected null, 'latest' or a checkpoint"),
     ],
 )
 def test_bad_config_is_rejected_before_work(override, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         load_config(TINY, [override])
+
+
+def test_malformed_yaml_names_the_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  steps: [1\n")
+    with pytest.raises(ValueError, match=re.escape(f"config file {str(bad)!r} is not valid YAML")):
+        load_config(bad)
+    bad.write_text("- just\n- a list\n")
+    with pytest.raises(ValueError, match="must hold a mapping"):
+        load_config(bad)
 
 
 def test_cosine_schedule_and_a_resumed_run_follows_the_longer_schedule():
@@ -320,3 +340,69 @@ def test_shipped_configs_load():
         if path.name.startswith("wan2.1-1.3b"):
             assert (cfg.train.lr, cfg.train.weight_decay, cfg.flow.shift) == (2e-5, 0.0, 3.0)
             assert (cfg.data.num_frames, cfg.data.height, cfg.data.width) == (81, 480, 800)
+
+
+def test_a_new_run_never_starts_over_an_earlier_one(tmp_path):
+    run = tmp_path / "run"
+    finetune(run, "train.steps=4", "checkpoint.every=2")
+    before = (run / "metrics.jsonl").read_text()
+    again = finetune(run, "train.steps=2", "checkpoint.every=1", check=False)
+    assert again.returncode == 2
+    assert f"run_dir {str(run)!r} already holds a run (checkpoints up to step 4)" in again.stderr
+    assert "resume=latest" in again.stderr and "overwrite=true" in again.stderr
+    assert (run / "metrics.jsonl").read_text() == before  # nothing of the earlier run touched
+    assert [p.name for p in ckpt.list_checkpoints(run)] == ["step-0000002", "step-0000004"]
+    finetune(run, "train.steps=2", "checkpoint.every=1", "overwrite=true")  # explicit: the old run goes
+    assert [p.name for p in ckpt.list_checkpoints(run)] == ["step-0000001", "step-0000002"]
+    assert max(r["step"] for r in metrics(run)) == 2
+
+
+def test_damaged_checkpoints_are_skipped_and_the_run_ends_as_an_uninterrupted_one(tmp_path):
+    steps = ["train.steps=12", "checkpoint.every=3", "checkpoint.keep=0", "log.param_digest=true"]
+    run = tmp_path / "run"
+    finetune(run, *steps)
+    straight = digest(run)
+    found = {p.name: p for p in ckpt.list_checkpoints(run)}
+    weights = found["step-0000012"] / "transformer" / "diffusion_pytorch_model.safetensors"
+    with weights.open("r+b") as f:  # truncated, as by a full disk or a killed copy
+        f.truncate(weights.stat().st_size // 2)
+    state = found["step-0000009"] / ckpt.STATE_FILE
+    raw = bytearray(state.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # same size, one flipped byte
+    state.write_bytes(bytes(raw))
+    (run / "param_digest" / "rank0.txt").unlink()
+    proc = finetune(run, *steps, "resume=latest")
+    out = proc.stdout + proc.stderr
+    assert f"skipping damaged checkpoint {found['step-0000012']}" in out and "truncated" in out
+    assert f"skipping damaged checkpoint {found['step-0000009']}" in out and "SHA-256" in out
+    assert f"resumed from {found['step-0000006']} at step 6" in out
+    assert digest(run) == straight
+    assert ckpt.damage(found["step-0000012"]) is None  # rewritten by the resumed run
+    with pytest.raises(ValueError, match="not an intact checkpoint: .*manifest.json is missing"):
+        (found["step-0000003"] / ckpt.MANIFEST).unlink()
+        ckpt.resolve_resume(str(found["step-0000003"]), run)
+
+
+def test_a_full_disk_while_saving_ends_with_a_message_and_keeps_earlier_checkpoints(tmp_path, monkeypatch, capsys):
+    import errno
+
+    from training import finetune as ft
+
+    real_save_state, calls = ckpt.save_state, []
+
+    def save_state(state, path):
+        calls.append(path)
+        if "step-0000004" in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_save_state(state, path)
+
+    monkeypatch.setattr(ckpt, "save_state", save_state)
+    run = tmp_path / "run"
+    rc = ft.main(["--config", TINY, f"run_dir={run}", *QUIET, "train.steps=6", "checkpoint.every=2"])
+    err = capsys.readouterr().err
+    assert rc == 4
+    assert "could not write the checkpoint of step 4" in err and "No space left on device" in err
+    assert "step-0000002" in err and "resume=latest" in err
+    assert [p.name for p in ckpt.list_checkpoints(run)] == ["step-0000002"]
+    assert ckpt.damage(run / "checkpoints" / "step-0000002") is None
+    assert not list((run / "checkpoints").glob(".*"))  # no half-written folder left behind

@@ -9,20 +9,26 @@ A checkpoint is a folder ``<run>/checkpoints/step-0000100/`` holding
 - ``config.yaml``: the resolved run configuration.
 
 It is written under a temporary name and renamed into place only when complete, so a crash while
-saving never spoils the last good checkpoint; ``latest`` only ever sees complete ones.
+saving never spoils the last good checkpoint. ``manifest.json`` is written last, with the size and
+SHA-256 of every other file: a checkpoint counts only when its manifest is there, and ``resume=latest``
+checks the files against it, skipping a damaged checkpoint (a truncated file, a disk error) with a
+warning that names it, for the newest good one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
 
 STATE_FILE = "training_state.pt"
+MANIFEST = "manifest.json"
 _NAME = re.compile(r"^step-(\d{7})$")
 
 
@@ -31,26 +37,110 @@ def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Complete checkpoints of a run, oldest first."""
+    """Checkpoints of a run that were completed (their manifest written), oldest first. Their files are
+    not checked here: :func:`damage` does that."""
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if _NAME.match(p.name) and (p / STATE_FILE).is_file()]
-    return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
+    found = [p for p in root.iterdir() if _NAME.match(p.name) and (p / MANIFEST).is_file()]
+    return sorted(found, key=checkpoint_step)
+
+
+def checkpoint_step(path: str | Path) -> int:
+    return int(_NAME.match(Path(path).name).group(1))
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_manifest(folder: str | Path) -> None:
+    """Records size and SHA-256 of every file in ``folder`` in ``manifest.json``; call it last."""
+    folder = Path(folder)
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+    entries = {p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    tmp = folder / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps({"files": entries}, indent=1))
+    os.replace(tmp, folder / MANIFEST)
+
+
+def damage(folder: str | Path) -> str | None:
+    """Why the checkpoint ``folder`` cannot be trusted (naming the file), or None when every file matches
+    its manifest."""
+    folder = Path(folder)
+    try:
+        entries = json.loads((folder / MANIFEST).read_text())["files"]
+    except FileNotFoundError:
+        return f"{folder / MANIFEST} is missing (the checkpoint was never completed)"
+    except (ValueError, KeyError, TypeError):
+        return f"{folder / MANIFEST} is not a readable manifest"
+    if STATE_FILE not in entries:
+        return f"{folder / MANIFEST} lists no {STATE_FILE}"
+    for name, entry in entries.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{path} is missing"
+        size = path.stat().st_size
+        if size != entry["bytes"]:
+            return f"{path} has {size} bytes, the manifest says {entry['bytes']} (truncated or changed)"
+        if _sha256(path) != entry["sha256"]:
+            return f"{path} does not match its SHA-256 in the manifest (corrupted or changed)"
+    return None
 
 
 def resolve_resume(resume: str | None, run_dir: str | Path) -> Path | None:
-    """``None`` -> no resume; ``"latest"`` -> newest complete checkpoint of the run (or None if there is
-    none yet, so a fresh run and a restarted one use the same command); a path -> that checkpoint."""
+    """``None`` -> no resume; ``"latest"`` -> newest checkpoint of the run whose files match its manifest
+    (None if there is none yet, so a fresh run and a restarted one use the same command; damaged ones
+    are skipped with a warning naming them); a path -> that checkpoint, which must be intact."""
     if not resume:
         return None
     if resume == "latest":
-        found = list_checkpoints(run_dir)
-        return found[-1] if found else None
+        for path in reversed(list_checkpoints(run_dir)):
+            why = damage(path)
+            if why is None:
+                return path
+            warnings.warn(f"skipping damaged checkpoint {path}: {why}", stacklevel=2)
+        return None
     path = Path(resume)
-    if not (path / STATE_FILE).is_file():
-        raise FileNotFoundError(f"resume={str(path)!r} is not a complete checkpoint (no {STATE_FILE} inside)")
+    if not path.is_dir():
+        raise FileNotFoundError(f"resume={str(path)!r}: no such checkpoint folder")
+    why = damage(path)
+    if why is not None:
+        raise ValueError(f"resume={str(path)!r} is not an intact checkpoint: {why}")
     return path
+
+
+RUN_FILES = ("checkpoints", "metrics.jsonl", "config.yaml")
+
+
+def check_new_run(run_dir: str | Path, resume: str | None, overwrite: bool) -> list[Path]:
+    """A run without ``resume`` must not start over another run's files in ``run_dir`` (its metrics would be
+    emptied and checkpoint pruning would mix the two runs). Returns what ``overwrite=true`` replaces;
+    raises ValueError naming the folder otherwise."""
+    if resume:
+        return []
+    run_dir = Path(run_dir)
+    found = [run_dir / name for name in RUN_FILES if (run_dir / name).exists()]
+    if found and not overwrite:
+        steps = [checkpoint_step(p) for p in list_checkpoints(run_dir)]
+        held = f" (checkpoints up to step {max(steps)})" if steps else ""
+        raise ValueError(
+            f"run_dir {str(run_dir)!r} already holds a run{held}: continue it with resume=latest, "
+            "choose a new run_dir, or replace it with overwrite=true"
+        )
+    return found
+
+
+def clear_run(run_dir: str | Path) -> None:
+    """Removes an earlier run's files from ``run_dir`` (``overwrite=true``)."""
+    run_dir = Path(run_dir)
+    if run_dir.is_dir():
+        for p in run_dir.iterdir():
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
 
 
 def begin_checkpoint(run_dir, step: int) -> Path:
@@ -72,9 +162,11 @@ def pending_dir(run_dir, step: int) -> Path:
 
 
 def finish_checkpoint(run_dir, step: int, keep: int | None = None) -> Path:
-    """Renames the assembled folder into place, then drops all but the newest ``keep`` checkpoints."""
+    """Writes the manifest, renames the assembled folder into place, then drops all but the newest ``keep``
+    checkpoints (never the one just written)."""
     final = checkpoint_dir(run_dir, step)
     tmp = pending_dir(run_dir, step)
+    write_manifest(tmp)
     if final.exists():  # a re-run of the same step replaces it, still without a window of no checkpoint
         old = final.parent / f".{final.name}.old"
         if old.exists():
@@ -86,7 +178,8 @@ def finish_checkpoint(run_dir, step: int, keep: int | None = None) -> Path:
         os.replace(tmp, final)
     if keep:
         for stale in list_checkpoints(run_dir)[:-keep]:
-            shutil.rmtree(stale, ignore_errors=True)
+            if stale != final:
+                shutil.rmtree(stale, ignore_errors=True)
     return final
 
 

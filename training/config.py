@@ -9,12 +9,13 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 DEFAULTS: dict = {
     "task": "transformer",  # transformer (flow matching) | vae (train model.path's VAE, see training/vae.py)
     "run_dir": "runs/finetune",
     "resume": None,  # null | latest | path to a checkpoint folder
+    "overwrite": False,  # true: a new run may replace an earlier run's files in run_dir (never mixed with them)
     "model": {
         "path": None,  # local diffusers Wan2.1 T2V directory; null = the built-in model; tiny-random = random tiny
         "transformer": None,  # optional: start from this transformer folder (e.g. a previous run's checkpoint)
@@ -122,7 +123,14 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"config file {str(path)!r} does not exist (see configs/finetune/)")
-        layers.append(OmegaConf.load(path))
+        try:
+            loaded = OmegaConf.load(path)
+        except Exception as e:  # yaml's ScannerError / ParserError and friends
+            first = " ".join(str(e).split())[:300]
+            raise ValueError(f"config file {str(path)!r} is not valid YAML: {first}") from None
+        if not isinstance(loaded, DictConfig):
+            raise ValueError(f"config file {str(path)!r} must hold a mapping of keys (e.g. 'train: {{steps: 10}}')")
+        layers.append(loaded)
     if overrides:
         bad = [o for o in overrides if "=" not in o]
         if bad:
@@ -149,8 +157,127 @@ class open_dict_at:
         return False
 
 
+# ---- the schema: the type of every key (DEFAULTS gives it where the default is not null) and the range
+# of every number. Checked before anything is loaded, so `train.lr=abc` or `train.lr=-1` stop at once.
+_NUM = (int, float)
+NULLABLE_TYPES: dict[str, tuple] = {
+    "resume": (str,),
+    "model.path": (str,),
+    "model.transformer": (str,),
+    "model.layers": (list,),
+    "model.blocks": (str,),
+    "data.path": (str,),
+    "data.default_background": (str,),
+    "train.mixing_lr": _NUM,
+    "vae.export": (str,),
+}
+FREE_FORM = ("model.attention",)  # validated by pipelines.AttentionOptions
+# key -> (lowest, lowest is allowed, highest or None): numbers outside are refused
+RANGES: dict[str, tuple] = {
+    "train.lr": (0, False, None),
+    "train.mixing_lr": (0, False, None),
+    "train.weight_decay": (0, True, None),
+    "train.adam_eps": (0, False, None),
+    "train.warmup_steps": (0, True, None),
+    "train.grad_clip": (0, True, None),
+    "train.max_nonfinite": (1, True, None),
+    "train.lora.rank": (1, True, None),
+    "train.lora.alpha": (0, False, None),
+    "transfer.lr": (0, False, None),
+    "flow.shift": (0, False, None),
+    "flow.logit_std": (0, False, None),
+    "data.num_samples": (1, True, None),
+    "data.short_captions": (0, True, 1),
+    "data.frame_stride": (1, True, None),
+    "data.num_workers": (0, True, None),
+    "data.max_sequence_length": (1, True, None),
+    "log.every": (1, True, None),
+    "validation.every": (0, True, None),
+    "validation.num_inference_steps": (1, True, None),
+    "validation.guidance_scale": (0, True, None),
+    "validation.loss_batches": (1, True, None),
+    "checkpoint.every": (0, True, None),
+    "checkpoint.keep": (0, True, None),
+    "vae.crop": (8, True, None),
+    "vae.kl_weight": (0, True, None),
+    "vae.object_weight": (0, True, None),
+    "vae.stats_samples": (1, True, None),
+}
+# list keys -> the type of their items
+LIST_ITEMS: dict[str, tuple] = {
+    "model.layers": (int,),
+    "train.betas": _NUM,
+    "train.lora.target_modules": (str,),
+    "validation.prompts": (str,),
+    "validation.seeds": (int,),
+}
+MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _leaves(tree: dict, prefix: str = ""):
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and name not in FREE_FORM:
+            yield from _leaves(value, name + ".")
+        else:
+            yield name, value
+
+
+def _type_name(types: tuple) -> str:
+    names = {int: "an integer", float: "a number", str: "a string", list: "a list", bool: "true or false"}
+    return names[float] if types == _NUM else " or ".join(names[t] for t in types)
+
+
+def _is(value, types: tuple) -> bool:
+    if isinstance(value, bool):  # bool is an int to Python, never a number here
+        return bool in types
+    if types == _NUM and isinstance(value, float):
+        return math.isfinite(value)
+    return isinstance(value, types)
+
+
+def check_types(cfg: DictConfig) -> None:
+    """Every key against the schema: its type (from :data:`DEFAULTS`, or :data:`NULLABLE_TYPES` where the
+    default is null) and, for numbers, :data:`RANGES`. Raises ValueError naming key, value and expectation."""
+    for key, default in _leaves(DEFAULTS):
+        value = OmegaConf.select(cfg, key)
+        if key in FREE_FORM:
+            if not isinstance(value, DictConfig):
+                raise ValueError(f"{key}={value!r}: expected a mapping of attention options")
+            continue
+        if value is None:
+            if default is None:
+                continue
+            raise ValueError(f"{key}=null: expected {_type_name(_types_of(default))}")
+        types = NULLABLE_TYPES[key] if default is None else _types_of(default)
+        if isinstance(value, ListConfig):
+            value = OmegaConf.to_container(value)
+        if not _is(value, types):
+            raise ValueError(f"{key}={value!r}: expected {_type_name(types)}")
+        if key in LIST_ITEMS:
+            bad = [x for x in value if not _is(x, LIST_ITEMS[key])]
+            if bad:
+                raise ValueError(f"{key}={value!r}: expected a list of {_type_name(LIST_ITEMS[key]).split(' ', 1)[1]}s")
+        if key in RANGES:
+            low, inclusive, high = RANGES[key]
+            if value < low or (value == low and not inclusive) or (high is not None and value > high):
+                span = f"{'>=' if inclusive else '>'} {low}" + ("" if high is None else f" and <= {high}")
+                raise ValueError(f"{key}={value!r}: expected a value {span}")
+
+
+def _types_of(default) -> tuple:
+    if isinstance(default, bool):
+        return (bool,)
+    if isinstance(default, float):
+        return _NUM
+    if isinstance(default, list):
+        return (list,)
+    return (type(default),)
+
+
 def validate(cfg: DictConfig) -> None:
     """Checks values that need no model: raises ValueError naming the key, the value and what was expected."""
+    check_types(cfg)
 
     def need(ok: bool, key: str, expected: str):
         if not ok:
@@ -174,6 +301,13 @@ def validate(cfg: DictConfig) -> None:
         f"null or one of {BACKGROUNDS}",
     )
     need(cfg.train.steps >= 1, "train.steps", "at least 1")
+    from pipelines.attention import VARIANTS
+
+    need(cfg.model.variant in VARIANTS, "model.variant", f"one of {VARIANTS}")
+    need(cfg.model.dtype in MODEL_DTYPES, "model.dtype", f"one of {MODEL_DTYPES}")
+    need(cfg.flow.weighting in ("logit_normal", "uniform"), "flow.weighting", "'logit_normal' or 'uniform'")
+    need(len(cfg.train.betas) == 2 and all(0 <= b < 1 for b in cfg.train.betas), "train.betas", "two numbers in [0, 1)")
+    need(cfg.resume in (None, "latest") or Path(cfg.resume).is_dir(), "resume", "null, 'latest' or a checkpoint folder")
     need(cfg.train.lr_schedule in LR_SCHEDULES, "train.lr_schedule", f"one of {LR_SCHEDULES}")
     need(0 <= cfg.train.min_lr_ratio <= 1, "train.min_lr_ratio", "a fraction of train.lr in [0, 1]")
     need(cfg.train.batch_size >= 1, "train.batch_size", "at least 1")

@@ -444,6 +444,30 @@ class VideoFolderDataset(Dataset):
             "path": str(entry.path),
         }
 
+    def load_or_skip(self, index: int, epoch: int = 0) -> dict | None:
+        """Entry ``index`` itself, or None (counted in :meth:`skip_summary`) when it is unreadable or too
+        short: for one pass over the data that must not substitute another video (a cache)."""
+        if self._load_failures[index]:
+            return None
+        try:
+            return self.load(index, epoch)
+        except SkippedSample as skipped:
+            self._load_failures[index] = SKIP_REASONS.index(skipped.reason) + 1
+            return None
+
+    def require_usable(self) -> None:
+        """Opens entries in order until one is usable (cheap: no frame decoding); raises ValueError naming the
+        source when none is, so a dataset of only broken videos stops before any model is loaded."""
+        for index in range(len(self.entries)):
+            if self._load_failures[index]:
+                continue
+            try:
+                self._open_checked(self.entries[index]).close()
+                return
+            except SkippedSample as skipped:
+                self._load_failures[index] = SKIP_REASONS.index(skipped.reason) + 1
+        raise ValueError(f"no usable videos in {self.source}; {self.skip_summary()}")
+
     def probe(self, progress: bool = False) -> Counter:
         """Opens every video once (no frame decoding with decord) to find unreadable and too-short
         ones before training; returns :attr:`skipped`. Raises if no video is usable."""

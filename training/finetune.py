@@ -25,6 +25,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import time
 import warnings
 
@@ -313,12 +314,20 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
+        # never two runs in one folder; replaced only on overwrite=true (after the barrier below)
+        replaced = ckpt.check_new_run(cfg.run_dir, cfg.resume, cfg.overwrite)
+        if cfg.task != "vae":
+            dataset = build_dataset(cfg)  # before the model loads: bad data stops here
+            if hasattr(dataset, "require_usable"):
+                dataset.require_usable()
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if cfg.task == "vae":
         from training.vae import train_vae
 
+        if replaced:
+            ckpt.clear_run(cfg.run_dir)
         return train_vae(cfg)
     run_dir = Path(cfg.run_dir)
     accelerator = Accelerator(
@@ -336,6 +345,10 @@ def main(argv=None) -> int:
         raise RuntimeError(f"launched as {launched} processes but accelerate set up {world}; check the launcher")
     device = accelerator.device
     say = accelerator.print
+    if replaced and main_proc:
+        say(f"overwrite=true: removing the earlier run in {run_dir}")
+        ckpt.clear_run(run_dir)
+    accelerator.wait_for_everyone()
     torch.manual_seed(cfg.train.seed)
 
     # ---- model
@@ -355,8 +368,7 @@ def main(argv=None) -> int:
     if components.random_weights:
         say("NOTE: the built-in tiny model has RANDOM weights: this run checks the recipe, not video quality")
 
-    # ---- data
-    dataset = build_dataset(cfg)
+    # ---- data (the dataset was built and checked before the model)
     sampler = ResumableSampler(len(dataset), seed=cfg.train.seed, rank=rank, world_size=world)
     flow = FlowMatching(**OmegaConf.to_container(cfg.flow))
     cached = cfg.data.source == "cache"
@@ -376,6 +388,7 @@ def main(argv=None) -> int:
     if resume_from is not None:
         from safetensors.torch import load_file
 
+        say(f"resuming from {resume_from} (its files match its manifest)")
         resume_state = ckpt.load_state(resume_from / ckpt.STATE_FILE)
         if resume_state["world_size"] != world:
             raise ValueError(
@@ -537,20 +550,23 @@ def main(argv=None) -> int:
                 accelerator.log({k: v for k, v in row.items() if isinstance(v, float)}, step=step)
 
             if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == total_steps):
-                save(
-                    accelerator,
-                    cfg,
-                    run_dir,
-                    step,
-                    stage,
-                    model,
-                    optimizer,
-                    scheduler,
-                    generator,
-                    sampler,
-                    samples,
-                    nonfinite,
-                )
+                try:
+                    save(
+                        accelerator, cfg, run_dir, step, stage, model, optimizer, scheduler, generator, sampler,
+                        samples, nonfinite,
+                    )
+                except OSError as e:  # disk full, quota, permissions: say what and where, keep the good ones
+                    progress.close()
+                    shutil.rmtree(ckpt.pending_dir(run_dir, step), ignore_errors=True)
+                    good = ckpt.list_checkpoints(run_dir)
+                    print(
+                        f"error: could not write the checkpoint of step {step} to {ckpt.pending_dir(run_dir, step)}: "
+                        f"{e.strerror or e}. Earlier checkpoints are intact "
+                        f"({good[-1].name if good else 'none yet'} in {run_dir / 'checkpoints'}); free space and "
+                        "run the same command with resume=latest to continue.",
+                        file=sys.stderr,
+                    )
+                    return 4
             if main_proc and cfg.validation.every and (step % cfg.validation.every == 0 or step == total_steps):
                 validation_videos(cfg, components, accelerator.unwrap_model(model), run_dir, step)
         if transfer is not None:

@@ -87,6 +87,13 @@ def main(argv=None) -> int:
         return 2
     from training.finetune import build_dataset  # the same dataset training would read
 
+    try:
+        dataset = build_dataset(cfg)  # before the model loads: a folder of broken videos stops here
+        if hasattr(dataset, "require_usable"):
+            dataset.require_usable()
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / (RECORD + ".tmp")
@@ -95,7 +102,7 @@ def main(argv=None) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     components = load_components(cfg.model.path, dtype=cfg.model.dtype, device=device, seed=cfg.model.seed)
     encoder = Encoder(components, cfg.data.max_sequence_length)
-    dataset = build_dataset(cfg)
+    load_or_skip = getattr(dataset, "load_or_skip", dataset.__getitem__)  # synthetic clips never fail
     _atomic_save({"text": encoder.text([""])[0]}, out / "empty_text.safetensors")
 
     items = []
@@ -105,11 +112,16 @@ def main(argv=None) -> int:
             with safe_open(str(out / name), framework="pt") as f:
                 items.append({"file": name, "caption": f.metadata()["caption"]})
             continue
-        item = dataset[i]  # a bad video is replaced by the next good one and counted
+        item = load_or_skip(i)  # an unreadable video is left out (and counted), never replaced by another
+        if item is None:
+            continue
         latents = encoder.latents(item["video"][None])[0]
         text = encoder.text([item["caption"]])[0]
         _atomic_save({"latents": latents, "text": text}, out / name, {"caption": item["caption"]})
         items.append({"file": name, "caption": item["caption"]})
+    if not items:
+        print(f"error: no sample could be written to {out}; {dataset.skip_summary()}", file=sys.stderr)
+        return 2
     index = {
         "video": [cfg.data.num_frames, cfg.data.height, cfg.data.width],
         "model": components.source,
