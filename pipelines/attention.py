@@ -122,14 +122,19 @@ def linear_layers_for(variant: str, num_layers: int, layers=None) -> list[int]:
     if layers is None:
         return hybrid_layers(num_layers)
     out = sorted({int(i) for i in layers})
+    if not out:
+        raise ValueError("mhla-hybrid needs at least one MHLA layer, got an empty layer list")
     bad = [i for i in out if not 0 <= i < num_layers]
     if bad:
-        raise ValueError(f"layer indices {bad} are out of range for a transformer with {num_layers} layers")
+        raise ValueError(
+            f"layer indices {bad} are out of range for a transformer with {num_layers} layers (0 ... {num_layers - 1})"
+        )
     return out
 
 
-def parse_layers(spec: str) -> list[int]:
-    """``"1,2,4-6"`` -> ``[1, 2, 4, 5, 6]``."""
+def parse_layers(spec: str, num_layers: int | None = None) -> list[int]:
+    """``"1,2,4-6"`` -> ``[1, 2, 4, 5, 6]``. A reversed range (``5-2``), negative indices or an empty list
+    are refused; with ``num_layers`` so are indices past the last layer."""
     out = []
     for part in spec.replace(" ", "").split(","):
         if not part:
@@ -137,12 +142,20 @@ def parse_layers(spec: str) -> list[int]:
         try:
             if "-" in part:
                 a, b = (int(x) for x in part.split("-"))
+                if a > b:
+                    raise ValueError(f"layers {spec!r}: the range {part!r} runs backwards; expected low-high, e.g. {b}-{a}")
                 out += list(range(a, b + 1))
             else:
                 out.append(int(part))
-        except ValueError:
-            raise ValueError(f"layers must look like '1,2,4-6', got {spec!r}") from None
-    return out
+        except ValueError as e:
+            if "backwards" in str(e):
+                raise
+            raise ValueError(f"layers must look like '1,2,4-6' (non-negative indices), got {spec!r}") from None
+    if not out:
+        raise ValueError(f"layers {spec!r} names no layer; mhla-hybrid needs at least one MHLA layer, e.g. '1,2,4-5'")
+    if num_layers is not None:
+        linear_layers_for("mhla-hybrid", num_layers, out)  # range check, naming the bad indices
+    return sorted(set(out))
 
 
 def fit_blocks(blocks: Grid, grid: Grid) -> Grid:

@@ -29,6 +29,10 @@ OUTPUT_TYPES = ("np", "pil", "pt", "latent")
 RANDOM_WEIGHTS_NOTE = "built-in tiny model with RANDOM weights: this video is noise, made to test the plumbing"
 
 
+class NonFiniteLatentsError(FloatingPointError):
+    """The denoising produced NaN or inf latents: there is no video to write."""
+
+
 @dataclass
 class GenerationResult:
     """Output of :func:`generate`.
@@ -244,9 +248,16 @@ def generate(
     noise = initial_noise(seed, shape, device)
     step_ends: list[float] = []
 
-    def on_step_end(_pipe, _i, _t, _kwargs):
+    def on_step_end(_pipe, i, _t, kwargs):
         sync(device)
         step_ends.append(time.perf_counter())
+        # cheap (the latents are small): a model or dtype that overflows stops here, not in a black video
+        if not bool(torch.isfinite(kwargs["latents"]).all()):
+            raise NonFiniteLatentsError(
+                f"{variant}: the latents became NaN or inf at denoising step {i + 1} of {num_inference_steps} "
+                f"({str(transformer.dtype).replace('torch.', '')} on {device.type}); no video is written. "
+                "Check the weights, or try --dtype float32"
+            )
         return {}
 
     ctx.timer.reset(enabled=True)
@@ -407,13 +418,14 @@ def main(argv=None) -> int:
         check_model_dir,
         load_components,
         load_transformer,
+        model_num_layers,
         model_patch_size,
         model_settings,
         resolve_device,
         resolve_dtype,
         saved_transformer_config,
     )
-    from .video import write_frame_grid, write_gif, write_mp4
+    from .video import check_output_path, write_frame_grid, write_gif, write_mp4
 
     args = _parse_args(argv)
     try:
@@ -450,9 +462,11 @@ def main(argv=None) -> int:
             )
         for v in variants:
             _check_trained_blocks(v, args.blocks, args.transformer or variant_dirs.get(v))
-        layers = parse_layers(args.layers) if args.layers else None
-        if layers is not None and variants != ["mhla-hybrid"]:
+        if args.layers is not None and variants != ["mhla-hybrid"]:
             raise ValueError(f"--layers applies to --variant mhla-hybrid only, got --variant {args.variant}")
+        layers = None
+        if args.layers is not None:
+            layers = parse_layers(args.layers, model_num_layers(args.model, args.transformer))
         overrides = {
             k: v
             for k, v in dict(
@@ -467,15 +481,26 @@ def main(argv=None) -> int:
         AttentionOptions(**overrides)  # validates the values
         if not str(args.out).lower().endswith(".mp4"):
             raise ValueError(f"--out must end in .mp4, got {args.out!r}")
+        many = len(variants) > 1
+        for v in variants:  # every file this run will write, before the model loads
+            check_output_path(_out_path(args.out, v, many))
+            if args.gif:
+                check_output_path(_out_path(args.gif, v, many), (".gif",))
+            if args.grid_png:
+                check_output_path(_out_path(args.grid_png, v, many), (".png",))
         device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, device)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    components = load_components(args.model, dtype=dtype, device=device)
-    if args.transformer:
-        loaded = load_transformer(args.transformer, dtype=dtype, device=device)
+    try:
+        components = load_components(args.model, dtype=dtype, device=device)
+        loaded = load_transformer(args.transformer, dtype=dtype, device=device) if args.transformer else None
+    except (ValueError, FileNotFoundError) as e:  # damaged weights or configs, named
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if loaded is not None:
         base = components.transformer.config
         keys = ("text_dim", "in_channels", "out_channels")
         if any(loaded.config[k] != base[k] for k in keys):
@@ -497,20 +522,23 @@ def main(argv=None) -> int:
         if not args.transformer and v in components.variant_dirs:  # the model ships a fine-tuned one
             transformer = load_transformer(components.variant_dirs[v], dtype=dtype, device=device)
             print(f"{v}: fine-tuned transformer {components.variant_dirs[v]}")
-        result = generate(
-            components,
-            args.prompt,
-            negative_prompt=args.negative_prompt,
-            seed=args.seed,
-            variant=v,
-            layers=layers,
-            blocks=_blocks_for(v, args.blocks),
-            attention_options=overrides,
-            transformer=transformer,
-            show_progress=not args.no_progress,
-            **request,
-        )
-        many = len(variants) > 1
+        try:
+            result = generate(
+                components,
+                args.prompt,
+                negative_prompt=args.negative_prompt,
+                seed=args.seed,
+                variant=v,
+                layers=layers,
+                blocks=_blocks_for(v, args.blocks),
+                attention_options=overrides,
+                transformer=transformer,
+                show_progress=not args.no_progress,
+                **request,
+            )
+        except NonFiniteLatentsError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 3
         out = _out_path(args.out, v, many)
         comment = f"{v} | seed {args.seed} | {args.prompt}"
         if components.random_weights:

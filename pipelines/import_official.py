@@ -54,7 +54,7 @@ import torch
 
 from .attention import AttentionOptions, hybrid_layers
 from .convert import convert_self_attention
-from .loading import check_model_dir, save_transformer
+from .loading import check_finite, check_model_dir, check_weight_files, save_transformer
 
 # The only token grid the authors trained and run at: 81 frames at 480x800 -> 21x30x50 latent tokens.
 OFFICIAL_GRID = (21, 30, 50)
@@ -118,6 +118,22 @@ def _flat_tensors(obj, path: Path, state_dict_key: str | None) -> tuple[dict[str
     return tensors, found
 
 
+def _is_pickle(path: Path) -> bool:
+    """Whether ``path`` is torch.save's archive or parses as a pickle up to its STOP opcode (parsed with
+    pickletools, never executed)."""
+    import pickletools
+
+    if zipfile.is_zipfile(path):  # torch.save's format: an intact archive around the pickle
+        return True
+    try:
+        with path.open("rb") as f:
+            for _ in pickletools.genops(f):
+                pass
+        return True
+    except Exception:  # noqa: BLE001 - any parse failure means: not a pickle
+        return False
+
+
 def load_checkpoint_tensors(path: str | Path, state_dict_key: str | None = None) -> tuple[dict, str | None]:
     """Reads a checkpoint: ``.safetensors``, or ``.pt/.pth/.bin/.ckpt`` through ``torch.load(weights_only=True)``.
 
@@ -135,11 +151,19 @@ def load_checkpoint_tensors(path: str | Path, state_dict_key: str | None = None)
 
         if state_dict_key is not None:
             raise ValueError("--state-dict-key applies to .pt/.pth checkpoints only; a .safetensors file is flat")
-        return load_file(str(path)), None
+        check_weight_files([path])  # empty, truncated, not safetensors, or integer tensors: named
+        tensors = load_file(str(path))
+        check_finite(tensors.items(), f"checkpoint {str(path)!r}")
+        return tensors, None
     try:
         # mmap keeps a multi-GB zip-format checkpoint on disk until its tensors are used
         obj = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
     except pickle.UnpicklingError as e:
+        if not _is_pickle(path):  # a damaged or foreign file, not a pickle that asks for code
+            raise ValueError(
+                f"checkpoint {str(path)!r} ({path.stat().st_size} bytes) cannot be read as a PyTorch checkpoint "
+                "(not a valid pickle); it may be truncated or another format"
+            ) from None
         found = re.search(r"GLOBAL ([\w.]+)", str(e))
         what = f"it contains {found.group(1)}" if found else str(e).strip().splitlines()[0]
         raise ValueError(
@@ -147,7 +171,15 @@ def load_checkpoint_tensors(path: str | Path, state_dict_key: str | None = None)
             "containers), which can run code. Only weights_only checkpoints are read; convert it to .safetensors "
             "where you trust its source (safetensors.torch.save_file(state_dict, 'x.safetensors'))"
         ) from None
-    return _flat_tensors(obj, path, state_dict_key)
+    except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as e:
+        raise ValueError(
+            f"checkpoint {str(path)!r} ({path.stat().st_size} bytes) cannot be read as a PyTorch checkpoint "
+            f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else 'no detail'}); "
+            "it may be empty, truncated or another format"
+        ) from None
+    tensors, key = _flat_tensors(obj, path, state_dict_key)
+    check_finite(tensors.items(), f"checkpoint {str(path)!r}")
+    return tensors, key
 
 
 # --------------------------------------------------------------------------------------------- key mapping
@@ -480,6 +512,7 @@ def import_official(
     if checkpoint.suffix.lower() == ".safetensors":  # names and shapes without reading the tensors
         from safetensors import safe_open
 
+        check_weight_files([checkpoint])
         with safe_open(str(checkpoint), framework="pt", device="cpu") as f:
             shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
         plan = plan_import(shapes, transformer_config, grid, hybrid, blocks)

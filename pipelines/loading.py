@@ -57,6 +57,26 @@ class WanComponents:
     variant_dirs: dict[str, Path] = field(default_factory=dict)
 
 
+def read_json(path: str | Path, what: str = "file") -> dict:
+    """A JSON object from ``path``; a file that is not valid JSON raises ValueError naming it."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{what} {str(path)!r} is not valid JSON ({e}); expected a JSON object") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{what} {str(path)!r} is not a text file; expected a JSON object") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{what} {str(path)!r} holds a {type(data).__name__}; expected a JSON object")
+    return data
+
+
+def _require(config: dict, key: str, path) -> object:
+    if key not in config:
+        raise ValueError(f"{str(path)!r} has no {key!r}; expected a Wan transformer config.json (save_pretrained's)")
+    return config[key]
+
+
 def model_settings(model_dir: str | Path | None) -> tuple[dict, tuple[int, int, int], dict[str, Path]]:
     """``(defaults, block_shape, variant_dirs)`` of a model, read without loading it.
 
@@ -71,15 +91,16 @@ def model_settings(model_dir: str | Path | None) -> tuple[dict, tuple[int, int, 
         return dict(TINY_DEFAULTS), TINY_BLOCK_SHAPE, {}
     info = Path(model_dir) / "builtin.json"
     if info.is_file():
-        meta = json.loads(info.read_text())
-        return dict(meta["defaults"]), tuple(meta["block_shape"]), builtin_variant_dirs(model_dir)
+        meta = read_json(info, "model description")
+        defaults, block_shape = _require(meta, "defaults", info), _require(meta, "block_shape", info)
+        return dict(defaults), tuple(block_shape), builtin_variant_dirs(model_dir)
     return dict(WAN_DEFAULTS), (3, 10, 10), {}
 
 
 def saved_transformer_config(folder: str | Path | None) -> dict | None:
     """A transformer folder's ``config.json`` as a dict (None if there is none), without loading weights."""
     config = Path(folder) / "config.json" if folder is not None else None
-    return json.loads(config.read_text()) if config is not None and config.is_file() else None
+    return read_json(config, "transformer config") if config is not None and config.is_file() else None
 
 
 def model_patch_size(model_dir: str | Path | None, transformer_dir: str | Path | None = None) -> tuple[int, int, int]:
@@ -95,8 +116,21 @@ def model_patch_size(model_dir: str | Path | None, transformer_dir: str | Path |
         None if tiny else saved_transformer_config(Path(model_dir) / "transformer")
     )
     if config is not None:
-        return tuple(config["patch_size"])
+        where = Path(transformer_dir) if transformer_dir else Path(model_dir) / "transformer"
+        return tuple(_require(config, "patch_size", where / "config.json"))
     return tuple(TINY_TRANSFORMER["patch_size"]) if tiny else (1, 2, 2)
+
+
+def model_num_layers(model_dir: str | Path | None, transformer_dir: str | Path | None = None) -> int:
+    """The transformer's number of layers, read from config files as :func:`model_patch_size` reads the patch."""
+    if model_dir is None:
+        model_dir = BUILTIN_DIR if builtin_available() else TINY_RANDOM
+    tiny = str(model_dir) == TINY_RANDOM
+    where = Path(transformer_dir) if transformer_dir else (None if tiny else Path(model_dir) / "transformer")
+    config = saved_transformer_config(where)
+    if config is not None:
+        return int(_require(config, "num_layers", where / "config.json"))
+    return int(TINY_TRANSFORMER["num_layers"]) if tiny else 30
 
 
 def resolve_device(device: str | torch.device | None = None) -> torch.device:
@@ -147,6 +181,11 @@ def missing_model_files(model_dir: str | Path) -> list[str]:
 def check_model_dir(model_dir: str | Path) -> Path:
     """Raises ``FileNotFoundError`` naming what is missing unless ``model_dir`` is a complete Wan2.1 T2V dir."""
     root = Path(model_dir)
+    if root.is_file():
+        raise FileNotFoundError(
+            f"model directory {str(root)!r} is a file; expected a local diffusers-format Wan2.1 T2V directory "
+            "(the folder holding model_index.json, transformer/, vae/, ...)"
+        )
     if not root.is_dir():
         raise FileNotFoundError(
             f"model directory {str(root)!r} does not exist; expected a local diffusers-format Wan2.1 T2V directory "
@@ -180,9 +219,54 @@ def _weight_files(folder: Path) -> list[Path]:
         return [single]
     index = folder / f"{WEIGHTS[0]}.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        shards = sorted(set(_require(read_json(index, "weights index"), "weight_map", index).values()))
         return [folder / s for s in shards]
     raise FileNotFoundError(f"{str(folder)!r} has no {WEIGHTS[0]} (or its .index.json)")
+
+
+FLOAT_FILE_DTYPES = ("F16", "BF16", "F32", "F64")
+
+
+def check_weight_files(files: list[Path]) -> None:
+    """Opens each safetensors file's header: a file that is empty, truncated or not safetensors, or that holds
+    a non-float tensor where the model has float weights, raises ValueError naming the file and tensor."""
+    from safetensors import SafetensorError, safe_open
+
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys()}
+        except (SafetensorError, OSError) as e:
+            size = file.stat().st_size if file.is_file() else 0
+            raise ValueError(
+                f"{str(file)!r} ({size} bytes) is not a readable safetensors file ({e}); it may be empty, truncated "
+                "or another format"
+            ) from None
+        bad = {k: d for k, d in dtypes.items() if d not in FLOAT_FILE_DTYPES}
+        if bad:
+            k = sorted(bad)[0]
+            raise ValueError(
+                f"{str(file)!r} holds {len(bad)} non-float tensor(s), e.g. {k!r} as {bad[k]}; expected float weights "
+                f"({', '.join(FLOAT_FILE_DTYPES)})"
+            )
+
+
+def check_finite(named_tensors, source: str) -> None:
+    """Raises ValueError naming the tensors of ``source`` that hold NaN or inf (a model that would write black
+    videos), or that are not floating point."""
+    not_float, not_finite = [], []
+    for name, t in named_tensors:
+        if not t.is_floating_point():
+            not_float.append(f"{name} ({str(t.dtype).replace('torch.', '')})")
+        elif not bool(torch.isfinite(t).all()):
+            not_finite.append(name)
+    if not_float:
+        raise ValueError(f"{source}: {len(not_float)} weight(s) are not floating point, e.g. {not_float[:3]}")
+    if not_finite:
+        raise ValueError(
+            f"{source}: {len(not_finite)} weight(s) hold NaN or inf, e.g. {not_finite[:3]}; refusing a model "
+            "that can only produce non-finite (black) videos"
+        )
 
 
 def load_transformer(
@@ -203,12 +287,17 @@ def load_transformer(
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{str(folder)!r} has no config.json; expected a save_pretrained transformer folder")
-    state = json.loads(config_file.read_text()).get(CONFIG_KEY)
+    config = read_json(config_file, "transformer config")
+    for key in ("patch_size", "num_layers", "num_attention_heads", "attention_head_dim"):
+        _require(config, key, config_file)
+    state = config.get(CONFIG_KEY)
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
+    check_weight_files(_weight_files(folder))  # before diffusers reads them: names a bad file
     with _quiet_diffusers():
         model = WanTransformer3DModel.from_pretrained(folder, dtype=dtype).to(device).eval()
     if not state:
+        check_finite(model.state_dict().items(), f"transformer {str(folder)!r}")
         return convert_self_attention(model, "flash")
     # diffusers passes unknown config keys through today; set ours explicitly so that never matters
     model.register_to_config(**{CONFIG_KEY: state})
@@ -227,6 +316,7 @@ def load_transformer(
     if missing:
         raise ValueError(f"checkpoint {str(folder)!r} lacks {len(missing)} attention parameters, e.g. {missing[:4]}")
     model.load_state_dict(found, strict=False)
+    check_finite(model.state_dict().items(), f"transformer {str(folder)!r}")
     layers = state["linear_layers"] if state["variant"] == "mhla-hybrid" else None
     return convert_self_attention(model, state["variant"], layers, options, allow_new_parameters=False)
 

@@ -8,6 +8,40 @@ from pathlib import Path
 import numpy as np
 
 
+# metadata text goes onto ffmpeg's command line: bounded, one line
+MAX_COMMENT_CHARS = 1000
+
+
+def _bounded_comment(comment: str) -> str:
+    one_line = " ".join(str(comment).split())
+    return one_line if len(one_line) <= MAX_COMMENT_CHARS else one_line[: MAX_COMMENT_CHARS - 3] + "..."
+
+
+def check_output_path(path: str | Path, suffixes: tuple[str, ...] | None = None) -> Path:
+    """Checks, before any work, that a file can be written at ``path`` (its folder exists or can be made,
+    and is writable; ``path`` is not a folder); raises ValueError naming the path and why not. An existing
+    file is left as it is."""
+    path = Path(path)
+    if suffixes and path.suffix.lower() not in suffixes:
+        raise ValueError(f"output {str(path)!r} must end in {' or '.join(suffixes)}")
+    if path.is_dir():
+        raise ValueError(f"output {str(path)!r} is a folder; expected a file name")
+    ancestor = path.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ValueError(f"output {str(path)!r} cannot be written: {str(ancestor)!r} is a file, not a folder")
+    probe_dir = path.parent if path.parent.is_dir() else ancestor
+    import tempfile
+
+    try:
+        with tempfile.NamedTemporaryFile(dir=probe_dir, prefix=".write-check-"):
+            pass
+    except OSError as e:
+        raise ValueError(f"output {str(path)!r} cannot be written in {str(probe_dir)!r}: {e.strerror or e}") from None
+    return path
+
+
 def to_uint8(frames) -> np.ndarray:
     """Frames ``(num_frames, height, width, 3)`` as uint8; floats are read as [0, 1] and clipped."""
     frames = np.asarray(frames)
@@ -26,7 +60,7 @@ def write_mp4(path: str | Path, frames, fps: float = 16, comment: str | None = N
     frames = to_uint8(frames)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    params = ["-metadata", f"comment={comment}"] if comment else None
+    params = ["-metadata", f"comment={_bounded_comment(comment)}"] if comment else None
     # macro_block_size=16 would silently resize sizes that are not multiples of 16; heights and widths
     # are multiples of 16 already, and 2 keeps yuv420p valid for any other even size.
     with imageio.get_writer(
@@ -51,7 +85,7 @@ def write_gif(path: str | Path, frames, fps: int = 16, comment: str | None = Non
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     images = [Image.fromarray(f) for f in to_uint8(frames)]
-    extra = {"comment": comment.encode()} if comment else {}
+    extra = {"comment": _bounded_comment(comment).encode()} if comment else {}
     images[0].save(
         path, format="GIF", save_all=True, append_images=images[1:], duration=round(1000 / fps), loop=0, **extra
     )

@@ -426,6 +426,9 @@ def _with(ckpt, **changes):
         ("other_size", r"do not fit the base transformer config .* e.g. 'blocks.0.self_attn.q.weight' is \(64, 32\)"),
         ("full_not_hybrid", r"--hybrid was given, but the checkpoint is full MHLA"),
         ("blocks_product", r"--blocks 2x2x2 has 8 blocks, but the checkpoint's mixing matrices are 6x6"),
+        ("nan_mixing", r"1 weight\(s\) hold NaN or inf, e.g. \['blocks.1.self_attn.block_attn.conv.weight'\]"),
+        ("inf_weight", r"hold NaN or inf, e.g. \['blocks.0.self_attn.q.weight'\]"),
+        ("int_weight", r"non-float tensor\(s\), e.g. 'blocks.0.self_attn.q.bias' as I64"),
     ],
 )
 def test_bad_checkpoints_are_named_before_heavy_work(case, message, tmp_path, monkeypatch):
@@ -465,10 +468,42 @@ def test_bad_checkpoints_are_named_before_heavy_work(case, message, tmp_path, mo
         kwargs["hybrid"] = True
     elif case == "blocks_product":
         kwargs["blocks"] = "2x2x2"
+    elif case == "nan_mixing":
+        ckpt[conv.format(1)] = torch.full_like(ckpt[conv.format(1)], float("nan"))
+    elif case == "inf_weight":
+        ckpt["blocks.0.self_attn.q.weight"] = ckpt["blocks.0.self_attn.q.weight"].clone()
+        ckpt["blocks.0.self_attn.q.weight"][0, 0] = float("inf")
+    elif case == "int_weight":
+        ckpt["blocks.0.self_attn.q.bias"] = ckpt["blocks.0.self_attn.q.bias"].long()
     _no_heavy_work(monkeypatch)
     with pytest.raises(ValueError, match=message):
         imp.import_official(_checkpoint_file(tmp_path, ckpt), base, tmp_path / "out", **kwargs)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+@pytest.mark.parametrize("damage", ["empty", "text", "truncated"])
+def test_unreadable_checkpoint_files_are_named(suffix, damage, tmp_path, monkeypatch):
+    base = _small_base(tmp_path, 6)
+    good = synthetic_checkpoint(build_tiny_transformer(num_layers=6), hybrid_layers(6), 6)
+    path = tmp_path / f"ckpt{suffix}"
+    if suffix == ".pt":
+        torch.save(good, path)
+    else:
+        from safetensors.torch import save_file
+
+        save_file(good, path)
+    if damage == "empty":
+        path.write_bytes(b"")
+    elif damage == "text":
+        path.write_text("not a checkpoint at all")
+    else:
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    _no_heavy_work(monkeypatch)
+    with pytest.raises(ValueError, match=f"{str(path)!r}.*(not a readable safetensors file|cannot be read as a PyTorch)"):
+        imp.import_official(path, base, tmp_path / "out", grid=(3, 4, 6))
+    assert not (tmp_path / "out").exists()
+    assert imp.main(["--checkpoint", str(path), "--base", str(base), "--out", str(tmp_path / "out")]) == 2
 
 
 @pytest.mark.filterwarnings("ignore:Detected pickle protocol")
