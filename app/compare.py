@@ -6,7 +6,9 @@ calls :func:`run_compare` and shows what it returns.
 
 from __future__ import annotations
 
+import logging
 import math
+import re
 import shutil
 import uuid
 import warnings
@@ -20,6 +22,8 @@ from pipelines import VARIANTS, Timing, write_mp4
 from pipelines.generate import generate
 
 from .models import AppModels, device_name
+
+log = logging.getLogger(__name__)
 
 # (num_frames, height, width). Token grid: ((frames-1)/4+1) x height/16 x width/16.
 PRESETS = (
@@ -39,6 +43,7 @@ PAPER_BLOCK_SHAPE = (3, 10, 10)
 CPU_MAX_TOKENS = 8192
 MAX_STEPS = 100
 MAX_GUIDANCE = 30.0
+MAX_PROMPT_CHARS = 2000  # the text encoder reads at most a few hundred tokens; more is a mistake or abuse
 KEEP_RUNS = 20  # run folders kept on disk (videos the page may still show)
 
 
@@ -126,6 +131,9 @@ def check_request(
         raise ValueError("the prompt is empty: describe the video to generate (e.g. 'a red fox running through snow')")
     if negative_prompt is not None and not isinstance(negative_prompt, str):
         raise ValueError(f"negative prompt must be text, got {type(negative_prompt).__name__}")
+    for name, text in (("prompt", prompt), ("negative prompt", negative_prompt or "")):
+        if len(text) > MAX_PROMPT_CHARS:
+            raise ValueError(f"the {name} has {len(text):,} characters; at most {MAX_PROMPT_CHARS:,} are accepted")
     seed = _as_int("seed", seed, 0, 2**63 - 1)
     steps = _as_int("steps", steps, 1, MAX_STEPS)
     if isinstance(guidance, bool) or not isinstance(guidance, (int, float)) or not 0 <= guidance <= MAX_GUIDANCE:
@@ -191,7 +199,18 @@ def _error_text(e: BaseException, models: AppModels, request: CompareRequest) ->
             f"out of memory on {device_name(models.device)} at {tokens:,} tokens "
             f"({request.num_frames} frames, {request.height}x{request.width}); choose a smaller preset"
         )
-    return f"{type(e).__name__}: {e}"
+    if isinstance(e, (ValueError, FloatingPointError)):  # our own messages: they name the bad value
+        return _without_paths(f"{type(e).__name__}: {e}")
+    log.error("compare: %s failed", request.variants, exc_info=e)  # the details stay in the server's log
+    return f"internal error ({type(e).__name__}); the details are in the server's log"
+
+
+_PATH = re.compile(r"(?:[A-Za-z]:)?(?:[/\\][\w.\-+~@]+){2,}")
+
+
+def _without_paths(text: str) -> str:
+    """Server paths never reach the browser: each absolute path is cut to its last part."""
+    return _PATH.sub(lambda m: ".../" + re.split(r"[/\\]", m.group(0))[-1], text)
 
 
 def new_run_dir(out_root: Path) -> Path:
@@ -242,7 +261,7 @@ def run_compare(
                 comment = f"{models.random_note} | {comment}"
             run.video = write_mp4(run_dir / f"{name}.mp4", result.frames, fps=fps, comment=comment)
             run.timing = result.timing
-        except (torch.OutOfMemoryError, RuntimeError, ValueError) as e:
+        except Exception as e:  # noqa: BLE001 - one variant's failure must not lose the others' results
             run.error = _error_text(e, models, request)
             if models.device.type == "cuda":
                 torch.cuda.empty_cache()  # give the next variant (and request) the memory back

@@ -212,3 +212,32 @@ def test_launcher_refuses_bad_arguments_before_loading(argv, message, capsys):
 
     assert run_app.main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_huge_prompts_are_refused_with_the_limit(models):
+    with pytest.raises(ValueError, match=r"the prompt has 131,073 characters; at most 2,000 are accepted"):
+        compare.check_request(models, "a" * 131_073, "", 1, 1, 5.0, SMALLEST, ["flash"])
+    with pytest.raises(ValueError, match=r"the negative prompt has 5,000 characters"):
+        compare.check_request(models, "a fox", "b" * 5000, 1, 1, 5.0, SMALLEST, ["flash"])
+
+
+def test_a_variant_failing_unexpectedly_keeps_the_others_and_shows_no_server_path(models, tmp_path, monkeypatch):
+    real = compare.generate
+    secret = str(tmp_path / "venv" / "lib" / "python3.11" / "site-packages" / "x.py")
+
+    def failing(components, prompt, variant, **kw):
+        if variant == "flash":
+            raise OSError(7, f"Argument list too long: {secret}")
+        if variant == "linear":
+            raise ValueError(f"weights in {secret} are bad")
+        return real(components, prompt, variant=variant, **kw)
+
+    monkeypatch.setattr(compare, "generate", failing)
+    req = compare.check_request(models, "a fox " * 300, "", 1, 1, 5.0, SMALLEST, ["flash", "linear", "mhla"])
+    result = compare.run_compare(models, req, tmp_path / "out")
+    by = {r.variant: r for r in result.runs}
+    assert by["mhla"].video.is_file()  # the long (1,800-character) prompt goes into its metadata safely
+    assert by["flash"].error == "internal error (OSError); the details are in the server's log"
+    assert by["linear"].error == "ValueError: weights in .../x.py are bad"
+    page = compare.summary_markdown(result) + "".join(compare.variant_markdown(r) for r in result.runs)
+    assert str(tmp_path) not in page

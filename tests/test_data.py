@@ -290,3 +290,39 @@ def test_probe_finds_bad_videos_before_training(messy_folder, backend):
         (messy_folder / "videos" / f"good_{i}.mp4").write_bytes(b"gone bad")
     with pytest.raises(ValueError, match=r"no usable videos in .*manifest.jsonl.*unreadable 4"):
         VideoFolderDataset(messy_folder, num_frames=17, backend=backend).probe()
+
+
+# --------------------------------------------------------------------------- bad data at the entry points
+
+TINY_CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "finetune" / "tiny.yaml")
+
+
+def test_precompute_leaves_unreadable_videos_out_instead_of_repeating_a_good_one(messy_folder, tmp_path, capsys):
+    from training import precompute
+
+    cache = tmp_path / "cache"
+    argv = ["--config", TINY_CONFIG, "--out", str(cache), "data.source=folder", f"data.path={messy_folder}"]
+    assert precompute.main(argv) == 0
+    items = json.loads((cache / "index.json").read_text())["items"]
+    captions = [it["caption"] for it in items]
+    assert sorted(captions) == ["good video 0", "good video 1", "good video 2"]  # each once, nothing substituted
+    assert "unreadable" in capsys.readouterr().out
+
+
+def test_a_dataset_with_no_usable_video_stops_before_any_model_loads(tmp_path, monkeypatch, capsys):
+    from training import finetune, precompute
+
+    (tmp_path / "a.mp4").write_bytes(np.random.default_rng(1).bytes(2048))
+    (tmp_path / "a.txt").write_text("random bytes, not a video")
+
+    def boom(*a, **k):
+        raise AssertionError("a model was loaded before the data was checked")
+
+    monkeypatch.setattr(precompute, "load_components", boom)
+    monkeypatch.setattr(finetune, "build_model", boom)
+    data = ["data.source=folder", f"data.path={tmp_path}"]
+    assert precompute.main(["--config", TINY_CONFIG, "--out", str(tmp_path / "cache"), *data]) == 2
+    assert f"no usable videos in {tmp_path}" in capsys.readouterr().err
+    run = ["--config", TINY_CONFIG, f"run_dir={tmp_path / 'run'}", "log.tensorboard=false", *data]
+    assert finetune.main(run) == 2
+    assert f"no usable videos in {tmp_path}" in capsys.readouterr().err
