@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     if models.random_note:
         print(f"NOTE: {models.random_note}")
     demo.queue(default_concurrency_limit=1).launch(
-        server_name=args.host, server_port=args.port, share=args.share, show_error=True,
+        server_name=args.host, server_port=args.port, share=args.share, show_error=False,
         theme=THEME, css=CSS, ssr_mode=False, footer_links=["api", "settings"],
     )  # fmt: skip
     return 0
