@@ -143,7 +143,9 @@ def parse_layers(spec: str, num_layers: int | None = None) -> list[int]:
             if "-" in part:
                 a, b = (int(x) for x in part.split("-"))
                 if a > b:
-                    raise ValueError(f"layers {spec!r}: the range {part!r} runs backwards; expected low-high, e.g. {b}-{a}")
+                    raise ValueError(
+                        f"layers {spec!r}: the range {part!r} runs backwards; expected low-high, e.g. {b}-{a}"
+                    )
                 out += list(range(a, b + 1))
             else:
                 out.append(int(part))

@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .model_dir import missing_model_files
+
 BUILTIN_DIR = Path(__file__).resolve().parents[1] / "assets" / "builtin"
 VARIANTS_SUBDIR = "variants"
 # 17 frames at 128x160 -> 5x16x20 latent cells; the transformer's patch is (1, 1, 1), so 1,600 tokens.
@@ -33,8 +35,6 @@ TINY_RANDOM = "tiny-random"
 
 def builtin_available(root: str | Path = BUILTIN_DIR) -> bool:
     """Whether the trained built-in model is present (its base directory and ``builtin.json``)."""
-    from .loading import missing_model_files
-
     root = Path(root)
     return (root / "builtin.json").is_file() and not missing_model_files(root)
 

@@ -54,7 +54,8 @@ import torch
 
 from .attention import AttentionOptions, hybrid_layers
 from .convert import convert_self_attention
-from .loading import check_finite, check_model_dir, check_weight_files, save_transformer
+from .loading import save_transformer
+from .model_dir import check_finite, check_model_dir, check_weight_files
 
 # The only token grid the authors trained and run at: 81 frames at 480x800 -> 21x30x50 latent tokens.
 OFFICIAL_GRID = (21, 30, 50)

@@ -18,18 +18,15 @@ import torch
 from .attention import PARAM_ATTRS, AttentionOptions
 from .builtin import BUILTIN_DIR, TINY_RANDOM, builtin_available, builtin_variant_dirs
 from .convert import CONFIG_KEY, add_attention_parameters, convert_self_attention
+from .model_dir import (
+    check_finite,
+    check_model_dir,
+    check_weight_files,
+    read_json,
+    require_key,
+    weight_files,
+)
 from .tiny import TINY_BLOCK_SHAPE, TINY_DEFAULTS, TINY_TRANSFORMER, WAN_DEFAULTS, build_tiny_components
-
-WEIGHTS = ("diffusion_pytorch_model.safetensors", "model.safetensors")
-# What a diffusers-format Wan2.1 T2V directory must contain (weights: a single file or a sharded index).
-EXPECTED = {
-    "model_index.json": "model_index.json",
-    "scheduler": "scheduler/scheduler_config.json",
-    "tokenizer": "tokenizer/tokenizer_config.json",
-    "text_encoder": "text_encoder/config.json + model.safetensors (or model.safetensors.index.json)",
-    "transformer": "transformer/config.json + diffusion_pytorch_model.safetensors (or .safetensors.index.json)",
-    "vae": "vae/config.json + diffusion_pytorch_model.safetensors",
-}
 
 
 @dataclass
@@ -57,26 +54,6 @@ class WanComponents:
     variant_dirs: dict[str, Path] = field(default_factory=dict)
 
 
-def read_json(path: str | Path, what: str = "file") -> dict:
-    """A JSON object from ``path``; a file that is not valid JSON raises ValueError naming it."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{what} {str(path)!r} is not valid JSON ({e}); expected a JSON object") from None
-    except UnicodeDecodeError:
-        raise ValueError(f"{what} {str(path)!r} is not a text file; expected a JSON object") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{what} {str(path)!r} holds a {type(data).__name__}; expected a JSON object")
-    return data
-
-
-def _require(config: dict, key: str, path) -> object:
-    if key not in config:
-        raise ValueError(f"{str(path)!r} has no {key!r}; expected a Wan transformer config.json (save_pretrained's)")
-    return config[key]
-
-
 def model_settings(model_dir: str | Path | None) -> tuple[dict, tuple[int, int, int], dict[str, Path]]:
     """``(defaults, block_shape, variant_dirs)`` of a model, read without loading it.
 
@@ -92,7 +69,7 @@ def model_settings(model_dir: str | Path | None) -> tuple[dict, tuple[int, int, 
     info = Path(model_dir) / "builtin.json"
     if info.is_file():
         meta = read_json(info, "model description")
-        defaults, block_shape = _require(meta, "defaults", info), _require(meta, "block_shape", info)
+        defaults, block_shape = require_key(meta, "defaults", info), require_key(meta, "block_shape", info)
         return dict(defaults), tuple(block_shape), builtin_variant_dirs(model_dir)
     return dict(WAN_DEFAULTS), (3, 10, 10), {}
 
@@ -117,7 +94,7 @@ def model_patch_size(model_dir: str | Path | None, transformer_dir: str | Path |
     )
     if config is not None:
         where = Path(transformer_dir) if transformer_dir else Path(model_dir) / "transformer"
-        return tuple(_require(config, "patch_size", where / "config.json"))
+        return tuple(require_key(config, "patch_size", where / "config.json"))
     return tuple(TINY_TRANSFORMER["patch_size"]) if tiny else (1, 2, 2)
 
 
@@ -129,7 +106,7 @@ def model_num_layers(model_dir: str | Path | None, transformer_dir: str | Path |
     where = Path(transformer_dir) if transformer_dir else (None if tiny else Path(model_dir) / "transformer")
     config = saved_transformer_config(where)
     if config is not None:
-        return int(_require(config, "num_layers", where / "config.json"))
+        return int(require_key(config, "num_layers", where / "config.json"))
     return int(TINY_TRANSFORMER["num_layers"]) if tiny else 30
 
 
@@ -156,49 +133,6 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return DTYPES[dtype]
 
 
-def _has_weights(folder: Path, name: str) -> bool:
-    return (folder / name).is_file() or (folder / f"{name}.index.json").is_file()
-
-
-def missing_model_files(model_dir: str | Path) -> list[str]:
-    """The expected files of a diffusers-format Wan2.1 T2V directory that ``model_dir`` lacks."""
-    root = Path(model_dir)
-    missing = []
-    if not (root / "model_index.json").is_file():
-        missing.append(EXPECTED["model_index.json"])
-    if not (root / "scheduler" / "scheduler_config.json").is_file():
-        missing.append(EXPECTED["scheduler"])
-    tok = root / "tokenizer"
-    if not (tok / "tokenizer_config.json").is_file() and not (tok / "tokenizer.json").is_file():
-        missing.append(EXPECTED["tokenizer"])
-    for part, weights in (("text_encoder", "model.safetensors"), ("transformer", WEIGHTS[0]), ("vae", WEIGHTS[0])):
-        folder = root / part
-        if not (folder / "config.json").is_file() or not _has_weights(folder, weights):
-            missing.append(EXPECTED[part])
-    return missing
-
-
-def check_model_dir(model_dir: str | Path) -> Path:
-    """Raises ``FileNotFoundError`` naming what is missing unless ``model_dir`` is a complete Wan2.1 T2V dir."""
-    root = Path(model_dir)
-    if root.is_file():
-        raise FileNotFoundError(
-            f"model directory {str(root)!r} is a file; expected a local diffusers-format Wan2.1 T2V directory "
-            "(the folder holding model_index.json, transformer/, vae/, ...)"
-        )
-    if not root.is_dir():
-        raise FileNotFoundError(
-            f"model directory {str(root)!r} does not exist; expected a local diffusers-format Wan2.1 T2V directory "
-            f"({', '.join(EXPECTED.values())}), or no --model for the built-in tiny model"
-        )
-    missing = missing_model_files(root)
-    if missing:
-        raise FileNotFoundError(
-            f"model directory {str(root)!r} is incomplete (nothing is downloaded); missing: " + "; ".join(missing)
-        )
-    return root
-
-
 @contextmanager
 def _quiet_diffusers():
     # from_pretrained warns about the config key and weights it does not know (ours); we load both ourselves.
@@ -211,62 +145,6 @@ def _quiet_diffusers():
         yield
     finally:
         logger.setLevel(level)
-
-
-def _weight_files(folder: Path) -> list[Path]:
-    single = folder / WEIGHTS[0]
-    if single.is_file():
-        return [single]
-    index = folder / f"{WEIGHTS[0]}.index.json"
-    if index.is_file():
-        shards = sorted(set(_require(read_json(index, "weights index"), "weight_map", index).values()))
-        return [folder / s for s in shards]
-    raise FileNotFoundError(f"{str(folder)!r} has no {WEIGHTS[0]} (or its .index.json)")
-
-
-FLOAT_FILE_DTYPES = ("F16", "BF16", "F32", "F64")
-
-
-def check_weight_files(files: list[Path]) -> None:
-    """Opens each safetensors file's header: a file that is empty, truncated or not safetensors, or that holds
-    a non-float tensor where the model has float weights, raises ValueError naming the file and tensor."""
-    from safetensors import SafetensorError, safe_open
-
-    for file in files:
-        try:
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys()}
-        except (SafetensorError, OSError) as e:
-            size = file.stat().st_size if file.is_file() else 0
-            raise ValueError(
-                f"{str(file)!r} ({size} bytes) is not a readable safetensors file ({e}); it may be empty, truncated "
-                "or another format"
-            ) from None
-        bad = {k: d for k, d in dtypes.items() if d not in FLOAT_FILE_DTYPES}
-        if bad:
-            k = sorted(bad)[0]
-            raise ValueError(
-                f"{str(file)!r} holds {len(bad)} non-float tensor(s), e.g. {k!r} as {bad[k]}; expected float weights "
-                f"({', '.join(FLOAT_FILE_DTYPES)})"
-            )
-
-
-def check_finite(named_tensors, source: str) -> None:
-    """Raises ValueError naming the tensors of ``source`` that hold NaN or inf (a model that would write black
-    videos), or that are not floating point."""
-    not_float, not_finite = [], []
-    for name, t in named_tensors:
-        if not t.is_floating_point():
-            not_float.append(f"{name} ({str(t.dtype).replace('torch.', '')})")
-        elif not bool(torch.isfinite(t).all()):
-            not_finite.append(name)
-    if not_float:
-        raise ValueError(f"{source}: {len(not_float)} weight(s) are not floating point, e.g. {not_float[:3]}")
-    if not_finite:
-        raise ValueError(
-            f"{source}: {len(not_finite)} weight(s) hold NaN or inf, e.g. {not_finite[:3]}; refusing a model "
-            "that can only produce non-finite (black) videos"
-        )
 
 
 def load_transformer(
@@ -289,11 +167,11 @@ def load_transformer(
         raise FileNotFoundError(f"{str(folder)!r} has no config.json; expected a save_pretrained transformer folder")
     config = read_json(config_file, "transformer config")
     for key in ("patch_size", "num_layers", "num_attention_heads", "attention_head_dim"):
-        _require(config, key, config_file)
+        require_key(config, key, config_file)
     state = config.get(CONFIG_KEY)
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
-    check_weight_files(_weight_files(folder))  # before diffusers reads them: names a bad file
+    check_weight_files(weight_files(folder))  # before diffusers reads them: names a bad file
     with _quiet_diffusers():
         model = WanTransformer3DModel.from_pretrained(folder, dtype=dtype).to(device).eval()
     if not state:
@@ -308,7 +186,7 @@ def load_transformer(
         add_attention_parameters(model, kind, layers, options)
     wanted = {k for k in model.state_dict() if any(f".attn1.{a}." in k for a in PARAM_ATTRS.values())}
     found = {}
-    for file in _weight_files(folder):
+    for file in weight_files(folder):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for key in wanted.intersection(f.keys()):
                 found[key] = f.get_tensor(key)

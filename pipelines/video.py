@@ -7,7 +7,6 @@ from pathlib import Path
 
 import numpy as np
 
-
 # metadata text goes onto ffmpeg's command line: bounded, one line
 MAX_COMMENT_CHARS = 1000
 

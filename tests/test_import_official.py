@@ -500,7 +500,9 @@ def test_unreadable_checkpoint_files_are_named(suffix, damage, tmp_path, monkeyp
     else:
         path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     _no_heavy_work(monkeypatch)
-    with pytest.raises(ValueError, match=f"{str(path)!r}.*(not a readable safetensors file|cannot be read as a PyTorch)"):
+    with pytest.raises(
+        ValueError, match=f"{str(path)!r}.*(not a readable safetensors file|cannot be read as a PyTorch)"
+    ):
         imp.import_official(path, base, tmp_path / "out", grid=(3, 4, 6))
     assert not (tmp_path / "out").exists()
     assert imp.main(["--checkpoint", str(path), "--base", str(base), "--out", str(tmp_path / "out")]) == 2

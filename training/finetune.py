@@ -552,8 +552,18 @@ def main(argv=None) -> int:
             if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == total_steps):
                 try:
                     save(
-                        accelerator, cfg, run_dir, step, stage, model, optimizer, scheduler, generator, sampler,
-                        samples, nonfinite,
+                        accelerator,
+                        cfg,
+                        run_dir,
+                        step,
+                        stage,
+                        model,
+                        optimizer,
+                        scheduler,
+                        generator,
+                        sampler,
+                        samples,
+                        nonfinite,
                     )
                 except OSError as e:  # disk full, quota, permissions: say what and where, keep the good ones
                     progress.close()
