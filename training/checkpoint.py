@@ -192,6 +192,29 @@ def load_state(path: str | Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+def restore_run(path: Path, transformer, lora: bool, world: int, rank: int) -> tuple[dict, dict]:
+    """Loads a checkpoint's transformer weights into ``transformer`` (in place; with ``lora`` its
+    ``trainable.safetensors``: adapters and new parameters) and returns ``(training_state, rank_state)``.
+    Raises ValueError when the checkpoint was written by another number of processes or for another model."""
+    from safetensors.torch import load_file
+
+    state = load_state(path / STATE_FILE)
+    if state["world_size"] != world:
+        raise ValueError(f"checkpoint {path} was written by {state['world_size']} processes, this run has {world}")
+    if lora:
+        weights = load_file(path / "trainable.safetensors")
+    else:
+        weights = {}
+        for f in sorted((path / "transformer").glob("*.safetensors")):
+            weights.update(load_file(f))
+    missing, unexpected = transformer.load_state_dict(weights, strict=False)
+    if unexpected or (not lora and missing):
+        raise ValueError(
+            f"checkpoint {path} does not match this model: missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
+    return state, load_state(path / f"rank{rank}.pt")
+
+
 def restore_optimizer(optimizer, scheduler, state: dict) -> None:
     """Load a checkpoint's optimizer and LambdaLR state, keeping the learning rates the config gives now.
 

@@ -54,6 +54,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset, Sampler
 
+from training.encoding import Encoder
+from training.synthetic import SyntheticVideoDataset, SyntheticWorld
+
 VIDEO_EXTENSIONS: tuple[str, ...] = (".mp4", ".webm", ".mov", ".mkv", ".avi")
 MANIFEST_NAMES: tuple[str, ...] = ("manifest.jsonl", "manifest.csv", "metadata.jsonl", "metadata.csv")
 LAYOUTS: tuple[str, ...] = ("auto", "jsonl", "csv", "txt")
@@ -605,3 +608,89 @@ class ResumableSampler(Sampler[ClipKey]):
                     f"this run has {getattr(self, key)!r}"
                 )
         self.samples_consumed = int(state["samples_consumed"])
+
+
+# --------------------------------------------------------------------------- what the recipe reads
+
+
+class CachedLatents(Dataset):
+    """Items of a cache written by ``training/precompute.py``: latents and text embeddings, no decoding."""
+
+    def __init__(self, path: str | Path):
+        from safetensors.torch import load_file
+
+        root = Path(path)
+        index = root / "index.json"
+        if not index.is_file():
+            raise FileNotFoundError(
+                f"{str(root)!r} is not a precomputed cache (no index.json); run training/precompute.py"
+            )
+        meta = json.loads(index.read_text())
+        self.meta = meta
+        self.items = meta["items"]
+        if not self.items:
+            raise ValueError(f"cache {str(root)!r} holds no samples")
+        self.root = root
+        self.empty_text = load_file(root / "empty_text.safetensors")["text"]
+        self._load = load_file
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, key):
+        index = int(key[0] if isinstance(key, tuple) else key)
+        t = self._load(self.root / self.items[index]["file"])
+        return {"latents": t["latents"], "text": t["text"], "caption": self.items[index]["caption"], "index": index}
+
+
+def build_dataset(cfg):
+    """The dataset ``cfg.data`` names: synthetic clips, a folder of videos, or a precomputed cache."""
+    d = cfg.data
+    if d.source == "synthetic":
+        return SyntheticVideoDataset(
+            d.num_samples, seed=cfg.train.seed, num_frames=d.num_frames, height=d.height, width=d.width,
+            world=SyntheticWorld(short_captions=d.short_captions, default_background=d.default_background),
+        )  # fmt: skip
+    if d.source == "folder":
+        return VideoFolderDataset(
+            d.path,
+            num_frames=d.num_frames,
+            height=d.height,
+            width=d.width,
+            frame_stride=d.frame_stride,
+            seed=cfg.train.seed,
+        )
+    cache = CachedLatents(d.path)
+    want = [d.num_frames, d.height, d.width]
+    if cache.meta.get("video") != want:
+        raise ValueError(
+            f"cache {d.path!r} holds videos of (frames, height, width) {cache.meta.get('video')}, config asks {want}"
+        )
+    return cache
+
+
+def collate(items: list[dict]) -> dict:
+    out = {"caption": [it["caption"] for it in items], "index": torch.tensor([it["index"] for it in items])}
+    for key in ("video", "latents", "text"):
+        if key in items[0]:
+            out[key] = torch.stack([it[key] for it in items])
+    return out
+
+
+class BatchEncoder:
+    """Latents and text embeddings of a batch, with caption dropout drawn from the training generator."""
+
+    def __init__(self, encoder: Encoder | None, empty_text: torch.Tensor | None, dropout: float, device):
+        self.encoder, self.empty_text, self.dropout, self.device = encoder, empty_text, dropout, device
+
+    def __call__(self, batch: dict, generator: torch.Generator | None):
+        n = len(batch["caption"])
+        drop = torch.zeros(n, dtype=torch.bool)
+        if generator is not None and self.dropout > 0:
+            drop = (torch.rand(n, generator=generator, device=generator.device) < self.dropout).cpu()
+        if "latents" in batch:  # precomputed cache
+            text = batch["text"].clone()
+            text[drop] = self.empty_text.to(text.dtype)
+            return batch["latents"].to(self.device), text.to(self.device)
+        captions = ["" if d else c for c, d in zip(batch["caption"], drop.tolist())]
+        return self.encoder.latents(batch["video"]), self.encoder.text(captions)

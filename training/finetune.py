@@ -32,7 +32,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from pipelines import AttentionOptions, convert_self_attention, load_components, load_transformer, save_transformer
@@ -41,10 +41,10 @@ from pipelines.generate import generate, latent_grid
 from pipelines.video import write_mp4
 from training import checkpoint as ckpt
 from training.config import load_config, lr_multiplier
-from training.data import ResumableSampler, VideoFolderDataset
+from training.data import BatchEncoder, ResumableSampler, build_dataset, collate
 from training.encoding import Encoder
 from training.flow import FlowMatching
-from training.synthetic import SyntheticVideoDataset, SyntheticWorld
+from training.synthetic import SyntheticVideoDataset
 
 # --------------------------------------------------------------------------- model
 
@@ -135,91 +135,6 @@ def save_model_for_pipeline(transformer, folder: Path, lora: bool) -> None:
         transformer.fuse_lora()
         transformer.unload_lora()
     save_transformer(transformer, folder)
-
-
-# --------------------------------------------------------------------------- data
-
-
-class CachedLatents(Dataset):
-    """Items of a cache written by ``training/precompute.py``: latents and text embeddings, no decoding."""
-
-    def __init__(self, path: str | Path):
-        from safetensors.torch import load_file
-
-        root = Path(path)
-        index = root / "index.json"
-        if not index.is_file():
-            raise FileNotFoundError(
-                f"{str(root)!r} is not a precomputed cache (no index.json); run training/precompute.py"
-            )
-        meta = json.loads(index.read_text())
-        self.meta = meta
-        self.items = meta["items"]
-        if not self.items:
-            raise ValueError(f"cache {str(root)!r} holds no samples")
-        self.root = root
-        self.empty_text = load_file(root / "empty_text.safetensors")["text"]
-        self._load = load_file
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def __getitem__(self, key):
-        index = int(key[0] if isinstance(key, tuple) else key)
-        t = self._load(self.root / self.items[index]["file"])
-        return {"latents": t["latents"], "text": t["text"], "caption": self.items[index]["caption"], "index": index}
-
-
-def build_dataset(cfg):
-    d = cfg.data
-    if d.source == "synthetic":
-        return SyntheticVideoDataset(
-            d.num_samples, seed=cfg.train.seed, num_frames=d.num_frames, height=d.height, width=d.width,
-            world=SyntheticWorld(short_captions=d.short_captions, default_background=d.default_background),
-        )  # fmt: skip
-    if d.source == "folder":
-        return VideoFolderDataset(
-            d.path,
-            num_frames=d.num_frames,
-            height=d.height,
-            width=d.width,
-            frame_stride=d.frame_stride,
-            seed=cfg.train.seed,
-        )
-    cache = CachedLatents(d.path)
-    want = [d.num_frames, d.height, d.width]
-    if cache.meta.get("video") != want:
-        raise ValueError(
-            f"cache {d.path!r} holds videos of (frames, height, width) {cache.meta.get('video')}, config asks {want}"
-        )
-    return cache
-
-
-def collate(items: list[dict]) -> dict:
-    out = {"caption": [it["caption"] for it in items], "index": torch.tensor([it["index"] for it in items])}
-    for key in ("video", "latents", "text"):
-        if key in items[0]:
-            out[key] = torch.stack([it[key] for it in items])
-    return out
-
-
-class BatchEncoder:
-    """Latents and text embeddings of a batch, with caption dropout drawn from the training generator."""
-
-    def __init__(self, encoder: Encoder | None, empty_text: torch.Tensor | None, dropout: float, device):
-        self.encoder, self.empty_text, self.dropout, self.device = encoder, empty_text, dropout, device
-
-    def __call__(self, batch: dict, generator: torch.Generator | None):
-        n = len(batch["caption"])
-        drop = torch.zeros(n, dtype=torch.bool)
-        if generator is not None and self.dropout > 0:
-            drop = (torch.rand(n, generator=generator, device=generator.device) < self.dropout).cpu()
-        if "latents" in batch:  # precomputed cache
-            text = batch["text"].clone()
-            text[drop] = self.empty_text.to(text.dtype)
-            return batch["latents"].to(self.device), text.to(self.device)
-        captions = ["" if d else c for c, d in zip(batch["caption"], drop.tolist())]
-        return self.encoder.latents(batch["video"]), self.encoder.text(captions)
 
 
 # --------------------------------------------------------------------------- attention transfer
@@ -314,21 +229,22 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
-        # never two runs in one folder; replaced only on overwrite=true (after the barrier below)
-        replaced = ckpt.check_new_run(cfg.run_dir, cfg.resume, cfg.overwrite)
-        if cfg.task != "vae":
-            dataset = build_dataset(cfg)  # before the model loads: bad data stops here
-            if hasattr(dataset, "require_usable"):
-                dataset.require_usable()
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if cfg.task == "vae":
-        from training.vae import train_vae
+    if cfg.task == "vae":  # the VAE stage's configs say task: vae; it has its own entry point
+        from training import vae
 
-        if replaced:
-            ckpt.clear_run(cfg.run_dir)
-        return train_vae(cfg)
+        return vae.main(argv)
+    try:
+        # never two runs in one folder; replaced only on overwrite=true (after the barrier below)
+        replaced = ckpt.check_new_run(cfg.run_dir, cfg.resume, cfg.overwrite)
+        dataset = build_dataset(cfg)  # before the model loads: bad data stops here
+        if hasattr(dataset, "require_usable"):
+            dataset.require_usable()
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     run_dir = Path(cfg.run_dir)
     accelerator = Accelerator(
         mixed_precision=cfg.train.precision,
@@ -386,25 +302,14 @@ def main(argv=None) -> int:
     resume_from = ckpt.resolve_resume(cfg.resume, run_dir)
     resume_state = None
     if resume_from is not None:
-        from safetensors.torch import load_file
-
         say(f"resuming from {resume_from} (its files match its manifest)")
-        resume_state = ckpt.load_state(resume_from / ckpt.STATE_FILE)
-        if resume_state["world_size"] != world:
-            raise ValueError(
-                f"checkpoint {resume_from} was written by {resume_state['world_size']} processes, this run has {world}"
+        try:
+            resume_state, rank_state = ckpt.restore_run(
+                resume_from, transformer, cfg.train.trainable == "lora", world, rank
             )
-        weights = {}
-        for f in sorted((resume_from / "transformer").glob("*.safetensors")):
-            weights.update(load_file(f))
-        if cfg.train.trainable == "lora":
-            weights = load_file(resume_from / "trainable.safetensors")
-        missing, unexpected = transformer.load_state_dict(weights, strict=False)
-        if unexpected or (cfg.train.trainable != "lora" and missing):
-            raise ValueError(
-                f"checkpoint {resume_from} does not match this model: missing {missing[:3]}, unexpected {unexpected[:3]}"
-            )
-        rank_state = ckpt.load_state(resume_from / f"rank{rank}.pt")
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         generator.set_state(rank_state["generator"])
         sampler.load_state_dict(rank_state["data"])
         samples = rank_state["data"]["samples_consumed"]

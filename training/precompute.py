@@ -85,7 +85,7 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from training.finetune import build_dataset  # the same dataset training would read
+    from training.data import build_dataset  # the same dataset training would read
 
     try:
         dataset = build_dataset(cfg)  # before the model loads: a folder of broken videos stops here

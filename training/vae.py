@@ -1,6 +1,7 @@
-"""Training the Wan2.1 VAE (``AutoencoderKLWan``) to reconstruct videos: ``finetune.py`` with ``task: vae``.
+"""Training the Wan2.1 VAE (``AutoencoderKLWan``) to reconstruct videos (configs with ``task: vae``).
 
-    python training/finetune.py --config configs/builtin/vae.yaml
+    python -m training.vae --config configs/builtin/vae.yaml
+    python training/finetune.py --config configs/builtin/vae.yaml   # the same: finetune.py hands task: vae on
 
 The VAE of ``model.path`` is trained on random ``vae.crop`` x ``vae.crop`` crops of the configured
 clips (it is fully convolutional and causal in time, so it then encodes whole, longer clips): L1 + MSE
@@ -99,7 +100,7 @@ def latent_statistics(vae, dataset, num: int) -> tuple[list[float], list[float]]
 def train_vae(cfg) -> int:
     from diffusers import AutoencoderKLWan
 
-    from training.finetune import build_dataset, collate
+    from training.data import build_dataset, collate
 
     if not cfg.model.path:
         raise ValueError("task=vae needs model.path: a model directory whose vae/ to train")
@@ -245,3 +246,29 @@ def _replace(src: Path, dst: Path) -> None:
     if dst.exists():
         shutil.rmtree(dst)
     os.replace(src, dst)
+
+
+def main(argv=None) -> int:
+    """``python -m training.vae --config configs/builtin/vae.yaml [key=value ...]``: trains ``model.path``'s VAE."""
+    import argparse
+    import sys
+
+    from training.config import load_config
+
+    p = argparse.ArgumentParser(prog="python -m training.vae", description=main.__doc__)
+    p.add_argument("--config", required=True, help="a YAML file with task: vae (configs/builtin/vae*.yaml)")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.steps=10 resume=latest")
+    args = p.parse_args(argv)
+    try:
+        cfg = load_config(args.config, [*args.overrides, "task=vae"])
+        replaced = ckpt.check_new_run(cfg.run_dir, cfg.resume, cfg.overwrite)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if replaced:
+        ckpt.clear_run(cfg.run_dir)
+    return train_vae(cfg)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
