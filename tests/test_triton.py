@@ -324,3 +324,46 @@ def test_fp16_summaries_do_not_overflow(gen):
         ref = mhla_attention_dense(*(t.double() for t in half), layout, m.double(), normalize=normalize)
         out = triton_ops.mhla_attention_fused(*half, layout, m, normalize=normalize, out_dtype=torch.float32)
         assert torch.isfinite(out).all() and rel_err(out, ref) < 5e-3, normalize
+
+
+def strided_qkv(q, k, v, kind):
+    """q, k, v as views that are not dense: ``"chunk"`` splits one fused projection (tokens x (q|k|v)
+    channels, as a fused QKV linear layer writes them), ``"transpose"`` is a dense but permuted
+    (batch, heads, tokens, dim) buffer seen as (batch, tokens, heads, dim)."""
+    if kind == "chunk":
+        fused = torch.cat([t.flatten(2) for t in (q, k, v)], dim=-1)  # (B, N, H*D + H*D + H*E)
+        hd, he = q.shape[2] * q.shape[3], v.shape[2] * v.shape[3]
+        qs, ks, vs = fused.split([hd, hd, he], dim=-1)
+        return qs.unflatten(2, q.shape[2:]), ks.unflatten(2, k.shape[2:]), vs.unflatten(2, v.shape[2:])
+    return tuple(t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+
+
+@pytest.mark.parametrize("kind", ["chunk", "transpose"])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_fused_strided_views(gen, kind, normalize):
+    # the backward once wrote dq, dk, dv with the inputs' strides into contiguous buffers: out of
+    # bounds for views of a fused QKV projection (the interpreter crashed, `mremap_chunk(): invalid
+    # pointer`). Forward and every gradient against the dense formula, and the gradients' layout.
+    layout = BlockLayout((2, 3, 7), (1, 2, 3))
+    (q, k, v, m), rope = inputs(gen, layout, b=2, h=2, d=16, e=8)
+    dense = [t.float().to(DEVICE) for t in (q, k, v)]
+    views = strided_qkv(*dense, kind)
+    leaves = [t.detach().requires_grad_() for t in views] if kind == "transpose" else None
+    if kind == "chunk":  # the leaf is the fused buffer; q, k, v are views of it
+        base = views[0]._base.detach().requires_grad_()
+        hd = q.shape[2] * q.shape[3]
+        qs, ks, vs = base.split([hd, hd, v.shape[2] * v.shape[3]], dim=-1)
+        views = (qs.unflatten(2, q.shape[2:]), ks.unflatten(2, k.shape[2:]), vs.unflatten(2, v.shape[2:]))
+    else:
+        views = leaves
+    assert not any(t.is_contiguous() for t in views)
+    rope32 = tuple(t.float().to(DEVICE) for t in rope)
+    out = triton_ops.mhla_attention_fused(*views, layout, m.float().to(DEVICE), normalize=normalize, rotary_emb=rope32)
+    upstream = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    grads = torch.autograd.grad((out.double() * upstream.to(DEVICE)).sum(), views)
+    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = mhla_attention_dense(*ref_leaves, layout, m, normalize=normalize, rotary_emb=rope)
+    ref_grads = torch.autograd.grad((ref * upstream).sum(), ref_leaves)
+    assert rel_err(out, ref) < 1e-4
+    for name, g, r in zip("qkv", grads, ref_grads):
+        assert g.shape == r.shape and rel_err(g, r) < 1e-4, name
