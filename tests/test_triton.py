@@ -251,8 +251,9 @@ def check_wan_grid(gen, grid, dtype, device, h, d, normalizes, tol, version="v2"
 
 
 GPU_CASES = (
-    # the autotuned launch on the even Wan grid (compiles every candidate setting once), then the fixed
-    # settings in every dtype on the uneven Wan grid and a small one, and v1
+    # the autotuned launch on the even Wan grid (compiles every candidate setting once: the only tuned
+    # case of the GPU tests), then the fixed settings in every dtype on the uneven Wan grid and a small
+    # one, and v1
     [((21, 30, 50), torch.bfloat16, "v2", True)]
     + [(g, t, "v2", False) for t in (torch.bfloat16, torch.float16, torch.float32) for g in ((21, 30, 52), (5, 12, 20))]
     + [((21, 30, 52), torch.bfloat16, "v1", False)]
