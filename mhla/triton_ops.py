@@ -595,26 +595,31 @@ def _dot_types(dtype: torch.dtype):
 # large settings keep tiles in local memory and took minutes each to compile. The interpreter gets v1's
 # setting only (tuning would only multiply its time).
 V1_LAUNCH = dict(BLOCK_N=64, num_warps=4, num_stages=2)
+# Three stages, not two, where it fits: with two, Triton's loop waits for all its copies at the top
+# of each step and issues the next step's after the products, so no load is in flight while the
+# tensor cores work (TTGIR: `async_wait {num = 0}`); with three one step's copies stay in flight
+# (`num = 4` in the summary kernel). See benchmarks/NOTES.md.
 TUNE_CANDIDATES = {
-    "summaries": [(16, 4, 2), (16, 8, 2), (32, 4, 2), (32, 8, 3), (64, 8, 2)],
-    "output": [(16, 4, 2), (16, 8, 2), (32, 8, 2), (32, 8, 3), (64, 4, 2)],
-    "backward_query": [(16, 8, 2), (32, 8, 2), (32, 8, 3)],
-    "backward_key": [(16, 4, 2), (16, 8, 2), (32, 8, 2), (32, 8, 3), (64, 8, 2)],
+    "summaries": [(16, 8, 2), (16, 8, 3), (32, 4, 2), (32, 8, 3), (64, 8, 2)],
+    "output": [(16, 4, 2), (16, 8, 3), (32, 8, 2), (32, 8, 3), (64, 4, 2)],
+    "backward_query": [(16, 8, 2), (16, 8, 3), (32, 8, 3)],
+    "backward_key": [(16, 4, 2), (16, 8, 2), (16, 8, 3), (32, 8, 3), (64, 8, 2)],
 }
 # tuned once per shape and per compiled variant (the constants a kernel takes among these); the
 # autotuner adds the tensors' dtypes itself
 _TUNE_KEY = ["B", "N", "M", "D_HALF", "E", "FEATURE", "USE_ROPE", "NORMALIZE", "SHARED", "PRECISION"]
 
 # MHLA_AUTOTUNE=0 (or AUTOTUNE = False, read at each call) launches v2 with these fixed settings instead:
-# per kernel, the bf16 setting of the resource report without spills that fits most programs per SM.
+# per kernel, the bf16 setting of the resource report without spills that fits most programs per SM,
+# with three stages where that costs no program per SM.
 # Tuning compiles every candidate for each new specialisation, which the GPU tests cannot afford.
 AUTOTUNE = os.environ.get("MHLA_AUTOTUNE", "1") != "0"
 PROFILE_RANGES = False  # benchmarks.profile_mhla turns on a profiler range per kernel launch
 FIXED_LAUNCH = {
-    "summaries": dict(BLOCK_N=16, num_warps=8, num_stages=2),
-    "output": dict(BLOCK_N=32, num_warps=8, num_stages=2),
-    "backward_query": dict(BLOCK_N=16, num_warps=8, num_stages=2),
-    "backward_key": dict(BLOCK_N=16, num_warps=8, num_stages=2),
+    "summaries": dict(BLOCK_N=16, num_warps=8, num_stages=3),
+    "output": dict(BLOCK_N=16, num_warps=8, num_stages=3),
+    "backward_query": dict(BLOCK_N=16, num_warps=8, num_stages=3),
+    "backward_key": dict(BLOCK_N=16, num_warps=8, num_stages=2),  # 3 stages: 1 program per SM instead of 2
 }
 
 
