@@ -6,7 +6,7 @@ and walks the block's tokens, whose positions it computes from the layout's spli
 uneven layouts need no index tensors or padding.
 
     summaries   S_b = sum_{s in b} rope(phi(k_s))^T v_s,  z_b = sum phi(k_s)      (kernel, fp32)
-    mixing      S~ = m @ S,  z~ = m @ z                                         (torch matmul, M^2 d^2)
+    mixing      S~ = m @ S,  z~ = m @ z        (torch matmuls, M^2 d^2, float32 coefficients)
     output      out_t = rope(phi(q_t)) S~_i  [ / (phi(q_t) . z~_i + eps) ]        (kernel)
 
 The backward pass mirrors it: one kernel over query blocks yields dq and dS~, dz~; torch mixes
@@ -19,8 +19,12 @@ outputs may be fp16, bf16 or fp32 (fp16 inputs multiply in TF32, see ``_dot_type
 Two versions, timed side by side by ``benchmarks.attention`` (``benchmarks/NOTES.md`` has the
 predictions): ``v2`` (default) keeps bf16 inputs' summaries in bf16 between the passes, reads and
 writes whole rows (16-byte accesses) and splits the channels in registers, reads half-width RoPE
-tables, and autotunes its launch settings; ``v1`` is the first version (float32 summaries, strided
+tables (bf16 for bf16 inputs), and autotunes its launch settings; ``v1`` is the first version (float32 summaries, strided
 single-element channel reads, one fixed launch setting).
+
+Outputs and gradients are written with their own strides (q, k, v may be views, e.g. of a fused QKV
+projection); offsets that grow with the batch are int64. Linear attention (``mixing`` None inside)
+shares one summary per (batch, head) among all query chunks.
 
 The kernels also run on a CPU under ``TRITON_INTERPRET=1`` (slowly), which is how CI checks them
 against the dense reference when no GPU is present.
