@@ -347,8 +347,13 @@ def test_profile_mhla_kernel_bytes():
     x = 31_500 * 12 * 128 * 2  # one of q, k, v, out: 96.8 MB
     summaries = 12 * 105 * 128 * 128 * 2  # 41.3 MB
     rope = 31_500 * 128 * 4  # the two half-width float32 tables
-    assert kernel_bytes("summaries", rope_half=True, **wan) == 2 * x + rope + summaries + 12 * 105 * 128 * 4
+    # no normalizer: no z sums written (the summary kernel skips them)
+    assert kernel_bytes("summaries", rope_half=True, **wan) == 2 * x + rope + summaries
+    assert kernel_bytes("summaries", rope_half=True, **{**wan, "normalize": True}) == (
+        2 * x + rope + summaries + 12 * 105 * 128 * 4
+    )
     assert kernel_bytes("output", rope_half=True, **wan) == 2 * x + rope + summaries
+    assert kernel_bytes("output", rope_half=True, size_rope=2, **wan) == 2 * x + rope // 2 + summaries  # bf16
     assert kernel_bytes("output", rope_half=False, **wan) == 2 * x + 2 * rope + summaries
     assert kernel_bytes("backward_key", rope_half=True, **wan) == 4 * x + rope + summaries
 
