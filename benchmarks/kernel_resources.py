@@ -180,9 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="fp32 inputs multiply in TF32 (as with torch.backends.cuda.matmul.allow_tf32)",
     )
     p.add_argument("--quick", action="store_true", help="bf16 only, the v1 launch setting only")
-    p.add_argument(
-        "--all-settings", action="store_true", help="every kernel with every kernel's tuning candidates"
-    )
+    p.add_argument("--all-settings", action="store_true", help="every kernel with every kernel's tuning candidates")
     p.add_argument("--out-dir", type=Path, default=RESULTS)
     p.add_argument("--no-save", action="store_true")
     return p

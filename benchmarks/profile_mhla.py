@@ -45,9 +45,7 @@ from .common import (
 KERNELS = triton_ops.KERNEL_NAMES
 
 
-def kernel_bytes(
-    name: str, *, b, n, h, d, e, m, size_in, size_sum, size_out, normalize, rope_half, size_rope=4
-) -> int:
+def kernel_bytes(name: str, *, b, n, h, d, e, m, size_in, size_sum, size_out, normalize, rope_half, size_rope=4) -> int:
     """The fewest bytes kernel ``name`` moves: each tensor it reads or writes, once."""
     x_k = b * n * h * d * size_in  # q or k (and dq or dk)
     x_v = b * n * h * e * size_in  # v (and dv)

@@ -182,7 +182,11 @@ def test_gpu_script_stages_limits_and_loud_fallback(tmp_path):
     # timing stages run after the fused-path check, within what is left of the budget
     run, modules, log = run_gpu_script(tmp_path, "wan,profile", BUDGET_S="200")
     assert run.returncode == 0, run.stdout + run.stderr
-    assert [m.split()[1] for m in modules] == ["benchmarks.check_fused", "benchmarks.wan_step", "benchmarks.profile_mhla"]
+    assert [m.split()[1] for m in modules] == [
+        "benchmarks.check_fused",
+        "benchmarks.wan_step",
+        "benchmarks.profile_mhla",
+    ]
     text = log.read_text()
     assert "=== wan_step (limit 19" in text  # 560 s cut to the 200 s budget
     assert "=== profile (limit 150s" in text  # its own limit, less than what is left

@@ -407,7 +407,11 @@ def test_launch_arguments_follow_the_options(gen):
         z = out.grad_fn.saved_tensors[5]
         assert z.numel() == (2 * layout.num_blocks * 32 if normalize else 1), normalize
     rope32 = tuple(t.float() for t in rope)
-    for dtype, table in ((torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32), (torch.float32, torch.float32)):
+    for dtype, table in (
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float16, torch.float32),
+        (torch.float32, torch.float32),
+    ):
         geo = triton_ops._Geometry(q.to(dtype), v.to(dtype), layout, rope32, "v2")
         assert geo.cos.dtype == table and geo.sin.dtype == table, dtype
         assert triton_ops._Geometry(q.to(dtype), v.to(dtype), layout, rope32, "v1").cos.dtype == torch.float32
