@@ -148,13 +148,17 @@ def occupancy(registers: int, shared: int, warps: int) -> int:
     return max(0, min(by_regs, by_shared, SM["warps"] // warps, SM["programs"]))
 
 
-def settings_for(version: str, quick: bool):
+def settings_for(version: str, quick: bool, kernel: str, all_settings: bool = False):
+    """Launch settings to compile ``kernel`` with: v1's one, or v2's tuning candidates for this kernel
+    (``all_settings``: the union over all kernels, to compare what was left out)."""
     from mhla import triton_ops
 
     v1 = triton_ops.V1_LAUNCH
     if version == "v1" or quick:
         return [(v1["BLOCK_N"], v1["num_warps"], v1["num_stages"])]
-    return list(triton_ops.TUNE_CANDIDATES)
+    if all_settings:
+        return sorted({c for cands in triton_ops.TUNE_CANDIDATES.values() for c in cands})
+    return list(triton_ops.TUNE_CANDIDATES[kernel])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -176,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="fp32 inputs multiply in TF32 (as with torch.backends.cuda.matmul.allow_tf32)",
     )
     p.add_argument("--quick", action="store_true", help="bf16 only, the v1 launch setting only")
+    p.add_argument("--all-settings", action="store_true", help="every kernel with every kernel's tuning candidates")
     p.add_argument("--out-dir", type=Path, default=RESULTS)
     p.add_argument("--no-save", action="store_true")
     return p
@@ -223,7 +228,7 @@ def main(argv=None) -> dict:
             programs = args.batch * args.heads * layout.num_blocks
             for name, summary_dtype, launch_args, meta in launches:
                 fn = triton_ops._KERNELS[name]
-                for block_n, warps, stages in settings_for(version, args.quick):
+                for block_n, warps, stages in settings_for(version, args.quick, name, args.all_settings):
                     src = compile_source(fn, launch_args, {**meta, "BLOCK_N": block_n})
                     kernel = triton.compile(src, target=target, options=dict(num_warps=warps, num_stages=stages))
                     report = ptxas_report(kernel.asm["ptx"], args.arch)

@@ -45,7 +45,7 @@ from .common import (
 KERNELS = triton_ops.KERNEL_NAMES
 
 
-def kernel_bytes(name: str, *, b, n, h, d, e, m, size_in, size_sum, size_out, normalize, rope_half) -> int:
+def kernel_bytes(name: str, *, b, n, h, d, e, m, size_in, size_sum, size_out, normalize, rope_half, size_rope=4) -> int:
     """The fewest bytes kernel ``name`` moves: each tensor it reads or writes, once."""
     x_k = b * n * h * d * size_in  # q or k (and dq or dk)
     x_v = b * n * h * e * size_in  # v (and dv)
@@ -53,9 +53,10 @@ def kernel_bytes(name: str, *, b, n, h, d, e, m, size_in, size_sum, size_out, no
     summ = b * h * m * d * e * size_sum  # the block summaries (mixed or not, or their gradients)
     z = b * h * m * d * 4 if normalize else 0  # normalizer sums, float32
     den = b * h * n * 4 if normalize else 0  # per-token denominators, float32
-    rope = 2 * n * d * 4 // (2 if rope_half else 1)  # cos and sin, float32, read once for all heads
+    # cos and sin, read once for all heads (v2: the half tables, bf16 for bf16 inputs; v1: full, float32)
+    rope = 2 * n * d * size_rope // (2 if rope_half else 1)
     if name == "summaries":
-        return x_k + x_v + rope + summ + b * h * m * d * 4  # z is always written
+        return x_k + x_v + rope + summ + z  # z only with the normalizer
     if name == "output":
         return x_k + summ + z + rope + out + den
     if name == "backward_query":
@@ -217,6 +218,7 @@ def main(argv=None) -> dict:
                             size_out=size_out,
                             normalize=args.normalize,
                             rope_half=version != "v1",
+                            size_rope=triton_ops.rope_table_dtype(version, dtype).itemsize,
                         )
                         row["gbs"] = row["bytes"] / (x["us"] * 1e-6) / 1e9 if x["us"] else None
                     rows.append(row)

@@ -1,24 +1,31 @@
 #!/usr/bin/env bash
-# What a session with a GPU runs, in two device calls of under 10 minutes each:
-#   bash benchmarks/run_gpu.sh tests,wan     1. the GPU tests (python -m pytest -m gpu: fused kernels vs the
-#                                               dense reference, compiled)
-#                                            2. benchmarks.wan_step: Wan2.1-1.3B, flash/linear/mhla/mhla-hybrid,
-#                                               480x800 and 480x832, fwd + fwd+bwd
+# What a session with a GPU runs, in three device calls of under 10 minutes each:
+#   bash benchmarks/run_gpu.sh kernels,tests
+#        1. kernels: tests/test_triton.py -m gpu: the compiled kernels against the float64 path on the Wan
+#           grids, every input dtype; one case autotuned, the rest with the fixed launch settings (about
+#           100 compiles of a few seconds each; exact-fp32 products tune the fixed setting only)
+#        2. tests: the other GPU tests (softmax backends, the benchmark scripts at small sizes, the 1.3B app)
+#   bash benchmarks/run_gpu.sh wan
+#        3. benchmarks.wan_step: Wan2.1-1.3B, flash/linear/mhla/mhla-hybrid, 480x800 and 480x832, fwd + fwd+bwd
 #   bash benchmarks/run_gpu.sh profile,attention
-#                                            3. benchmarks.profile_mhla: the fused op's time per kernel at
-#                                               21x30x50 (v2 and v1, fwd and fwd+bwd) with each kernel's bytes
-#                                            4. benchmarks.attention: the op, bf16, 12 heads x 128, 1k..128k
-#                                               tokens, fwd + fwd+bwd, every softmax backend, kernels v2 and v1
-# (no argument: all four in one call, if the time allows). The first call of the fused kernels for each
-# new shape autotunes them (compiles 8 launch settings per kernel), which is why the stages are split.
+#        4. benchmarks.profile_mhla: the fused op's time per kernel at 21x30x50 (v2 and v1, fwd and fwd+bwd)
+#        5. benchmarks.attention: the op, bf16, 12 heads x 128, 1k..128k tokens, fwd + fwd+bwd, every softmax
+#           backend, kernels v2 and v1
+# (no argument: all five, as far as BUDGET_S allows). The timing stages (wan, profile, attention) first run
+# benchmarks.check_fused: if impl="auto" would not run the fused kernels (no Triton, kernels that fail to
+# build), they are skipped and the script says FUSED PATH NOT TAKEN and exits 3, instead of timing the
+# PyTorch path under the kernels' name; PYTHONWARNINGS turns the fallback warning into an error, so a
+# fallback part-way through a stage fails it. Exit status: 0 when every stage ran and passed, 1 when one
+# failed or ran out of time, 3 when the fused path was not taken, 2 for an unknown stage.
 # Writes into $OUT, flat: log.txt and <name>.json/.md/.png of each benchmark; prints the tables last.
 # A stage that fails or runs out of its time is logged and the next one runs (no `set -e` on purpose).
 #
 # The device image has no diffusers: carry its wheel (pure Python) in .whl/, e.g. here, in the repo root:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux2014_x86_64 -d .whl diffusers==0.42.1
-# and call the device with carry [".whl"] and command `bash benchmarks/run_gpu.sh`.
-# Stage time limits (seconds) can be overridden: BUDGET_S (whole script), TESTS_S, WAN_S.
+# and call the device with carry [".whl"] and command `bash benchmarks/run_gpu.sh wan` (and the others).
+# Stage time limits (seconds) can be overridden: BUDGET_S (whole call), KERNELS_S, TESTS_S, WAN_S,
+# PROFILE_S, ATTENTION_S; each is cut to what is left of BUDGET_S.
 set -u
 cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/results/gpu_run}"
@@ -26,15 +33,21 @@ mkdir -p "$OUT"
 LOG="$OUT/log.txt"
 : >"$LOG"
 export PYTHONUNBUFFERED=1
+# the PyTorch fallback of impl="auto" warns "MHLA Triton kernels failed ...": make it an error here
+export PYTHONWARNINGS="error:MHLA Triton kernels failed${PYTHONWARNINGS:+,$PYTHONWARNINGS}"
 START=$(date +%s)
 BUDGET_S="${BUDGET_S:-570}"
-TESTS_S="${TESTS_S:-240}"
-WAN_S="${WAN_S:-570}"
-STAGES=",${1:-tests,wan,profile,attention},"
+KERNELS_S="${KERNELS_S:-360}"
+TESTS_S="${TESTS_S:-200}"
+WAN_S="${WAN_S:-560}"
+PROFILE_S="${PROFILE_S:-150}"
+ATTENTION_S="${ATTENTION_S:-400}"
+STAGES=",${1:-kernels,tests,wan,profile,attention},"
 for s in $(echo "${STAGES//,/ }"); do
-    case "$s" in tests | wan | profile | attention) ;; *) echo "unknown stage '$s'; expected tests, wan, profile, attention" >&2; exit 2 ;; esac
+    case "$s" in kernels | tests | wan | profile | attention) ;; *) echo "unknown stage '$s'; expected kernels, tests, wan, profile, attention" >&2; exit 2 ;; esac
 done
 SUMMARY=()
+STATUS=0
 
 log() { echo "$*" | tee -a "$LOG"; }
 
@@ -48,6 +61,7 @@ run_stage() {
     if [ "$limit" -le 10 ]; then
         log "=== $name: skipped, no time left"
         SUMMARY+=("$name: skipped (no time left)")
+        STATUS=1
         return
     fi
     log "=== $name (limit ${limit}s, $(date -u +%H:%M:%S) UTC): $*"
@@ -56,8 +70,26 @@ run_stage() {
     local rc=$?
     local note=""
     if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then note=" (TIMED OUT)"; fi
+    if [ "$rc" -ne 0 ] && [ "$STATUS" -eq 0 ]; then STATUS=1; fi
     log "=== $name: exit $rc$note after $(($(date +%s) - t0))s"
     SUMMARY+=("$name: exit $rc$note, $(($(date +%s) - t0))s")
+}
+
+# fused_path_ok: the timing stages run only when impl="auto" takes the fused kernels (checked once)
+FUSED=""
+fused_path_ok() {
+    if [ -z "$FUSED" ]; then
+        log "=== fused path check: python3 -m benchmarks.check_fused"
+        if timeout -k 10 300 python3 -m benchmarks.check_fused 2>&1 | tee -a "$LOG"; [ "${PIPESTATUS[0]}" -eq 0 ]; then
+            FUSED=yes
+        else
+            FUSED=no
+            log "!!! FUSED PATH NOT TAKEN: impl=\"auto\" would time the PyTorch path; wan, profile and attention are skipped"
+            SUMMARY+=("fused path check: FAILED (timing stages skipped)")
+            STATUS=3
+        fi
+    fi
+    [ "$FUSED" = yes ]
 }
 
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -73,18 +105,22 @@ fi
 } 2>&1 | tee -a "$LOG"
 
 log "=== stages: ${STAGES:1:-1}"
-if [[ $STAGES == *,tests,* ]]; then
-    run_stage "gpu tests" "$TESTS_S" python3 -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors tests
+if [[ $STAGES == *,kernels,* ]]; then
+    run_stage "kernels" "$KERNELS_S" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_triton.py
 fi
-if [[ $STAGES == *,wan,* ]]; then
+if [[ $STAGES == *,tests,* ]]; then
+    run_stage "gpu tests" "$TESTS_S" python3 -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors \
+        --ignore=tests/test_triton.py tests
+fi
+if [[ $STAGES == *,wan,* ]] && fused_path_ok; then
     run_stage "wan_step" "$WAN_S" python3 -m benchmarks.wan_step --config 1.3b --sizes 81x480x800,81x480x832 \
         --grad-ckpt --warmup 2 --repeats 5 --out-dir "$OUT"
 fi
-if [[ $STAGES == *,profile,* ]]; then
-    run_stage "profile" 150 python3 -m benchmarks.profile_mhla --grid 21x30x50 --out-dir "$OUT"
+if [[ $STAGES == *,profile,* ]] && fused_path_ok; then
+    run_stage "profile" "$PROFILE_S" python3 -m benchmarks.profile_mhla --grid 21x30x50 --out-dir "$OUT"
 fi
-if [[ $STAGES == *,attention,* ]]; then
-    run_stage "attention" 600 python3 -m benchmarks.attention --dtype bf16 --heads 12 --dim 128 \
+if [[ $STAGES == *,attention,* ]] && fused_path_ok; then
+    run_stage "attention" "$ATTENTION_S" python3 -m benchmarks.attention --dtype bf16 --heads 12 --dim 128 \
         --grids 1x32x32,4x32x32,16x32x32,21x30x50,21x30x52,32x48x48,32x64x64 --passes fwd,fwd+bwd \
         --softmax-backends all --warmup 3 --repeats 10 --out-dir "$OUT"
 fi
@@ -109,3 +145,5 @@ log ""
 log "=== summary ($(($(date +%s) - START))s in all)"
 for s in "${SUMMARY[@]}"; do log "  $s"; done
 ls -la "$OUT" | tee -a "$LOG"
+log "=== exit status $STATUS"
+exit "$STATUS"

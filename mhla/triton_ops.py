@@ -6,7 +6,7 @@ and walks the block's tokens, whose positions it computes from the layout's spli
 uneven layouts need no index tensors or padding.
 
     summaries   S_b = sum_{s in b} rope(phi(k_s))^T v_s,  z_b = sum phi(k_s)      (kernel, fp32)
-    mixing      S~ = m @ S,  z~ = m @ z                                         (torch matmul, M^2 d^2)
+    mixing      S~ = m @ S,  z~ = m @ z        (torch matmuls, M^2 d^2, float32 coefficients)
     output      out_t = rope(phi(q_t)) S~_i  [ / (phi(q_t) . z~_i + eps) ]        (kernel)
 
 The backward pass mirrors it: one kernel over query blocks yields dq and dS~, dz~; torch mixes
@@ -19,8 +19,12 @@ outputs may be fp16, bf16 or fp32 (fp16 inputs multiply in TF32, see ``_dot_type
 Two versions, timed side by side by ``benchmarks.attention`` (``benchmarks/NOTES.md`` has the
 predictions): ``v2`` (default) keeps bf16 inputs' summaries in bf16 between the passes, reads and
 writes whole rows (16-byte accesses) and splits the channels in registers, reads half-width RoPE
-tables, and autotunes its launch settings; ``v1`` is the first version (float32 summaries, strided
+tables (bf16 for bf16 inputs), and autotunes its launch settings; ``v1`` is the first version (float32 summaries, strided
 single-element channel reads, one fixed launch setting).
+
+Outputs and gradients are written with their own strides (q, k, v may be views, e.g. of a fused QKV
+projection); offsets that grow with the batch are int64. Linear attention (``mixing`` None inside)
+shares one summary per (batch, head) among all query chunks.
 
 The kernels also run on a CPU under ``TRITON_INTERPRET=1`` (slowly), which is how CI checks them
 against the dense reference when no GPU is present.
@@ -153,11 +157,26 @@ if triton is not None:
             d = tl.arange(0, BLOCK_D)
             m = mask_rows[:, None] & (d < D_HALF)[None, :]
             offsets = rows[:, None] * row_stride + d[None, :] * d_stride
-            return tl.load(COS + offsets, mask=m, other=0.0), tl.load(SIN + offsets, mask=m, other=0.0)
+            c = tl.load(COS + offsets, mask=m, other=0.0).to(tl.float32)
+            return c, tl.load(SIN + offsets, mask=m, other=0.0).to(tl.float32)
         else:
             c, _ = _load_halves(COS, rows, row_stride, d_stride, mask_rows, D_HALF, BLOCK_N, BLOCK_D, False)
             _, s = _load_halves(SIN, rows, row_stride, d_stride, mask_rows, D_HALF, BLOCK_N, BLOCK_D, False)
             return c, s
+
+    @triton.jit
+    def _program(H, M, SHARED: tl.constexpr):
+        """(b, h, block) of this program, and the int64 offset of its (batch x head, block) summary row
+        (the block's own, or row 0 when all blocks share one summary: linear attention). Offsets that
+        grow with the batch are int64: B*N*H*D and B*H*M*D*E can pass 2^31; the in-sample offsets
+        (token x stride) stay int32, which the launcher checks."""
+        bh = tl.program_id(0).to(tl.int64)
+        blk = tl.program_id(1)
+        if SHARED:
+            row = bh
+        else:
+            row = bh * M + blk
+        return bh // H, bh % H, blk, bh, row
 
     @triton.jit
     def _summaries_kernel(
@@ -177,6 +196,7 @@ if triton is not None:
         sv_d,
         sr_n,
         sr_d,
+        B,
         N,
         H,
         GF,
@@ -190,6 +210,7 @@ if triton is not None:
         E,
         FEATURE: tl.constexpr,
         USE_ROPE: tl.constexpr,
+        NORMALIZE: tl.constexpr,
         DOT_DTYPE: tl.constexpr,
         PRECISION: tl.constexpr,
         WIDE: tl.constexpr,
@@ -197,10 +218,7 @@ if triton is not None:
         BLOCK_D: tl.constexpr,
         BLOCK_E: tl.constexpr,
     ):
-        bh = tl.program_id(0)
-        blk = tl.program_id(1)
-        b = bh // H
-        h = bh % H
+        b, h, blk, bh, row = _program(H, M, False)
         f0, h0, w0, lf, lh, lw = _block_geometry(blk, GF, GH, GW, BF, BH, BW)
         nb = lf * lh * lw
         d = tl.arange(0, BLOCK_D)
@@ -209,8 +227,9 @@ if triton is not None:
         me = e < E
         acc_e = tl.zeros((BLOCK_D, BLOCK_E), dtype=tl.float32)
         acc_o = tl.zeros((BLOCK_D, BLOCK_E), dtype=tl.float32)
-        z_e = tl.zeros((BLOCK_D,), dtype=tl.float32)
-        z_o = tl.zeros((BLOCK_D,), dtype=tl.float32)
+        if NORMALIZE:  # without the normalizer (Wan's setting) the key sums are not needed at all
+            z_e = tl.zeros((BLOCK_D,), dtype=tl.float32)
+            z_o = tl.zeros((BLOCK_D,), dtype=tl.float32)
         kp = K + b * sk_b + h * sk_h
         vp = V + b * sv_b + h * sv_h
         for start in range(0, nb, BLOCK_N):
@@ -220,8 +239,9 @@ if triton is not None:
             ke, ko = _load_halves(kp, n, sk_n, sk_d, mj, D_HALF, BLOCK_N, BLOCK_D, WIDE)
             ke = tl.where(mj[:, None] & md[None, :], _phi(ke, FEATURE), 0.0)
             ko = tl.where(mj[:, None] & md[None, :], _phi(ko, FEATURE), 0.0)
-            z_e += tl.sum(ke, axis=0)
-            z_o += tl.sum(ko, axis=0)
+            if NORMALIZE:
+                z_e += tl.sum(ke, axis=0)
+                z_o += tl.sum(ko, axis=0)
             if USE_ROPE:
                 c, s = _load_rope(COS, SIN, n, sr_n, sr_d, mj, D_HALF, BLOCK_N, BLOCK_D, WIDE)
                 ke, ko = ke * c - ko * s, ke * s + ko * c
@@ -230,13 +250,14 @@ if triton is not None:
             acc_e += tl.dot(tl.trans(ke.to(DOT_DTYPE)), v, input_precision=PRECISION)
             acc_o += tl.dot(tl.trans(ko.to(DOT_DTYPE)), v, input_precision=PRECISION)
         # S: (B*H, M, 2*D_HALF, E) contiguous, even channels first; Z: (B*H, M, 2*D_HALF)
-        sp = S + (bh * M + blk) * (2 * D_HALF * E)
+        sp = S + row * (2 * D_HALF * E)
         ms = md[:, None] & me[None, :]
         tl.store(sp + d[:, None] * E + e[None, :], acc_e.to(S.dtype.element_ty), mask=ms)
         tl.store(sp + (D_HALF + d[:, None]) * E + e[None, :], acc_o.to(S.dtype.element_ty), mask=ms)
-        zp = Z + (bh * M + blk) * (2 * D_HALF)
-        tl.store(zp + d, z_e, mask=md)
-        tl.store(zp + D_HALF + d, z_o, mask=md)
+        if NORMALIZE:
+            zp = Z + row * (2 * D_HALF)
+            tl.store(zp + d, z_e, mask=md)
+            tl.store(zp + D_HALF + d, z_o, mask=md)
 
     @triton.jit
     def _output_kernel(
@@ -257,6 +278,7 @@ if triton is not None:
         so_d,
         sr_n,
         sr_d,
+        B,
         N,
         H,
         GF,
@@ -272,6 +294,7 @@ if triton is not None:
         FEATURE: tl.constexpr,
         USE_ROPE: tl.constexpr,
         NORMALIZE: tl.constexpr,
+        SHARED: tl.constexpr,
         DOT_DTYPE: tl.constexpr,
         PRECISION: tl.constexpr,
         WIDE: tl.constexpr,
@@ -279,10 +302,7 @@ if triton is not None:
         BLOCK_D: tl.constexpr,
         BLOCK_E: tl.constexpr,
     ):
-        bh = tl.program_id(0)
-        blk = tl.program_id(1)
-        b = bh // H
-        h = bh % H
+        b, h, blk, bh, row = _program(H, M, SHARED)
         f0, h0, w0, lf, lh, lw = _block_geometry(blk, GF, GH, GW, BF, BH, BW)
         nb = lf * lh * lw
         d = tl.arange(0, BLOCK_D)
@@ -291,11 +311,11 @@ if triton is not None:
         me = e < E
         ms = md[:, None] & me[None, :]
         # the block's mixed summary is read once and kept for all its tokens
-        sp = S + (bh * M + blk) * (2 * D_HALF * E)
+        sp = S + row * (2 * D_HALF * E)
         s_e = tl.load(sp + d[:, None] * E + e[None, :], mask=ms, other=0.0).to(DOT_DTYPE)
         s_o = tl.load(sp + (D_HALF + d[:, None]) * E + e[None, :], mask=ms, other=0.0).to(DOT_DTYPE)
         if NORMALIZE:
-            zp = Z + (bh * M + blk) * (2 * D_HALF)
+            zp = Z + row * (2 * D_HALF)
             z_e = tl.load(zp + d, mask=md, other=0.0)
             z_o = tl.load(zp + D_HALF + d, mask=md, other=0.0)
         qp = Q + b * sq_b + h * sq_h
@@ -341,8 +361,13 @@ if triton is not None:
         sg_n,
         sg_h,
         sg_d,
+        sdq_b,
+        sdq_n,
+        sdq_h,
+        sdq_d,
         sr_n,
         sr_d,
+        B,
         N,
         H,
         GF,
@@ -357,6 +382,7 @@ if triton is not None:
         FEATURE: tl.constexpr,
         USE_ROPE: tl.constexpr,
         NORMALIZE: tl.constexpr,
+        SHARED: tl.constexpr,
         DOT_DTYPE: tl.constexpr,
         PRECISION: tl.constexpr,
         WIDE: tl.constexpr,
@@ -365,10 +391,8 @@ if triton is not None:
         BLOCK_E: tl.constexpr,
     ):
         """dq for the block's query tokens, and dS~_i = sum rq^T dnum, dz~_i = sum dden phi(q)."""
-        bh = tl.program_id(0)
-        blk = tl.program_id(1)
-        b = bh // H
-        h = bh % H
+        b, h, blk, bh, row = _program(H, M, SHARED)
+        own = bh * M + blk  # dS~, dz~ are per query block even when the summary is shared
         f0, h0, w0, lf, lh, lw = _block_geometry(blk, GF, GH, GW, BF, BH, BW)
         nb = lf * lh * lw
         d = tl.arange(0, BLOCK_D)
@@ -376,20 +400,20 @@ if triton is not None:
         md = d < D_HALF
         me = e < E
         ms = md[:, None] & me[None, :]
-        sp = S + (bh * M + blk) * (2 * D_HALF * E)
+        sp = S + row * (2 * D_HALF * E)
         s_e = tl.load(sp + d[:, None] * E + e[None, :], mask=ms, other=0.0).to(DOT_DTYPE)
         s_o = tl.load(sp + (D_HALF + d[:, None]) * E + e[None, :], mask=ms, other=0.0).to(DOT_DTYPE)
         if NORMALIZE:
-            zp = Z + (bh * M + blk) * (2 * D_HALF)
+            zp = Z + row * (2 * D_HALF)
             z_e = tl.load(zp + d, mask=md, other=0.0)
             z_o = tl.load(zp + D_HALF + d, mask=md, other=0.0)
+            dz_e = tl.zeros((BLOCK_D,), dtype=tl.float32)
+            dz_o = tl.zeros((BLOCK_D,), dtype=tl.float32)
         ds_e = tl.zeros((BLOCK_D, BLOCK_E), dtype=tl.float32)
         ds_o = tl.zeros((BLOCK_D, BLOCK_E), dtype=tl.float32)
-        dz_e = tl.zeros((BLOCK_D,), dtype=tl.float32)
-        dz_o = tl.zeros((BLOCK_D,), dtype=tl.float32)
         qp = Q + b * sq_b + h * sq_h
         gp = DO + b * sg_b + h * sg_h
-        dqp = DQ + b * sq_b + h * sq_h
+        dqp = DQ + b * sdq_b + h * sdq_h
         for start in range(0, nb, BLOCK_N):
             j = start + tl.arange(0, BLOCK_N)
             mj = j < nb
@@ -428,12 +452,12 @@ if triton is not None:
                 dfo += dden[:, None] * z_o[None, :]
             dqe = dfe * _dphi(xe, FEATURE)
             dqo = dfo * _dphi(xo, FEATURE)
-            _store_halves(dqp, n, sq_n, sq_d, mj, D_HALF, dqe, dqo, BLOCK_N, BLOCK_D, WIDE)
-        dsp = DS + (bh * M + blk) * (2 * D_HALF * E)
+            _store_halves(dqp, n, sdq_n, sdq_d, mj, D_HALF, dqe, dqo, BLOCK_N, BLOCK_D, WIDE)
+        dsp = DS + own * (2 * D_HALF * E)
         tl.store(dsp + d[:, None] * E + e[None, :], ds_e.to(DS.dtype.element_ty), mask=ms)
         tl.store(dsp + (D_HALF + d[:, None]) * E + e[None, :], ds_o.to(DS.dtype.element_ty), mask=ms)
         if NORMALIZE:
-            dzp = DZ + (bh * M + blk) * (2 * D_HALF)
+            dzp = DZ + own * (2 * D_HALF)
             tl.store(dzp + d, dz_e, mask=md)
             tl.store(dzp + D_HALF + d, dz_o, mask=md)
 
@@ -455,8 +479,17 @@ if triton is not None:
         sv_n,
         sv_h,
         sv_d,
+        sdk_b,
+        sdk_n,
+        sdk_h,
+        sdk_d,
+        sdv_b,
+        sdv_n,
+        sdv_h,
+        sdv_d,
         sr_n,
         sr_d,
+        B,
         N,
         H,
         GF,
@@ -471,6 +504,7 @@ if triton is not None:
         FEATURE: tl.constexpr,
         USE_ROPE: tl.constexpr,
         NORMALIZE: tl.constexpr,
+        SHARED: tl.constexpr,
         DOT_DTYPE: tl.constexpr,
         PRECISION: tl.constexpr,
         WIDE: tl.constexpr,
@@ -479,10 +513,7 @@ if triton is not None:
         BLOCK_E: tl.constexpr,
     ):
         """dk, dv for the block's key tokens from dS_b = (m^T dS~)_b and dz_b."""
-        bh = tl.program_id(0)
-        blk = tl.program_id(1)
-        b = bh // H
-        h = bh % H
+        b, h, blk, bh, row = _program(H, M, SHARED)
         f0, h0, w0, lf, lh, lw = _block_geometry(blk, GF, GH, GW, BF, BH, BW)
         nb = lf * lh * lw
         d = tl.arange(0, BLOCK_D)
@@ -490,17 +521,17 @@ if triton is not None:
         md = d < D_HALF
         me = e < E
         ms = md[:, None] & me[None, :]
-        dsp = DS + (bh * M + blk) * (2 * D_HALF * E)
+        dsp = DS + row * (2 * D_HALF * E)
         ds_e = tl.load(dsp + d[:, None] * E + e[None, :], mask=ms, other=0.0).to(DOT_DTYPE)
         ds_o = tl.load(dsp + (D_HALF + d[:, None]) * E + e[None, :], mask=ms, other=0.0).to(DOT_DTYPE)
         if NORMALIZE:
-            dzp = DZ + (bh * M + blk) * (2 * D_HALF)
+            dzp = DZ + row * (2 * D_HALF)
             dz_e = tl.load(dzp + d, mask=md, other=0.0)
             dz_o = tl.load(dzp + D_HALF + d, mask=md, other=0.0)
         kp = K + b * sk_b + h * sk_h
         vp = V + b * sv_b + h * sv_h
-        dkp = DK + b * sk_b + h * sk_h
-        dvp = DV + b * sv_b + h * sv_h
+        dkp = DK + b * sdk_b + h * sdk_h
+        dvp = DV + b * sdv_b + h * sdv_h
         for start in range(0, nb, BLOCK_N):
             j = start + tl.arange(0, BLOCK_N)
             mj = j < nb
@@ -518,7 +549,9 @@ if triton is not None:
             dv = tl.dot(re.to(DOT_DTYPE), ds_e, input_precision=PRECISION)
             dv += tl.dot(ro.to(DOT_DTYPE), ds_o, input_precision=PRECISION)
             tl.store(
-                dvp + n[:, None] * sv_n + e[None, :] * sv_d, dv.to(DV.dtype.element_ty), mask=mj[:, None] & me[None, :]
+                dvp + n[:, None] * sdv_n + e[None, :] * sdv_d,
+                dv.to(DV.dtype.element_ty),
+                mask=mj[:, None] & me[None, :],
             )
             dre = tl.dot(v, tl.trans(ds_e), input_precision=PRECISION)
             dro = tl.dot(v, tl.trans(ds_o), input_precision=PRECISION)
@@ -530,7 +563,7 @@ if triton is not None:
                 dfe += dz_e[None, :]
                 dfo += dz_o[None, :]
             dke, dko = dfe * _dphi(xe, FEATURE), dfo * _dphi(xo, FEATURE)
-            _store_halves(dkp, n, sk_n, sk_d, mj, D_HALF, dke, dko, BLOCK_N, BLOCK_D, WIDE)
+            _store_halves(dkp, n, sdk_n, sdk_d, mj, D_HALF, dke, dko, BLOCK_N, BLOCK_D, WIDE)
 
 
 def _pow2(x: int) -> int:
@@ -559,32 +592,65 @@ def _dot_types(dtype: torch.dtype):
 
 # Launch settings (tokens per step, warps, pipeline stages) the autotuner times on the first call for
 # each shape and keeps; the kernels only store (never accumulate into) their outputs, so timing runs
-# leave nothing behind. The candidates, v1's (64, 4, 2) among them, were chosen from
-# `python -m benchmarks.kernel_resources` (compiled for sm_90a, no GPU): settings whose kernels spill
-# kilobytes of registers or need more shared memory than an SM has were left out. The interpreter
-# gets v1's setting only (tuning would only multiply its time).
+# leave nothing behind. The candidates are per kernel, from `python -m benchmarks.kernel_resources`
+# (compiled for sm_90a, no GPU; bf16, 21x30x50): settings whose kernel spills more than about 100 bytes
+# of registers or fits no more programs per SM than a smaller one were left out (backward_query spills
+# at every setting with 4 warps). Exact float32 products ("ieee") get the fixed setting only: their
+# large settings keep tiles in local memory and took minutes each to compile. The interpreter gets v1's
+# setting only (tuning would only multiply its time).
 V1_LAUNCH = dict(BLOCK_N=64, num_warps=4, num_stages=2)
-TUNE_CANDIDATES = [(16, 4, 2), (16, 8, 2), (32, 4, 2), (32, 8, 2), (32, 8, 3), (64, 4, 2), (64, 8, 2), (128, 8, 2)]
-# tuned once per shape and per compiled variant (the constants a kernel takes among these)
-_TUNE_KEY = ["N", "M", "D_HALF", "E", "USE_ROPE", "NORMALIZE", "PRECISION"]
+# Three stages, not two, where it fits: with two, Triton's loop waits for all its copies at the top
+# of each step and issues the next step's after the products, so no load is in flight while the
+# tensor cores work (TTGIR: `async_wait {num = 0}`); with three one step's copies stay in flight
+# (`num = 4` in the summary kernel). See benchmarks/NOTES.md.
+TUNE_CANDIDATES = {
+    "summaries": [(16, 8, 2), (16, 8, 3), (32, 4, 2), (32, 8, 3), (64, 8, 2)],
+    "output": [(16, 4, 2), (16, 8, 3), (32, 8, 2), (32, 8, 3), (64, 4, 2)],
+    "backward_query": [(16, 8, 2), (16, 8, 3), (32, 8, 3)],
+    "backward_key": [(16, 4, 2), (16, 8, 2), (16, 8, 3), (32, 8, 3), (64, 8, 2)],
+}
+# tuned once per shape and per compiled variant (the constants a kernel takes among these); the
+# autotuner adds the tensors' dtypes itself
+_TUNE_KEY = ["B", "N", "M", "D_HALF", "E", "FEATURE", "USE_ROPE", "NORMALIZE", "SHARED", "PRECISION"]
 
 # MHLA_AUTOTUNE=0 (or AUTOTUNE = False, read at each call) launches v2 with these fixed settings instead:
-# per kernel, the bf16 setting of the resource report without spills that fits most programs per SM.
+# per kernel, the bf16 setting of the resource report without spills that fits most programs per SM,
+# with three stages where that costs no program per SM.
 # Tuning compiles every candidate for each new specialisation, which the GPU tests cannot afford.
 AUTOTUNE = os.environ.get("MHLA_AUTOTUNE", "1") != "0"
 PROFILE_RANGES = False  # benchmarks.profile_mhla turns on a profiler range per kernel launch
 FIXED_LAUNCH = {
-    "summaries": dict(BLOCK_N=16, num_warps=8, num_stages=2),
-    "output": dict(BLOCK_N=32, num_warps=8, num_stages=2),
-    "backward_query": dict(BLOCK_N=16, num_warps=8, num_stages=2),
-    "backward_key": dict(BLOCK_N=16, num_warps=8, num_stages=2),
+    "summaries": dict(BLOCK_N=16, num_warps=8, num_stages=3),
+    "output": dict(BLOCK_N=16, num_warps=8, num_stages=3),
+    "backward_query": dict(BLOCK_N=16, num_warps=8, num_stages=3),
+    "backward_key": dict(BLOCK_N=16, num_warps=8, num_stages=2),  # 3 stages: 1 program per SM instead of 2
 }
 
 
-def _launch_configs():
-    if triton is None or _interpreted():
-        return [triton.Config({"BLOCK_N": 64}, num_warps=4, num_stages=2)] if triton else []
-    return [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=st) for n, w, st in TUNE_CANDIDATES]
+def _launch_configs(name: str) -> list:
+    if triton is None:
+        return []
+    if _interpreted():
+        return [triton.Config({"BLOCK_N": V1_LAUNCH["BLOCK_N"]}, num_warps=4, num_stages=2)]
+    return [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=st) for n, w, st in TUNE_CANDIDATES[name]]
+
+
+def _prune_for(name: str):
+    """Exact float32 products: the fixed setting only (see above)."""
+    fixed = FIXED_LAUNCH[name]
+
+    def prune(configs, named_args, **kwargs):
+        if kwargs.get("PRECISION") != "ieee" or len(configs) == 1:
+            return configs
+        keep = [
+            c
+            for c in configs
+            if c.kwargs["BLOCK_N"] == fixed["BLOCK_N"]
+            and (c.num_warps, c.num_stages) == (fixed["num_warps"], fixed["num_stages"])
+        ]
+        return keep or configs[:1]
+
+    return prune
 
 
 if triton is not None:
@@ -592,7 +658,11 @@ if triton is not None:
         zip(KERNEL_NAMES, (_summaries_kernel, _output_kernel, _backward_query_kernel, _backward_key_kernel))
     )
     _TUNED = {
-        name: triton.autotune(_launch_configs(), key=[k for k in _TUNE_KEY if k in fn.arg_names])(fn)
+        name: triton.autotune(
+            _launch_configs(name),
+            key=[k for k in _TUNE_KEY if k in fn.arg_names],
+            prune_configs_by={"early_config_prune": _prune_for(name)},
+        )(fn)
         for name, fn in _KERNELS.items()
     }
 
@@ -612,21 +682,48 @@ def tuned_launches() -> dict:
 
 
 def _mix(mixing: torch.Tensor, x: torch.Tensor, batch: int, heads: int, transpose: bool = False) -> torch.Tensor:
-    """Mixes ``x`` ``(B*H, M, ...)`` over blocks with ``(M, M)`` or ``(H, M, M)`` mixing, in x's dtype
-    (a bf16 matrix product accumulates in float32)."""
-    m = mixing.to(x.dtype)
+    """Mixes ``x`` ``(B*H, M, ...)`` over blocks with ``(M, M)`` or ``(H, M, M)`` float32 ``mixing``.
+
+    float32 ``x``: one float32 product. bf16 ``x`` (v2's summaries): the coefficients are not rounded
+    to bf16 (0.4% each, which the float32 mixing of the normalizer sums would not see): they are split
+    into bf16 ``hi + lo`` (16 significant bits together) and both products run on bf16 tensor cores,
+    accumulating in float32, the ``lo`` product added into the ``hi`` one's float32 accumulator
+    (``baddbmm``) before the one rounding of the result to bf16. Two cheap products instead of one
+    float32 product on the FP32 units (benchmarks/NOTES.md, item 3)."""
+    m = mixing.float()
     if transpose:
         m = m.transpose(-1, -2)
-    flat = x.reshape(batch, heads, x.shape[1], -1)
-    mixed = torch.matmul(m if m.dim() == 2 else m[None], flat)
-    return mixed.reshape(x.shape)
+    blocks = x.shape[1]
+    flat = x.reshape(batch * heads, blocks, -1)
+    m = (m.expand(batch * heads, blocks, blocks) if m.dim() == 2 else m.repeat(batch, 1, 1)).contiguous()
+    if x.dtype == torch.float32:
+        return torch.bmm(m, flat).reshape(x.shape)
+    hi = m.to(x.dtype)
+    lo = (m - hi.float()).to(x.dtype)
+    return torch.baddbmm(torch.bmm(lo, flat), hi, flat).reshape(x.shape)
+
+
+def _mixing_grad(d_mixed: torch.Tensor, summaries: torch.Tensor) -> torch.Tensor:
+    """``dm_ib = <dS~_i, S_b>`` per (batch x head), ``(B*H, M, M)`` float32: a sum over d*E = 16,384
+    products, accumulated and returned in float32 (a bf16 result would round every entry to 0.4%)."""
+    a, b = d_mixed.flatten(2), summaries.flatten(2).transpose(1, 2)
+    if a.dtype == torch.float32:
+        return torch.bmm(a, b)
+    if a.is_cuda:
+        try:  # bf16 tensor cores with a float32 result (PyTorch >= 2.8 on CUDA)
+            return torch.bmm(a, b, out_dtype=torch.float32)
+        except (TypeError, RuntimeError):
+            pass
+    return torch.bmm(a.float(), b.float())
 
 
 _rope_cache: dict = {}  # the last rotary tables seen and their halves (see _rope_halves)
 
 
-def _rope_halves(rotary_emb) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos at even and sin at odd channels, float32 and contiguous: the halves v2's kernels read.
+def _rope_halves(rotary_emb, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos at even and sin at odd channels, contiguous, in ``dtype``: the halves v2's kernels read
+    (bf16 for bf16 inputs: half the bytes every program reads, and the rotated features are rounded
+    to bf16 for the products anyway; float32 otherwise).
 
     Wan passes one (cos, sin) pair to all its layers, forward and backward, so the halves of the last
     pair are kept (with the pair itself, so that its memory cannot be reused by other tables) and made
@@ -636,12 +733,30 @@ def _rope_halves(rotary_emb) -> tuple[torch.Tensor, torch.Tensor]:
     key = (cos._version, sin._version)
     hit = _rope_cache.get("pair")
     if hit is None or hit[0] is not cos or hit[1] is not sin or _rope_cache["version"] != key:
-        _rope_cache.update(
-            pair=(cos, sin),
-            version=key,
-            halves=(cos[..., 0::2].float().contiguous(), sin[..., 1::2].float().contiguous()),
+        _rope_cache.clear()
+        _rope_cache.update(pair=(cos, sin), version=key)
+    if dtype not in _rope_cache:
+        _rope_cache[dtype] = (cos[..., 0::2].to(dtype).contiguous(), sin[..., 1::2].to(dtype).contiguous())
+    return _rope_cache[dtype]
+
+
+def rope_table_dtype(version: str, dtype: torch.dtype) -> torch.dtype:
+    """dtype of the RoPE half tables v2 reads for inputs of ``dtype`` (v1 reads float32 full tables)."""
+    return torch.bfloat16 if version == "v2" and dtype == torch.bfloat16 else torch.float32
+
+
+INT32_MAX = 2**31 - 1
+
+
+def check_offsets(name: str, t: torch.Tensor) -> None:
+    """The kernels compute offsets within one batch element in int32 (the batch offset is int64):
+    raises ValueError when an element's largest offset passes 2^31 - 1."""
+    extent = sum((size - 1) * stride for size, stride in zip(t.shape[1:], t.stride()[1:]))
+    if extent > INT32_MAX:
+        raise ValueError(
+            f"{name} {tuple(t.shape)} with strides {t.stride()} spans {extent} elements per batch element; "
+            f"the fused kernels need at most {INT32_MAX} (2^31 - 1): split the tokens or use impl='torch'"
         )
-    return _rope_cache["halves"]
 
 
 class _Geometry:
@@ -649,7 +764,7 @@ class _Geometry:
         self.B, self.N, self.H, D = q.shape
         self.D_HALF, self.E = D // 2, v.shape[-1]
         self.M = layout.num_blocks
-        self.grid_args = (self.N, self.H, *layout.grid, *layout.blocks, self.M, self.D_HALF, self.E)
+        self.grid_args = (self.B, self.N, self.H, *layout.grid, *layout.blocks, self.M, self.D_HALF, self.E)
         self.launch = (self.B * self.H, self.M)
         self.use_rope = rotary_emb is not None
         if not self.use_rope:
@@ -657,7 +772,7 @@ class _Geometry:
             self.rope_strides = (0, 0)
         else:
             if version != "v1":
-                cos, sin = _rope_halves(rotary_emb)
+                cos, sin = _rope_halves(rotary_emb, rope_table_dtype(version, q.dtype))
             else:  # v1 reads the full tables, both with the same strides
                 cos, sin = (t.float() for t in rotary_emb)
                 if cos.stride() != sin.stride():
@@ -685,13 +800,24 @@ class _Geometry:
             _TUNED[name][self.launch](*args, **meta, **self.static)
 
 
+def _dense_like(t: torch.Tensor) -> torch.Tensor:
+    """An empty tensor shaped as ``t``; the kernels get its strides separately, since ``t`` may be a view
+    (a fused QKV projection split with ``chunk``) whose strides do not fit a buffer of its size."""
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
+
+
 class _MHLAFunction(torch.autograd.Function):
+    """``mixing`` None: every query block uses the sum of all block summaries (linear attention). The
+    mixed summary is then one per (batch, head), ``SHARED`` in the kernels, instead of M equal copies."""
+
     @staticmethod
     def forward(ctx, q, k, v, mixing, layout, feature, normalize, rotary_emb, eps, out_dtype, version):
         g = _Geometry(q, v, layout, rotary_emb, version)
+        shared = mixing is None
         summaries = q.new_empty((g.B * g.H, g.M, 2 * g.D_HALF, g.E), dtype=g.summary_dtype)
-        z = q.new_empty((g.B * g.H, g.M, 2 * g.D_HALF), dtype=torch.float32)
-        common = dict(FEATURE=feature, USE_ROPE=g.use_rope, DOT_DTYPE=g.dot_dtype, PRECISION=g.precision)
+        z = q.new_empty((g.B * g.H, g.M, 2 * g.D_HALF) if normalize else (1,), dtype=torch.float32)
+        common = dict(FEATURE=feature, USE_ROPE=g.use_rope, NORMALIZE=normalize, DOT_DTYPE=g.dot_dtype)
+        common["PRECISION"] = g.precision
         g.run(
             "summaries",
             k,
@@ -706,8 +832,7 @@ class _MHLAFunction(torch.autograd.Function):
             *g.grid_args,
             **common,
         )
-        mixed = _mix(mixing, summaries, g.B, g.H)
-        mixed_z = _mix(mixing, z, g.B, g.H) if normalize else z
+        mixed, mixed_z = _mix_all(mixing, summaries, z, g, normalize)
         out = q.new_empty((g.B, g.N, g.H, g.E), dtype=out_dtype)
         den = q.new_empty((g.B * g.H, g.N), dtype=torch.float32) if normalize else z
         g.run(
@@ -718,7 +843,7 @@ class _MHLAFunction(torch.autograd.Function):
             *g.rope_strides,
             *g.grid_args,
             eps,
-            NORMALIZE=normalize,
+            SHARED=shared,
             **common,
         )
         ctx.save_for_backward(q, k, v, mixing, summaries, z, den)
@@ -730,47 +855,60 @@ class _MHLAFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, mixing, summaries, z, den = ctx.saved_tensors
         normalize = ctx.normalize
+        shared = mixing is None
         g = _Geometry(q, v, ctx.layout, ctx.rotary_emb, ctx.version)
-        common = dict(
-            FEATURE=ctx.feature, USE_ROPE=g.use_rope, NORMALIZE=normalize, DOT_DTYPE=g.dot_dtype, PRECISION=g.precision
-        )
-        mixed = _mix(mixing, summaries, g.B, g.H)
-        mixed_z = _mix(mixing, z, g.B, g.H) if normalize else z
+        common = dict(FEATURE=ctx.feature, USE_ROPE=g.use_rope, NORMALIZE=normalize, SHARED=shared)
+        common.update(DOT_DTYPE=g.dot_dtype, PRECISION=g.precision)
+        mixed, mixed_z = _mix_all(mixing, summaries, z, g, normalize)
         grad_out = grad_out.contiguous() if grad_out.stride(-1) != 1 else grad_out
-        dq = torch.empty_like(q)
-        d_mixed = torch.empty_like(summaries)
-        d_mixed_z = torch.empty_like(z)
+        dq = _dense_like(q)
+        d_mixed = torch.empty_like(summaries)  # per query block, also when the summary is shared
+        d_mixed_z = torch.empty_like(summaries[..., 0], dtype=torch.float32) if normalize else z
         g.run(
             "backward_query",
             *(q, grad_out, g.cos, g.sin, mixed, mixed_z, den, dq, d_mixed, d_mixed_z),
             *q.stride(),
             *grad_out.stride(),
+            *dq.stride(),
             *g.rope_strides,
             *g.grid_args,
             **common,
         )
-        # back through the mixing: dS = m^T dS~, dm_ib = <dS~_i, S_b> (+ <dz~_i, z_b>)
-        d_summaries = _mix(mixing, d_mixed, g.B, g.H, transpose=True)
-        d_z = _mix(mixing, d_mixed_z, g.B, g.H, transpose=True) if normalize else d_mixed_z
+        # back through the mixing: dS = m^T dS~, dm_ib = <dS~_i, S_b> (+ <dz~_i, z_b>), all in float32
+        if shared:  # dS_b = sum_i dS~_i for every b: one shared sum
+            d_summaries = d_mixed.sum(1, keepdim=True, dtype=torch.float32)
+            d_z = d_mixed_z.sum(1, keepdim=True) if normalize else z
+        else:
+            d_summaries = _mix(mixing, d_mixed, g.B, g.H, transpose=True)
+            d_z = _mix(mixing, d_mixed_z, g.B, g.H, transpose=True) if normalize else z
         d_mixing = None
-        if ctx.needs_input_grad[3]:
-            dm = torch.einsum("bif,bjf->bij", d_mixed.flatten(2), summaries.flatten(2)).float()
+        if not shared and ctx.needs_input_grad[3]:
+            dm = _mixing_grad(d_mixed, summaries)
             if normalize:
-                dm = dm + torch.einsum("bif,bjf->bij", d_mixed_z, z)
+                dm = dm + torch.bmm(d_mixed_z, z.transpose(1, 2))
             dm = dm.reshape(g.B, g.H, g.M, g.M)
             d_mixing = (dm.sum((0, 1)) if mixing.dim() == 2 else dm.sum(0)).to(mixing.dtype)
-        dk = torch.empty_like(k)
-        dv = torch.empty_like(v)
+        dk, dv = _dense_like(k), _dense_like(v)
         g.run(
             "backward_key",
             *(k, v, g.cos, g.sin, d_summaries, d_z, dk, dv),
             *k.stride(),
             *v.stride(),
+            *dk.stride(),
+            *dv.stride(),
             *g.rope_strides,
             *g.grid_args,
             **common,
         )
         return dq, dk, dv, d_mixing, None, None, None, None, None, None, None
+
+
+def _mix_all(mixing, summaries, z, g: _Geometry, normalize: bool):
+    """The mixed summaries S~ and normalizer sums z~ the output and backward kernels read: ``m @ S``,
+    or for ``mixing`` None one float32 sum over the blocks per (batch, head)."""
+    if mixing is None:
+        return summaries.sum(1, keepdim=True, dtype=torch.float32), (z.sum(1, keepdim=True) if normalize else z)
+    return _mix(mixing, summaries, g.B, g.H), (_mix(mixing, z, g.B, g.H) if normalize else z)
 
 
 def mhla_attention_fused(
@@ -794,13 +932,19 @@ def mhla_attention_fused(
     keeps every summary in float32 and launches with fixed settings (kept to time the two side by
     side, see benchmarks/NOTES.md).
     """
+    check_qkv(q, k, v)
+    check_mixing(mixing, layout.num_blocks, q.shape[2])
+    return _fused(q, k, v, layout, mixing.float(), feature_map, normalize, rotary_emb, eps, out_dtype, version)
+
+
+def _fused(q, k, v, layout, mixing, feature_map, normalize, rotary_emb, eps, out_dtype, version):
+    """Checks the arguments the kernels rely on and runs them; ``mixing`` None: linear attention."""
     if triton is None:
-        raise RuntimeError("mhla_attention_fused needs Triton; use mhla.mhla_attention on this machine")
+        raise RuntimeError("the fused kernels need Triton; use mhla.mhla_attention on this machine")
     check_qkv(q, k, v)
     if layout.num_tokens != q.shape[1]:
         g = layout.grid
         raise ValueError(f"token grid {g[0]}x{g[1]}x{g[2]} has {layout.num_tokens} tokens but q has {q.shape[1]}")
-    check_mixing(mixing, layout.num_blocks, q.shape[2])
     check_rotary(rotary_emb, q.shape[1], q.shape[3])
     if feature_map not in FEATURE_IDS:
         raise ValueError(f"unknown feature map {feature_map!r}; expected one of {sorted(FEATURE_IDS)}")
@@ -815,8 +959,10 @@ def mhla_attention_fused(
         raise ValueError(f"out_dtype must be fp16, bf16 or fp32, got {out_dtype}")
     if version not in VERSIONS:
         raise ValueError(f"unknown kernel version {version!r}; expected one of {VERSIONS}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_offsets(name, t)
     return _MHLAFunction.apply(
-        q, k, v, mixing.float(), layout, FEATURE_IDS[feature_map], normalize, rotary_emb, eps, out_dtype, version
+        q, k, v, mixing, layout, FEATURE_IDS[feature_map], normalize, rotary_emb, eps, out_dtype, version
     )
 
 
@@ -825,12 +971,13 @@ def linear_attention_fused(
 ) -> torch.Tensor:
     """Vanilla linear attention by the fused kernels.
 
-    One global summary is MHLA whose mixing matrix is all ones: every query block sums all block
-    summaries. The tokens are cut into up to 256 chunks of at least 256 tokens so that the summary
-    pass runs on many programs at once instead of one per (batch, head).
+    The tokens are cut into up to 256 chunks of at least 256 tokens so that the summary pass runs on
+    many programs at once instead of one per (batch, head); the chunks' summaries are summed into one
+    per (batch, head), which every query chunk reads (MHLA with an all-ones mixing, without its M
+    copies of the one summary).
     """
+    check_qkv(q, k, v)
     n = q.shape[1]
     chunks = max(1, min(256, n // 256))
     layout = BlockLayout((1, 1, n), (1, 1, chunks))
-    ones = torch.ones(chunks, chunks, device=q.device)
-    return mhla_attention_fused(q, k, v, layout, ones, feature_map, normalize, rotary_emb, eps, out_dtype, version)
+    return _fused(q, k, v, layout, None, feature_map, normalize, rotary_emb, eps, out_dtype, version)

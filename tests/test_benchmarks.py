@@ -125,14 +125,107 @@ def test_wan_step_smoke(tmp_path):
     assert "| pass | size | tokens | variant |" in md and "mhla-hybrid" in md
 
 
-def test_gpu_script_is_valid_bash(tmp_path):
+FAKE_PYTHON = """#!/usr/bin/env bash
+# records each call (arguments, and PYTHONWARNINGS once) and answers as told by FAKE_* variables
+echo "$*" >>"$FAKE_CALLS"
+echo "$PYTHONWARNINGS" >"$FAKE_CALLS.warnings"
+case "$*" in
+    *benchmarks.check_fused*) [ "${FAKE_FUSED_RC:-0}" -eq 0 ] && echo "fused path OK" || echo "FUSED PATH NOT TAKEN: fake" >&2
+        exit "${FAKE_FUSED_RC:-0}" ;;
+    *"-m pytest"*) exit "${FAKE_PYTEST_RC:-0}" ;;
+esac
+exit 0
+"""
+
+
+def run_gpu_script(tmp_path, stages, **env):
+    """benchmarks/run_gpu.sh with fake ``python3`` and ``nvidia-smi`` first on PATH: what it would run."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, text in (("python3", FAKE_PYTHON), ("nvidia-smi", "#!/usr/bin/env bash\necho fake GPU\n")):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    calls = tmp_path / f"calls_{stages}.txt"
+    out = tmp_path / f"out_{stages}"
+    full_env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(out), "FAKE_CALLS": str(calls)}
+    full_env.pop("PYTHONWARNINGS", None)
+    run = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "run_gpu.sh"), stages],
+        env={**full_env, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    called = calls.read_text().splitlines() if calls.exists() else []
+    return run, [c for c in called if c.startswith("-m ")], (out / "log.txt")
+
+
+def test_gpu_script_stages_limits_and_loud_fallback(tmp_path):
     script = ROOT / "benchmarks" / "run_gpu.sh"
-    subprocess.run(["bash", "-n", str(script)], check=True)
     # a mistyped stage stops the script before anything runs
     run = subprocess.run(
         ["bash", str(script), "tests,attn"], env={**os.environ, "OUT": str(tmp_path)}, capture_output=True, text=True
     )
     assert run.returncode == 2 and "unknown stage 'attn'" in run.stderr
+
+    # the kernel tests are a stage of their own: only tests/test_triton.py, within their own limit
+    run, modules, log = run_gpu_script(tmp_path, "kernels")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert modules == ["-m pytest -q -m gpu -p no:cacheprovider tests/test_triton.py"]
+    assert "=== kernels (limit 360s" in log.read_text()
+
+    # the other GPU tests leave test_triton.py out; a failing stage makes the script fail
+    run, modules, _ = run_gpu_script(tmp_path, "tests", FAKE_PYTEST_RC="1")
+    assert run.returncode == 1 and len(modules) == 1
+    assert "--ignore=tests/test_triton.py tests" in modules[0] and "-m gpu" in modules[0]
+
+    # timing stages run after the fused-path check, within what is left of the budget
+    run, modules, log = run_gpu_script(tmp_path, "wan,profile", BUDGET_S="200")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert [m.split()[1] for m in modules] == [
+        "benchmarks.check_fused",
+        "benchmarks.wan_step",
+        "benchmarks.profile_mhla",
+    ]
+    text = log.read_text()
+    assert "=== wan_step (limit 19" in text  # 560 s cut to the 200 s budget
+    assert "=== profile (limit 150s" in text  # its own limit, less than what is left
+
+    # impl="auto" on the PyTorch path: loud, nothing timed, exit 3
+    run, modules, log = run_gpu_script(tmp_path, "wan,attention", FAKE_FUSED_RC="1")
+    assert run.returncode == 3
+    assert [m.split()[1] for m in modules] == ["benchmarks.check_fused"]  # checked once, nothing timed
+    assert "FUSED PATH NOT TAKEN" in run.stdout and "FUSED PATH NOT TAKEN" in log.read_text()
+
+
+def test_gpu_script_turns_the_fallback_warning_into_an_error(tmp_path):
+    # the PYTHONWARNINGS the script exports makes ops._run_fused's fallback warning raise in a real Python
+    run_gpu_script(tmp_path, "kernels")
+    warnings_env = (tmp_path / "calls_kernels.txt.warnings").read_text().strip()
+    assert warnings_env.startswith("error:")
+    code = "import warnings; warnings.warn('MHLA Triton kernels failed (RuntimeError: x); using the PyTorch path')"
+    run = subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, "PYTHONWARNINGS": warnings_env}, capture_output=True, text=True
+    )
+    assert run.returncode != 0 and "UserWarning: MHLA Triton kernels failed" in run.stderr
+    other = subprocess.run(
+        [sys.executable, "-c", "import warnings; warnings.warn('something else')"],
+        env={**os.environ, "PYTHONWARNINGS": warnings_env},
+        capture_output=True,
+        text=True,
+    )
+    assert other.returncode == 0
+
+
+def test_check_fused_sees_the_pytorch_path():
+    # impl="auto" on CPU tensors runs the PyTorch path: the check must say so; forced to the kernels
+    # (the interpreter on a CPU) it passes
+    from benchmarks.check_fused import check
+
+    problems = check("cpu", "auto")
+    assert problems and all("PyTorch path" in p for p in problems), problems
+    if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None:
+        assert check("cpu", "triton") == []
 
 
 def test_render_marks_a_partial_run(tmp_path):
@@ -152,8 +245,13 @@ def test_render_marks_a_partial_run(tmp_path):
 
 
 @pytest.mark.gpu
-def test_benchmarks_on_gpu(tmp_path):
-    """The GPU paths of both scripts (bf16, fused kernels, CUDA events, peak memory) at small sizes."""
+def test_benchmarks_on_gpu(tmp_path, monkeypatch):
+    """The GPU paths of both scripts (bf16, fused kernels, CUDA events, peak memory) at small sizes, with
+    the fixed launch settings: tuning compiles every candidate, which the GPU test stage cannot afford
+    (tests/test_triton.py tunes one case)."""
+    from mhla import triton_ops
+
+    monkeypatch.setattr(triton_ops, "AUTOTUNE", False)
     result = attention.main(
         ["--grids", "4x16x16", "--heads", "2", "--dim", "64", "--warmup", "1", "--repeats", "2"]
         + ["--out-dir", str(tmp_path), "--tag", "a"]
@@ -163,7 +261,7 @@ def test_benchmarks_on_gpu(tmp_path):
     for r in result["rows"]:
         assert "skipped" not in r, r
         assert r["ms"] > 0 and r["peak_mib"] is not None
-    assert {"summaries", "output", "backward_query", "backward_key"} <= result["meta"]["triton_launches"].keys()
+    assert isinstance(result["meta"]["triton_launches"], dict)  # nothing tuned here (AUTOTUNE off)
     wan = wan_step.main(
         ["--config", "tiny", "--layers", "2", "--grids", "3x8x8", "--warmup", "1", "--repeats", "2"]
         + ["--out-dir", str(tmp_path), "--tag", "w"]
@@ -253,8 +351,13 @@ def test_profile_mhla_kernel_bytes():
     x = 31_500 * 12 * 128 * 2  # one of q, k, v, out: 96.8 MB
     summaries = 12 * 105 * 128 * 128 * 2  # 41.3 MB
     rope = 31_500 * 128 * 4  # the two half-width float32 tables
-    assert kernel_bytes("summaries", rope_half=True, **wan) == 2 * x + rope + summaries + 12 * 105 * 128 * 4
+    # no normalizer: no z sums written (the summary kernel skips them)
+    assert kernel_bytes("summaries", rope_half=True, **wan) == 2 * x + rope + summaries
+    assert kernel_bytes("summaries", rope_half=True, **{**wan, "normalize": True}) == (
+        2 * x + rope + summaries + 12 * 105 * 128 * 4
+    )
     assert kernel_bytes("output", rope_half=True, **wan) == 2 * x + rope + summaries
+    assert kernel_bytes("output", rope_half=True, size_rope=2, **wan) == 2 * x + rope // 2 + summaries  # bf16
     assert kernel_bytes("output", rope_half=False, **wan) == 2 * x + 2 * rope + summaries
     assert kernel_bytes("backward_key", rope_half=True, **wan) == 4 * x + rope + summaries
 
