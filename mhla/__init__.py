@@ -6,8 +6,23 @@ with tokens flattened in (frame, height, width) order of a latent-token grid ``(
 
 from .diagnostics import attention_weights, expressivity, rank_and_entropy
 from .feature_maps import FEATURE_MAPS, get_feature_map
-from .layout import PAPER_BLOCK_SHAPE, BlockLayout, cached_layout, default_blocks, parse_blocks, split_points
-from .mixing import MixingCoefficients, constrain_mixing, locality_columns_init, locality_init, uniform_init
+from .layout import (
+    PAPER_BLOCK_SHAPE,
+    BlockLayout,
+    cached_layout,
+    default_blocks,
+    fit_blocks,
+    parse_blocks,
+    split_points,
+)
+from .mixing import (
+    MixingCoefficients,
+    constrain_mixing,
+    locality_columns_init,
+    locality_init,
+    resample_mixing,
+    uniform_init,
+)
 from .module import MHLA
 from .ops import block_summaries, linear_attention, mhla_attention, mix_summaries
 from .reference import linear_attention_dense, mhla_attention_dense, softmax_attention_dense
@@ -28,6 +43,7 @@ __all__ = [
     "constrain_mixing",
     "default_blocks",
     "expressivity",
+    "fit_blocks",
     "get_feature_map",
     "last_softmax_backend",
     "linear_attention",
@@ -39,6 +55,7 @@ __all__ = [
     "mix_summaries",
     "parse_blocks",
     "rank_and_entropy",
+    "resample_mixing",
     "softmax_attention",
     "softmax_attention_dense",
     "split_points",

@@ -77,6 +77,12 @@ def default_blocks(grid: Grid, block_shape: Grid = PAPER_BLOCK_SHAPE) -> Grid:
     return tuple(blocks)  # type: ignore[return-value]
 
 
+def fit_blocks(blocks: Grid, grid: Grid) -> Grid:
+    """The block count used on ``grid``: ``blocks``, capped per axis at the grid's cell count (a grid with
+    fewer cells on an axis than the model has blocks, e.g. a video of few frames, shrinks the layout)."""
+    return tuple(min(b, s) for b, s in zip(blocks, grid, strict=True))  # type: ignore[return-value]
+
+
 @dataclass(frozen=True)
 class BlockLayout:
     """A split of a ``(F, H, W)`` token grid into ``bf x bh x bw`` spatiotemporal blocks.

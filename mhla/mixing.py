@@ -8,10 +8,13 @@ step can produce negative or unnormalised mixing.
 
 from __future__ import annotations
 
+import math
+from functools import lru_cache
+
 import torch
 from torch import nn
 
-from .layout import BlockLayout
+from .layout import BlockLayout, Grid
 
 MIXING_INITS = ("locality", "uniform", "locality_columns")
 
@@ -127,3 +130,44 @@ class MixingCoefficients(nn.Module):
     def extra_repr(self) -> str:
         shape = "x".join(str(s) for s in self.weight.shape)
         return f"{shape}, per_head={self.per_head}, constrain={self.constrain}, learnable={isinstance(self.weight, nn.Parameter)}"
+
+
+# ---- a mixing matrix for a smaller layout
+
+
+def _nearest(src: int, dst: int) -> torch.Tensor:
+    """For each of ``src`` segments of [0, 1], the index of the ``dst`` segment with the nearest centre."""
+    a = (torch.arange(src, dtype=torch.float64) + 0.5) / src
+    b = (torch.arange(dst, dtype=torch.float64) + 0.5) / dst
+    return (a[:, None] - b[None, :]).abs().argmin(dim=1)  # ties go to the lower index
+
+
+@lru_cache(maxsize=64)
+def _block_map(src: Grid, dst: Grid) -> torch.Tensor:
+    """``(prod(src),)`` id in ``dst`` of the block whose centre is nearest each block of ``src``."""
+    f, h, w = (_nearest(s, d) for s, d in zip(src, dst, strict=True))
+    return ((f[:, None, None] * dst[1] + h[None, :, None]) * dst[2] + w[None, None, :]).reshape(-1)
+
+
+def resample_mixing(mixing: torch.Tensor, blocks: Grid, new_blocks: Grid, renormalize: bool = True) -> torch.Tensor:
+    """Adapts an ``(M, M)`` (or ``(H, M, M)``) mixing matrix of layout ``blocks`` to ``new_blocks``.
+
+    Used when a grid has fewer cells on an axis than the model has blocks (e.g. few frames), so the
+    layout must shrink. Block centres are compared in normalised coordinates ([0, 1] per axis):
+    new query block ``a`` takes the row of the old block nearest its centre, and each old key block's
+    weight goes to the new block nearest it (so weights of merged blocks add up). Rows are then
+    renormalised, unless ``renormalize=False`` (unconstrained mixing, whose rows need not sum to 1: each new
+    row then keeps the total weight of the old row it came from). Differentiable; with
+    ``new_blocks == blocks`` it returns ``mixing`` unchanged.
+    """
+    if tuple(new_blocks) == tuple(blocks):
+        return mixing
+    blocks, new_blocks = tuple(blocks), tuple(new_blocks)
+    rows = _block_map(new_blocks, blocks).to(mixing.device)
+    cols = _block_map(blocks, new_blocks).to(mixing.device)
+    m_new = math.prod(new_blocks)
+    picked = mixing[..., rows, :]
+    out = picked.new_zeros(*picked.shape[:-1], m_new).index_add(-1, cols, picked)
+    if not renormalize:
+        return out
+    return out / out.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(out.dtype).tiny)

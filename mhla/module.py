@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from .feature_maps import get_feature_map
-from .layout import BlockLayout, Grid, cached_layout, parse_blocks
-from .mixing import MixingCoefficients
+from .layout import BlockLayout, Grid, cached_layout, fit_blocks, parse_blocks
+from .mixing import MixingCoefficients, resample_mixing
 from .ops import mhla_attention
 from .rope import Rotary
 
@@ -61,17 +61,29 @@ class MHLA(nn.Module):
         )
 
     def layout(self, grid: Grid) -> BlockLayout:
-        return cached_layout(tuple(int(x) for x in grid), self.blocks)
+        """The layout on ``grid``: the module's blocks, shrunk on any axis where the grid has fewer cells
+        (:func:`mhla.fit_blocks`)."""
+        grid = tuple(int(x) for x in grid)
+        return cached_layout(grid, fit_blocks(self.blocks, grid))
+
+    def mixing_for(self, layout: BlockLayout) -> torch.Tensor:
+        """The mixing matrix for ``layout``: the module's own, resampled by nearest block centres when the
+        layout was shrunk (:func:`mhla.resample_mixing`; rows renormalised when the mixing is constrained)."""
+        if layout.blocks == self.blocks:
+            return self.mixing()
+        return resample_mixing(self.mixing(), self.blocks, layout.blocks, renormalize=self.mixing.constrain)
 
     def forward(self, q, k, v, grid: Grid, rotary_emb: Rotary | None = None, out_dtype=None) -> torch.Tensor:
         """q, k ``(B, N, H, D)``, v ``(B, N, H, E)``, ``grid`` = ``(F, H, W)`` with ``F*H*W == N``;
-        ``out_dtype`` as :func:`mhla.mhla_attention`."""
+        ``out_dtype`` as :func:`mhla.mhla_attention`. A grid with fewer cells on an axis than the module
+        has blocks shrinks the layout (see :meth:`layout`, :meth:`mixing_for`)."""
+        layout = self.layout(grid)
         return mhla_attention(
             q,
             k,
             v,
-            self.layout(grid),
-            self.mixing(),
+            layout,
+            self.mixing_for(layout),
             feature_map=self.feature_map,
             normalize=self.normalize,
             rotary_emb=rotary_emb,

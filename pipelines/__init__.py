@@ -10,7 +10,9 @@ Built on diffusers' Wan (``WanTransformer3DModel``, ``AutoencoderKLWan``, UMT5) 
 - :mod:`pipelines.video`, :mod:`pipelines.timing`: writing videos, timing tables.
 """
 
-from .attention import VARIANTS, AttentionOptions, LinearSelfAttention, hybrid_layers, resample_mixing
+from mhla import resample_mixing  # re-exported: older code imports it from here
+
+from .attention import VARIANTS, AttentionOptions, LinearSelfAttention, hybrid_layers
 from .builtin import BUILTIN_DIR, TINY_RANDOM
 from .convert import convert_self_attention, current_variant, self_attention_state, set_variant
 from .loading import WanComponents, check_model_dir, load_components, load_transformer, save_transformer

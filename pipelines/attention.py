@@ -19,9 +19,7 @@ processor of the model shares (see :mod:`pipelines.convert`).
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field, fields, replace
-from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -160,49 +158,6 @@ def parse_layers(spec: str, num_layers: int | None = None) -> list[int]:
     return sorted(set(out))
 
 
-def fit_blocks(blocks: Grid, grid: Grid) -> Grid:
-    """The block count used on ``grid``: ``blocks``, capped per axis at the grid's cell count."""
-    return tuple(min(b, s) for b, s in zip(blocks, grid, strict=True))  # type: ignore[return-value]
-
-
-def _nearest(src: int, dst: int) -> torch.Tensor:
-    """For each of ``src`` segments of [0, 1], the index of the ``dst`` segment with the nearest centre."""
-    a = (torch.arange(src, dtype=torch.float64) + 0.5) / src
-    b = (torch.arange(dst, dtype=torch.float64) + 0.5) / dst
-    return (a[:, None] - b[None, :]).abs().argmin(dim=1)  # ties go to the lower index
-
-
-@lru_cache(maxsize=64)
-def _block_map(src: Grid, dst: Grid) -> torch.Tensor:
-    """``(prod(src),)`` id in ``dst`` of the block whose centre is nearest each block of ``src``."""
-    f, h, w = (_nearest(s, d) for s, d in zip(src, dst, strict=True))
-    return ((f[:, None, None] * dst[1] + h[None, :, None]) * dst[2] + w[None, None, :]).reshape(-1)
-
-
-def resample_mixing(mixing: torch.Tensor, blocks: Grid, new_blocks: Grid, renormalize: bool = True) -> torch.Tensor:
-    """Adapts an ``(M, M)`` (or ``(H, M, M)``) mixing matrix of layout ``blocks`` to ``new_blocks``.
-
-    Used when a grid has fewer cells on an axis than the model has blocks (e.g. few frames), so the
-    layout must shrink. Block centres are compared in normalised coordinates ([0, 1] per axis):
-    new query block ``a`` takes the row of the old block nearest its centre, and each old key block's
-    weight goes to the new block nearest it (so weights of merged blocks add up). Rows are then
-    renormalised, unless ``renormalize=False`` (unconstrained mixing, whose rows need not sum to 1: each new
-    row then keeps the total weight of the old row it came from). Differentiable; with
-    ``new_blocks == blocks`` it returns ``mixing`` unchanged.
-    """
-    if tuple(new_blocks) == tuple(blocks):
-        return mixing
-    blocks, new_blocks = tuple(blocks), tuple(new_blocks)
-    rows = _block_map(new_blocks, blocks).to(mixing.device)
-    cols = _block_map(blocks, new_blocks).to(mixing.device)
-    m_new = math.prod(new_blocks)
-    picked = mixing[..., rows, :]
-    out = picked.new_zeros(*picked.shape[:-1], m_new).index_add(-1, cols, picked)
-    if not renormalize:
-        return out
-    return out / out.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(out.dtype).tiny)
-
-
 class LinearSelfAttention(nn.Module):
     """The new parameters and the attention core of one converted self-attention layer.
 
@@ -240,7 +195,7 @@ class LinearSelfAttention(nn.Module):
     def layout_for(self, grid: Grid) -> tuple[mhla.BlockLayout, bool]:
         """The layout used on ``grid`` and whether it was shrunk from the model's block count."""
         grid = tuple(int(x) for x in grid)
-        blocks = fit_blocks(self.options.blocks, grid)
+        blocks = mhla.fit_blocks(self.options.blocks, grid)
         return cached_layout(grid, blocks), blocks != self.options.blocks
 
     def forward(self, q, k, v, grid: Grid | None, rotary_emb=None, x: torch.Tensor | None = None) -> torch.Tensor:
@@ -263,17 +218,7 @@ class LinearSelfAttention(nn.Module):
                     "MHLA needs the latent-token grid (F, H, W) but none was recorded; convert the model with "
                     "pipelines.convert_self_attention, which installs the hook that records it"
                 )
-            layout, shrunk = self.layout_for(grid)
-            if shrunk:
-                mixing = resample_mixing(
-                    self.mhla.mixing(), self.options.blocks, layout.blocks, renormalize=self.options.constrain_mixing
-                )
-                out = mhla.mhla_attention(
-                    q, k, v, layout, mixing, self.options.feature_map, self.options.normalize, rope,
-                    self.options.eps, out_dtype=compute,
-                )  # fmt: skip
-            else:
-                out = self.mhla(q, k, v, grid, rope, out_dtype=compute)
+            out = self.mhla(q, k, v, grid, rope, out_dtype=compute)  # shrinks its layout to a small grid itself
         if self.norm_out is not None:
             norm = self.norm_out
             out = F.rms_norm(out, (out.shape[-1],), norm.weight.to(out.dtype), norm.eps)

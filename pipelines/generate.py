@@ -19,7 +19,7 @@ import torch
 
 import mhla
 
-from .attention import VARIANTS, AttentionOptions, fit_blocks, parse_layers
+from .attention import VARIANTS, AttentionOptions, parse_layers
 from .convert import attention_context, attention_options, convert_self_attention, self_attention_state
 from .timing import Timing, format_comparison, format_timing, sync
 
@@ -300,7 +300,7 @@ def generate(
     timing.num_tokens = math.prod(grid)
     if variant in ("mhla", "mhla-hybrid"):
         timing.layout = "; ".join(sorted(ctx.layouts)) or "-"
-        timing.num_blocks = math.prod(fit_blocks(options.blocks, grid))
+        timing.num_blocks = math.prod(mhla.fit_blocks(options.blocks, grid))
     elif variant == "linear":
         timing.layout = "one global summary (M=1)"
         timing.num_blocks = 1

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import mhla
-from mhla import BlockLayout, MixingCoefficients, locality_columns_init
+from mhla import BlockLayout, MixingCoefficients, locality_columns_init, resample_mixing
 from pipelines import import_official as imp
-from pipelines.attention import AttentionOptions, hybrid_layers, resample_mixing
+from pipelines.attention import AttentionOptions, hybrid_layers
 from pipelines.convert import attention_context, convert_self_attention, current_variant, self_attention_state
 from pipelines.loading import load_components, load_transformer, save_transformer
 from pipelines.tiny import TINY_TRANSFORMER, build_tiny_components, build_tiny_transformer

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import mhla
+from mhla import resample_mixing
 from pipelines.attention import (
     AttentionOptions,
     LinearSelfAttnProcessor,
@@ -15,7 +16,6 @@ from pipelines.attention import (
     hybrid_layers,
     linear_layers_for,
     parse_layers,
-    resample_mixing,
 )
 from pipelines.convert import convert_self_attention, self_attention_state, set_variant
 from pipelines.tiny import build_tiny_transformer
