@@ -19,7 +19,7 @@ import torch
 
 import mhla
 from pipelines import VARIANTS, Timing, write_mp4
-from pipelines.generate import generate
+from pipelines.pipeline import generate
 
 from .models import AppModels, device_name
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 import mhla
-from pipelines import VARIANTS, WanComponents, load_components, load_transformer
-from pipelines.generate import RANDOM_WEIGHTS_NOTE, latent_grid
+from pipelines import VARIANTS, WanComponents, latent_grid, load_components, load_transformer
+from pipelines.pipeline import RANDOM_WEIGHTS_NOTE
 
 CONVERTED_NOTE = "converted, not fine-tuned: latency is real, quality is not"
 RANDOM_SIZES = ("1.3b", "14b")

@@ -5,8 +5,9 @@ Built on diffusers' Wan (``WanTransformer3DModel``, ``AutoencoderKLWan``, UMT5) 
 - :mod:`pipelines.attention`: the variants as attention processors, and :class:`AttentionOptions`.
 - :mod:`pipelines.convert`: :func:`convert_self_attention` / :func:`set_variant` on a transformer, in place.
 - :mod:`pipelines.loading`: local Wan2.1 directories, the built-in model, transformer save/load.
-- :mod:`pipelines.generate`: ``generate()`` (one video + timing) and the command line; import it from there
-  (``from pipelines.generate import generate``) so ``python -m pipelines.generate`` stays clean.
+- :mod:`pipelines.request`: :class:`GenerationRequest` (checked once, before any model work) and :func:`latent_grid`.
+- :mod:`pipelines.pipeline`: ``generate()`` (one video, timed stage by stage); import it from there
+  (``from pipelines.pipeline import generate``): ``pipelines.generate`` is its command line, a module.
 - :mod:`pipelines.video`, :mod:`pipelines.timing`: writing videos, timing tables.
 """
 
@@ -15,12 +16,21 @@ from mhla import resample_mixing  # re-exported: older code imports it from here
 from .attention import VARIANTS, AttentionOptions, LinearSelfAttention, hybrid_layers
 from .builtin import BUILTIN_DIR, TINY_RANDOM
 from .convert import convert_self_attention, current_variant, self_attention_state, set_variant
-from .loading import WanComponents, check_model_dir, load_components, load_transformer, save_transformer
+from .loading import WanComponents, load_components, load_transformer, save_transformer
+from .model_dir import check_model_dir
+from .pipeline import GenerationResult, NonFiniteLatentsError, model_request
+from .request import MHLA_VARIANTS, GenerationRequest, latent_grid
 from .timing import Timing, format_comparison, format_timing
 from .video import read_video, write_frame_grid, write_gif, write_mp4
 
 __all__ = [
     "BUILTIN_DIR",
+    "MHLA_VARIANTS",
+    "GenerationRequest",
+    "GenerationResult",
+    "NonFiniteLatentsError",
+    "latent_grid",
+    "model_request",
     "TINY_RANDOM",
     "VARIANTS",
     "AttentionOptions",

@@ -110,6 +110,17 @@ def model_num_layers(model_dir: str | Path | None, transformer_dir: str | Path |
     return int(TINY_TRANSFORMER["num_layers"]) if tiny else 30
 
 
+def model_vae_stride(model_dir: str | Path | None) -> tuple[int, int, int]:
+    """The VAE's strides ``(time, height, width)`` read from ``vae/config.json`` without loading it (Wan2.1's
+    ``(4, 8, 8)`` for the tiny random model and when the config does not say)."""
+    if model_dir is None:
+        model_dir = BUILTIN_DIR if builtin_available() else TINY_RANDOM
+    config_file = None if str(model_dir) == TINY_RANDOM else Path(model_dir) / "vae" / "config.json"
+    config = read_json(config_file, "VAE config") if config_file is not None and config_file.is_file() else {}
+    spatial = int(config.get("scale_factor_spatial") or 8)
+    return (int(config.get("scale_factor_temporal") or 4), spatial, spatial)
+
+
 def resolve_device(device: str | torch.device | None = None) -> torch.device:
     if device is None or device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pipelines import generate as gen
+import pipelines.generate as gen
 from pipelines.attention import AttentionOptions, parse_layers
 from pipelines.builtin import BUILTIN_DIR
 from pipelines.convert import convert_self_attention

@@ -47,7 +47,7 @@ from tqdm.auto import tqdm
 
 from pipelines import BUILTIN_DIR, VARIANTS, load_components, load_transformer
 from pipelines.builtin import builtin_info
-from pipelines.generate import generate
+from pipelines.pipeline import generate
 from training.analyse import ATTRIBUTES, analyse, score
 from training.encoding import Encoder
 from training.flow import FlowMatching

@@ -35,9 +35,16 @@ from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from pipelines import AttentionOptions, convert_self_attention, load_components, load_transformer, save_transformer
+from pipelines import (
+    AttentionOptions,
+    convert_self_attention,
+    generate,
+    latent_grid,
+    load_components,
+    load_transformer,
+    save_transformer,
+)
 from pipelines.attention import PARAM_ATTRS, LinearSelfAttention
-from pipelines.generate import generate, latent_grid
 from pipelines.video import write_mp4
 from training import checkpoint as ckpt
 from training.config import load_config, lr_multiplier

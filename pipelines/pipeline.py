@@ -1,0 +1,271 @@
+"""``generate()``: one video from a prompt with a chosen self-attention variant, timed stage by stage.
+
+The command line is :mod:`pipelines.generate`; the app and the training recipe's validation videos call
+:func:`generate` directly.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+import mhla
+
+from .attention import AttentionOptions
+from .convert import attention_context, attention_options, convert_self_attention, self_attention_state
+from .request import MHLA_VARIANTS, GenerationRequest
+from .timing import Timing, sync
+
+RANDOM_WEIGHTS_NOTE = "built-in tiny model with RANDOM weights: this video is noise, made to test the plumbing"
+
+
+class NonFiniteLatentsError(FloatingPointError):
+    """The denoising produced NaN or inf latents: there is no video to write."""
+
+
+@dataclass
+class GenerationResult:
+    """Output of :func:`generate`.
+
+    ``frames``: for ``output_type="np"`` a float32 array ``(num_frames, height, width, 3)`` in [0, 1];
+    ``"pil"`` a list of images; ``"pt"`` a tensor ``(num_frames, 3, height, width)``; ``"latent"`` the latents
+    ``(1, 16, F, height/8, width/8)``. ``initial_noise`` is the starting latent (same seed -> same noise).
+    """
+
+    frames: object
+    timing: Timing
+    prompt: str
+    seed: int
+    initial_noise: torch.Tensor
+    random_weights: bool
+
+
+def initial_noise(seed: int, shape: tuple[int, ...], device) -> torch.Tensor:
+    """Starting latents from ``seed``: drawn on the CPU in float32 so every variant, dtype and device
+    starts from bit-identical noise."""
+    generator = torch.Generator("cpu").manual_seed(seed)
+    return torch.randn(shape, generator=generator, dtype=torch.float32).to(device)
+
+
+def model_request(components, transformer, prompt: str, **fields) -> GenerationRequest:
+    """A checked :class:`GenerationRequest` for this model: unset sizes, steps and guidance take the model's
+    defaults (``components.defaults``); checked against its patch and VAE strides."""
+    d = components.defaults
+    for key in ("height", "width", "num_frames", "num_inference_steps", "guidance_scale"):
+        if fields.get(key) is None:
+            fields[key] = d.get(key)
+    vae = components.vae
+    stride = (vae.config.scale_factor_temporal, vae.config.scale_factor_spatial, vae.config.scale_factor_spatial)
+    return GenerationRequest(prompt=prompt, **fields).check(tuple(transformer.config.patch_size), stride)
+
+
+def _attention_options(transformer, request: GenerationRequest, block_shape, overrides) -> AttentionOptions:
+    options = attention_options(transformer)
+    if overrides:
+        options = options.replace(**overrides)
+    if request.uses_blocks:
+        if request.blocks is not None:
+            options = options.replace(blocks=mhla.parse_blocks(request.blocks))
+        elif not self_attention_state(transformer)["parameters"]["mhla"]:
+            # a fresh conversion: the default rule on this grid, with the model's target block shape
+            options = options.replace(blocks=mhla.default_blocks(request.grid, block_shape))
+    return options
+
+
+def _hybrid_layers(transformer, request: GenerationRequest) -> list[int] | None:
+    """The MHLA layers of mhla-hybrid: the request's, else the model's own split (from its checkpoint, kept
+    across switches to other variants), else None (the default split)."""
+    if request.variant != "mhla-hybrid" or request.layers is not None:
+        return request.layers
+    state = self_attention_state(transformer)
+    if state["variant"] == "mhla-hybrid":
+        return state["linear_layers"]
+    if 0 < len(state["parameters"]["mhla"]) < len(transformer.blocks):
+        return state["parameters"]["mhla"]
+    return None
+
+
+def _convert(components, transformer, request: GenerationRequest, overrides) -> AttentionOptions:
+    """Converts ``transformer`` in place to the request's variant; warns when that adds untrained parameters
+    to a real (non-random) model."""
+    options = _attention_options(transformer, request, components.block_shape, overrides)
+    before = self_attention_state(transformer)["parameters"]
+    convert_self_attention(transformer, request.variant, _hybrid_layers(transformer, request), options)
+    added = {k: sorted(set(v) - set(before[k])) for k, v in self_attention_state(transformer)["parameters"].items()}
+    if any(added.values()) and not components.random_weights:
+        where = ", ".join(f"{kind} in layers {v}" for kind, v in added.items() if v)
+        warnings.warn(
+            f"variant {request.variant!r} added freshly initialised (untrained) attention parameters ({where}); "
+            "a softmax-trained checkpoint needs fine-tuning before those layers make good videos",
+            stacklevel=4,  # the caller of generate(), past torch.no_grad's wrapper
+        )
+    return options
+
+
+@torch.no_grad()
+def generate(
+    components,
+    prompt: str | GenerationRequest,
+    negative_prompt: str = "",
+    height: int | None = None,
+    width: int | None = None,
+    num_frames: int | None = None,
+    num_inference_steps: int | None = None,
+    guidance_scale: float | None = None,
+    seed: int = 0,
+    variant: str = "flash",
+    layers: list[int] | None = None,
+    blocks: str | tuple[int, int, int] | None = None,
+    attention_options: dict | None = None,
+    transformer=None,
+    output_type: str = "np",
+    max_sequence_length: int | None = None,
+    show_progress: bool = True,
+) -> GenerationResult:
+    """Generates one video with ``variant`` self-attention and times it.
+
+    Args:
+        components: :class:`pipelines.loading.WanComponents` (tokenizer, text encoder, VAE shared by all variants).
+        prompt: the prompt, or a :class:`GenerationRequest` checked by :func:`model_request` (then the
+            request's fields are used and the keyword arguments below it are ignored).
+        negative_prompt, height, width, num_frames, num_inference_steps, guidance_scale: as diffusers'
+            ``WanPipeline``; None takes the model's defaults (``components.defaults``).
+        seed: the initial noise (identical for every variant) and nothing else.
+        variant: ``flash``, ``linear``, ``mhla`` or ``mhla-hybrid``.
+        layers: MHLA layers for ``mhla-hybrid``; default: the model's own split if it has one (it runs as
+            ``mhla-hybrid``, or has MHLA parameters in some layers only), else all but 0, 3, 6, ...
+        blocks: MHLA block count, e.g. ``"7x3x5"``; must fit this video's token grid. Default: the model's own
+            (if it has MHLA parameters), else :func:`mhla.default_blocks` of this grid.
+        attention_options: overrides of :class:`pipelines.attention.AttentionOptions` (e.g. ``{"normalize": True}``).
+        transformer: the transformer to run (default ``components.transformer``); it is converted in place,
+            reusing its variant parameters where it has them.
+        output_type: ``"np"``, ``"pil"``, ``"pt"`` or ``"latent"``.
+    Raises:
+        ValueError: a bad request, before any model work. :class:`NonFiniteLatentsError`: the latents became
+            NaN or inf (checked after every denoising step; nothing is decoded).
+    """
+    from diffusers import WanPipeline
+
+    transformer = components.transformer if transformer is None else transformer
+    request = prompt
+    if not isinstance(request, GenerationRequest):
+        request = model_request(
+            components, transformer, prompt, negative_prompt=negative_prompt, height=height, width=width,
+            num_frames=num_frames, num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
+            seed=seed, variant=variant, layers=layers, blocks=blocks, output_type=output_type,
+        )  # fmt: skip
+    elif request.grid is None:
+        raise ValueError("generate() got an unchecked GenerationRequest; make it with pipelines.model_request()")
+    # text embeddings are padded to this length and not masked in cross-attention: use the model's own
+    if max_sequence_length is None:
+        max_sequence_length = components.defaults.get("max_sequence_length", 512)
+    options = _convert(components, transformer, request, attention_options)
+
+    device = components.device
+    # WanPipeline is only a container of the shared parts: built per call for this variant's transformer
+    # and a fresh scheduler state
+    scheduler = type(components.scheduler).from_config(components.scheduler.config)
+    pipe = WanPipeline(
+        tokenizer=components.tokenizer,
+        text_encoder=components.text_encoder,
+        vae=components.vae,
+        scheduler=scheduler,
+        transformer=transformer,
+    )
+    pipe.set_progress_bar_config(disable=not show_progress, desc=f"denoising [{request.variant}]", leave=False)
+    ctx = attention_context(transformer)
+    ctx.layouts.clear()
+    ctx.softmax_backend = None
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    sync(device)
+    t_start = time.perf_counter()
+    prompt_embeds, negative_embeds = pipe.encode_prompt(
+        prompt=request.prompt,
+        negative_prompt=request.negative_prompt,
+        do_classifier_free_guidance=request.guidance_scale > 1.0,
+        max_sequence_length=max_sequence_length,
+        device=device,
+    )
+    sync(device)
+    t_text = time.perf_counter()
+
+    stride = components.vae.config.scale_factor_temporal, components.vae.config.scale_factor_spatial
+    latent_frames = (request.num_frames - 1) // stride[0] + 1
+    shape = (1, transformer.config.in_channels, latent_frames, request.height // stride[1], request.width // stride[1])
+    noise = initial_noise(request.seed, shape, device)
+    step_ends: list[float] = []
+
+    def on_step_end(_pipe, i, _t, kwargs):
+        sync(device)
+        step_ends.append(time.perf_counter())
+        # cheap (the latents are small): a model or dtype that overflows stops here, not in a black video
+        if not bool(torch.isfinite(kwargs["latents"]).all()):
+            raise NonFiniteLatentsError(
+                f"{request.variant}: the latents became NaN or inf at denoising step {i + 1} of "
+                f"{request.num_inference_steps} ({str(transformer.dtype).replace('torch.', '')} on {device.type}); "
+                "no video is written. Check the weights, or try --dtype float32"
+            )
+        return {}
+
+    ctx.timer.reset(enabled=True)
+    try:
+        # the pipeline denoises and decodes; the last step's end splits denoising from VAE decoding
+        frames = pipe(
+            prompt_embeds=prompt_embeds,
+            negative_prompt_embeds=negative_embeds,
+            height=request.height,
+            width=request.width,
+            num_frames=request.num_frames,
+            num_inference_steps=request.num_inference_steps,
+            guidance_scale=request.guidance_scale,
+            latents=noise,
+            output_type=request.output_type,
+            return_dict=False,
+            callback_on_step_end=on_step_end,
+            max_sequence_length=max_sequence_length,
+        )[0]
+        if request.output_type != "latent":
+            frames = frames[0]
+        sync(device)
+        t_end = time.perf_counter()
+    finally:
+        ctx.timer.enabled = False
+    t_denoise = step_ends[-1]
+
+    timing = Timing(
+        variant=request.variant,
+        device=str(device),
+        dtype=str(transformer.dtype).replace("torch.", ""),
+        random_weights=components.random_weights,
+    )
+    timing.total = t_end - t_start
+    timing.text_encoding = t_text - t_start
+    timing.denoising = t_denoise - t_text
+    timing.steps = [b - a for a, b in zip([t_text, *step_ends[:-1]], step_ends, strict=True)]
+    timing.vae_decode = t_end - t_denoise
+    timing.self_attention = ctx.timer.seconds()
+    timing.self_attention_calls = ctx.timer.calls
+    timing.peak_memory_bytes = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    timing.grid = tuple(request.grid)
+    timing.num_tokens = math.prod(request.grid)
+    if request.variant in MHLA_VARIANTS:
+        timing.layout = "; ".join(sorted(ctx.layouts)) or "-"
+        timing.num_blocks = math.prod(mhla.fit_blocks(options.blocks, request.grid))
+    elif request.variant == "linear":
+        timing.layout = "one global summary (M=1)"
+        timing.num_blocks = 1
+    timing.softmax_backend = ctx.softmax_backend
+    return GenerationResult(
+        frames=frames,
+        timing=timing,
+        prompt=request.prompt,
+        seed=request.seed,
+        initial_noise=noise.cpu(),
+        random_weights=components.random_weights,
+    )

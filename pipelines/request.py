@@ -1,0 +1,133 @@
+"""One generation request, checked once: what the CLI, the app and ``generate()`` all pass on.
+
+The latent-token grid of a video size is written here and nowhere else (:func:`latent_grid`), and so
+is the rule that a block layout applies to the MHLA variants only (:data:`MHLA_VARIANTS`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import mhla
+
+from .attention import VARIANTS
+
+# Wan2.1's VAE strides (4 in time, 8 in space); with the transformer's patch they fix the token grid.
+VAE_STRIDE = (4, 8, 8)
+OUTPUT_TYPES = ("np", "pil", "pt", "latent")
+# the variants that run MHLA layers, and so take a block layout
+MHLA_VARIANTS = ("mhla", "mhla-hybrid")
+
+
+def latent_grid(height: int, width: int, num_frames: int, patch_size=(1, 2, 2), vae_stride=VAE_STRIDE):
+    """The latent-token grid ``(F, H, W)`` the transformer's attention sees for a video size."""
+    f = (num_frames - 1) // vae_stride[0] + 1
+    return (f // patch_size[0], height // vae_stride[1] // patch_size[1], width // vae_stride[2] // patch_size[2])
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """What to generate, in diffusers' argument names. :meth:`check` validates it for a model's patch and
+    VAE strides before any heavy work; a checked request carries its token ``grid``."""
+
+    prompt: str
+    height: int
+    width: int
+    num_frames: int
+    num_inference_steps: int
+    guidance_scale: float
+    variant: str = "flash"
+    negative_prompt: str = ""
+    seed: int = 0
+    blocks: str | tuple[int, int, int] | None = None
+    layers: list[int] | None = None
+    output_type: str = "np"
+    grid: tuple[int, int, int] | None = None  # set by check()
+
+    @property
+    def uses_blocks(self) -> bool:
+        return self.variant in MHLA_VARIANTS
+
+    @property
+    def num_tokens(self) -> int:
+        return math.prod(self.grid) if self.grid else 0
+
+    def check(self, patch_size=(1, 2, 2), vae_stride=VAE_STRIDE) -> GenerationRequest:
+        """The request with its ``grid`` set; raises ``ValueError`` naming the bad value and what was expected."""
+        temporal_stride, spatial_multiple = vae_stride[0], vae_stride[1] * patch_size[1]
+        prompt, negative = self.prompt, self.negative_prompt
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise ValueError(f"prompt must be a non-empty string describing the video, got {prompt!r}")
+        if negative is not None and not isinstance(negative, str):
+            raise ValueError(f"negative_prompt must be a string or None, got {type(negative).__name__}")
+        for name, value in (("height", self.height), ("width", self.width)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0 or value % spatial_multiple:
+                raise ValueError(
+                    f"{name} must be a positive multiple of {spatial_multiple} "
+                    f"(VAE stride {vae_stride[1]} x patch {patch_size[1]}), got {value!r}"
+                )
+        frames = self.num_frames
+        if not isinstance(frames, int) or isinstance(frames, bool) or frames < 1 or (frames - 1) % temporal_stride:
+            raise ValueError(f"num_frames must be of the form {temporal_stride}k+1 (1, 5, 9, ..., 81), got {frames!r}")
+        steps = self.num_inference_steps
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            raise ValueError(f"num_inference_steps must be an integer >= 1, got {steps!r}")
+        g = self.guidance_scale
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g) or g < 0:
+            raise ValueError(f"guidance_scale must be a finite number >= 0, got {g!r}")
+        if self.variant not in VARIANTS:
+            raise ValueError(f"unknown variant {self.variant!r}; expected one of {', '.join(VARIANTS)}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.output_type not in OUTPUT_TYPES:
+            raise ValueError(f"output_type must be one of {OUTPUT_TYPES}, got {self.output_type!r}")
+        if self.layers is not None and self.variant != "mhla-hybrid":
+            raise ValueError(f"layers apply to 'mhla-hybrid' only, got layers={self.layers!r} for {self.variant!r}")
+        grid = latent_grid(self.height, self.width, frames, patch_size, vae_stride)
+        if self.blocks is not None:
+            if not self.uses_blocks:
+                raise ValueError(
+                    f"blocks apply to the {' and '.join(map(repr, MHLA_VARIANTS))} variants only, "
+                    f"got blocks={self.blocks!r} for {self.variant!r}"
+                )
+            try:
+                mhla.BlockLayout(grid, mhla.parse_blocks(self.blocks))
+            except ValueError as e:
+                raise ValueError(
+                    f"blocks {self.blocks!r} do not fit {frames} frames at {self.height}x{self.width}: {e}. "
+                    "Use fewer blocks on that axis, or leave blocks unset for the default layout"
+                ) from None
+        return replace(self, negative_prompt=negative or "", grid=grid)
+
+
+def validate_request(
+    prompt,
+    height,
+    width,
+    num_frames,
+    num_inference_steps,
+    guidance_scale,
+    variant,
+    blocks=None,
+    negative_prompt=None,
+    seed=0,
+    output_type="np",
+    patch_size=(1, 2, 2),
+    vae_stride=VAE_STRIDE,
+):
+    """:meth:`GenerationRequest.check` as a function; returns the latent-token grid ``(F, H, W)``."""
+    request = GenerationRequest(
+        prompt=prompt,
+        height=height,
+        width=width,
+        num_frames=num_frames,
+        num_inference_steps=num_inference_steps,
+        guidance_scale=guidance_scale,
+        variant=variant,
+        negative_prompt=negative_prompt,
+        seed=seed,
+        blocks=blocks,
+        output_type=output_type,
+    )
+    return request.check(patch_size, vae_stride).grid
