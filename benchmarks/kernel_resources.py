@@ -64,14 +64,12 @@ def capture_launches(dtype, version: str, grid, heads: int, dim: int, batch: int
 
     launches = []
 
-    def intercept(self, name, *args, **meta):
-        launches.append((name, self.summary_dtype, args, {**meta, **self.static}))
+    def record(geometry, name, args, meta):
+        launches.append((name, geometry.summary_dtype, args, {**meta, **geometry.static}))
 
     layout = BlockLayout.for_grid(grid)
     n = layout.num_tokens
-    original = triton_ops._Geometry._launch
-    triton_ops._Geometry._launch = intercept
-    try:
+    with triton_ops.intercept_launches(record):
         # uninitialised CPU buffers: the kernels do not run, and the mixing in between may see garbage
         q, k, v = (torch.empty(batch, n, heads, dim, dtype=dtype).requires_grad_() for _ in range(3))
         rope = tuple(torch.empty(1, n, 1, dim) for _ in range(2))
@@ -80,8 +78,6 @@ def capture_launches(dtype, version: str, grid, heads: int, dim: int, batch: int
             q, k, v, layout, mixing, normalize=normalize, rotary_emb=rope, out_dtype=out_dtype, version=version
         )
         out.backward(torch.zeros_like(out))
-    finally:
-        triton_ops._Geometry._launch = original
     return launches, layout
 
 
@@ -227,7 +223,7 @@ def main(argv=None) -> dict:
                 torch.backends.cuda.matmul.allow_tf32 = tf32_before
             programs = args.batch * args.heads * layout.num_blocks
             for name, summary_dtype, launch_args, meta in launches:
-                fn = triton_ops._KERNELS[name]
+                fn = triton_ops.KERNELS[name]
                 for block_n, warps, stages in settings_for(version, args.quick, name, args.all_settings):
                     src = compile_source(fn, launch_args, {**meta, "BLOCK_N": block_n})
                     kernel = triton.compile(src, target=target, options=dict(num_warps=warps, num_stages=stages))

@@ -50,7 +50,8 @@ def last_softmax_backend() -> str | None:
     return _last_backend
 
 
-def _candidates(q: torch.Tensor) -> list[str]:
+def candidate_backends(q: torch.Tensor) -> list[str]:
+    """The softmax backends ``"auto"`` tries for ``q``'s device and dtype, fastest first."""
     out = []
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         ext = installed_external_backends()
@@ -107,7 +108,7 @@ def softmax_attention(q, k, v, backend: str = "auto", scale: float | None = None
         _last_backend = _auto_choice[key]
         return _run(_last_backend, q, k, v, scale)
     errors = []
-    for name in _candidates(q):
+    for name in candidate_backends(q):
         try:
             out = _run(name, q, k, v, scale)
         except (RuntimeError, NotImplementedError, TypeError, ValueError) as e:  # kernel unsupported here
@@ -116,3 +117,6 @@ def softmax_attention(q, k, v, backend: str = "auto", scale: float | None = None
         _auto_choice[key] = _last_backend = name
         return out
     raise RuntimeError("no softmax attention backend could run these inputs:\n" + "\n".join(errors))
+
+
+_candidates = candidate_backends  # the old private name, for code written against it

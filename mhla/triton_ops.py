@@ -16,7 +16,8 @@ shuffles; summaries are stored in that de-interleaved channel order, which the d
 see. Feature map, RoPE and normalizer are fused. Summaries accumulate in float32; inputs and
 outputs may be fp16, bf16 or fp32 (fp16 inputs multiply in TF32, see ``_dot_types``).
 
-Two versions, timed side by side by ``benchmarks.attention`` (``benchmarks/NOTES.md`` has the
+The kernels are :mod:`mhla.triton_kernels`; this module is the layer over them (launch settings, autotuning,
+autograd, input checks). Two versions, timed side by side by ``benchmarks.attention`` (``benchmarks/NOTES.md`` has the
 predictions): ``v2`` (default) keeps bf16 inputs' summaries in bf16 between the passes, reads and
 writes whole rows (16-byte accesses) and splits the channels in registers, reads half-width RoPE
 tables (bf16 for bf16 inputs), and autotunes its launch settings; ``v1`` is the first version (float32 summaries, strided
@@ -33,6 +34,7 @@ against the dense reference when no GPU is present.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 import torch
 
@@ -45,13 +47,11 @@ except ImportError:  # CPU-only installs: the PyTorch path in ops.py is used
 from .layout import BlockLayout
 from .ops import check_mixing, check_qkv
 from .rope import Rotary, check_rotary
+from .triton_kernels import FEATURE_IDS, KERNEL_NAMES, KERNELS, RELU_EPS  # noqa: F401 (re-exported)
 
-FEATURE_IDS = {"relu": 0, "elu": 1}
-RELU_EPS = 1e-6  # same as mhla.feature_maps.RELU_EPS
-
-
+# v1 stays only until a GPU run has timed it beside v2 (benchmarks.attention's mhla[triton-v1] row): then
+# the slower one goes.
 VERSIONS = ("v2", "v1")
-KERNEL_NAMES = ("summaries", "output", "backward_query", "backward_key")
 
 
 def summary_dtype(version: str, dtype: torch.dtype) -> torch.dtype:
@@ -67,503 +67,6 @@ def available() -> bool:
 
 def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-if triton is not None:
-
-    @triton.jit
-    def _phi(x, FEATURE: tl.constexpr):
-        if FEATURE == 0:
-            return tl.maximum(x, 0.0) + 1e-6
-        else:
-            return tl.where(x > 0, x + 1.0, tl.exp(tl.minimum(x, 0.0)))
-
-    @triton.jit
-    def _dphi(x, FEATURE: tl.constexpr):
-        if FEATURE == 0:
-            return (x > 0).to(tl.float32)
-        else:
-            return tl.where(x > 0, 1.0, tl.exp(tl.minimum(x, 0.0)))
-
-    @triton.jit
-    def _segment(i, size, parts):
-        """Start and length of segment i when `size` cells split into `parts` (longer ones first)."""
-        base = size // parts
-        extra = size % parts
-        start = i * base + tl.minimum(i, extra)
-        length = base + (i < extra).to(tl.int32)
-        return start, length
-
-    @triton.jit
-    def _block_geometry(blk, GF, GH, GW, BF, BH, BW):
-        i_f = blk // (BH * BW)
-        i_h = (blk // BW) % BH
-        i_w = blk % BW
-        f0, lf = _segment(i_f, GF, BF)
-        h0, lh = _segment(i_h, GH, BH)
-        w0, lw = _segment(i_w, GW, BW)
-        return f0, h0, w0, lf, lh, lw
-
-    @triton.jit
-    def _token_ids(j, f0, h0, w0, lh, lw, GH, GW):
-        """Token index of the j-th token (in (f, h, w) order) of the block starting at (f0, h0, w0)."""
-        f = f0 + j // (lh * lw)
-        r = j % (lh * lw)
-        return (f * GH + h0 + r // lw) * GW + w0 + r % lw
-
-    @triton.jit
-    def _load_halves(ptr, rows, row_stride, d_stride, mask_rows, D_HALF, BLOCK_N, BLOCK_D, WIDE: tl.constexpr):
-        """Loads even and odd channels of a (BLOCK_N, D) tile as two (BLOCK_N, D/2) float32 tiles.
-
-        WIDE (v2) reads each row contiguously, so the loads are 16 bytes wide, and splits the channels
-        in registers; otherwise (v1) each half is a strided read of single elements."""
-        d = tl.arange(0, BLOCK_D)
-        if WIDE:
-            ch = tl.arange(0, 2 * BLOCK_D)
-            m = mask_rows[:, None] & (ch < 2 * D_HALF)[None, :]
-            x = tl.load(ptr + rows[:, None] * row_stride + ch[None, :] * d_stride, mask=m, other=0.0)
-            even, odd = tl.split(tl.reshape(x, (BLOCK_N, BLOCK_D, 2)))
-            return even.to(tl.float32), odd.to(tl.float32)
-        else:
-            base = ptr + rows[:, None] * row_stride
-            m = mask_rows[:, None] & (d < D_HALF)[None, :]
-            even = tl.load(base + (2 * d[None, :]) * d_stride, mask=m, other=0.0).to(tl.float32)
-            odd = tl.load(base + (2 * d[None, :] + 1) * d_stride, mask=m, other=0.0).to(tl.float32)
-            return even, odd
-
-    @triton.jit
-    def _store_halves(
-        ptr, rows, row_stride, d_stride, mask_rows, D_HALF, even, odd, BLOCK_N, BLOCK_D, WIDE: tl.constexpr
-    ):
-        """Stores two (BLOCK_N, D/2) tiles as the even and odd channels of a (BLOCK_N, D) tile."""
-        d = tl.arange(0, BLOCK_D)
-        if WIDE:
-            ch = tl.arange(0, 2 * BLOCK_D)
-            m = mask_rows[:, None] & (ch < 2 * D_HALF)[None, :]
-            x = tl.reshape(tl.join(even.to(ptr.dtype.element_ty), odd.to(ptr.dtype.element_ty)), (BLOCK_N, 2 * BLOCK_D))
-            tl.store(ptr + rows[:, None] * row_stride + ch[None, :] * d_stride, x, mask=m)
-        else:
-            base = ptr + rows[:, None] * row_stride
-            m = mask_rows[:, None] & (d < D_HALF)[None, :]
-            tl.store(base + (2 * d[None, :]) * d_stride, even.to(ptr.dtype.element_ty), mask=m)
-            tl.store(base + (2 * d[None, :] + 1) * d_stride, odd.to(ptr.dtype.element_ty), mask=m)
-
-    @triton.jit
-    def _load_rope(COS, SIN, rows, row_stride, d_stride, mask_rows, D_HALF, BLOCK_N, BLOCK_D, WIDE: tl.constexpr):
-        """cos and sin of each channel pair, (BLOCK_N, D/2) float32 each. WIDE (v2) reads the half-width
-        tables the launcher prepared (cos at even, sin at odd channels: what the rotation uses), one
-        contiguous tile each; v1 reads the full-width tables and drops half of what it read."""
-        if WIDE:
-            d = tl.arange(0, BLOCK_D)
-            m = mask_rows[:, None] & (d < D_HALF)[None, :]
-            offsets = rows[:, None] * row_stride + d[None, :] * d_stride
-            c = tl.load(COS + offsets, mask=m, other=0.0).to(tl.float32)
-            return c, tl.load(SIN + offsets, mask=m, other=0.0).to(tl.float32)
-        else:
-            c, _ = _load_halves(COS, rows, row_stride, d_stride, mask_rows, D_HALF, BLOCK_N, BLOCK_D, False)
-            _, s = _load_halves(SIN, rows, row_stride, d_stride, mask_rows, D_HALF, BLOCK_N, BLOCK_D, False)
-            return c, s
-
-    @triton.jit
-    def _program(H, M, SHARED: tl.constexpr):
-        """(b, h, block) of this program, and the int64 offset of its (batch x head, block) summary row
-        (the block's own, or row 0 when all blocks share one summary: linear attention). Offsets that
-        grow with the batch are int64: B*N*H*D and B*H*M*D*E can pass 2^31; the in-sample offsets
-        (token x stride) stay int32, which the launcher checks."""
-        bh = tl.program_id(0).to(tl.int64)
-        blk = tl.program_id(1)
-        if SHARED:
-            row = bh
-        else:
-            row = bh * M + blk
-        return bh // H, bh % H, blk, bh, row
-
-    @triton.jit
-    def _summaries_kernel(
-        K,
-        V,
-        COS,
-        SIN,
-        S,
-        Z,
-        sk_b,
-        sk_n,
-        sk_h,
-        sk_d,
-        sv_b,
-        sv_n,
-        sv_h,
-        sv_d,
-        sr_n,
-        sr_d,
-        B,
-        N,
-        H,
-        GF,
-        GH,
-        GW,
-        BF,
-        BH,
-        BW,
-        M,
-        D_HALF,
-        E,
-        FEATURE: tl.constexpr,
-        USE_ROPE: tl.constexpr,
-        NORMALIZE: tl.constexpr,
-        DOT_DTYPE: tl.constexpr,
-        PRECISION: tl.constexpr,
-        WIDE: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_D: tl.constexpr,
-        BLOCK_E: tl.constexpr,
-    ):
-        b, h, blk, bh, row = _program(H, M, False)
-        f0, h0, w0, lf, lh, lw = _block_geometry(blk, GF, GH, GW, BF, BH, BW)
-        nb = lf * lh * lw
-        d = tl.arange(0, BLOCK_D)
-        e = tl.arange(0, BLOCK_E)
-        md = d < D_HALF
-        me = e < E
-        acc_e = tl.zeros((BLOCK_D, BLOCK_E), dtype=tl.float32)
-        acc_o = tl.zeros((BLOCK_D, BLOCK_E), dtype=tl.float32)
-        if NORMALIZE:  # without the normalizer (Wan's setting) the key sums are not needed at all
-            z_e = tl.zeros((BLOCK_D,), dtype=tl.float32)
-            z_o = tl.zeros((BLOCK_D,), dtype=tl.float32)
-        kp = K + b * sk_b + h * sk_h
-        vp = V + b * sv_b + h * sv_h
-        for start in range(0, nb, BLOCK_N):
-            j = start + tl.arange(0, BLOCK_N)
-            mj = j < nb
-            n = _token_ids(j, f0, h0, w0, lh, lw, GH, GW)
-            ke, ko = _load_halves(kp, n, sk_n, sk_d, mj, D_HALF, BLOCK_N, BLOCK_D, WIDE)
-            ke = tl.where(mj[:, None] & md[None, :], _phi(ke, FEATURE), 0.0)
-            ko = tl.where(mj[:, None] & md[None, :], _phi(ko, FEATURE), 0.0)
-            if NORMALIZE:
-                z_e += tl.sum(ke, axis=0)
-                z_o += tl.sum(ko, axis=0)
-            if USE_ROPE:
-                c, s = _load_rope(COS, SIN, n, sr_n, sr_d, mj, D_HALF, BLOCK_N, BLOCK_D, WIDE)
-                ke, ko = ke * c - ko * s, ke * s + ko * c
-            v = tl.load(vp + n[:, None] * sv_n + e[None, :] * sv_d, mask=mj[:, None] & me[None, :], other=0.0)
-            v = v.to(DOT_DTYPE)
-            acc_e += tl.dot(tl.trans(ke.to(DOT_DTYPE)), v, input_precision=PRECISION)
-            acc_o += tl.dot(tl.trans(ko.to(DOT_DTYPE)), v, input_precision=PRECISION)
-        # S: (B*H, M, 2*D_HALF, E) contiguous, even channels first; Z: (B*H, M, 2*D_HALF)
-        sp = S + row * (2 * D_HALF * E)
-        ms = md[:, None] & me[None, :]
-        tl.store(sp + d[:, None] * E + e[None, :], acc_e.to(S.dtype.element_ty), mask=ms)
-        tl.store(sp + (D_HALF + d[:, None]) * E + e[None, :], acc_o.to(S.dtype.element_ty), mask=ms)
-        if NORMALIZE:
-            zp = Z + row * (2 * D_HALF)
-            tl.store(zp + d, z_e, mask=md)
-            tl.store(zp + D_HALF + d, z_o, mask=md)
-
-    @triton.jit
-    def _output_kernel(
-        Q,
-        COS,
-        SIN,
-        S,
-        Z,
-        OUT,
-        DEN,
-        sq_b,
-        sq_n,
-        sq_h,
-        sq_d,
-        so_b,
-        so_n,
-        so_h,
-        so_d,
-        sr_n,
-        sr_d,
-        B,
-        N,
-        H,
-        GF,
-        GH,
-        GW,
-        BF,
-        BH,
-        BW,
-        M,
-        D_HALF,
-        E,
-        eps,
-        FEATURE: tl.constexpr,
-        USE_ROPE: tl.constexpr,
-        NORMALIZE: tl.constexpr,
-        SHARED: tl.constexpr,
-        DOT_DTYPE: tl.constexpr,
-        PRECISION: tl.constexpr,
-        WIDE: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_D: tl.constexpr,
-        BLOCK_E: tl.constexpr,
-    ):
-        b, h, blk, bh, row = _program(H, M, SHARED)
-        f0, h0, w0, lf, lh, lw = _block_geometry(blk, GF, GH, GW, BF, BH, BW)
-        nb = lf * lh * lw
-        d = tl.arange(0, BLOCK_D)
-        e = tl.arange(0, BLOCK_E)
-        md = d < D_HALF
-        me = e < E
-        ms = md[:, None] & me[None, :]
-        # the block's mixed summary is read once and kept for all its tokens
-        sp = S + row * (2 * D_HALF * E)
-        s_e = tl.load(sp + d[:, None] * E + e[None, :], mask=ms, other=0.0).to(DOT_DTYPE)
-        s_o = tl.load(sp + (D_HALF + d[:, None]) * E + e[None, :], mask=ms, other=0.0).to(DOT_DTYPE)
-        if NORMALIZE:
-            zp = Z + row * (2 * D_HALF)
-            z_e = tl.load(zp + d, mask=md, other=0.0)
-            z_o = tl.load(zp + D_HALF + d, mask=md, other=0.0)
-        qp = Q + b * sq_b + h * sq_h
-        op = OUT + b * so_b + h * so_h
-        for start in range(0, nb, BLOCK_N):
-            j = start + tl.arange(0, BLOCK_N)
-            mj = j < nb
-            n = _token_ids(j, f0, h0, w0, lh, lw, GH, GW)
-            qe, qo = _load_halves(qp, n, sq_n, sq_d, mj, D_HALF, BLOCK_N, BLOCK_D, WIDE)
-            qe = tl.where(md[None, :], _phi(qe, FEATURE), 0.0)
-            qo = tl.where(md[None, :], _phi(qo, FEATURE), 0.0)
-            if NORMALIZE:
-                den = tl.sum(qe * z_e[None, :], axis=1) + tl.sum(qo * z_o[None, :], axis=1) + eps
-            if USE_ROPE:
-                c, s = _load_rope(COS, SIN, n, sr_n, sr_d, mj, D_HALF, BLOCK_N, BLOCK_D, WIDE)
-                qe, qo = qe * c - qo * s, qe * s + qo * c
-            out = tl.dot(qe.to(DOT_DTYPE), s_e, input_precision=PRECISION)
-            out += tl.dot(qo.to(DOT_DTYPE), s_o, input_precision=PRECISION)
-            if NORMALIZE:
-                out = out / den[:, None]
-                tl.store(DEN + bh * N + n, den, mask=mj)
-            tl.store(
-                op + n[:, None] * so_n + e[None, :] * so_d, out.to(OUT.dtype.element_ty), mask=mj[:, None] & me[None, :]
-            )
-
-    @triton.jit
-    def _backward_query_kernel(
-        Q,
-        DO,
-        COS,
-        SIN,
-        S,
-        Z,
-        DEN,
-        DQ,
-        DS,
-        DZ,
-        sq_b,
-        sq_n,
-        sq_h,
-        sq_d,
-        sg_b,
-        sg_n,
-        sg_h,
-        sg_d,
-        sdq_b,
-        sdq_n,
-        sdq_h,
-        sdq_d,
-        sr_n,
-        sr_d,
-        B,
-        N,
-        H,
-        GF,
-        GH,
-        GW,
-        BF,
-        BH,
-        BW,
-        M,
-        D_HALF,
-        E,
-        FEATURE: tl.constexpr,
-        USE_ROPE: tl.constexpr,
-        NORMALIZE: tl.constexpr,
-        SHARED: tl.constexpr,
-        DOT_DTYPE: tl.constexpr,
-        PRECISION: tl.constexpr,
-        WIDE: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_D: tl.constexpr,
-        BLOCK_E: tl.constexpr,
-    ):
-        """dq for the block's query tokens, and dS~_i = sum rq^T dnum, dz~_i = sum dden phi(q)."""
-        b, h, blk, bh, row = _program(H, M, SHARED)
-        own = bh * M + blk  # dS~, dz~ are per query block even when the summary is shared
-        f0, h0, w0, lf, lh, lw = _block_geometry(blk, GF, GH, GW, BF, BH, BW)
-        nb = lf * lh * lw
-        d = tl.arange(0, BLOCK_D)
-        e = tl.arange(0, BLOCK_E)
-        md = d < D_HALF
-        me = e < E
-        ms = md[:, None] & me[None, :]
-        sp = S + row * (2 * D_HALF * E)
-        s_e = tl.load(sp + d[:, None] * E + e[None, :], mask=ms, other=0.0).to(DOT_DTYPE)
-        s_o = tl.load(sp + (D_HALF + d[:, None]) * E + e[None, :], mask=ms, other=0.0).to(DOT_DTYPE)
-        if NORMALIZE:
-            zp = Z + row * (2 * D_HALF)
-            z_e = tl.load(zp + d, mask=md, other=0.0)
-            z_o = tl.load(zp + D_HALF + d, mask=md, other=0.0)
-            dz_e = tl.zeros((BLOCK_D,), dtype=tl.float32)
-            dz_o = tl.zeros((BLOCK_D,), dtype=tl.float32)
-        ds_e = tl.zeros((BLOCK_D, BLOCK_E), dtype=tl.float32)
-        ds_o = tl.zeros((BLOCK_D, BLOCK_E), dtype=tl.float32)
-        qp = Q + b * sq_b + h * sq_h
-        gp = DO + b * sg_b + h * sg_h
-        dqp = DQ + b * sdq_b + h * sdq_h
-        for start in range(0, nb, BLOCK_N):
-            j = start + tl.arange(0, BLOCK_N)
-            mj = j < nb
-            n = _token_ids(j, f0, h0, w0, lh, lw, GH, GW)
-            xe, xo = _load_halves(qp, n, sq_n, sq_d, mj, D_HALF, BLOCK_N, BLOCK_D, WIDE)
-            fe = tl.where(mj[:, None] & md[None, :], _phi(xe, FEATURE), 0.0)
-            fo = tl.where(mj[:, None] & md[None, :], _phi(xo, FEATURE), 0.0)
-            g = tl.load(gp + n[:, None] * sg_n + e[None, :] * sg_d, mask=mj[:, None] & me[None, :], other=0.0)
-            g = g.to(tl.float32)
-            if USE_ROPE:
-                c, s = _load_rope(COS, SIN, n, sr_n, sr_d, mj, D_HALF, BLOCK_N, BLOCK_D, WIDE)
-                re, ro = fe * c - fo * s, fe * s + fo * c
-            else:
-                re, ro = fe, fo
-            if NORMALIZE:
-                den = tl.load(DEN + bh * N + n, mask=mj, other=1.0)
-                num_e = tl.dot(re.to(DOT_DTYPE), s_e, input_precision=PRECISION)
-                num = num_e + tl.dot(ro.to(DOT_DTYPE), s_o, input_precision=PRECISION)
-                dnum = g / den[:, None]
-                dden = -tl.sum(dnum * num, axis=1) / den  # -(g . num) / den^2
-                dz_e += tl.sum(fe * dden[:, None], axis=0)
-                dz_o += tl.sum(fo * dden[:, None], axis=0)
-            else:
-                dnum = g
-            dnum_c = dnum.to(DOT_DTYPE)
-            ds_e += tl.dot(tl.trans(re.to(DOT_DTYPE)), dnum_c, input_precision=PRECISION)
-            ds_o += tl.dot(tl.trans(ro.to(DOT_DTYPE)), dnum_c, input_precision=PRECISION)
-            dre = tl.dot(dnum_c, tl.trans(s_e), input_precision=PRECISION)
-            dro = tl.dot(dnum_c, tl.trans(s_o), input_precision=PRECISION)
-            if USE_ROPE:  # the rotation's transpose
-                dfe, dfo = dre * c + dro * s, dro * c - dre * s
-            else:
-                dfe, dfo = dre, dro
-            if NORMALIZE:
-                dfe += dden[:, None] * z_e[None, :]
-                dfo += dden[:, None] * z_o[None, :]
-            dqe = dfe * _dphi(xe, FEATURE)
-            dqo = dfo * _dphi(xo, FEATURE)
-            _store_halves(dqp, n, sdq_n, sdq_d, mj, D_HALF, dqe, dqo, BLOCK_N, BLOCK_D, WIDE)
-        dsp = DS + own * (2 * D_HALF * E)
-        tl.store(dsp + d[:, None] * E + e[None, :], ds_e.to(DS.dtype.element_ty), mask=ms)
-        tl.store(dsp + (D_HALF + d[:, None]) * E + e[None, :], ds_o.to(DS.dtype.element_ty), mask=ms)
-        if NORMALIZE:
-            dzp = DZ + own * (2 * D_HALF)
-            tl.store(dzp + d, dz_e, mask=md)
-            tl.store(dzp + D_HALF + d, dz_o, mask=md)
-
-    @triton.jit
-    def _backward_key_kernel(
-        K,
-        V,
-        COS,
-        SIN,
-        DS,
-        DZ,
-        DK,
-        DV,
-        sk_b,
-        sk_n,
-        sk_h,
-        sk_d,
-        sv_b,
-        sv_n,
-        sv_h,
-        sv_d,
-        sdk_b,
-        sdk_n,
-        sdk_h,
-        sdk_d,
-        sdv_b,
-        sdv_n,
-        sdv_h,
-        sdv_d,
-        sr_n,
-        sr_d,
-        B,
-        N,
-        H,
-        GF,
-        GH,
-        GW,
-        BF,
-        BH,
-        BW,
-        M,
-        D_HALF,
-        E,
-        FEATURE: tl.constexpr,
-        USE_ROPE: tl.constexpr,
-        NORMALIZE: tl.constexpr,
-        SHARED: tl.constexpr,
-        DOT_DTYPE: tl.constexpr,
-        PRECISION: tl.constexpr,
-        WIDE: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_D: tl.constexpr,
-        BLOCK_E: tl.constexpr,
-    ):
-        """dk, dv for the block's key tokens from dS_b = (m^T dS~)_b and dz_b."""
-        b, h, blk, bh, row = _program(H, M, SHARED)
-        f0, h0, w0, lf, lh, lw = _block_geometry(blk, GF, GH, GW, BF, BH, BW)
-        nb = lf * lh * lw
-        d = tl.arange(0, BLOCK_D)
-        e = tl.arange(0, BLOCK_E)
-        md = d < D_HALF
-        me = e < E
-        ms = md[:, None] & me[None, :]
-        dsp = DS + row * (2 * D_HALF * E)
-        ds_e = tl.load(dsp + d[:, None] * E + e[None, :], mask=ms, other=0.0).to(DOT_DTYPE)
-        ds_o = tl.load(dsp + (D_HALF + d[:, None]) * E + e[None, :], mask=ms, other=0.0).to(DOT_DTYPE)
-        if NORMALIZE:
-            dzp = DZ + row * (2 * D_HALF)
-            dz_e = tl.load(dzp + d, mask=md, other=0.0)
-            dz_o = tl.load(dzp + D_HALF + d, mask=md, other=0.0)
-        kp = K + b * sk_b + h * sk_h
-        vp = V + b * sv_b + h * sv_h
-        dkp = DK + b * sdk_b + h * sdk_h
-        dvp = DV + b * sdv_b + h * sdv_h
-        for start in range(0, nb, BLOCK_N):
-            j = start + tl.arange(0, BLOCK_N)
-            mj = j < nb
-            n = _token_ids(j, f0, h0, w0, lh, lw, GH, GW)
-            xe, xo = _load_halves(kp, n, sk_n, sk_d, mj, D_HALF, BLOCK_N, BLOCK_D, WIDE)
-            fe = tl.where(md[None, :], _phi(xe, FEATURE), 0.0)
-            fo = tl.where(md[None, :], _phi(xo, FEATURE), 0.0)
-            if USE_ROPE:
-                c, s = _load_rope(COS, SIN, n, sr_n, sr_d, mj, D_HALF, BLOCK_N, BLOCK_D, WIDE)
-                re, ro = fe * c - fo * s, fe * s + fo * c
-            else:
-                re, ro = fe, fo
-            v = tl.load(vp + n[:, None] * sv_n + e[None, :] * sv_d, mask=mj[:, None] & me[None, :], other=0.0)
-            v = v.to(DOT_DTYPE)
-            dv = tl.dot(re.to(DOT_DTYPE), ds_e, input_precision=PRECISION)
-            dv += tl.dot(ro.to(DOT_DTYPE), ds_o, input_precision=PRECISION)
-            tl.store(
-                dvp + n[:, None] * sdv_n + e[None, :] * sdv_d,
-                dv.to(DV.dtype.element_ty),
-                mask=mj[:, None] & me[None, :],
-            )
-            dre = tl.dot(v, tl.trans(ds_e), input_precision=PRECISION)
-            dro = tl.dot(v, tl.trans(ds_o), input_precision=PRECISION)
-            if USE_ROPE:
-                dfe, dfo = dre * c + dro * s, dro * c - dre * s
-            else:
-                dfe, dfo = dre, dro
-            if NORMALIZE:
-                dfe += dz_e[None, :]
-                dfo += dz_o[None, :]
-            dke, dko = dfe * _dphi(xe, FEATURE), dfo * _dphi(xo, FEATURE)
-            _store_halves(dkp, n, sdk_n, sdk_d, mj, D_HALF, dke, dko, BLOCK_N, BLOCK_D, WIDE)
 
 
 def _pow2(x: int) -> int:
@@ -654,16 +157,13 @@ def _prune_for(name: str):
 
 
 if triton is not None:
-    _KERNELS = dict(
-        zip(KERNEL_NAMES, (_summaries_kernel, _output_kernel, _backward_query_kernel, _backward_key_kernel))
-    )
     _TUNED = {
         name: triton.autotune(
             _launch_configs(name),
             key=[k for k in _TUNE_KEY if k in fn.arg_names],
             prune_configs_by={"early_config_prune": _prune_for(name)},
         )(fn)
-        for name, fn in _KERNELS.items()
+        for name, fn in KERNELS.items()
     }
 
 
@@ -792,12 +292,32 @@ class _Geometry:
         return self._launch(name, *args, **meta)
 
     def _launch(self, name: str, *args, **meta) -> None:
+        if _INTERCEPT is not None:  # see intercept_launches
+            _INTERCEPT(self, name, args, meta)
+            return
         if self.version == "v1":
-            _KERNELS[name][self.launch](*args, **meta, **self.static, **V1_LAUNCH)
+            KERNELS[name][self.launch](*args, **meta, **self.static, **V1_LAUNCH)
         elif not AUTOTUNE:
-            _KERNELS[name][self.launch](*args, **meta, **self.static, **FIXED_LAUNCH[name])
+            KERNELS[name][self.launch](*args, **meta, **self.static, **FIXED_LAUNCH[name])
         else:
             _TUNED[name][self.launch](*args, **meta, **self.static)
+
+
+_INTERCEPT = None
+
+
+@contextmanager
+def intercept_launches(callback):
+    """While active, every kernel launch calls ``callback(geometry, name, args, meta)`` instead of running:
+    for tools that need a launch's exact arguments without a GPU (``benchmarks.kernel_resources``
+    compiles the kernels ahead of time from them). ``geometry`` has ``static`` (compile-time constants),
+    ``launch`` (the program grid), ``version``, ``precision`` and ``dot_dtype``."""
+    global _INTERCEPT
+    before, _INTERCEPT = _INTERCEPT, callback
+    try:
+        yield
+    finally:
+        _INTERCEPT = before
 
 
 def _dense_like(t: torch.Tensor) -> torch.Tensor:

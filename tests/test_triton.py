@@ -17,6 +17,8 @@ from mhla import (
 )
 
 triton_ops = pytest.importorskip("mhla.triton_ops")
+from mhla import triton_kernels  # noqa: E402 (after the skip)
+
 if not triton_ops.available():
     pytest.skip("Triton is not installed", allow_module_level=True)
 
@@ -449,7 +451,7 @@ def test_batch_offsets_are_int64():
 
     @triton.jit
     def probe(OUT, WRAPPED, stride, H, M):
-        b, h, blk, bh, row = triton_ops._program(H, M, False)
+        b, h, blk, bh, row = triton_kernels._program(H, M, False)
         tl.store(OUT + tl.program_id(0), b * stride + h)
         tl.store(WRAPPED + tl.program_id(0), (tl.program_id(0) // H) * stride)  # int32, as before
 
