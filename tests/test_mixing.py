@@ -52,6 +52,22 @@ def test_uniform_init():
     assert torch.equal(uniform_init(4), torch.full((4, 4), 0.25, dtype=torch.float64))
 
 
+def test_constrain_clips_above_one_too():
+    raw = torch.tensor([[2.0, 1.0, 0.5], [-1.0, 0.25, 0.25], [3.0, -2.0, 0.0]], dtype=torch.float64)
+    expected = torch.tensor([[0.4, 0.4, 0.2], [0.0, 0.5, 0.5], [1.0, 0.0, 0.0]], dtype=torch.float64)  # by hand
+    torch.testing.assert_close(constrain_mixing(raw), expected)
+
+
+def test_feature_maps_by_their_formulas():
+    from mhla import get_feature_map
+
+    x = torch.tensor([-3.0, -0.5, 0.0, 0.7, 2.0], dtype=torch.float64)
+    relu_expected = torch.tensor([1e-6, 1e-6, 1e-6, 0.7 + 1e-6, 2.0 + 1e-6], dtype=torch.float64)
+    elu_expected = torch.tensor([math.exp(-3.0), math.exp(-0.5), 1.0, 1.7, 3.0], dtype=torch.float64)
+    torch.testing.assert_close(get_feature_map("relu")(x), relu_expected, rtol=0, atol=1e-15)
+    torch.testing.assert_close(get_feature_map("elu")(x), elu_expected, rtol=1e-15, atol=1e-15)
+
+
 def test_constrain_clamps_and_normalises_rows(gen):
     raw = torch.randn(6, 6, generator=gen) * 2
     raw[2] = -torch.rand(6, generator=gen) - 0.1  # a row that clamps to all zeros

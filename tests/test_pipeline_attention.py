@@ -19,6 +19,7 @@ from pipelines.attention import (
 )
 from pipelines.convert import convert_self_attention, self_attention_state, set_variant
 from pipelines.tiny import build_tiny_transformer
+from tests import independent
 
 
 def _inputs(grid=(3, 4, 6), seed=0, text_tokens=8):
@@ -120,12 +121,14 @@ def test_mhla_layer_equals_dense_reference(grid, blocks, normalize, output_norm)
     options = AttentionOptions(blocks=blocks, normalize=normalize, output_norm=output_norm)
     convert_self_attention(model, "mhla", options=options)
     module = model.blocks[1].attn1.mhla
-    with torch.no_grad():  # a trained-looking, non-local mixing matrix
+    with torch.no_grad():  # a trained-looking mixing matrix: signed noise, some entries past 1 and below 0
         module.mhla.mixing.weight.add_(
-            torch.rand(module.mhla.mixing.weight.shape, generator=torch.Generator().manual_seed(0))
+            torch.randn(module.mhla.mixing.weight.shape, generator=torch.Generator().manual_seed(0)) * 0.8
         )
         if module.norm_out is not None:
             module.norm_out.weight.normal_()
+    raw = module.mhla.mixing.weight.detach().double()
+    assert (raw < 0).any() and (raw > 1).any()
     seen, hooks = _capture_layer(model, 1)
     _forward(model, grid)
     for h in hooks:
@@ -134,15 +137,53 @@ def test_mhla_layer_equals_dense_reference(grid, blocks, normalize, output_norm)
     heads = model.blocks[1].attn1.heads
     q, k, v = (seen[n].unflatten(2, (heads, -1)).double() for n in ("q", "k", "v"))
     fitted = tuple(min(b, s) for b, s in zip(blocks, grid, strict=True))
-    layout = mhla.BlockLayout(grid, fitted)
-    mixing = resample_mixing(module.mhla.mixing().double(), blocks, fitted)
-    ref = mhla.mhla_attention_dense(
-        q, k, v, layout, mixing, feature_map="relu", normalize=normalize, rotary_emb=seen["rope"]
-    )
+    mixing = independent.constrain(raw)
+    if fitted != tuple(blocks):
+        mixing = independent.nearest_block_resample(mixing, blocks, fitted)
+    ref = independent.mhla_dense(q, k, v, grid, fitted, mixing, normalize=normalize, rope=seen["rope"])
     if module.norm_out is not None:
-        ref = torch.nn.functional.rms_norm(ref, (ref.shape[-1],), module.norm_out.weight.double(), 1e-6)
+        w = module.norm_out.weight.double()
+        ref = ref / torch.sqrt(ref.pow(2).mean(-1, keepdim=True) + 1e-6) * w
     torch.testing.assert_close(seen["out"].double(), ref.flatten(2, 3), rtol=2e-4, atol=2e-5)
     assert math.prod(seen["q"].shape[:2]) == math.prod(grid)
+
+
+def test_rope_switched_off_is_not_applied():
+    model = build_tiny_transformer(seed=5, num_layers=2)
+    convert_self_attention(model, "mhla", options=AttentionOptions(blocks=(1, 2, 2), rope=False, output_norm="none"))
+    seen, hooks = _capture_layer(model, 0)
+    _forward(model)
+    for h in hooks:
+        h.remove()
+    q, k, v = (seen[n].unflatten(2, (2, -1)).double() for n in ("q", "k", "v"))
+    mixing = independent.constrain(model.blocks[0].attn1.mhla.mhla.mixing.weight.detach().double())
+    plain = independent.mhla_dense(q, k, v, (3, 4, 6), (1, 2, 2), mixing, rope=None)
+    rotated = independent.mhla_dense(q, k, v, (3, 4, 6), (1, 2, 2), mixing, rope=seen["rope"])
+    torch.testing.assert_close(seen["out"].double(), plain.flatten(2, 3), rtol=2e-4, atol=2e-5)
+    assert not torch.allclose(plain, rotated, rtol=1e-3, atol=1e-4)  # the check could tell them apart
+
+
+def test_output_gate_formula():
+    model = build_tiny_transformer(seed=8, num_layers=2)
+    convert_self_attention(model, "mhla", options=AttentionOptions(blocks=(1, 2, 2), output_gate=True))
+    layer = model.blocks[0].attn1
+    gate = layer.mhla.gate
+    with torch.no_grad():
+        gate.weight.normal_(std=0.3, generator=torch.Generator().manual_seed(1))
+        gate.bias.normal_(generator=torch.Generator().manual_seed(2))
+    seen, hooks = _capture_layer(model, 0)
+    hooks.append(layer.register_forward_pre_hook(lambda m, a: seen.__setitem__("x", a[0])))
+    _forward(model)
+    for h in hooks:
+        h.remove()
+    q, k, v = (seen[n].unflatten(2, (2, -1)).double() for n in ("q", "k", "v"))
+    mixing = independent.constrain(layer.mhla.mhla.mixing.weight.detach().double())
+    ref = independent.mhla_dense(q, k, v, (3, 4, 6), (1, 2, 2), mixing, rope=seen["rope"])
+    w = layer.mhla.norm_out.weight.double()
+    ref = ref / torch.sqrt(ref.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+    x = seen["x"].double()
+    scale = 2.0 / (1.0 + torch.exp(-(x @ gate.weight.double().T + gate.bias.double())))  # 2 * sigmoid
+    torch.testing.assert_close(seen["out"].double(), ref.flatten(2, 3) * scale, rtol=2e-4, atol=2e-5)
 
 
 def test_linear_layer_equals_dense_reference():
