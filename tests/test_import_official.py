@@ -85,11 +85,10 @@ def test_resample_without_renormalising_keeps_row_totals(gen):
     torch.testing.assert_close(normalised.sum(1), torch.ones(4, dtype=torch.float64))
 
 
-def test_locality_columns_init_by_hand():
-    # the authors' init on 3 blocks in a row: 1 - dist / (global max 2), columns normalised (rows are not)
-    m = mhla.locality_columns_init(mhla.BlockLayout((1, 1, 3), (1, 1, 3)))
+def test_mhla_module_starts_from_the_authors_init():
+    # 3 blocks in a row: 1 - dist / (global max 2), columns normalised (rows are not), used unconstrained
     raw = torch.tensor([[1.0, 0.5, 0.0], [0.5, 1.0, 0.5], [0.0, 0.5, 1.0]], dtype=torch.float64)
-    torch.testing.assert_close(m, raw / raw.sum(0, keepdim=True))
+    m = raw / raw.sum(0, keepdim=True)
     module = mhla.MHLA("1x1x3", mixing_init="locality_columns", constrain_mixing=False)
     torch.testing.assert_close(module.mixing().double(), m.float().double())
 
