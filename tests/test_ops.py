@@ -12,6 +12,7 @@ from mhla import (
     mhla_attention,
     mhla_attention_dense,
 )
+from tests import independent
 
 GRIDS = [((4, 6, 8), (2, 3, 2)), ((5, 6, 7), (2, 3, 2)), ((3, 5, 13), (1, 2, 5)), ((1, 1, 37), (1, 1, 6))]
 
@@ -189,8 +190,11 @@ def test_module_trains_mixing_and_handles_grids(gen):
     torch.testing.assert_close(out, ref)
     out.square().sum().backward()
     assert mod.mixing.weight.grad is not None and mod.mixing.weight.grad.abs().sum() > 0
-    with pytest.raises(ValueError, match="only 1 cells"):
-        mod(q[:, :30], k[:, :30], v[:, :30], grid=(1, 6, 5))
+    # a grid with 1 frame: the module shrinks its 2x2x2 layout to 1x2x2 and resamples its mixing
+    small = mod(q[:, :30], k[:, :30], v[:, :30], grid=(1, 6, 5))
+    mixing = independent.nearest_block_resample(mod.mixing().detach(), (2, 2, 2), (1, 2, 2))
+    ref = independent.mhla_dense(q[:, :30], k[:, :30], v[:, :30], (1, 6, 5), (1, 2, 2), mixing)
+    torch.testing.assert_close(small, ref)
 
 
 def test_out_dtype_keeps_half_inputs_with_a_float32_output(gen):

@@ -38,13 +38,13 @@ from tqdm.auto import tqdm
 from pipelines import (
     AttentionOptions,
     convert_self_attention,
-    generate,
     latent_grid,
     load_components,
     load_transformer,
     save_transformer,
 )
 from pipelines.attention import PARAM_ATTRS, LinearSelfAttention
+from pipelines.pipeline import generate
 from pipelines.video import write_mp4
 from training import checkpoint as ckpt
 from training.config import load_config, lr_multiplier
