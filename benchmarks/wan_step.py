@@ -3,6 +3,7 @@
     python -m benchmarks.wan_step                                   # GPU: Wan2.1-1.3B at 480x800 and 480x832
     python -m benchmarks.wan_step --grad-ckpt                       # training step with gradient checkpointing
     python -m benchmarks.wan_step --config tiny --layers 2 --grids 3x8x8   # CPU smoke test (seconds)
+    python -m benchmarks.wan_step --config builtin --grids 5x16x20 --blocks 2x4x5 --text-len 32 --passes fwd  # CPU
 
 Builds the real Wan2.1 architecture (diffusers' ``WanTransformer3DModel`` with the ``--config``
 sizes) with RANDOM weights directly on the device (bf16 on a GPU, the modules diffusers keeps in
@@ -27,6 +28,7 @@ Writes JSON, markdown and a PNG to ``benchmarks/results/`` (``--out-dir``).
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import torch
@@ -78,6 +80,14 @@ CONFIGS = {
     ),
     "tiny": dict(TINY_TRANSFORMER),
 }
+# the built-in model's architecture (assets/builtin, 4 heads x 32, 6 layers; random weights here as for
+# the others). Its own size: 17 frames at 128x160 -> grid 5x16x20 (1,600 tokens), blocks 2x4x5,
+# 32 text tokens:  --config builtin --grids 5x16x20 --blocks 2x4x5 --text-len 32
+_BUILTIN_JSON = Path(__file__).resolve().parents[1] / "assets" / "builtin" / "builtin.json"
+if _BUILTIN_JSON.is_file():
+    CONFIGS["builtin"] = {
+        k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(_BUILTIN_JSON.read_text())["transformer"].items()
+    }
 # 81 frames at 480x800 (the paper's setting, 21x30x50 = 31,500 tokens) and 480x832 (32,760 tokens)
 GPU_SIZES = "81x480x800,81x480x832"
 CPU_GRIDS = "3x8x8"
