@@ -324,6 +324,7 @@ def main(argv=None) -> dict:
                     row["peak_mib"] = cpu_peak_bytes(fn) / 2**20
                     finish_row(row, row["kind"])
                     print(format_row(row), flush=True)
+                meta["triton_launches"] = tuned_launches()
                 if not args.no_save:
                     write_partial(args.out_dir, tag, meta, rows)
             del q, k, v
