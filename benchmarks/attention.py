@@ -9,6 +9,9 @@ Times, on q, k, v of shape ``(1, N, heads, dim)`` over latent-token grids ``F x 
 - ``softmax[<backend>]``: the fastest backend present (``--softmax-backends auto``), or every backend
   that can run here, each under its own name (``all``), or a comma-separated list of names;
 - ``linear[torch]`` / ``mhla[torch]``: the PyTorch path of :mod:`mhla.ops`;
+- ``mhla[naive]``: MHLA's straightforward formulation (:func:`mhla.ops.mhla_attention_naive`: gather into
+  block order, per-block summaries, mixing, scatter back), so the gain of the real path is measured in
+  every run;
 - ``linear[triton]`` / ``mhla[triton]``: the fused Triton kernels (default on CUDA when Triton is
   installed; ``--impls torch,triton`` forces them, e.g. in Triton's interpreter on a CPU);
   ``linear[triton-v1]`` / ``mhla[triton-v1]``: the first kernel version (float32 summaries, strided
@@ -26,7 +29,10 @@ move (q, k, v read and the output written once forward; plus the output gradient
 written backward) over the measured copy bandwidth; and the arithmetic floor, its FLOPs over the
 measured bf16/fp16/fp32 matrix-product rate. ``x mem floor`` is measured time over the memory floor.
 Median of ``--repeats`` runs after ``--warmup``; CUDA events with the L2 flushed before each run on a
-GPU, wall clock on a CPU. Writes JSON, markdown and a PNG to ``benchmarks/results/`` (``--out-dir``).
+GPU, wall clock on a CPU, where the variants of one grid and pass are timed in turn (``a b c a b c``)
+so that the load of a shared machine hits them alike, and the load average is recorded. Peak memory:
+above what was allocated before the call (CUDA allocator; on a CPU the profiler's record of
+PyTorch's CPU allocator, one extra untimed call). Writes JSON, markdown and a PNG to ``benchmarks/results/`` (``--out-dir``).
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from pathlib import Path
 import torch
 
 from mhla import BlockLayout, last_softmax_backend, linear_attention, locality_init, mhla_attention, softmax_attention
+from mhla.ops import mhla_attention_naive
 from mhla.softmax import SOFTMAX_BACKENDS, _candidates, installed_external_backends
 from mhla.triton_ops import tuned_launches
 
@@ -48,11 +55,13 @@ from .common import (
     attention_min_bytes,
     copy_bandwidth,
     cpu_caveat,
+    cpu_peak_bytes,
     default_tag,
     dtype_name,
     environment,
     matmul_rate,
     measure,
+    measure_interleaved,
     parse_grid,
     write_partial,
     write_results,
@@ -62,7 +71,7 @@ CPU_GRIDS = "2x16x16,4x16x16,8x16x16"
 # 1k ... 128k tokens, with the two Wan2.1 480p grids (31,500 and 32,760 tokens) in between
 GPU_GRIDS = "1x32x32,4x32x32,16x32x32,21x30x50,21x30x52,32x48x48,32x64x64"
 PASSES = ("fwd", "fwd+bwd")
-IMPLS = ("torch", "triton", "triton-v1", "layer")
+IMPLS = ("torch", "naive", "triton", "triton-v1", "layer")
 
 
 def triton_runs_here(device: torch.device) -> bool:
@@ -90,7 +99,8 @@ def variants(device: torch.device, dtype: torch.dtype, softmax_backends: str, im
             raise ValueError(f"unknown softmax backends {bad}; expected some of {SOFTMAX_BACKENDS}, 'all' or 'auto'")
     out = [(f"softmax[{b}]", "softmax", b) for b in backends]
     for kind in ("linear", "mhla"):
-        out += [(f"{kind}[{impl}]", kind, impl) for impl in impls]
+        # naive: MHLA's straightforward formulation (gather to block order, einsums, scatter back)
+        out += [(f"{kind}[{impl}]", kind, impl) for impl in impls if not (impl == "naive" and kind == "linear")]
     return out
 
 
@@ -129,6 +139,8 @@ def make_fn(kind, arg, q, k, v, layout, mixing, rope, backward):
             fwd = lambda: mhla_attention_fused(  # noqa: E731
                 q, k, v, layout, mixing, normalize=False, rotary_emb=rope, version="v1"
             )
+    elif arg == "naive":
+        fwd = lambda: mhla_attention_naive(q, k, v, layout, mixing, normalize=False, rotary_emb=rope)  # noqa: E731
     elif kind == "linear":
         fwd = lambda: linear_attention(q, k, v, normalize=False, rotary_emb=rope, impl=arg)  # noqa: E731
     else:
@@ -168,7 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--impls",
         default=None,
-        help="linear/MHLA paths: comma-separated torch, triton, triton-v1, layer (default torch,layer; on CUDA all four)",
+        help="linear/MHLA paths: comma-separated torch, naive, triton, triton-v1, layer "
+        "(default torch,naive,layer; on CUDA all five)",
     )
     p.add_argument("--warmup", type=int, default=None, help="untimed runs first (default 3 on GPU, 1 on CPU)")
     p.add_argument("--repeats", type=int, default=None, help="timed runs, median reported (default 10 GPU, 3 CPU)")
@@ -202,7 +215,9 @@ def main(argv=None) -> dict:
     bad = [s for s in passes if s not in PASSES]
     if bad:
         raise SystemExit(f"unknown passes {bad}; expected some of {PASSES}")
-    default_impls = ["torch", "triton", "triton-v1", "layer"] if triton_runs_here(device) else ["torch", "layer"]
+    default_impls = (
+        ["torch", "naive", "triton", "triton-v1", "layer"] if triton_runs_here(device) else ["torch", "naive", "layer"]
+    )
     impls = args.impls.split(",") if args.impls else default_impls
     bad = [i for i in impls if i not in IMPLS]
     if bad:
@@ -211,8 +226,10 @@ def main(argv=None) -> dict:
     repeats = args.repeats if args.repeats is not None else (3 if cpu else 10)
     max_softmax = args.max_softmax_tokens or (8192 if cpu else None)
     env = environment(device)
+    load_start = os.getloadavg() if hasattr(os, "getloadavg") else None
     bandwidth = copy_bandwidth(device)
     rate = matmul_rate(device, dtype)
+    rates = {dtype_name(t): matmul_rate(device, t) / 1e12 for t in (torch.float32, torch.bfloat16)}
     timer = Timer(device)
     todo = variants(device, dtype, args.softmax_backends, impls)
 
@@ -230,6 +247,8 @@ def main(argv=None) -> dict:
         "softmax_external_installed": installed_external_backends(),
         "copy_bandwidth_gbs": bandwidth / 1e9,
         "matmul_tflops": rate / 1e12,
+        "matmul_tflops_by_dtype": rates,
+        "loadavg_start": load_start,
         "warmup": warmup,
         "repeats": repeats,
         "mhla_settings": "default block layout, relu feature map, no normalizer, RoPE on the numerator",
@@ -256,6 +275,7 @@ def main(argv=None) -> dict:
             q, k, v = (torch.randn(shape, generator=gen).to(device, dtype).requires_grad_(backward) for _ in range(3))
             min_bytes = attention_min_bytes(torch.Size(shape).numel(), size, size, backward)
             mem_floor = min_bytes / bandwidth * 1e3
+            pending = []  # (row, fn) to time
             for label, kind, arg in todo:
                 f = flops(kind, n, args.heads, dim, layout.num_blocks, backward)
                 row = {
@@ -272,6 +292,7 @@ def main(argv=None) -> dict:
                     "flops": f,
                     "flop_floor_ms": f / rate * 1e3,
                 }
+                rows.append(row)
                 if kind == "softmax" and max_softmax and n > max_softmax:
                     row["skipped"] = f"softmax above {max_softmax} tokens (--max-softmax-tokens)"
                 elif arg == "sdpa_math" and n > args.max_math_tokens:
@@ -279,11 +300,12 @@ def main(argv=None) -> dict:
                 else:
                     try:
                         fn = make_fn(kind, arg, q, k, v, layout, mixing, rope, backward)
+                        if cpu:  # time later, interleaved with the other variants
+                            fn()
+                            pending.append((row, fn))
+                            continue
                         row.update(measure(fn, device, warmup, repeats, timer))
-                        if kind == "softmax":
-                            row["backend"] = last_softmax_backend()
-                        row["x_mem_floor"] = row["ms"] / mem_floor
-                        row["x_floor"] = row["ms"] / max(mem_floor, row["flop_floor_ms"])
+                        finish_row(row, kind)
                     except (RuntimeError, ValueError, NotImplementedError, torch.cuda.OutOfMemoryError) as e:
                         row["skipped"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160]}"
                     finally:
@@ -291,18 +313,36 @@ def main(argv=None) -> dict:
                             t.grad = None
                         if device.type == "cuda":
                             torch.cuda.empty_cache()
-                rows.append(row)
                 print(format_row(row), flush=True)
                 meta["triton_launches"] = tuned_launches()
                 if not args.no_save:
                     write_partial(args.out_dir, tag, meta, rows)
+            if pending:
+                results = measure_interleaved([fn for _, fn in pending], device, max(0, warmup - 1), repeats, timer)
+                for (row, fn), res in zip(pending, results):
+                    row.update(res)
+                    row["peak_mib"] = cpu_peak_bytes(fn) / 2**20
+                    finish_row(row, row["kind"])
+                    print(format_row(row), flush=True)
+                meta["triton_launches"] = tuned_launches()
+                if not args.no_save:
+                    write_partial(args.out_dir, tag, meta, rows)
             del q, k, v
+    meta["loadavg_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
     add_speedups(rows)
     table = markdown(rows, meta)
     print("\n" + table, flush=True)
     if not args.no_save:
         write_results(args.out_dir, tag, meta, rows, table, lambda plt: plot(plt, rows, meta))
     return {"meta": meta, "rows": rows}
+
+
+def finish_row(row: dict, kind: str) -> None:
+    if kind == "softmax":
+        row["backend"] = last_softmax_backend()
+    row["x_mem_floor"] = row["ms"] / row["mem_floor_ms"]
+    row["x_floor"] = row["ms"] / max(row["mem_floor_ms"], row["flop_floor_ms"])
+    row["x_flop_floor"] = row["ms"] / row["flop_floor_ms"] if row["flop_floor_ms"] else None
 
 
 def add_speedups(rows: list[dict]) -> None:
@@ -317,6 +357,8 @@ def add_speedups(rows: list[dict]) -> None:
         best = min(soft) if soft else None
         torch_ms = {r["kind"]: r["ms"] for r in timed if r.get("impl") == "torch"}
         for r in timed:
+            # MHLA's time over linear attention's (same path, same grid and pass): the cost of the blocks
+            r["x_linear"] = r["ms"] / torch_ms["linear"] if r["kind"] == "mhla" and "linear" in torch_ms else None
             r["speedup_vs_softmax"] = best / r["ms"] if best else None
             r["speedup_vs_torch"] = (
                 torch_ms[r["kind"]] / r["ms"]
@@ -333,6 +375,10 @@ def format_row(row: dict) -> str:
     return f"{head} {row['ms']:10.3f} ms ({row['x_mem_floor']:.1f}x mem floor {row['mem_floor_ms']:.3f} ms){peak}"
 
 
+def _load(load) -> str:
+    return "n/a" if load is None else " / ".join(f"{x:.2f}" for x in load)
+
+
 def _fmt(x, spec=".2f", suffix=""):
     return "" if x is None else f"{x:{spec}}{suffix}"
 
@@ -344,29 +390,41 @@ def markdown(rows: list[dict], meta: dict) -> str:
         f"Triton {meta['triton']} ({meta['triton_mode']}); copy {meta['copy_bandwidth_gbs']:.0f} GB/s, "
         f"matmul {meta['matmul_tflops']:.3g} TFLOP/s (both measured); median of {meta['repeats']}; {meta['date']}",
         "",
-        "| pass | grid | tokens | variant | backend | ms | mem floor ms | x mem floor | x floor | vs softmax | "
-        "vs torch | peak MiB |",
-        "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    if meta.get("loadavg_start") is not None:
+        rates = ", ".join(f"{k} {v * 1e3:.0f} GFLOP/s" for k, v in (meta.get("matmul_tflops_by_dtype") or {}).items())
+        lines += [
+            f"Machine limits measured at the start: matmul {rates}; copy {meta['copy_bandwidth_gbs']:.1f} GB/s "
+            f"(read + write). Load average (1, 5, 15 min) at the start {_load(meta['loadavg_start'])}, at the end "
+            f"{_load(meta.get('loadavg_end'))}; {meta.get('cpu_threads', '?')} threads.",
+            "",
+        ]
+    lines += [
+        "| pass | grid | tokens | variant | backend | ms | mem floor ms | x mem floor | x flop floor | x floor | "
+        "vs softmax | x linear | vs torch | peak MiB |",
+        "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in sorted(rows, key=lambda r: (PASSES.index(r["pass"]), r["tokens"], r["grid"])):
         if "skipped" in r:
             lines.append(
                 f"| {r['pass']} | {r['grid']} | {r['tokens']} | {r['variant']} | | skipped | "
-                f"{r['mem_floor_ms']:.3f} | | | | | |"
+                f"{r['mem_floor_ms']:.3f} | | | | | | | |"
             )
             continue
         lines.append(
             f"| {r['pass']} | {r['grid']} | {r['tokens']} | {r['variant']} | {r.get('backend') or r.get('impl') or ''} | "
-            f"{r['ms']:.3f} | {r['mem_floor_ms']:.3f} | {r['x_mem_floor']:.1f} | {r['x_floor']:.1f} | "
-            f"{_fmt(r.get('speedup_vs_softmax'), '.2f', 'x')} | {_fmt(r.get('speedup_vs_torch'), '.2f', 'x')} | "
+            f"{r['ms']:.3f} | {r['mem_floor_ms']:.3f} | {r['x_mem_floor']:.1f} | {_fmt(r.get('x_flop_floor'), '.1f')} | "
+            f"{r['x_floor']:.1f} | {_fmt(r.get('speedup_vs_softmax'), '.2f', 'x')} | {_fmt(r.get('x_linear'), '.2f')} | "
+            f"{_fmt(r.get('speedup_vs_torch'), '.2f', 'x')} | "
             f"{_fmt(r.get('peak_mib'), '.0f')} |"
         )
     lines += [
         "",
         "mem floor: bytes of q, k, v and output (forward; plus d_out, dq, dk, dv backward) over the measured copy "
-        "bandwidth; x floor: measured over max(mem floor, FLOPs / measured matmul rate). vs softmax: the fastest "
-        "softmax backend's time over this row's, same grid and pass. vs torch: the PyTorch path's time over the "
-        "fused kernel's.",
+        "bandwidth; x flop floor: measured over FLOPs / measured matmul rate; x floor: measured over max(mem floor, "
+        "flop floor). vs softmax: the fastest softmax backend's time over this row's, same grid and pass. x linear: "
+        "this MHLA row's time over linear[torch]'s. vs torch: the PyTorch path's time over the fused kernel's. "
+        "peak MiB: allocated above what was allocated before the call (output included).",
     ]
     return "\n".join(lines) + "\n"
 

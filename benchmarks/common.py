@@ -88,6 +88,44 @@ def measure(fn, device: torch.device, warmup: int, repeats: int, timer: Timer | 
     return out
 
 
+def cpu_peak_bytes(fn) -> int:
+    """Peak bytes allocated by one call of ``fn()`` on the CPU above what was allocated before it
+    (PyTorch's CPU allocator as its profiler records it; Python objects and the allocator's cache
+    not counted)."""
+    import json
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    running = peak = 0
+    for e in sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"]):
+        running += e["args"]["Bytes"]
+        peak = max(peak, running)
+    return peak
+
+
+def measure_interleaved(fns: list, device: torch.device, warmup: int, repeats: int, timer: Timer | None = None):
+    """:func:`measure` for several functions timed in turn (``a b c a b c ...``), so that a change of
+    load on a shared machine hits every variant alike. Returns one dict per function."""
+    timer = timer or Timer(device)
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    sync(device)
+    times = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, ts in zip(fns, times):
+            ts.append(timer(fn))
+    return [
+        {"ms": statistics.median(ts), "ms_min": min(ts), "ms_max": max(ts), "repeats": repeats} for ts in times
+    ]
+
+
 def attention_min_bytes(numel: int, size_in: int, size_out: int, backward: bool) -> int:
     """The fewest bytes an attention op moves, for q, k, v of ``numel`` elements each (``size_in`` bytes
     per element) and an output as large (``size_out``): forward, q, k, v read and the output written;

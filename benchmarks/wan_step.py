@@ -3,6 +3,7 @@
     python -m benchmarks.wan_step                                   # GPU: Wan2.1-1.3B at 480x800 and 480x832
     python -m benchmarks.wan_step --grad-ckpt                       # training step with gradient checkpointing
     python -m benchmarks.wan_step --config tiny --layers 2 --grids 3x8x8   # CPU smoke test (seconds)
+    python -m benchmarks.wan_step --config builtin --grids 5x16x20 --blocks 2x4x5 --text-len 32 --passes fwd  # CPU
 
 Builds the real Wan2.1 architecture (diffusers' ``WanTransformer3DModel`` with the ``--config``
 sizes) with RANDOM weights directly on the device (bf16 on a GPU, the modules diffusers keeps in
@@ -20,13 +21,16 @@ For every video size and variant it times
 
 as the median of ``--repeats`` runs after ``--warmup`` (CUDA events; wall clock on a CPU), with peak
 memory, speedup vs ``flash`` and, from one extra forward with the processors' timers on, the time
-inside self-attention vs the rest. Text embeddings are random ``(batch, 512, text_dim)``.
+inside self-attention vs the rest. Text embeddings are random ``(batch, 512, text_dim)``. On a CPU the variants
+are timed in turn (``a b c a b c``) so that the load of a shared machine hits them alike.
 Writes JSON, markdown and a PNG to ``benchmarks/results/`` (``--out-dir``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
 from pathlib import Path
 
 import torch
@@ -78,6 +82,14 @@ CONFIGS = {
     ),
     "tiny": dict(TINY_TRANSFORMER),
 }
+# the built-in model's architecture (assets/builtin, 4 heads x 32, 6 layers; random weights here as for
+# the others). Its own size: 17 frames at 128x160 -> grid 5x16x20 (1,600 tokens), blocks 2x4x5,
+# 32 text tokens:  --config builtin --grids 5x16x20 --blocks 2x4x5 --text-len 32
+_BUILTIN_JSON = Path(__file__).resolve().parents[1] / "assets" / "builtin" / "builtin.json"
+if _BUILTIN_JSON.is_file():
+    CONFIGS["builtin"] = {
+        k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(_BUILTIN_JSON.read_text())["transformer"].items()
+    }
 # 81 frames at 480x800 (the paper's setting, 21x30x50 = 31,500 tokens) and 480x832 (32,760 tokens)
 GPU_SIZES = "81x480x800,81x480x832"
 CPU_GRIDS = "3x8x8"
@@ -261,6 +273,7 @@ def main(argv=None) -> dict:
         for pass_ in passes:
             batch = args.batch if pass_ == "fwd" else args.train_batch
             inputs = latent_inputs(config, grid, batch, args.text_len, device, dtype, gen)
+            pending = []
             for variant in variants:
                 set_variant(model, variant)
                 ctx.layouts.clear()
@@ -277,8 +290,13 @@ def main(argv=None) -> dict:
                 }
                 try:
                     fn = forward_fn(model, inputs) if pass_ == "fwd" else train_fn(model, inputs)
-                    row.update(measure(fn, device, warmup, repeats, timer))
-                    if pass_ == "fwd":
+                    if cpu:  # timed below, the variants in turn, so that the load hits them alike
+                        for _ in range(warmup):
+                            fn()
+                        pending.append((row, variant, fn))
+                    else:
+                        row.update(measure(fn, device, warmup, repeats, timer))
+                    if pass_ == "fwd" and not cpu:
                         row["projected_s"] = row["ms"] * args.steps / 1e3
                         if not args.no_breakdown:
                             row.update(attention_breakdown(model, fn, device))
@@ -293,7 +311,34 @@ def main(argv=None) -> dict:
                         torch.cuda.empty_cache()
                 rows.append(row)
                 meta["triton_launches"] = tuned_launches()
-                print(format_row(row), flush=True)
+                if not pending or pending[-1][0] is not row:
+                    print(format_row(row), flush=True)
+                if not args.no_save:
+                    write_partial(args.out_dir, tag, meta, rows)
+            if pending:
+                times = {id(row): [] for row, _, _ in pending}
+                for _ in range(repeats):
+                    for row, variant, fn in pending:
+                        set_variant(model, variant)
+                        times[id(row)].append(timer(fn))
+                        model.zero_grad(set_to_none=True)
+                for row, variant, fn in pending:
+                    ts = times[id(row)]
+                    row.update(ms=statistics.median(ts), ms_min=min(ts), ms_max=max(ts), repeats=repeats)
+                    row.update(peak_mib=None, peak_total_mib=None)
+                    set_variant(model, variant)
+                    ctx.layouts.clear()
+                    ctx.softmax_backend = None
+                    if pass_ == "fwd":
+                        row["projected_s"] = row["ms"] * args.steps / 1e3
+                    if pass_ == "fwd" and not args.no_breakdown:
+                        row.update(attention_breakdown(model, fn, device))
+                    else:
+                        fn()  # one more run of this variant alone: its softmax backend and layouts
+                        model.zero_grad(set_to_none=True)
+                    row["softmax_backend"] = ctx.softmax_backend
+                    row["layouts"] = sorted(ctx.layouts)
+                    print(format_row(row), flush=True)
                 if not args.no_save:
                     write_partial(args.out_dir, tag, meta, rows)
             del inputs

@@ -10,6 +10,7 @@ so any grid works, e.g. 52 columns into 5 blocks of 11, 11, 10, 10, 10 columns.
 from __future__ import annotations
 
 import math
+import operator
 import re
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
@@ -22,9 +23,23 @@ Grid = tuple[int, int, int]
 PAPER_BLOCK_SHAPE: Grid = (3, 10, 10)
 
 
+def _as_int(x) -> int:
+    """``x`` as an int if it is an integer (or an integral float such as ``5.0``); TypeError otherwise.
+
+    Bools and fractional values are refused rather than truncated: ``int(5.7)`` would silently
+    give a different grid."""
+    if isinstance(x, bool):
+        raise TypeError
+    if isinstance(x, float):
+        if not x.is_integer():
+            raise TypeError
+        return int(x)
+    return operator.index(x)
+
+
 def _as_triple(value, name: str) -> Grid:
     try:
-        triple = tuple(int(x) for x in value)
+        triple = tuple(_as_int(x) for x in value)
     except TypeError:
         raise ValueError(f"{name} must be three integers (frames, height, width), got {value!r}") from None
     if len(triple) != 3 or any(x < 1 for x in triple):
@@ -189,6 +204,27 @@ class BlockLayout:
         if key not in cache:
             cache[key] = getattr(self, name).to(device)
         return cache[key]
+
+    @cached_property
+    def even_boxes(self) -> tuple[tuple[tuple[int, int, int, int], ...], ...]:
+        """The grid as at most 8 boxes that each split evenly into equal blocks.
+
+        Along an axis, segments of equal length are consecutive (the longer ones first), so each
+        axis has at most two runs ``(token_start, block_start, num_blocks, block_length)``; a box is
+        one run per axis. An even layout is a single box. The efficient path reads every box as a
+        strided view of the token-order tensors, without gathers or padding.
+        """
+        runs = []
+        for points in self.axis_points:
+            axis: list[tuple[int, int, int, int]] = []
+            for b, (a, e) in enumerate(zip(points[:-1], points[1:])):
+                if axis and axis[-1][3] == e - a:
+                    t0, b0, n, length = axis[-1]
+                    axis[-1] = (t0, b0, n + 1, length)
+                else:
+                    axis.append((a, b, 1, e - a))
+            runs.append(axis)
+        return tuple((f, h, w) for f in runs[0] for h in runs[1] for w in runs[2])
 
     @property
     def is_even(self) -> bool:
