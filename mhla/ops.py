@@ -25,6 +25,7 @@ fast one does not take (RoPE tables that require a gradient, feature maps it doe
 from __future__ import annotations
 
 import math
+import os
 import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -264,21 +265,21 @@ def _plan(grid, blocks, heads: int, budget: int) -> tuple[_Chunk, ...]:
             cf = min(nf, max(1, per // (cw * ch))) if ch == nh else 1
             for i, a in _ranges(nf, cf):
                 for j, b in _ranges(nh, ch):
-                    for l, c in _ranges(nw, cw):
-                        token = (tf + i * lf, ty + j * lh, tx + l * lw)
+                    for m, c in _ranges(nw, cw):
+                        token = (tf + i * lf, ty + j * lh, tx + m * lw)
                         chunks.append(
-                            _Chunk(token, (bf0 + i, by0 + j, bx0 + l), (a, b, c), steps, steps, (0, heads), True)
+                            _Chunk(token, (bf0 + i, by0 + j, bx0 + m), (a, b, c), steps, steps, (0, heads), True)
                         )
             continue
         if size <= budget:  # one whole block, a group of heads
             group = budget // size
             for i in range(nf):
                 for j in range(nh):
-                    for l in range(nw):
-                        token = (tf + i * lf, ty + j * lh, tx + l * lw)
+                    for m in range(nw):
+                        token = (tf + i * lf, ty + j * lh, tx + m * lw)
                         for h, g in _ranges(heads, group):
                             chunks.append(
-                                _Chunk(token, (bf0 + i, by0 + j, bx0 + l), (1, 1, 1), steps, steps, (h, h + g), True)
+                                _Chunk(token, (bf0 + i, by0 + j, bx0 + m), (1, 1, 1), steps, steps, (h, h + g), True)
                             )
             continue
         # a block larger than the budget: parts of it, one head at a time
@@ -290,15 +291,17 @@ def _plan(grid, blocks, heads: int, budget: int) -> tuple[_Chunk, ...]:
             part = (1, 1, budget)
         for i in range(nf):
             for j in range(nh):
-                for l in range(nw):
-                    block = (bf0 + i, by0 + j, bx0 + l)
+                for m in range(nw):
+                    block = (bf0 + i, by0 + j, bx0 + m)
                     for h in range(heads):
                         first = True
                         for pf, sf in _ranges(lf, part[0]):
                             for py, sy in _ranges(lh, part[1]):
                                 for px, sx in _ranges(lw, part[2]):
-                                    token = (tf + i * lf + pf, ty + j * lh + py, tx + l * lw + px)
-                                    chunks.append(_Chunk(token, block, (1, 1, 1), (sf, sy, sx), steps, (h, h + 1), first))
+                                    token = (tf + i * lf + pf, ty + j * lh + py, tx + m * lw + px)
+                                    chunks.append(
+                                        _Chunk(token, block, (1, 1, 1), (sf, sy, sx), steps, (h, h + 1), first)
+                                    )
                                     first = False
     return tuple(chunks)
 
@@ -331,8 +334,8 @@ def _table_view(table: torch.Tensor, c: _Chunk, grid) -> torch.Tensor:
 
 def _summary_view(s: torch.Tensor, c: _Chunk) -> torch.Tensor:
     """The chunk's blocks of per-block tensors ``(B, H, bf, bh, bw, ...)``."""
-    (i, j, l), (a, b, n) = c.block, c.counts
-    return s[:, c.heads[0] : c.heads[1], i : i + a, j : j + b, l : l + n]
+    (i, j, m), (a, b, n) = c.block, c.counts
+    return s[:, c.heads[0] : c.heads[1], i : i + a, j : j + b, m : m + n]
 
 
 class _Buffers:
@@ -352,6 +355,16 @@ class _Buffers:
 _pool: ThreadPoolExecutor | None = None
 _pool_size = 0
 _pool_lock = threading.Lock()
+
+
+def _forget_pool_after_fork() -> None:
+    # a forked child (e.g. a DataLoader worker) has none of the parent's threads: it makes its own pool
+    global _pool, _pool_size, _pool_lock
+    _pool, _pool_size, _pool_lock = None, 0, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool_after_fork)
 
 
 def _single_threaded() -> None:
@@ -427,7 +440,9 @@ def _phi_into(x: torch.Tensor, out: torch.Tensor, feature_map: str) -> torch.Ten
 
 def _rotate_into(x: torch.Tensor, table: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``out = x`` with interleaved channel pairs rotated: one complex product with ``table``."""
-    torch.mul(torch.view_as_complex(x.unflatten(-1, (-1, 2))), table, out=torch.view_as_complex(out.unflatten(-1, (-1, 2))))
+    torch.mul(
+        torch.view_as_complex(x.unflatten(-1, (-1, 2))), table, out=torch.view_as_complex(out.unflatten(-1, (-1, 2)))
+    )
     return out
 
 
@@ -526,9 +541,7 @@ class _MHLAFunction(torch.autograd.Function):
         out = torch.empty(b, n, h, v.shape[-1], dtype=out_dtype, device=q.device)
         _outputs(q, s_mixed, z_mixed, plan, grid, table, feature_map, eps, out, numel)
         ctx.setup = (plan, grid, nblocks, feature_map, normalize, eps)
-        ctx.save_for_backward(
-            q, k, v, mixing, table, s if keep else None, s_mixed, z if keep else None, z_mixed
-        )
+        ctx.save_for_backward(q, k, v, mixing, table, s if keep else None, s_mixed, z if keep else None, z_mixed)
         return out
 
     @staticmethod
@@ -544,6 +557,7 @@ class _MHLAFunction(torch.autograd.Function):
         ds_mixed = torch.empty_like(s_mixed)
         dz_mixed = torch.empty_like(z_mixed) if normalize else None
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
         # pass over the queries: dS~, dz~ and dq (the output is never kept: g . out comes from g S~^T)
         def query_step(c, bufs):
             hg, nb, lc = c.heads[1] - c.heads[0], c.num_blocks, c.block_tokens
@@ -584,7 +598,11 @@ class _MHLAFunction(torch.autograd.Function):
                 dmix += torch.matmul(dz_mixed.view(flat), z.view(flat).transpose(-1, -2))
             dmix = dmix.sum(dim=(0, 1) if mixing.dim() == 2 else 0).to(mixing.dtype)
         ds = _mix(mixing, ds_mixed.view(flat), transpose=True, inplace=True).view(s_mixed.shape)
-        dz = None if dz_mixed is None else _mix(mixing, dz_mixed.view(flat), transpose=True, inplace=True).view(z_mixed.shape)
+        dz = (
+            None
+            if dz_mixed is None
+            else _mix(mixing, dz_mixed.view(flat), transpose=True, inplace=True).view(z_mixed.shape)
+        )
         # pass over the keys and values: dk, dv
         dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
         dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)

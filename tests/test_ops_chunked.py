@@ -92,6 +92,13 @@ def make(gen, grid, blocks, b=2, h=3, d=8, e=6, per_head=False, fused=False):
     return q, k, v, mix, (angles.cos(), angles.sin())
 
 
+def grad_tolerance(name: str, normalize: bool) -> float:
+    """float64 tolerance of a gradient's relative error. With the normalizer the mixing gradient is a
+    near-cancellation (exactly 0 for one block: the output does not depend on the mixing's scale), so its
+    relative error measures rounding noise over a tiny value (seen up to 2.3e-9); a wrong formula gives O(1)."""
+    return 1e-6 if name == "m" and normalize else 1e-9
+
+
 @pytest.fixture(params=BUDGETS)
 def budget(request, monkeypatch):
     monkeypatch.setattr(ops, "CHUNK_TOKEN_HEADS", request.param)
@@ -115,7 +122,7 @@ def test_forward_and_gradients_match_reference(gen, budget, grid, blocks, normal
     (out * upstream).sum().backward()
     (ref * upstream).sum().backward()
     for name, a, r in zip("qkvm", leaves, ref_leaves):
-        assert rel_err(a.grad, r.grad) < 1e-9, name  # float64; the mixing gradient is a near-cancellation with the normalizer
+        assert rel_err(a.grad, r.grad) < grad_tolerance(name, normalize), name
 
 
 @pytest.mark.parametrize("feature_map", ["relu", "elu"])
@@ -138,7 +145,7 @@ def test_elu_per_head_mixing_and_fused_projection_views(gen, budget, feature_map
         (out * upstream).sum().backward()
         (ref * upstream).sum().backward()
         for name, a, r in zip("qkvm", leaves, ref_leaves):
-            assert rel_err(a.grad, r.grad) < 1e-9, name  # float64; the mixing gradient is a near-cancellation with the normalizer
+            assert rel_err(a.grad, r.grad) < grad_tolerance(name, normalize), name
 
 
 @pytest.mark.parametrize("normalize", [True, False])
