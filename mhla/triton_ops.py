@@ -44,8 +44,8 @@ try:
 except ImportError:  # CPU-only installs: the PyTorch path in ops.py is used
     triton = None
 
+from .checks import check_mixing, check_qkv
 from .layout import BlockLayout
-from .ops import check_mixing, check_qkv
 from .rope import Rotary, check_rotary
 from .triton_kernels import FEATURE_IDS, KERNEL_NAMES, KERNELS, RELU_EPS  # noqa: F401 (re-exported)
 
