@@ -121,9 +121,7 @@ def measure_interleaved(fns: list, device: torch.device, warmup: int, repeats: i
     for _ in range(repeats):
         for fn, ts in zip(fns, times):
             ts.append(timer(fn))
-    return [
-        {"ms": statistics.median(ts), "ms_min": min(ts), "ms_max": max(ts), "repeats": repeats} for ts in times
-    ]
+    return [{"ms": statistics.median(ts), "ms_min": min(ts), "ms_max": max(ts), "repeats": repeats} for ts in times]
 
 
 def attention_min_bytes(numel: int, size_in: int, size_out: int, backward: bool) -> int:

@@ -88,7 +88,8 @@ CONFIGS = {
 _BUILTIN_JSON = Path(__file__).resolve().parents[1] / "assets" / "builtin" / "builtin.json"
 if _BUILTIN_JSON.is_file():
     CONFIGS["builtin"] = {
-        k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(_BUILTIN_JSON.read_text())["transformer"].items()
+        k: tuple(v) if isinstance(v, list) else v
+        for k, v in json.loads(_BUILTIN_JSON.read_text())["transformer"].items()
     }
 # 81 frames at 480x800 (the paper's setting, 21x30x50 = 31,500 tokens) and 480x832 (32,760 tokens)
 GPU_SIZES = "81x480x800,81x480x832"

@@ -39,10 +39,11 @@ def _parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt", required=True)
     p.add_argument("--negative-prompt", default="")
     p.add_argument(
-        "--variant", default=None,
+        "--variant",
+        default=None,
         help=f"one of {', '.join(VARIANTS)}; a comma list or 'all' generates each (out file gets a _VARIANT suffix); "
         "default: mhla-hybrid, or the saved variant of --transformer",
-    )  # fmt: skip
+    )
     p.add_argument("--out", default="out.mp4", help="mp4 to write")
     p.add_argument(
         "--model",
@@ -51,10 +52,11 @@ def _parse_args(argv=None) -> argparse.Namespace:
         "tiny-random: the tiny random-weight model)",
     )
     p.add_argument(
-        "--transformer", default=None,
+        "--transformer",
+        default=None,
         help="a saved transformer folder (e.g. a fine-tuning checkpoint's transformer/) to use instead of the "
         "model's own; --variant defaults to the variant it was saved as",
-    )  # fmt: skip
+    )
     p.add_argument("--height", type=int, default=None)
     p.add_argument("--width", type=int, default=None)
     p.add_argument("--frames", type=int, default=None, help="num_frames, of the form 4k+1")
@@ -173,9 +175,14 @@ def _preflight(args) -> _Plan:
     requests = []
     for v in variants:
         request = GenerationRequest(
-            prompt=args.prompt, negative_prompt=args.negative_prompt, seed=args.seed, variant=v,
-            blocks=_blocks_for(v, args.blocks), layers=layers, **sizes,
-        )  # fmt: skip
+            prompt=args.prompt,
+            negative_prompt=args.negative_prompt,
+            seed=args.seed,
+            variant=v,
+            blocks=_blocks_for(v, args.blocks),
+            layers=layers,
+            **sizes,
+        )
         requests.append(request.check(*geometry))
         _check_trained_blocks(v, args.blocks, args.transformer or variant_dirs.get(v))
     overrides = dict(
@@ -243,9 +250,12 @@ def main(argv=None) -> int:
             print(f"{v}: fine-tuned transformer {components.variant_dirs[v]}")
         try:
             result = generate(
-                components, request, attention_options=plan.overrides, transformer=transformer,
+                components,
+                request,
+                attention_options=plan.overrides,
+                transformer=transformer,
                 show_progress=not args.no_progress,
-            )  # fmt: skip
+            )
         except NonFiniteLatentsError as e:
             print(f"error: {e}", file=sys.stderr)
             return 3

@@ -154,10 +154,21 @@ def generate(
     request = prompt
     if not isinstance(request, GenerationRequest):
         request = model_request(
-            components, transformer, prompt, negative_prompt=negative_prompt, height=height, width=width,
-            num_frames=num_frames, num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
-            seed=seed, variant=variant, layers=layers, blocks=blocks, output_type=output_type,
-        )  # fmt: skip
+            components,
+            transformer,
+            prompt,
+            negative_prompt=negative_prompt,
+            height=height,
+            width=width,
+            num_frames=num_frames,
+            num_inference_steps=num_inference_steps,
+            guidance_scale=guidance_scale,
+            seed=seed,
+            variant=variant,
+            layers=layers,
+            blocks=blocks,
+            output_type=output_type,
+        )
     elif request.grid is None:
         raise ValueError("generate() got an unchecked GenerationRequest; make it with pipelines.model_request()")
     # text embeddings are padded to this length and not masked in cross-attention: use the model's own

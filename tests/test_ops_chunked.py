@@ -164,7 +164,9 @@ def test_linear_attention_matches_single_block_reference(gen, budget, normalize,
     (out * upstream).sum().backward()
     (ref * upstream).sum().backward()
     for name, a, r in zip("qkv", leaves, ref_leaves):
-        assert rel_err(a.grad, r.grad) < 1e-9, name  # float64; the mixing gradient is a near-cancellation with the normalizer
+        assert rel_err(a.grad, r.grad) < 1e-9, (
+            name
+        )  # float64; the mixing gradient is a near-cancellation with the normalizer
 
 
 @pytest.mark.parametrize("budget_value", [5, 4096])

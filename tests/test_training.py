@@ -62,10 +62,25 @@ def test_tiny_recipe_learns_and_its_checkpoint_generates(tmp_path):
     assert [p.name for p in found] == ["step-0000008", "step-0000016"]
     out = tmp_path / "ft.mp4"
     gen = subprocess.run(
-        [sys.executable, "-m", "pipelines.generate", "--prompt", "a red circle moves to the left", "--model",
-         "tiny-random", "--transformer", str(found[-1] / "transformer"), "--out", str(out), "--no-progress"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pipelines.generate",
+            "--prompt",
+            "a red circle moves to the left",
+            "--model",
+            "tiny-random",
+            "--transformer",
+            str(found[-1] / "transformer"),
+            "--out",
+            str(out),
+            "--no-progress",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert gen.returncode == 0, gen.stderr
     assert "variant                mhla" in gen.stdout  # the checkpoint's own variant
     assert iio.imread(out).shape == (9, 64, 96, 3)
@@ -167,9 +182,20 @@ def test_nonfinite_losses_stop_the_run_and_keep_the_checkpoint(tmp_path):
 def test_precomputed_cache_trains(tmp_path):
     cache = tmp_path / "cache"
     pre = subprocess.run(
-        [sys.executable, str(ROOT / "training" / "precompute.py"), "--config", TINY, "--out", str(cache),
-         "data.num_samples=4"], cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(ROOT / "training" / "precompute.py"),
+            "--config",
+            TINY,
+            "--out",
+            str(cache),
+            "data.num_samples=4",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert pre.returncode == 0, pre.stderr
     index = json.loads((cache / "index.json").read_text())
     assert len(index["items"]) == 4 and index["video"] == [9, 64, 96]
@@ -183,9 +209,21 @@ def test_precomputed_cache_trains(tmp_path):
     )
     assert [r["step"] for r in metrics(tmp_path / "run") if "loss" in r] == [1, 2]
     again = subprocess.run(
-        [sys.executable, str(ROOT / "training" / "precompute.py"), "--config", TINY, "--out", str(cache),
-         "data.num_samples=4", "data.short_captions=0.5"], cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(ROOT / "training" / "precompute.py"),
+            "--config",
+            TINY,
+            "--out",
+            str(cache),
+            "data.num_samples=4",
+            "data.short_captions=0.5",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert again.returncode == 2 and "holds a cache written with other settings" in again.stderr
     assert "data.short_captions: 0.0 -> 0.5" in again.stderr
 

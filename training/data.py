@@ -648,9 +648,13 @@ def build_dataset(cfg):
     d = cfg.data
     if d.source == "synthetic":
         return SyntheticVideoDataset(
-            d.num_samples, seed=cfg.train.seed, num_frames=d.num_frames, height=d.height, width=d.width,
+            d.num_samples,
+            seed=cfg.train.seed,
+            num_frames=d.num_frames,
+            height=d.height,
+            width=d.width,
             world=SyntheticWorld(short_captions=d.short_captions, default_background=d.default_background),
-        )  # fmt: skip
+        )
     if d.source == "folder":
         return VideoFolderDataset(
             d.path,

@@ -329,9 +329,13 @@ def main(argv=None) -> int:
     if cfg.data.source == "synthetic":
         d = cfg.data
         eval_set = SyntheticVideoDataset(
-            max(1, cfg.validation.loss_batches * cfg.train.batch_size), seed=cfg.train.seed, split="validation",
-            num_frames=d.num_frames, height=d.height, width=d.width,
-        )  # fmt: skip
+            max(1, cfg.validation.loss_batches * cfg.train.batch_size),
+            seed=cfg.train.seed,
+            split="validation",
+            num_frames=d.num_frames,
+            height=d.height,
+            width=d.width,
+        )
     eval_batches = [
         collate([eval_set[(i * cfg.train.batch_size + j) % len(eval_set)] for j in range(cfg.train.batch_size)])
         for i in range(cfg.validation.loss_batches)
@@ -560,10 +564,18 @@ def validation_videos(cfg, components, transformer, run_dir: Path, step: int) ->
         for i, prompt in enumerate(cfg.validation.prompts):
             for seed in cfg.validation.seeds:
                 result = generate(
-                    components, prompt, height=cfg.data.height, width=cfg.data.width, num_frames=cfg.data.num_frames,
-                    num_inference_steps=cfg.validation.num_inference_steps, guidance_scale=cfg.validation.guidance_scale,
-                    seed=seed, variant=variant, transformer=transformer, show_progress=False,
-                )  # fmt: skip
+                    components,
+                    prompt,
+                    height=cfg.data.height,
+                    width=cfg.data.width,
+                    num_frames=cfg.data.num_frames,
+                    num_inference_steps=cfg.validation.num_inference_steps,
+                    guidance_scale=cfg.validation.guidance_scale,
+                    seed=seed,
+                    variant=variant,
+                    transformer=transformer,
+                    show_progress=False,
+                )
                 write_mp4(out / f"prompt{i}_seed{seed}.mp4", result.frames, fps=16)
     transformer.train(was_training)
 

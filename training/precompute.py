@@ -41,8 +41,18 @@ def _atomic_save(tensors: dict, path: Path, metadata: dict | None = None) -> Non
 
 
 RECORD = "precompute.json"
-RECORD_KEYS = ("source", "path", "num_samples", "short_captions", "default_background", "num_frames", "height",
-               "width", "frame_stride", "max_sequence_length")  # fmt: skip
+RECORD_KEYS = (
+    "source",
+    "path",
+    "num_samples",
+    "short_captions",
+    "default_background",
+    "num_frames",
+    "height",
+    "width",
+    "frame_stride",
+    "max_sequence_length",
+)
 
 
 def cache_record(cfg) -> dict:

@@ -85,17 +85,27 @@ def main(argv=None) -> int:
             evals = [r["eval_loss"] for r in m if "eval_loss" in r]
             e2e = [r for r in m if r.get("stage") == "train"]
             reach = next((i + 1 for i, r in enumerate(e2e) if r["loss"] <= 1.05 * base_loss), None)
-            rows.append({
-                "run": name, "converted_start": evals[0], "end": evals[-1],
-                "transfer_final_mse": next((r["loss"] for r in reversed(m) if r.get("stage") == "transfer"), None),
-                "first_train_loss": e2e[0]["loss"], "last_train_loss": e2e[-1]["loss"],
-                "e2e_step_within_5pct_of_base": reach,
-            })  # fmt: skip
+            rows.append(
+                {
+                    "run": name,
+                    "converted_start": evals[0],
+                    "end": evals[-1],
+                    "transfer_final_mse": next((r["loss"] for r in reversed(m) if r.get("stage") == "transfer"), None),
+                    "first_train_loss": e2e[0]["loss"],
+                    "last_train_loss": e2e[-1]["loss"],
+                    "e2e_step_within_5pct_of_base": reach,
+                }
+            )
     meta = {
-        "device": "cuda" if torch.cuda.is_available() else "cpu", "base_steps": args.base_steps,
-        "steps": args.steps, "transfer_steps": args.transfer_steps, "lr": args.lr, "base_eval_loss": base_loss,
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
-    }  # fmt: skip
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "base_steps": args.base_steps,
+        "steps": args.steps,
+        "transfer_steps": args.transfer_steps,
+        "lr": args.lr,
+        "base_eval_loss": base_loss,
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+    }
     lines = [
         f"Tiny Wan2.1 on synthetic shapes ({meta['device']}): softmax base trained {args.base_steps} steps "
         f"(eval flow loss {base_loss:.4f}); each converted copy fine-tuned {args.steps} end-to-end steps, "
