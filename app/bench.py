@@ -25,8 +25,9 @@ import mhla
 from benchmarks.attention import make_fn
 from benchmarks.common import measure, parse_grid
 from pipelines import VARIANTS, convert_self_attention, current_variant
+from pipelines.timing import device_name
 
-from .models import AppModels, device_name
+from .models import AppModels
 
 OPERATORS = ("softmax", "linear", "mhla")
 CPU_GRIDS = "1x16x16,1x32x32,2x32x32"  # 256 .. 2,048 tokens: seconds on 2 CPU cores with the tiny model

@@ -35,6 +35,7 @@ from mhla.triton_ops import tuned_launches
 from pipelines import AttentionOptions, convert_self_attention, set_variant
 from pipelines.attention import VARIANTS, linear_layers_for
 from pipelines.convert import attention_context
+from pipelines.loading import WAN_CONFIGS
 from pipelines.tiny import TINY_TRANSFORMER
 
 from .common import (
@@ -52,32 +53,7 @@ from .common import (
     write_results,
 )
 
-# diffusers' WanTransformer3DModel arguments of the released checkpoints (random weights here)
-CONFIGS = {
-    "1.3b": dict(
-        patch_size=(1, 2, 2),
-        num_attention_heads=12,
-        attention_head_dim=128,
-        in_channels=16,
-        out_channels=16,
-        text_dim=4096,
-        freq_dim=256,
-        ffn_dim=8960,
-        num_layers=30,
-    ),
-    "14b": dict(
-        patch_size=(1, 2, 2),
-        num_attention_heads=40,
-        attention_head_dim=128,
-        in_channels=16,
-        out_channels=16,
-        text_dim=4096,
-        freq_dim=256,
-        ffn_dim=13824,
-        num_layers=40,
-    ),
-    "tiny": dict(TINY_TRANSFORMER),
-}
+CONFIGS = {**WAN_CONFIGS, "tiny": dict(TINY_TRANSFORMER)}  # random weights here
 # 81 frames at 480x800 (the paper's setting, 21x30x50 = 31,500 tokens) and 480x832 (32,760 tokens)
 GPU_SIZES = "81x480x800,81x480x832"
 CPU_GRIDS = "3x8x8"
