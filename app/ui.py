@@ -71,11 +71,13 @@ class _Runs:
             flag = self._flags[session] = threading.Event()
         return flag
 
-    def stop(self, session: str) -> None:
+    def stop(self, session: str) -> bool:
+        """Sets the session's Stop flag; False when it has no run going."""
         with self._lock:
             flag = self._flags.get(session)
         if flag is not None:
             flag.set()
+        return flag is not None
 
     def end(self, session: str, flag: threading.Event) -> None:
         with self._lock:
@@ -147,25 +149,27 @@ def build_demo(models: AppModels, max_tokens: int | None = None, max_bench_token
         started = time.monotonic()
         worker = threading.Thread(target=work, name="compare", daemon=True)
         worker.start()
-        text, fraction, last = "starting", 0.0, None
+        text, fraction, last, shown = "starting", 0.0, None, 0.0
         try:
             while True:
                 try:
                     kind, payload = events.get(timeout=POLL_SECONDS)
                 except queue.Empty:
-                    yield [_status(text, started, fraction, bool(last and last.runs))] + [gr.skip()] * n_outputs
-                    continue
+                    kind, payload = "tick", None
                 if kind == "progress":
                     text, fraction = payload
                 elif kind == "result":
-                    last = payload
-                    status = _status(text, started, fraction, True)
-                    yield outputs_for(last, status)
+                    last, shown = payload, time.monotonic()
+                    yield outputs_for(last, _status(text, started, fraction, True))
+                    continue
                 elif kind == "failed":
                     compare.log.error("compare run failed", exc_info=payload)
                     raise gr.Error(f"internal error ({type(payload).__name__}); the details are in the server's log")
-                else:
+                elif kind == "end":
                     break
+                if time.monotonic() - shown >= POLL_SECONDS:  # the stage line, at most twice a second
+                    shown = time.monotonic()
+                    yield [_status(text, started, fraction, bool(last and last.runs))] + [gr.skip()] * n_outputs
         finally:
             stop.set()  # the page went away or Stop cancelled this generator: end the worker's run too
             worker.join()
@@ -183,8 +187,11 @@ def build_demo(models: AppModels, max_tokens: int | None = None, max_bench_token
         yield outputs_for(last, status)
 
     def on_stop(request: gr.Request):
-        runs.stop(getattr(request, "session_hash", None) or "")
-        return gr.Button(interactive=True)
+        """Stops this session's run: its worker ends before the next transformer call; what finished stays."""
+        if not runs.stop(getattr(request, "session_hash", None) or ""):
+            return gr.Button(interactive=True), gr.skip()  # nothing running (or still queued: cancelled)
+        status = "**Stopped** by you: the variants that finished are shown; the others did not run."
+        return gr.Button(interactive=True), status
 
     def on_bench(grids, levels, variants, repeats, progress=gr.Progress()):  # noqa: B008
         try:
@@ -231,7 +238,7 @@ def build_demo(models: AppModels, max_tokens: int | None = None, max_bench_token
                     with gr.Row():
                         # precision=None: 1.5 reaches the check and is refused, not rounded to 2
                         seed = gr.Number(0, label="Seed", precision=None, minimum=0, elem_id="seed")
-                        dice = gr.Button("🎲 random seed", size="sm", elem_id="random-seed", scale=0)
+                        dice = gr.Button("Random seed", size="sm", elem_id="random-seed", scale=0)
                     with gr.Row():
                         steps = gr.Slider(1, compare.MAX_STEPS, defaults["num_inference_steps"], step=1,
                                           label="Steps", elem_id="steps")  # fmt: skip
@@ -276,8 +283,9 @@ def build_demo(models: AppModels, max_tokens: int | None = None, max_bench_token
                 show_progress="hidden",  # the status line says the stage and the time left (gradio's ETA was wrong)
                 api_name="compare",
             )
-            run.then(lambda: gr.Button(interactive=True), None, run_button, queue=False, api_visibility="private")
-            stop_button.click(on_stop, None, run_button, cancels=[run], queue=False, api_visibility="private")
+            for after in (run.then, run.failure):  # gradio 6 skips .then after an error: enable on both
+                after(lambda: gr.Button(interactive=True), None, run_button, queue=False, api_visibility="private")
+            stop_button.click(on_stop, None, [run_button, status], cancels=[run], queue=False, api_visibility="private")
         with gr.Tab("Benchmark"):
             gr.Markdown(
                 "Latency against sequence length, measured live here: the attention operator alone (softmax "

@@ -206,7 +206,7 @@ def test_browser_streams_stops_and_shows_errors(server, tmp_path):
             page.locator("#prompt textarea").fill("a red square moves to the right")
             page.locator("#preset input").click()
             page.get_by_role("option", name=SMALLEST_LABEL).click()
-            _set_number(page, "steps", 4)
+            _set_number(page, "steps", 40)  # long enough that mhla is still running when flash is shown
             for name in ("mhla-hybrid", "linear"):  # keep flash and mhla
                 page.locator("#variants").get_by_label(name, exact=True).uncheck()
             generate, status = page.locator("#generate"), page.locator("#status")
@@ -229,15 +229,17 @@ def test_browser_streams_stops_and_shows_errors(server, tmp_path):
             shot.parent.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=str(shot), full_page=True)
 
-            # Stop: a run of all four variants ends after the variant that is running
+            # Stop: a run of all four variants ends while linear runs; flash stays, the rest never run
             for name in ("mhla-hybrid", "linear"):
                 page.locator("#variants").get_by_label(name, exact=True).check()
+            _set_number(page, "steps", 100)
             generate.click()
-            status.filter(has_text="linear:").wait_for(timeout=120_000)
+            status.filter(has_text="linear: denoising step").wait_for(timeout=120_000)
             page.locator("#stop").click()
             page.locator("#generate:not([disabled])").wait_for(timeout=60_000)
-            time.sleep(1)
-            assert "Done" not in status.inner_text()
+            status.filter(has_text="Stopped").wait_for()
+            time.sleep(2)
+            assert "Done" not in status.inner_text() and "Stopped" in status.inner_text()
             assert not page.locator("#video-mhla-hybrid video").count() or not page.locator(
                 "#video-mhla-hybrid video"
             ).get_attribute("src")
@@ -250,8 +252,9 @@ def test_browser_streams_stops_and_shows_errors(server, tmp_path):
             page.locator("#prompt textarea").fill("a small yellow circle bounces up and down")
             for name in ("mhla-hybrid", "linear", "mhla"):
                 page.locator("#variants").get_by_label(name, exact=True).uncheck()
-            generate.click()
-            status.filter(has_text="Done: 1 variant(s)").wait_for(timeout=120_000)
+            _set_number(page, "steps", 2)
+            generate.click()  # served at once: the stopped run no longer holds the device
+            status.filter(has_text="Done: 1 variant(s)").wait_for(timeout=60_000)
             assert not elsewhere, f"the page requested other hosts: {elsewhere[:5]}"
         finally:
             browser.close()
