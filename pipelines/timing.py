@@ -68,6 +68,23 @@ def spread(samples) -> Spread:
     return Spread(statistics.median(values), low, high, len(values))
 
 
+def time_call(fn, device: torch.device | str, warmup: int = 1, repeats: int = 3) -> Spread:
+    """Seconds of ``fn()`` over ``repeats`` calls after ``warmup`` untimed ones: the wall clock around each
+    call, the device synchronised before reading it (so GPU work is counted where it runs)."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return spread(times)
+
+
 class AttentionTimer:
     """Accumulates time spent inside self-attention while :attr:`enabled`.
 

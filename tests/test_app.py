@@ -370,3 +370,21 @@ def test_a_variant_failing_unexpectedly_keeps_the_others_and_shows_no_server_pat
     assert by["linear"].error == "ValueError: weights in .../x.py are bad"
     page = compare.summary_markdown(result) + "".join(compare.variant_markdown(r) for r in result.runs)
     assert str(tmp_path) not in page
+
+
+def test_time_call_and_device_name():
+    from pipelines.timing import device_name, time_call
+
+    calls = []
+    s = time_call(lambda: calls.append(1), "cpu", warmup=2, repeats=3)
+    assert len(calls) == 5 and s.n == 3 and 0 <= s.low <= s.median <= s.high
+    assert device_name(torch.device("cpu")).startswith("CPU: ")
+    with pytest.raises(ValueError, match="repeats must be >= 1"):
+        time_call(lambda: None, "cpu", repeats=0)
+
+
+def test_random_wan_architectures_have_one_config_table():
+    from benchmarks.wan_step import CONFIGS
+    from pipelines.loading import WAN_CONFIGS
+
+    assert {k: CONFIGS[k] for k in WAN_CONFIGS} == WAN_CONFIGS and set(CONFIGS) == {"1.3b", "14b", "tiny"}
