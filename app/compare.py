@@ -272,6 +272,7 @@ class _Stages:
     def __init__(self, transformer, report: Callable[[str], None], cancel: threading.Event | None):
         self.transformer, self.report, self.cancel = transformer, report, cancel
         self.calls, self.steps, self.per_step, self.label, self.decode = 0, 1, 1, "", True
+        self.span = (0.0, 1.0)  # the part of the variant's work this generation is, for the time-left estimate
 
     def __enter__(self):
         self._hooks = [
@@ -288,22 +289,26 @@ class _Stages:
         if self.cancel is not None and self.cancel.is_set():
             raise RunCancelled
 
-    def start(self, label: str, steps: int, guidance: float, decode: bool):
+    def start(self, label: str, steps: int, guidance: float, decode: bool, span=(0.0, 1.0)):
         self.check()
-        self.label, self.steps, self.decode, self.calls = label, steps, decode, 0
+        self.label, self.steps, self.decode, self.calls, self.span = label, steps, decode, 0, span
         self.per_step = 2 if guidance > 1.0 else 1  # WanPipeline: conditional and unconditional calls
-        self.report(f"{label}: encoding the prompt", 0.0)
+        self.say(f"{label}: encoding the prompt", 0.0)
+
+    def say(self, text: str, fraction: float):
+        lo, hi = self.span
+        self.report(text, lo + (hi - lo) * fraction)
 
     def _before(self, _module, _args):
         self.check()
         if self.calls % self.per_step == 0:
             step = self.calls // self.per_step + 1
-            self.report(f"{self.label}: denoising step {step}/{self.steps}", (step - 1) / self.steps)
+            self.say(f"{self.label}: denoising step {step}/{self.steps}", (step - 1) / self.steps)
 
     def _after(self, _module, _args, _out):
         self.calls += 1
         if self.decode and self.calls == self.steps * self.per_step:
-            self.report(f"{self.label}: decoding video", 1.0)
+            self.say(f"{self.label}: decoding video", 1.0)
 
 
 def _error_text(e: BaseException, models: AppModels, request: CompareRequest) -> str:
@@ -380,12 +385,18 @@ def iter_compare(
             with _Stages(vm.transformer, report, cancel) as stages, warnings.catch_warnings():
                 # "untrained attention parameters": the column already says "converted, not fine-tuned"
                 warnings.simplefilter("ignore", UserWarning)
-                stages.start(f"{name}: warm-up (not timed)", 1, request.guidance_scale, decode=i == 0)
+                # spans of the variant's work by denoising steps: the warm-up is one step, each repeat all of them
+                work = 1 + request.repeats * request.num_inference_steps
+                stages.start(f"{name}: warm-up (not timed)", 1, request.guidance_scale, i == 0, (0, 1 / work))
                 generate(models.components, request.prompt, num_inference_steps=1, **args,
                          output_type="np" if i == 0 else "latent")  # fmt: skip
                 for r in range(request.repeats):
                     label = name if request.repeats == 1 else f"{name} (repeat {r + 1}/{request.repeats})"
-                    stages.start(label, request.num_inference_steps, request.guidance_scale, decode=True)
+                    span = (
+                        (1 + r * request.num_inference_steps) / work,
+                        (1 + (r + 1) * request.num_inference_steps) / work,
+                    )
+                    stages.start(label, request.num_inference_steps, request.guidance_scale, True, span)
                     out = generate(models.components, request.prompt, num_inference_steps=request.num_inference_steps, **args)  # fmt: skip
                     run.timings.append(out.timing)
             stages.check()
