@@ -240,12 +240,14 @@ def build_demo(models: AppModels, max_tokens: int | None = None, max_bench_token
                         seed = gr.Number(0, label="Seed", precision=None, minimum=0, elem_id="seed")
                         dice = gr.Button("Random seed", size="sm", elem_id="random-seed", scale=0)
                     with gr.Row():
-                        steps = gr.Slider(1, compare.MAX_STEPS, defaults["num_inference_steps"], step=1,
-                                          label="Steps", elem_id="steps")  # fmt: skip
-                        guidance = gr.Slider(0, compare.MAX_GUIDANCE, defaults["guidance_scale"], step=0.5,
-                                             label="Guidance", elem_id="guidance")  # fmt: skip
-                        repeats = gr.Slider(1, compare.MAX_REPEATS, 1, step=1, elem_id="repeats",
-                                            label="Repeats (timed runs per variant, after a warm-up)")  # fmt: skip
+                        # numbers, not sliders: a slider clamps 1000 steps to 100 in the browser; out-of-range
+                        # values must reach the check and be refused with a message
+                        steps = gr.Number(defaults["num_inference_steps"], precision=None, elem_id="steps",
+                                          label="Steps", info=f"1 to {compare.MAX_STEPS}")  # fmt: skip
+                        guidance = gr.Number(defaults["guidance_scale"], precision=None, step=0.5, elem_id="guidance",
+                                             label="Guidance", info=f"0 to {compare.MAX_GUIDANCE:g}")  # fmt: skip
+                        repeats = gr.Number(1, precision=None, elem_id="repeats", label="Repeats",
+                                            info=f"timed runs per variant after a warm-up, 1 to {compare.MAX_REPEATS}")  # fmt: skip
             with gr.Row():
                 run_button = gr.Button("Generate with each variant", variant="primary", elem_id="generate", scale=3)
                 stop_button = gr.Button("Stop", variant="stop", elem_id="stop", scale=1)

@@ -126,8 +126,8 @@ def test_client_compare_three_variants(server):
         (dict(variants=()), "no variant chosen"),
         (dict(preset="81x480x800"), None),  # not offered on this device: gradio's own choice check refuses it
         (dict(preset="/etc/passwd"), None),
-        (dict(num_inference_steps=1000), "1000"),  # refused, not clamped to 100
-        (dict(guidance_scale=-3), "-3"),
+        (dict(num_inference_steps=1000), "steps must be between 1 and 100, got 1,000"),  # refused, not clamped
+        (dict(guidance_scale=-3), "guidance must be a number between 0 and 30, got -3"),
         (dict(seed=1.5), "seed must be a whole number, got 1.5"),  # refused, not rounded to 2
     ],
 )
@@ -249,7 +249,11 @@ def test_browser_streams_stops_and_shows_errors(server, tmp_path):
             generate.click()
             page.locator(".toast-body").filter(has_text="prompt is empty").wait_for()
             status.filter(has_text="Error").wait_for()
+            # out of range in the browser too: refused with a message, not clamped to the maximum
             page.locator("#prompt textarea").fill("a small yellow circle bounces up and down")
+            _set_number(page, "steps", 1000)
+            generate.click()
+            page.locator(".toast-body").filter(has_text="steps must be between 1 and 100, got 1,000").wait_for()
             for name in ("mhla-hybrid", "linear", "mhla"):
                 page.locator("#variants").get_by_label(name, exact=True).uncheck()
             _set_number(page, "steps", 2)
