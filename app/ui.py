@@ -101,9 +101,8 @@ def build_demo(models: AppModels, max_tokens: int | None = None, max_bench_token
     out_root = Path(out_root or tempfile.mkdtemp(prefix="mhla-app-"))
     defaults = models.components.defaults
     runs = _Runs()
-    n_outputs = (
-        3 * len(VARIANTS) + 3
-    )  # after the status line: (column, video, details) per variant, summary, table, chart
+    # the outputs after the status line: (column, video, details) per variant, summary, table, chart
+    n_outputs = 3 * len(VARIANTS) + 3
 
     def outputs_for(result: compare.CompareResult, status: str) -> list:
         outs = [status]
