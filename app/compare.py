@@ -489,9 +489,8 @@ def variant_markdown(run: VariantRun, result: CompareResult | None = None) -> st
     return head + "\n".join(lines)
 
 
-TABLE_HEADERS = [
+TABLE_HEADERS = [  # speed and quality first: what a person reads at a glance
     "variant",
-    "weights",
     "tokens",
     "M",
     "step ms (median)",
@@ -499,12 +498,13 @@ TABLE_HEADERS = [
     "denoising speedup",
     "end-to-end s",
     "end-to-end speedup",
-    "text encoding s",
-    "VAE decoding s",
-    "self-attention share",
     "PSNR dB vs flash",
     "SSIM vs flash",
     "attributes",
+    "text encoding s",
+    "VAE decoding s",
+    "self-attention share",
+    "weights",
     "peak memory",
     "softmax backend",
 ]
@@ -515,7 +515,7 @@ def table_rows(result: CompareResult) -> list[list]:
     rows = []
     for r in result.runs:
         if r.error:
-            rows.append([r.variant, r.kind] + [""] * (len(TABLE_HEADERS) - 3) + [f"error: {r.error}"])
+            rows.append([r.variant] + [""] * (len(TABLE_HEADERS) - 2) + [f"error: {r.error}"])
             continue
         t, s = r.timing, r.steps
         den, e2e, noise = result.speedups(r)
@@ -523,7 +523,6 @@ def table_rows(result: CompareResult) -> list[list]:
         rows.append(
             [
                 r.variant,
-                r.kind,
                 t.num_tokens,
                 "-" if t.num_blocks is None else t.num_blocks,
                 round(s.median * 1e3, 2),
@@ -531,12 +530,13 @@ def table_rows(result: CompareResult) -> list[list]:
                 _speedup(den, noise),
                 round(r.stage("total").median, 3),
                 _speedup(e2e, noise),
-                round(r.stage("text_encoding").median, 3),
-                round(r.stage("vae_decode").median, 3),
-                f"{attention_share(t):.0%}",
                 psnr,
                 "" if r.ssim is None else round(r.ssim, 4),
                 "" if r.attributes is None else f"{r.attributes[0]}/{r.attributes[1]}",
+                round(r.stage("text_encoding").median, 3),
+                round(r.stage("vae_decode").median, 3),
+                f"{attention_share(t):.0%}",
+                r.kind,
                 _peak(t),
                 t.softmax_backend or "-",
             ]
