@@ -65,13 +65,13 @@ def main(argv=None) -> int:
     max_tokens = args.max_tokens if args.max_tokens is not None else (CPU_MAX_TOKENS if cpu else None)
     max_bench = args.max_bench_tokens if args.max_bench_tokens is not None else (16384 if cpu else None)
 
-    from app.ui import CSS, THEME, build_demo
+    from app.ui import CSS, QUEUE_SIZE, THEME, build_demo
 
     demo = build_demo(models, max_tokens=max_tokens, max_bench_tokens=max_bench)
     print(f"model: {models.components.source} on {models.device}")
     if models.random_note:
         print(f"NOTE: {models.random_note}")
-    demo.queue(default_concurrency_limit=1).launch(
+    demo.queue(default_concurrency_limit=1, max_size=QUEUE_SIZE).launch(
         server_name=args.host, server_port=args.port, share=args.share, show_error=False,
         theme=THEME, css=CSS, ssr_mode=False, footer_links=["api", "settings"],
     )  # fmt: skip

@@ -2,7 +2,9 @@
 side by side with measured latency; and a live latency-versus-sequence-length benchmark.
 
 - :mod:`app.models`: what is loaded once (shared text encoder and VAE, transformers per variant).
-- :mod:`app.compare`: presets, request checks, running the variants, the comparison table and chart.
+- :mod:`app.compare`: presets, request checks, running the variants (streamed, warmed up, repeated),
+  the comparison table and chart.
+- :mod:`app.quality`: PSNR and SSIM against flash's video, the built-in model's attribute verdict.
 - :mod:`app.bench`: operator and transformer latency against token count, plot, JSON/CSV.
-- :mod:`app.ui`: the ``gr.Blocks`` page, a thin layer over the three modules above.
+- :mod:`app.ui`: the ``gr.Blocks`` page, a thin layer over the modules above.
 """

@@ -2,8 +2,7 @@
 
 Two levels, over latent-token grids of growing size:
 - the attention operator alone, ``(1, N, heads, head_dim)`` at the loaded model's heads and head size:
-  softmax (fastest backend present), vanilla linear attention, MHLA; timed with
-  :mod:`benchmarks.attention`'s own helpers so both report the same thing;
+  softmax (fastest backend present), vanilla linear attention, MHLA, through :mod:`mhla`'s public ops;
 - one forward pass of the loaded transformer (every block, no classifier-free guidance) per variant,
   i.e. one denoising step's work at the model's real width.
 
@@ -22,11 +21,10 @@ from pathlib import Path
 import torch
 
 import mhla
-from benchmarks.attention import make_fn
-from benchmarks.common import measure, parse_grid
 from pipelines import VARIANTS, convert_self_attention, current_variant
+from pipelines.timing import device_name, time_call
 
-from .models import AppModels, device_name
+from .models import AppModels
 
 OPERATORS = ("softmax", "linear", "mhla")
 CPU_GRIDS = "1x16x16,1x32x32,2x32x32"  # 256 .. 2,048 tokens: seconds on 2 CPU cores with the tiny model
@@ -39,16 +37,35 @@ def default_grids(device: torch.device) -> str:
     return GPU_GRIDS if device.type == "cuda" else CPU_GRIDS
 
 
+def parse_grid(text: str) -> tuple[int, int, int]:
+    """``"21x30x50"`` -> ``(21, 30, 50)`` (frames x height x width in tokens)."""
+    parts = text.strip().lower().split("x")
+    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"a grid looks like 21x30x50 (frames x height x width), got {text!r}")
+    return tuple(int(p) for p in parts)  # type: ignore[return-value]
+
+
+def operator_call(op: str, q, k, v, layout, mixing, rope):
+    """One forward of operator ``op`` (``softmax``, ``linear``, ``mhla``) on ``(1, N, heads, dim)`` inputs."""
+
+    @torch.no_grad()
+    def run():
+        if op == "softmax":
+            return mhla.softmax_attention(q, k, v)
+        if op == "linear":
+            return mhla.linear_attention(q, k, v, normalize=False, rotary_emb=rope)
+        return mhla.mhla_attention(q, k, v, layout, mixing, normalize=False, rotary_emb=rope)
+
+    return run
+
+
 def parse_grids(text: str, max_tokens: int | None = None) -> list[tuple[int, int, int]]:
     """``"1x16x16, 2x16x32"`` -> grids sorted by token count; ``ValueError`` names the bad entry."""
     if not isinstance(text, str) or not text.strip():
         raise ValueError("no token grids given; expected e.g. 1x16x16,2x16x32 (frames x height x width in tokens)")
     grids = []
     for part in text.split(","):
-        try:
-            grid = parse_grid(part.strip())
-        except Exception as e:  # argparse.ArgumentTypeError carries the readable message
-            raise ValueError(str(e)) from None
+        grid = parse_grid(part)
         if max_tokens is not None and math.prod(grid) > max_tokens:
             raise ValueError(
                 f"grid {part.strip()} has {math.prod(grid):,} tokens; this app allows at most {max_tokens:,} here "
@@ -91,8 +108,10 @@ def operator_rows(models: AppModels, grids, warmup=2, repeats=3, progress=None) 
                 row["note"] = "skipped: a smaller size did not fit"
             else:
                 try:
-                    fn = make_fn(op, "auto", q, k, v, layout, mixing, rope, backward=False)
-                    row["ms"] = measure(fn, device, warmup, repeats)["ms"]
+                    row["ms"] = (
+                        time_call(operator_call(op, q, k, v, layout, mixing, rope), device, warmup, repeats).median
+                        * 1e3
+                    )
                     if op == "softmax":
                         row["backend"] = mhla.last_softmax_backend()
                 except (RuntimeError, torch.OutOfMemoryError) as e:
@@ -144,7 +163,7 @@ def transformer_rows(models: AppModels, grids, variants=VARIANTS, warmup=1, repe
                 if current_variant(tr) != name:
                     # the shared base transformer switches in place, as generate() does at each run
                     convert_self_attention(tr, name)
-                row["ms"] = measure(_forward(tr, grid, device), device, warmup, repeats)["ms"]
+                row["ms"] = time_call(_forward(tr, grid, device), device, warmup, repeats).median * 1e3
             except (RuntimeError, torch.OutOfMemoryError, ValueError) as e:
                 row["note"] = "out of memory" if _oom(e) else str(e).splitlines()[0][:120]
                 stopped.add(name)

@@ -10,23 +10,31 @@ weights. A variant given as ``--variant NAME=DIR`` gets its own transformer, loa
 from __future__ import annotations
 
 import math
-import platform
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 import mhla
-from pipelines import VARIANTS, WanComponents, latent_grid, load_components, load_transformer
-from pipelines.pipeline import RANDOM_WEIGHTS_NOTE
+from pipelines import VARIANTS, WanComponents, latent_grid, load_components, load_transformer, self_attention_state
+from pipelines.convert import attention_options
+from pipelines.loading import WAN_CONFIGS, build_random_wan
 
 CONVERTED_NOTE = "converted, not fine-tuned: latency is real, quality is not"
-RANDOM_SIZES = ("1.3b", "14b")
-# Wan2.1 T2V transformer configurations (diffusers' WanTransformer3DModel), for --random-weights.
-WAN_TRANSFORMERS = {
-    "1.3b": dict(num_attention_heads=12, attention_head_dim=128, ffn_dim=8960, num_layers=30),
-    "14b": dict(num_attention_heads=40, attention_head_dim=128, ffn_dim=13824, num_layers=40),
-}
+RANDOM_SIZES = tuple(WAN_CONFIGS)
+# prompts a model can draw: the built-in model knows coloured shapes moving on plain or textured backgrounds
+BUILTIN_PROMPTS = [
+    "a red square moves to the right",
+    "a small yellow circle bounces up and down on a black background",
+    "a large blue triangle moves diagonally up and to the left on a checkered background",
+    "a small green diamond moves up and a large purple circle stays still on a white background",
+]
+GENERAL_PROMPTS = [
+    "a red fox running through fresh snow, golden hour, cinematic",
+    "a paper boat drifting down a rainy street gutter, close-up",
+    "an astronaut riding a horse across a desert at sunset",
+    "time-lapse of clouds rolling over snowy mountains",
+]
 
 
 def _shown(folder) -> str:
@@ -67,21 +75,30 @@ class AppModels:
     def grid(self, height: int, width: int, num_frames: int) -> tuple[int, int, int]:
         return latent_grid(height, width, num_frames, self.patch)
 
-    def num_blocks(self, grid) -> int:
-        """M of the default MHLA layout for ``grid`` with this model's target block shape."""
-        return math.prod(mhla.default_blocks(grid, self.components.block_shape))
+    def num_blocks(self, grid, variant: str = "mhla") -> int:
+        """The M that ``generate()`` runs ``variant`` (an MHLA variant) with on ``grid``: the transformer's own
+        layout when it has MHLA parameters, else the default rule with the model's block shape; shrunk to
+        fit the grid (:func:`mhla.fit_blocks`), as generate() does."""
+        transformer = self.variants[variant].transformer
+        if self_attention_state(transformer)["parameters"]["mhla"] and attention_options(transformer).blocks:
+            blocks = attention_options(transformer).blocks
+        else:
+            blocks = mhla.default_blocks(grid, self.components.block_shape)
+        return math.prod(mhla.fit_blocks(tuple(blocks), tuple(grid)))
 
+    @property
+    def builtin(self) -> bool:
+        """True for the built-in model (it has an analyser for its videos)."""
+        return self.components.source.startswith("built-in model")
 
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    try:  # /proc/cpuinfo names the CPU model on Linux; platform.processor() is often empty there
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"CPU: {line.split(':', 1)[1].strip()} ({torch.get_num_threads()} threads)"
-    except OSError:
-        pass
-    return f"CPU: {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
+    @property
+    def example_prompts(self) -> list[str]:
+        return BUILTIN_PROMPTS if self.builtin else GENERAL_PROMPTS
+
+    @property
+    def example_prompt(self) -> str:
+        """A prompt this model can draw, for messages."""
+        return self.example_prompts[0]
 
 
 def parse_variant_dirs(specs: list[str] | None) -> dict[str, Path]:
@@ -101,53 +118,6 @@ def parse_variant_dirs(specs: list[str] | None) -> dict[str, Path]:
             )
         out[name] = folder
     return out
-
-
-def build_random_components(size: str, device="auto", dtype="auto") -> WanComponents:
-    """The real Wan2.1 transformer (``1.3b`` or ``14b``) and VAE with random weights, for true-size latency.
-
-    The text encoder is a 2-layer UMT5 stand-in with the real output width (4096): building the 5.7B-parameter
-    UMT5-XXL would take minutes and ~11 GB for a stage that runs once per video and is not compared here.
-    """
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
-    from transformers import ByT5Tokenizer, UMT5Config, UMT5EncoderModel
-
-    from pipelines.loading import resolve_device, resolve_dtype
-    from pipelines.tiny import WAN_DEFAULTS
-
-    if size not in WAN_TRANSFORMERS:
-        raise ValueError(f"--random-weights must be one of {', '.join(RANDOM_SIZES)}, got {size!r}")
-    device = resolve_device(device)
-    dtype = resolve_dtype(dtype, device)
-    tokenizer = ByT5Tokenizer()
-    with torch.random.fork_rng(devices=[]), torch.device(device):
-        torch.manual_seed(0)
-        # built on the device directly: 14B parameters in float32 do not fit a 2-core CI box, let alone twice
-        transformer = WanTransformer3DModel(**WAN_TRANSFORMERS[size]).eval()
-        text_encoder = UMT5EncoderModel(
-            UMT5Config(vocab_size=len(tokenizer), d_model=4096, d_kv=64, d_ff=10240, num_layers=2, num_heads=64)
-        ).eval()
-        vae = AutoencoderKLWan().eval()  # diffusers' defaults are Wan2.1's VAE
-    keep = set(getattr(transformer, "_keep_in_fp32_modules", None) or [])
-    for name, module in transformer.named_modules():
-        # as from_pretrained(dtype=...): norms, time embedding and RoPE stay float32
-        if not keep.intersection(name.split(".")):
-            for p in module.parameters(recurse=False):
-                p.data = p.data.to(dtype)
-    from pipelines import convert_self_attention
-
-    return WanComponents(
-        tokenizer=tokenizer,
-        text_encoder=text_encoder.to(dtype),
-        vae=vae,
-        scheduler=UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0),
-        transformer=convert_self_attention(transformer, "flash"),
-        source=f"Wan2.1-T2V-{size.upper()} architecture with RANDOM weights",
-        random_weights=True,
-        device=device,
-        dtype=dtype,
-        defaults=dict(WAN_DEFAULTS),
-    )
 
 
 def prepare_converted(components: WanComponents, names: list[str]) -> None:
@@ -186,7 +156,7 @@ def load_app_models(
     if model is not None and random_weights is not None:
         raise ValueError("--model and --random-weights exclude each other: random weights replace the model's")
     if random_weights is not None:
-        components = build_random_components(random_weights, device, dtype)
+        components = build_random_wan(random_weights, device, dtype)
         random_note = (
             f"Wan2.1 {random_weights.upper()} architecture with RANDOM weights: latency is true-size, "
             "every video is noise (text encoder is a small stand-in, its time is not the real one)"
@@ -194,22 +164,26 @@ def load_app_models(
     else:
         components = load_components(model, dtype=dtype, device=device)
         random_note = (
-            RANDOM_WEIGHTS_NOTE.replace("this video is", "every video is") if components.random_weights else None
+            f"{components.source}: every video is noise, made to test the plumbing"
+            if components.random_weights
+            else None
         )
     variant_dirs = {**components.variant_dirs, **(variant_dirs or {})}
     variants = {}
-    rnd = components.random_weights
-    noise = "; RANDOM weights: the video is noise" if rnd else ""
+    random_weights = components.random_weights
+    noise = "; RANDOM weights: the video is noise" if random_weights else ""
     for name in VARIANTS:
         folder = (variant_dirs or {}).get(name)
         if folder is not None:
             transformer = load_transformer(folder, dtype=components.dtype, device=components.device)
             variants[name] = VariantModel(name, transformer, f"fine-tuned: {_shown(folder)}", "fine-tuned")
         elif name == "flash":
-            note = "RANDOM weights: the video is noise" if rnd else f"base weights: {components.source}"
-            variants[name] = VariantModel(name, components.transformer, note, "base, random" if rnd else "base")
+            note = "RANDOM weights: the video is noise" if random_weights else f"base weights: {components.source}"
+            variants[name] = VariantModel(
+                name, components.transformer, note, "base, random" if random_weights else "base"
+            )
         else:
-            kind = "converted, random" if rnd else "converted"
+            kind = "converted, random" if random_weights else "converted"
             variants[name] = VariantModel(name, components.transformer, CONVERTED_NOTE + noise, kind)
     shared = [k for k, v in variants.items() if k != "flash" and v.transformer is components.transformer]
     if shared:

@@ -1,57 +1,51 @@
 """The page: one ``gr.Blocks`` over :mod:`app.compare` and :mod:`app.bench`. No model code here.
 
-Handlers turn the page's values into a request, call the logic, and turn its result (or its
-``ValueError``) into component values. Errors go into the status line, so the page shows them and the
-server goes on serving.
+Handlers turn the page's values into a request, call the logic, and turn its result into component
+values. Bad input raises ``gr.Error`` (an error on the page, an error through the API). A compare run
+streams: it runs in a worker thread and each variant's column fills as soon as that variant is done,
+while the status line names the stage ("mhla: denoising step 7/20"). Stop cancels the run between two
+transformer calls.
 """
 
 from __future__ import annotations
 
-import math
+import queue
+import random
 import tempfile
+import threading
+import time
 import uuid
 from pathlib import Path
 
 import gradio as gr
 
 from pipelines import VARIANTS
+from pipelines.timing import device_name
 
 from . import bench, compare
-from .models import AppModels, device_name
-
-EXAMPLE_PROMPTS = [
-    "a red fox running through fresh snow, golden hour, cinematic",
-    "a paper boat drifting down a rainy street gutter, close-up",
-    "an astronaut riding a horse across a desert at sunset",
-    "time-lapse of clouds rolling over snowy mountains",
-]
-# what the built-in model knows: coloured shapes moving on plain or textured backgrounds
-BUILTIN_PROMPTS = [
-    "a large red square moves to the right on a grey background",
-    "a small yellow circle bounces up and down on a black background",
-    "a large blue triangle moves diagonally up and to the left on a checkered background",
-    "a small green diamond moves up and a large purple circle stays still on a white background",
-]
-
-
-def example_prompts(models: AppModels) -> list[str]:
-    return BUILTIN_PROMPTS if models.components.source.startswith("built-in model") else EXAMPLE_PROMPTS
-
+from .models import AppModels
 
 # System fonts: the default theme pulls Google Fonts, and the app must work with no network at all.
 THEME = gr.themes.Default(
     font=[gr.themes.Font("system-ui"), "sans-serif"], font_mono=[gr.themes.Font("ui-monospace"), "monospace"]
 )
-CSS = ".random-note {border: 2px solid #d62728; border-radius: 6px; padding: 4px 10px; background: #fff3f3}"
+CSS = """
+.random-note {border: 2px solid #d62728; border-radius: 6px; padding: 4px 10px; background: #fff3f3}
+/* table headers wrap between words, never inside one ("varian/t") */
+#table th, #table th * {word-break: normal !important; overflow-wrap: normal !important; hyphens: none}
+/* a failed variant's block reads as an error */
+.variant-info blockquote {border-left: 4px solid #d62728; background: #fff3f3; padding: 4px 10px; margin: 0}
+"""
+QUEUE_SIZE = 16  # requests waiting at most; more are refused with gradio's "queue is full"
+POLL_SECONDS = 0.5  # how often the status line is refreshed while a run is going
 
 
 def _default_preset(models: AppModels, max_tokens: int | None) -> str:
     """The model's own default size when it is a preset and allowed here, else the smallest preset."""
     d = models.components.defaults
     own = (d.get("num_frames"), d.get("height"), d.get("width"))
-    if own in compare.PRESETS:
-        if max_tokens is None or math.prod(compare.preset_grid(own, models.patch)) <= max_tokens:
-            return compare.preset_key(own)
+    if own in compare.PRESETS and (max_tokens is None or compare.preset_tokens(models, own) <= max_tokens):
+        return compare.preset_key(own)
     return compare.preset_key(compare.PRESETS[0])
 
 
@@ -65,41 +59,138 @@ def header_markdown(models: AppModels) -> str:
     return "\n\n".join(lines)
 
 
+class _Runs:
+    """The Stop flag of each browser session's running compare (a session stops only its own run)."""
+
+    def __init__(self):
+        self._flags: dict[str, threading.Event] = {}
+        self._lock = threading.Lock()
+
+    def start(self, session: str) -> threading.Event:
+        with self._lock:
+            flag = self._flags[session] = threading.Event()
+        return flag
+
+    def stop(self, session: str) -> bool:
+        """Sets the session's Stop flag; False when it has no run going."""
+        with self._lock:
+            flag = self._flags.get(session)
+        if flag is not None:
+            flag.set()
+        return flag is not None
+
+    def end(self, session: str, flag: threading.Event) -> None:
+        with self._lock:
+            if self._flags.get(session) is flag:
+                del self._flags[session]
+
+
+def _status(text: str, started: float, fraction: float, first_done: bool) -> str:
+    elapsed = time.monotonic() - started
+    line = f"**Running:** {text} · {elapsed:.0f} s elapsed"
+    # an estimate only once a whole variant has been measured: before that it would be a guess
+    if first_done and 0 < fraction < 1:
+        line += f", about {elapsed * (1 - fraction) / fraction:.0f} s left"
+    return line
+
+
 def build_demo(models: AppModels, max_tokens: int | None = None, max_bench_tokens: int | None = None,
                out_root: Path | None = None) -> gr.Blocks:  # fmt: skip
     """The app's page. ``max_tokens``/``max_bench_tokens``: largest request accepted (None: no limit).
     ``out_root``: where videos and benchmark files are written (a fresh temporary folder by default)."""
     out_root = Path(out_root or tempfile.mkdtemp(prefix="mhla-app-"))
     defaults = models.components.defaults
+    runs = _Runs()
+    # the outputs after the status line: (column, video, details) per variant, summary, table, chart
+    n_outputs = 3 * len(VARIANTS) + 3
 
-    def on_compare(prompt, negative, seed, steps, guidance, preset, variants, progress=gr.Progress(track_tqdm=True)):  # noqa: B008 (gradio's way)
-        try:
-            request = compare.check_request(
-                models, prompt, negative, seed, steps, guidance, preset, variants, max_tokens
-            )
-        except ValueError as e:
-            # columns and table keep the previous run; only the status line changes
-            return [f"**Error:** {e}"] + [gr.skip()] * (3 * len(VARIANTS) + 3)
-        result = compare.run_compare(
-            models, request, out_root / "compare",
-            progress=lambda i, n, desc: progress((i, n), desc=f"variant {desc}", unit="variants"),
-        )  # fmt: skip
-        failed = [r.variant for r in result.runs if r.error]
-        status = (
-            f"**Error** in {', '.join(failed)}: see the column(s) below; the app is still serving."
-            if failed
-            else f"Done: {len(result.runs)} variant(s), same seed {request.seed}."
-        )
+    def outputs_for(result: compare.CompareResult, status: str) -> list:
         outs = [status]
         for name in VARIANTS:
             run = result.run(name)
+            chosen = name in result.request.variants
             outs += [
-                gr.Column(visible=run is not None),
+                gr.Column(visible=chosen),
                 str(run.video) if run and run.video else None,
-                compare.variant_markdown(run) if run else "",
+                compare.variant_markdown(run, result) if run else f"### {name}\n_{models.variants[name].note}_\n\n…",
             ]
         outs += [compare.summary_markdown(result), compare.table_rows(result), compare.speedup_figure(result)]
         return outs
+
+    def on_compare(prompt, negative_prompt, seed, num_inference_steps, guidance_scale, preset, variants, repeats,
+                   request: gr.Request):  # fmt: skip
+        """Generates the prompt with each chosen variant (same seed) and yields the page after each one."""
+        try:
+            req = compare.check_request(
+                models, prompt, negative_prompt, seed, num_inference_steps, guidance_scale, preset, variants,
+                max_tokens, repeats,
+            )  # fmt: skip
+        except ValueError as e:
+            # the status line keeps the message after the alert is closed; the API gets an error, not a value
+            yield [f"⛔ **Error:** {e}"] + [gr.skip()] * n_outputs
+            raise gr.Error(str(e), title="Bad input") from None
+        session = getattr(request, "session_hash", None) or uuid.uuid4().hex
+        stop = runs.start(session)
+        events: queue.Queue = queue.Queue()
+
+        def work():
+            try:
+                for snapshot in compare.iter_compare(
+                    models, req, out_root / "compare", progress=lambda t, f: events.put(("progress", (t, f))),
+                    cancel=stop,
+                ):  # fmt: skip
+                    events.put(("result", snapshot))
+            except BaseException as e:  # noqa: BLE001 - reported to the page below, without details
+                events.put(("failed", e))
+            finally:
+                events.put(("end", None))
+
+        started = time.monotonic()
+        worker = threading.Thread(target=work, name="compare", daemon=True)
+        worker.start()
+        text, fraction, last, shown = "starting", 0.0, None, 0.0
+        try:
+            while True:
+                try:
+                    kind, payload = events.get(timeout=POLL_SECONDS)
+                except queue.Empty:
+                    kind, payload = "tick", None
+                if kind == "progress":
+                    text, fraction = payload
+                elif kind == "result":
+                    last, shown = payload, time.monotonic()
+                    yield outputs_for(last, _status(text, started, fraction, True))
+                    continue
+                elif kind == "failed":
+                    compare.log.error("compare run failed", exc_info=payload)
+                    raise gr.Error(f"internal error ({type(payload).__name__}); the details are in the server's log")
+                elif kind == "end":
+                    break
+                if time.monotonic() - shown >= POLL_SECONDS:  # the stage line, at most twice a second
+                    shown = time.monotonic()
+                    yield [_status(text, started, fraction, bool(last and last.runs))] + [gr.skip()] * n_outputs
+        finally:
+            stop.set()  # the page went away or Stop cancelled this generator: end the worker's run too
+            worker.join()
+            runs.end(session, stop)
+        if last is None:
+            raise gr.Error("the run was stopped before any variant finished", title="Stopped")
+        failed = [r.variant for r in last.runs if r.error]
+        seconds = time.monotonic() - started
+        if last.stopped:
+            status = f"**Stopped** after {len(last.runs)} of {len(req.variants)} variant(s) ({seconds:.0f} s)."
+        elif failed:
+            status = f"⛔ **Error** in {', '.join(failed)}: see the column(s) below; the app is still serving."
+        else:
+            status = f"Done: {len(last.runs)} variant(s) in {seconds:.0f} s, seed used {req.seed}."
+        yield outputs_for(last, status)
+
+    def on_stop(request: gr.Request):
+        """Stops this session's run: its worker ends before the next transformer call; what finished stays."""
+        if not runs.stop(getattr(request, "session_hash", None) or ""):
+            return gr.Button(interactive=True), gr.skip()  # nothing running (or still queued: cancelled)
+        status = "**Stopped** by you: the variants that finished are shown; the others did not run."
+        return gr.Button(interactive=True), status
 
     def on_bench(grids, levels, variants, repeats, progress=gr.Progress()):  # noqa: B008
         try:
@@ -108,7 +199,7 @@ def build_demo(models: AppModels, max_tokens: int | None = None, max_bench_token
                 repeats=repeats, progress=lambda desc: progress(None, desc=desc),
             )  # fmt: skip
         except ValueError as e:
-            return f"**Error:** {e}", gr.skip(), gr.skip(), gr.skip()
+            raise gr.Error(str(e), title="Bad input") from None
         files = bench.save(result, out_root / "bench" / uuid.uuid4().hex[:12])
         m = result["meta"]
         status = (
@@ -126,48 +217,76 @@ def build_demo(models: AppModels, max_tokens: int | None = None, max_bench_token
             with gr.Row():
                 with gr.Column(scale=3):
                     prompt = gr.Textbox(
-                        label="Prompt", lines=2, elem_id="prompt", placeholder=example_prompts(models)[0]
-                    )
-                    negative = gr.Textbox(label="Negative prompt", lines=1, elem_id="negative")
-                    gr.Examples(example_prompts(models), inputs=[prompt], label="Example prompts")
+                        label="Prompt", lines=2, elem_id="prompt",
+                        placeholder="Describe the video to generate (or pick an example below)",
+                    )  # fmt: skip
+                    negative = gr.Textbox(
+                        "", label="Negative prompt (optional)", lines=1, elem_id="negative",
+                        placeholder="what the video should not show",
+                    )  # fmt: skip
+                    gr.Examples(models.example_prompts, inputs=[prompt], label="Example prompts")
                 with gr.Column(scale=2):
                     preset = gr.Dropdown(
-                        compare.preset_choices(models.patch, models.components.block_shape), value=_default_preset(models, max_tokens),
+                        compare.preset_choices(models, max_tokens), value=_default_preset(models, max_tokens),
                         label="Frames and resolution (latent tokens, MHLA blocks M)", elem_id="preset",
+                        info=compare.presets_left_out(models, max_tokens),
                     )  # fmt: skip
                     variants = gr.CheckboxGroup(
                         list(VARIANTS), value=list(VARIANTS), label="Variants", elem_id="variants"
                     )
                     with gr.Row():
-                        seed = gr.Number(0, label="Seed", precision=0, elem_id="seed")
-                        steps = gr.Slider(1, compare.MAX_STEPS, defaults["num_inference_steps"], step=1, label="Steps")
-                        guidance = gr.Slider(
-                            0, compare.MAX_GUIDANCE, defaults["guidance_scale"], step=0.5, label="Guidance"
-                        )
-            run_button = gr.Button("Generate with each variant", variant="primary", elem_id="generate")
-            status = gr.Markdown(elem_id="status", min_height=70, container=True, padding=True)
+                        # precision=None: 1.5 reaches the check and is refused, not rounded to 2
+                        seed = gr.Number(0, label="Seed", precision=None, minimum=0, elem_id="seed")
+                        dice = gr.Button("Random seed", size="sm", elem_id="random-seed", scale=0)
+                    with gr.Row():
+                        # numbers, not sliders: a slider clamps 1000 steps to 100 in the browser; out-of-range
+                        # values must reach the check and be refused with a message
+                        steps = gr.Number(defaults["num_inference_steps"], precision=None, elem_id="steps",
+                                          label="Steps", info=f"1 to {compare.MAX_STEPS}")  # fmt: skip
+                        guidance = gr.Number(defaults["guidance_scale"], precision=None, step=0.5, elem_id="guidance",
+                                             label="Guidance", info=f"0 to {compare.MAX_GUIDANCE:g}")  # fmt: skip
+                        repeats = gr.Number(1, precision=None, elem_id="repeats", label="Repeats",
+                                            info=f"timed runs per variant after a warm-up, 1 to {compare.MAX_REPEATS}")  # fmt: skip
+            with gr.Row():
+                run_button = gr.Button("Generate with each variant", variant="primary", elem_id="generate", scale=3)
+                stop_button = gr.Button("Stop", variant="stop", elem_id="stop", scale=1)
+            status = gr.Markdown(label="status", elem_id="status", min_height=50, container=True, padding=True)
             columns = []
             with gr.Row(equal_height=False):
                 for name in VARIANTS:
                     with gr.Column(min_width=200, elem_id=f"col-{name}") as col:
                         video = gr.Video(
-                            label=name, autoplay=True, loop=True, interactive=False, height=260, elem_id=f"video-{name}"
-                        )
-                        md = gr.Markdown(f"### {name}\n_{models.variants[name].note}_", elem_id=f"latency-{name}")
+                            label=f"{name} video", autoplay=True, loop=True, interactive=False, height=260,
+                            elem_id=f"video-{name}",
+                        )  # fmt: skip
+                        md = gr.Markdown(
+                            f"### {name}\n_{models.variants[name].note}_", label=f"{name} details",
+                            elem_id=f"latency-{name}", elem_classes="variant-info",
+                        )  # fmt: skip
                     columns += [col, video, md]
-            summary = gr.Markdown(elem_id="summary")
-            table = gr.Dataframe(headers=compare.TABLE_HEADERS, label="Latency by variant", elem_id="table", wrap=True)
-            chart = gr.Plot(label="Per-step latency and speedup vs flash", elem_id="chart")
-            run_button.click(
+            summary = gr.Markdown(label="summary", elem_id="summary")
+            table = gr.Dataframe(
+                headers=compare.TABLE_HEADERS, label="Latency and quality by variant", elem_id="table", wrap=True
+            )
+            chart = gr.Plot(label="denoising step latency", show_label=False, elem_id="chart")
+
+            dice.click(lambda: random.randrange(2**31), None, seed, queue=False, api_visibility="private")
+            started = run_button.click(
+                lambda: (gr.Button(interactive=False), "Queued: waiting for the device…"), None, [run_button, status],
+                queue=False, api_visibility="private",
+            )  # fmt: skip
+            run = started.then(
                 on_compare,
-                [prompt, negative, seed, steps, guidance, preset, variants],
+                [prompt, negative, seed, steps, guidance, preset, variants, repeats],
                 [status, *columns, summary, table, chart],
                 concurrency_id="device",  # one run at a time: compare and benchmark share the device
                 concurrency_limit=1,
-                # one progress bar (variant i/n, then its denoising steps) in the status box, not over every video
-                show_progress_on=[status],
+                show_progress="hidden",  # the status line says the stage and the time left (gradio's ETA was wrong)
                 api_name="compare",
             )
+            for after in (run.then, run.failure):  # gradio 6 skips .then after an error: enable on both
+                after(lambda: gr.Button(interactive=True), None, run_button, queue=False, api_visibility="private")
+            stop_button.click(on_stop, None, [run_button, status], cancels=[run], queue=False, api_visibility="private")
         with gr.Tab("Benchmark"):
             gr.Markdown(
                 "Latency against sequence length, measured live here: the attention operator alone (softmax "
@@ -180,15 +299,18 @@ def build_demo(models: AppModels, max_tokens: int | None = None, max_bench_token
                     ["operator", "transformer forward"], value=["operator", "transformer forward"], label="Levels"
                 )
                 bench_variants = gr.CheckboxGroup(list(VARIANTS), value=["flash", "mhla"], label="Transformer variants")
-                repeats = gr.Slider(1, 20, 3 if models.device.type == "cpu" else 10, step=1, label="Repeats (median)")
+                bench_repeats = gr.Slider(
+                    1, 20, 3 if models.device.type == "cpu" else 10, step=1, label="Repeats (median)"
+                )
             bench_button = gr.Button("Run benchmark", variant="primary", elem_id="bench")
-            bench_status = gr.Markdown(elem_id="bench-status", min_height=70, container=True, padding=True)
+            bench_status = gr.Markdown(label="status", elem_id="bench-status", min_height=70, container=True,
+                                       padding=True)  # fmt: skip
             bench_plot = gr.Plot(label="Latency vs tokens (log-log)")
             bench_table = gr.Dataframe(headers=list(bench.FIELDS), label="Results", elem_id="bench-table")
             bench_files = gr.File(label="Download JSON / CSV", file_count="multiple", interactive=False)
             bench_button.click(
                 on_bench,
-                [grids, levels, bench_variants, repeats],
+                [grids, levels, bench_variants, bench_repeats],
                 [bench_status, bench_plot, bench_table, bench_files],
                 concurrency_id="device",
                 concurrency_limit=1,

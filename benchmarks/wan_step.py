@@ -39,6 +39,7 @@ from mhla.triton_ops import tuned_launches
 from pipelines import AttentionOptions, convert_self_attention, set_variant
 from pipelines.attention import VARIANTS, linear_layers_for
 from pipelines.convert import attention_context
+from pipelines.loading import WAN_CONFIGS
 from pipelines.tiny import TINY_TRANSFORMER
 
 from .common import (
@@ -56,32 +57,7 @@ from .common import (
     write_results,
 )
 
-# diffusers' WanTransformer3DModel arguments of the released checkpoints (random weights here)
-CONFIGS = {
-    "1.3b": dict(
-        patch_size=(1, 2, 2),
-        num_attention_heads=12,
-        attention_head_dim=128,
-        in_channels=16,
-        out_channels=16,
-        text_dim=4096,
-        freq_dim=256,
-        ffn_dim=8960,
-        num_layers=30,
-    ),
-    "14b": dict(
-        patch_size=(1, 2, 2),
-        num_attention_heads=40,
-        attention_head_dim=128,
-        in_channels=16,
-        out_channels=16,
-        text_dim=4096,
-        freq_dim=256,
-        ffn_dim=13824,
-        num_layers=40,
-    ),
-    "tiny": dict(TINY_TRANSFORMER),
-}
+CONFIGS = {**WAN_CONFIGS, "tiny": dict(TINY_TRANSFORMER)}  # random weights here
 # the built-in model's architecture (assets/builtin, 4 heads x 32, 6 layers; random weights here as for
 # the others). Its own size: 17 frames at 128x160 -> grid 5x16x20 (1,600 tokens), blocks 2x4x5,
 # 32 text tokens:  --config builtin --grids 5x16x20 --blocks 2x4x5 --text-len 32

@@ -240,6 +240,73 @@ def _cast(model, device: torch.device, dtype: torch.dtype):
     return model
 
 
+# diffusers' WanTransformer3DModel arguments of the released Wan2.1 T2V checkpoints: the architectures that
+# --random-weights (the app) and benchmarks/wan_step.py build with random weights
+WAN_CONFIGS = {
+    "1.3b": dict(
+        patch_size=(1, 2, 2),
+        num_attention_heads=12,
+        attention_head_dim=128,
+        in_channels=16,
+        out_channels=16,
+        text_dim=4096,
+        freq_dim=256,
+        ffn_dim=8960,
+        num_layers=30,
+    ),
+    "14b": dict(
+        patch_size=(1, 2, 2),
+        num_attention_heads=40,
+        attention_head_dim=128,
+        in_channels=16,
+        out_channels=16,
+        text_dim=4096,
+        freq_dim=256,
+        ffn_dim=13824,
+        num_layers=40,
+    ),
+}
+
+
+def build_random_wan(
+    size: str, device: str | torch.device | None = "auto", dtype: str | torch.dtype | None = "auto"
+) -> WanComponents:
+    """The real Wan2.1 transformer (``size``: a key of :data:`WAN_CONFIGS`) and VAE with RANDOM weights, for
+    true-size latency; every video is noise.
+
+    The text encoder is a 2-layer UMT5 stand-in with the real output width (4096): building the 5.7B-parameter
+    UMT5-XXL would take minutes and ~11 GB for a stage that runs once per video and is not compared.
+    """
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
+    from transformers import ByT5Tokenizer, UMT5Config, UMT5EncoderModel
+
+    if size not in WAN_CONFIGS:
+        raise ValueError(f"random-weight Wan2.1 size must be one of {', '.join(WAN_CONFIGS)}, got {size!r}")
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
+    tokenizer = ByT5Tokenizer()
+    with torch.random.fork_rng(devices=[]), torch.device(device):
+        torch.manual_seed(0)
+        # built on the device directly: 14B parameters in float32 do not fit a 2-core CI box, let alone twice
+        transformer = WanTransformer3DModel(**WAN_CONFIGS[size]).eval()
+        text_encoder = UMT5EncoderModel(
+            UMT5Config(vocab_size=len(tokenizer), d_model=4096, d_kv=64, d_ff=10240, num_layers=2, num_heads=64)
+        ).eval()
+        vae = AutoencoderKLWan().eval()  # diffusers' defaults are Wan2.1's VAE
+    return WanComponents(
+        tokenizer=tokenizer,
+        text_encoder=text_encoder.to(dtype),
+        vae=vae,
+        scheduler=UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0),
+        transformer=convert_self_attention(_cast(transformer, device, dtype), "flash"),
+        source=f"Wan2.1-T2V-{size.upper()} architecture with RANDOM weights",
+        random_weights=True,
+        device=device,
+        dtype=dtype,
+        defaults=dict(WAN_DEFAULTS),
+    )
+
+
 def load_components(
     model_dir: str | Path | None = None,
     dtype: str | torch.dtype | None = "auto",

@@ -6,9 +6,12 @@ GPU work is asynchronous, so wall-clock stages synchronise the device before rea
 
 from __future__ import annotations
 
+import platform
+import statistics
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -17,6 +20,69 @@ def sync(device: torch.device | str | None) -> None:
     """Waits for queued GPU work on ``device`` (no-op on CPU), so a wall clock read after it is honest."""
     if device is not None and torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def device_name(device: torch.device | str) -> str:
+    """What a person calls the device: the GPU's name, or the CPU model with the threads torch uses."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:  # /proc/cpuinfo names the CPU model on Linux; platform.processor() is often empty there
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"CPU: {line.split(':', 1)[1].strip()} ({torch.get_num_threads()} threads)"
+    except OSError:
+        pass
+    return f"CPU: {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
+
+
+@dataclass(frozen=True)
+class Spread:
+    """Median of timing samples and their interquartile range ``[low, high]`` (both quartiles equal the
+    median for one sample). The quartiles, not min/max: one preempted step on a shared machine should
+    not make the spread look huge, but a noisy machine should."""
+
+    median: float
+    low: float
+    high: float
+    n: int
+
+    @property
+    def relative(self) -> float:
+        """Half the interquartile range over the median (0.1: about +-10 %)."""
+        return (self.high - self.low) / 2 / self.median if self.median > 0 else 0.0
+
+    def overlaps(self, other: Spread) -> bool:
+        """True when the two ranges overlap: a ratio of the medians is then within the noise."""
+        return self.low <= other.high and other.low <= self.high
+
+
+def spread(samples) -> Spread:
+    """:class:`Spread` of ``samples`` (seconds, or any unit); ``ValueError`` when there are none."""
+    values = sorted(float(s) for s in samples)
+    if not values:
+        raise ValueError("spread() needs at least one sample")
+    if len(values) == 1:
+        return Spread(values[0], values[0], values[0], 1)
+    low, _, high = statistics.quantiles(values, n=4, method="inclusive")
+    return Spread(statistics.median(values), low, high, len(values))
+
+
+def time_call(fn, device: torch.device | str, warmup: int = 1, repeats: int = 3) -> Spread:
+    """Seconds of ``fn()`` over ``repeats`` calls after ``warmup`` untimed ones: the wall clock around each
+    call, the device synchronised before reading it (so GPU work is counted where it runs)."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return spread(times)
 
 
 class AttentionTimer:

@@ -1,11 +1,17 @@
 """The app's logic, called directly (no server): presets, request checks, compare runs, benchmark."""
 
+import math
+import threading
+
+import numpy as np
 import pytest
 import torch
 
-from app import bench, compare
-from app.models import CONVERTED_NOTE, build_random_components, load_app_models, parse_variant_dirs
+from app import bench, compare, quality
+from app.models import CONVERTED_NOTE, load_app_models, parse_variant_dirs
 from pipelines import VARIANTS, read_video
+from pipelines.loading import build_random_wan
+from pipelines.timing import spread
 
 SMALLEST = compare.preset_key(compare.PRESETS[0])
 
@@ -15,13 +21,23 @@ def models():
     return load_app_models("tiny-random")
 
 
-def test_presets_name_their_token_count():
-    labels = dict((v, k) for k, v in compare.preset_choices())
-    assert labels["81x480x800"] == "81 frames, 480x800: 31,500 tokens (21x30x50), M=105"
-    assert labels["81x480x832"].startswith("81 frames, 480x832: 32,760 tokens (21x30x52)")
-    assert labels[SMALLEST] == "5 frames, 32x48: 12 tokens (2x2x3), M=1"
+def test_presets_name_the_tokens_and_the_m_that_runs(models, tmp_path):
+    labels = dict((v, k) for k, v in compare.preset_choices(models))
+    assert labels["81x480x800"].startswith("81 frames, 480x800: 31,500 tokens (21x30x50), M=")
     for p in compare.PRESETS:
         assert compare.parse_preset(compare.preset_key(p)) == p
+    # the M in a label is the M generate() runs (the tiny model's layout, shrunk to the grid)
+    req = compare.check_request(models, "a fox", "", 0, 1, 5.0, "9x64x96", ["mhla"])
+    run = compare.run_compare(models, req, tmp_path).runs[0]
+    assert labels["9x64x96"] == f"9 frames, 64x96: 72 tokens (3x4x6), M={run.timing.num_blocks}"
+
+
+def test_only_presets_within_the_token_limit_are_offered(models):
+    keys = [k for _, k in compare.preset_choices(models, max_tokens=compare.CPU_MAX_TOKENS)]
+    assert "5x32x48" in keys and "81x480x800" not in keys and "81x480x832" not in keys
+    why = compare.presets_left_out(models, compare.CPU_MAX_TOKENS)
+    assert "81x480x800 (31,500 tokens)" in why and "--max-tokens" in why
+    assert compare.presets_left_out(models, None) is None
 
 
 @pytest.mark.parametrize("bad", ["../../etc/passwd", "81x480x801", "", None, 5])
@@ -33,7 +49,7 @@ def test_unknown_presets_are_refused(bad):
 @pytest.mark.parametrize(
     "change, message",
     [
-        (dict(prompt="   "), "prompt is empty"),
+        (dict(prompt="   "), "prompt is empty: describe the video to generate, e.g. 'a red fox"),
         (dict(variants=[]), "no variant chosen"),
         (dict(variants=["flash", "softmax"]), "unknown variant"),
         (dict(preset="81x480x800"), r"too large for this device.*31,500 tokens.*at most 8,192"),
@@ -41,10 +57,24 @@ def test_unknown_presets_are_refused(bad):
         (dict(steps=0), "steps must be between 1 and"),
         (dict(guidance=-1), "guidance must be a number between 0 and"),
         (dict(seed=float("nan")), "seed must be a whole number"),
+        # refused, never clamped or rounded
+        (dict(steps=1000), "steps must be between 1 and 100, got 1,000"),
+        (dict(guidance=-3), "guidance must be a number between 0 and 30, got -3"),
+        (dict(seed=1.5), "seed must be a whole number, got 1.5"),
+        (dict(repeats=0), "repeats must be between 1 and 10, got 0"),
     ],
 )
 def test_bad_requests_name_the_bad_value(models, change, message):
-    args = dict(prompt="a fox", negative_prompt="", seed=0, steps=2, guidance=5.0, preset=SMALLEST, variants=["flash"])
+    args = dict(
+        prompt="a fox",
+        negative_prompt="",
+        seed=0,
+        steps=2,
+        guidance=5.0,
+        preset=SMALLEST,
+        variants=["flash"],
+        repeats=1,
+    )
     args.update(change)
     with pytest.raises(ValueError, match=message):
         compare.check_request(models, max_tokens=compare.CPU_MAX_TOKENS, **args)
@@ -64,28 +94,118 @@ def test_variant_notes(models):
         assert models.variants[name].transformer is models.components.transformer  # shared, not copied
 
 
-def test_compare_runs_every_variant_with_consistent_latency(models, tmp_path):
-    req = compare.check_request(models, "a red fox", "", 0, 2, 5.0, SMALLEST, list(VARIANTS))
-    calls = []
-    result = compare.run_compare(models, req, tmp_path, progress=lambda i, n, d: calls.append((i, n)))
-    assert calls == [(0, 4), (1, 4), (2, 4), (3, 4), (4, 4)]
-    assert [r.variant for r in result.runs] == list(VARIANTS)
+def test_compare_streams_every_variant_with_consistent_latency_and_quality(models, tmp_path):
+    req = compare.check_request(models, "a red fox", "", 0, 2, 5.0, SMALLEST, list(VARIANTS), repeats=2)
+    stages = []
+    snapshots = list(compare.iter_compare(models, req, tmp_path, progress=lambda t, f: stages.append((t, f))))
+    # one snapshot per finished variant, growing
+    assert [[r.variant for r in s.runs] for s in snapshots] == [list(VARIANTS[: i + 1]) for i in range(4)]
+    texts = [t for t, _ in stages]
+    assert "flash: warm-up (not timed): encoding the prompt · variant 1/4" in texts
+    assert "mhla (repeat 2/2): denoising step 2/2 · variant 3/4" in texts
+    assert "mhla-hybrid (repeat 1/2): decoding video · variant 4/4" in texts
+    fractions = [f for _, f in stages]
+    assert fractions == sorted(fractions) and 0 <= fractions[0] and fractions[-1] <= 1  # never goes back
+    result = snapshots[-1]
     for run in result.runs:
-        assert run.error is None
+        assert run.error is None and len(run.timings) == 2  # the warm-up is not among them
         frames = read_video(run.video)
         assert frames.shape == (5, 32, 48, 3)
         t = run.timing
         assert t.variant == run.variant and t.num_tokens == 12 and len(t.steps) == 2
         assert 0 < t.per_step * 2 <= t.denoising * (1 + 1e-9) and t.denoising < t.total
-        assert 0 < t.self_attention < t.denoising
-        md = compare.variant_markdown(run)
-        assert "per step" in md and run.note in md
+        assert 0 < t.self_attention < t.denoising and t.text_encoding > 0 and t.vae_decode > 0
+        s = run.steps
+        assert s.n == 4 and s.low <= s.median <= s.high
+        md = compare.variant_markdown(run, result)
+        assert "denoising step:" in md and run.note in md and "VAE decoding" in md
+        if run.variant == "flash":
+            assert run.psnr is None
+        else:
+            assert 0 < run.psnr < math.inf and -1 <= run.ssim <= 1 and "PSNR" in md and "end-to-end" in md
+    assert all(r.attributes is None for r in result.runs)  # the analyser is for the built-in model only
     rows = compare.table_rows(result)
-    assert rows[0][0] == "flash" and rows[0][10] == "1.00x"
-    assert all(r[10].endswith("x") for r in rows)
+    col = {h: i for i, h in enumerate(compare.TABLE_HEADERS)}
+    assert rows[0][0] == "flash" and rows[0][col["denoising speedup"]] == "1.00x"
+    assert rows[0][col["end-to-end speedup"]] == "1.00x" and rows[0][col["PSNR dB vs flash"]] == ""
+    den, e2e, _ = result.speedups(result.run("mhla"))
+    assert rows[2][col["denoising speedup"]].startswith(f"{den:.2f}x")
+    assert rows[2][col["end-to-end speedup"]].startswith(f"{e2e:.2f}x")
+    assert rows[2][col["PSNR dB vs flash"]] == round(result.run("mhla").psnr, 2)
     summary = compare.summary_markdown(result)
     assert "RANDOM weights" in summary and result.device in summary and "sdpa" in result.softmax_backend
+    assert "seed used: 0" in summary and "warmed up once" in summary
     assert compare.speedup_figure(result) is not None
+
+
+def test_speedups_within_the_noise_are_marked(models):
+    def run(name, steps):
+        from pipelines import Timing
+
+        t = Timing(name, "cpu", "float32", total=sum(steps) + 1, steps=steps, denoising=sum(steps))
+        return compare.VariantRun(name, "", timings=[t])
+
+    req = compare.check_request(models, "a fox", "", 0, 4, 5.0, SMALLEST, ["flash", "mhla", "linear"])
+    result = compare.CompareResult(
+        req, [run("flash", [1.0, 1.1, 0.9, 1.0]), run("mhla", [0.5, 0.5, 0.5, 0.5]), run("linear", [0.9, 1.5, 0.4, 1.2])],
+        "cpu",
+    )  # fmt: skip
+    assert result.speedups(result.run("mhla")) == (2.0, 5.0 / 3.0, False)  # totals 5 s and 3 s
+    assert result.speedups(result.run("linear"))[2] is True
+    warning = compare.noise_warning(result)
+    assert "linear" in warning and "mhla" not in warning.split("noise")[0].split("of")[-1]
+    assert "(noise)" in compare.table_rows(result)[2][compare.TABLE_HEADERS.index("denoising speedup")]
+    assert compare.noise_warning(compare.CompareResult(req, result.runs[:2], "cpu")) is None
+
+
+def test_stop_ends_the_run_after_the_finished_variants(models, tmp_path):
+    req = compare.check_request(models, "a fox", "", 0, 2, 5.0, SMALLEST, ["flash", "linear", "mhla"])
+    cancel = threading.Event()
+    snapshots = []
+    for snap in compare.iter_compare(models, req, tmp_path, cancel=cancel):
+        snapshots.append(snap)
+        cancel.set()  # Stop pressed while linear is about to run
+    assert [r.variant for r in snapshots[-1].runs] == ["flash"] and snapshots[-1].stopped
+    assert "Stopped" in compare.summary_markdown(snapshots[-1])
+
+
+def test_psnr_and_ssim_against_hand_computed_values():
+    a = np.zeros((2, 16, 16, 3), np.float32)
+    b = a + 0.1  # MSE 0.01 -> PSNR = 10 log10(1 / 0.01) = 20 dB
+    assert quality.psnr(b, a) == pytest.approx(20.0)
+    assert quality.psnr(a, a) == math.inf and quality.ssim(a, a) == pytest.approx(1.0)
+    # constant frames x = 0.5, y = 0.25: variances and covariance are 0, so
+    # SSIM = (2 * 0.5 * 0.25 + C1) / (0.5^2 + 0.25^2 + C1) * (C2 / C2)
+    x, y = np.full((1, 12, 12, 3), 0.5), np.full((1, 12, 12, 3), 0.25)
+    c1 = 0.01**2
+    assert quality.ssim(x, y) == pytest.approx((0.25 + c1) / (0.3125 + c1), rel=1e-9)
+    # uint8 frames are read as value / 255: 255 vs 0 is the largest error, PSNR 0 dB
+    assert quality.psnr(np.full((1, 4, 4, 3), 255, np.uint8), np.zeros((1, 4, 4, 3), np.uint8)) == 0.0
+    # a pattern against its negative: structure reversed, SSIM negative
+    rng = np.random.default_rng(0)
+    p = rng.random((1, 16, 16, 1)).repeat(3, -1)
+    assert quality.ssim(p, 1 - p) < 0
+    with pytest.raises(ValueError, match="same shape"):
+        quality.psnr(a, a[:1])
+
+
+def test_attribute_verdict_of_a_drawn_square():
+    frames = np.full((5, 64, 64, 3), 128, np.uint8)  # grey background
+    for t in range(5):
+        frames[t, 24:40, 8 + 8 * t : 24 + 8 * t] = (230, 20, 20)  # a red square moving right
+    assert quality.attribute_verdict(frames, "a red square moves to the right") == (4, 4)
+    assert quality.attribute_verdict(frames, "a blue square moves to the right")[0] < 4
+    assert quality.attribute_verdict(frames, "a fox in the snow") is None
+
+
+def test_spread_is_median_and_quartiles():
+    s = spread([4.0, 1.0, 3.0, 2.0, 5.0])
+    assert (s.median, s.low, s.high, s.n) == (3.0, 2.0, 4.0, 5)
+    assert s.relative == pytest.approx(1 / 3)
+    assert spread([2.0]).relative == 0 and spread([1.0]).overlaps(spread([1.0]))
+    assert not spread([1.0, 1.1]).overlaps(spread([2.0, 2.1]))
+    with pytest.raises(ValueError, match="at least one sample"):
+        spread([])
 
 
 def test_compare_reports_a_failing_variant_and_goes_on(models, tmp_path, monkeypatch):
@@ -102,7 +222,7 @@ def test_compare_reports_a_failing_variant_and_goes_on(models, tmp_path, monkeyp
     by = {r.variant: r for r in result.runs}
     assert by["linear"].video is None and "out of memory" in by["linear"].error and "12 tokens" in by["linear"].error
     assert by["flash"].video.is_file() and by["mhla"].video.is_file()
-    assert "Error" in compare.variant_markdown(by["linear"])
+    assert "linear failed:** out of memory" in compare.variant_markdown(by["linear"])
     assert "Failed:** linear" in compare.summary_markdown(result)
     assert compare.table_rows(result)[1][-1].startswith("error: out of memory")
 
@@ -127,8 +247,8 @@ def test_variant_dirs_are_checked(tmp_path):
 def test_model_choices_exclude_each_other():
     with pytest.raises(ValueError, match="exclude each other"):
         load_app_models("/nowhere", random_weights="1.3b")
-    with pytest.raises(ValueError, match="must be one of 1.3b, 14b, got '7b'"):
-        build_random_components("7b")
+    with pytest.raises(ValueError, match="size must be one of 1.3b, 14b, got '7b'"):
+        build_random_wan("7b")
 
 
 @pytest.mark.parametrize(
@@ -174,13 +294,22 @@ def test_benchmark_refuses_bad_choices(models):
         bench.run_benchmark(models, "1x4x4", levels=["kernel"])
 
 
-def test_page_builds(models, tmp_path):
+def test_page_api_has_named_outputs_and_an_optional_negative_prompt(models, tmp_path):
     from app.ui import build_demo
 
     demo = build_demo(models, max_tokens=compare.CPU_MAX_TOKENS, out_root=tmp_path)
-    config = demo.get_config_file()
-    ids = {c.get("props", {}).get("elem_id") for c in config["components"]}
-    assert {"prompt", "generate", "status", "table", *(f"video-{v}" for v in VARIANTS)} <= ids
+    api = demo.get_api_info()["named_endpoints"]
+    assert set(api) == {"/compare", "/benchmark"}  # the page's helper events are private
+    params = {p["parameter_name"]: p for p in api["/compare"]["parameters"]}
+    assert list(params) == [
+        "prompt", "negative_prompt", "seed", "num_inference_steps", "guidance_scale", "preset", "variants", "repeats"
+    ]  # fmt: skip
+    assert not params["prompt"]["parameter_has_default"] and params["negative_prompt"]["parameter_default"] == ""
+    assert "81x480x800" not in params["preset"]["type"]["enum"]  # not offered on this device
+    names = [r["label"] for r in api["/compare"]["returns"]]
+    assert names == ["status", *(f"{v} {what}" for v in VARIANTS for what in ("video", "details")), "summary",
+                     "Latency and quality by variant", "denoising step latency"]  # fmt: skip
+    assert not any(n.startswith("value_") for n in names)
 
 
 @pytest.mark.gpu
@@ -241,3 +370,21 @@ def test_a_variant_failing_unexpectedly_keeps_the_others_and_shows_no_server_pat
     assert by["linear"].error == "ValueError: weights in .../x.py are bad"
     page = compare.summary_markdown(result) + "".join(compare.variant_markdown(r) for r in result.runs)
     assert str(tmp_path) not in page
+
+
+def test_time_call_and_device_name():
+    from pipelines.timing import device_name, time_call
+
+    calls = []
+    s = time_call(lambda: calls.append(1), "cpu", warmup=2, repeats=3)
+    assert len(calls) == 5 and s.n == 3 and 0 <= s.low <= s.median <= s.high
+    assert device_name(torch.device("cpu")).startswith("CPU: ")
+    with pytest.raises(ValueError, match="repeats must be >= 1"):
+        time_call(lambda: None, "cpu", repeats=0)
+
+
+def test_random_wan_architectures_have_one_config_table():
+    from benchmarks.wan_step import CONFIGS
+    from pipelines.loading import WAN_CONFIGS
+
+    assert {k: CONFIGS[k] for k in WAN_CONFIGS} == WAN_CONFIGS and set(CONFIGS) == {"1.3b", "14b", "tiny"}

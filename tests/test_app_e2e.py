@@ -77,55 +77,87 @@ def server(tmp_path_factory):
             proc.kill()
 
 
-def compare(client, prompt="a red fox running through snow", preset=SMALLEST, variants=("flash", "linear", "mhla")):
-    return client.predict(prompt, "", 0, 2, 5.0, preset, list(variants), api_name="/compare")
+def compare(
+    client, prompt="a red square moves to the right", preset=SMALLEST, variants=("flash", "linear", "mhla"), **kw
+):
+    # the negative prompt is optional: left out here
+    args = dict(seed=0, num_inference_steps=2, guidance_scale=5.0, preset=preset, variants=list(variants))
+    return client.predict(prompt=prompt, **{**args, **kw}, api_name="/compare")
 
 
 def test_client_compare_three_variants(server):
     from gradio_client import Client
 
     client = Client(server, verbose=False)
+    api = client.view_api(print_info=False, return_format="dict")["named_endpoints"]["/compare"]
+    names = [r["label"] for r in api["returns"]]
+    assert names[:3] == ["status", "flash video", "flash details"] and not any(n.startswith("value_") for n in names)
     out = compare(client)
-    # layout components (the columns) are not API outputs: status, (video, latency) per variant, summary, table, chart
-    status, cols, table = out[0], out[1:9], out[10]
-    assert status.startswith("Done: 3 variant(s)")
+    # layout components (the columns) are not API outputs: status, (video, details) per variant, summary, table, chart
+    status, cols, summary, table = out[0], out[1:9], out[9], out[10]
+    assert status.startswith("Done: 3 variant(s)") and "seed used 0" in status
     videos = {name: cols[2 * i] for i, name in enumerate(("flash", "linear", "mhla", "mhla-hybrid"))}
     assert videos["mhla-hybrid"] is None
     for name in ("flash", "linear", "mhla"):
-        assert read_video(videos[name]).shape == (5, 32, 48, 3)
+        assert read_video(videos[name]["video"] if isinstance(videos[name], dict) else videos[name]).shape == (
+            5,
+            32,
+            48,
+            3,
+        )
     headers, rows = table["headers"], table["data"]
     assert [r[0] for r in rows] == ["flash", "linear", "mhla"]
     col = {h: headers.index(h) for h in headers}
     for r in rows:
-        total, denoise, step, attn = (float(r[col[h]]) for h in ("total s", "denoising s", "per step s", "self-attn s"))
-        # rounded to 4 decimals in the table
-        assert 0 < step * 2 <= denoise + 2e-4 and denoise <= total + 1e-4 and 0 < attn <= denoise + 1e-4
+        total, text, vae = (float(r[col[h]]) for h in ("end-to-end s", "text encoding s", "VAE decoding s"))
+        step = float(r[col["step ms (median)"]]) / 1e3
+        assert 0 < text < total and 0 < vae < total and 0 < step < total
+    assert rows[0][col["denoising speedup"]] == "1.00x" and rows[0][col["PSNR dB vs flash"]] in ("", None)
+    assert float(rows[2][col["PSNR dB vs flash"]]) > 0 and 0 < float(rows[2][col["SSIM vs flash"]]) <= 1
+    if TRAINED:  # the analyser's verdict on the prompt's attributes: right/named
+        assert re.fullmatch(r"\d/4", rows[2][col["attributes"]])
+    assert "warmed up once" in summary
 
 
 @pytest.mark.parametrize(
     "args, message",
     [
-        (dict(prompt=""), "prompt is empty"),
+        (dict(prompt=""), "prompt is empty: describe the video to generate, e.g. 'a red square moves to the right'"),
         (dict(variants=()), "no variant chosen"),
-        (dict(preset="81x480x800"), "too large for this device"),
-        (dict(preset="/etc/passwd"), None),  # refused by gradio's own choice check or by ours
+        (dict(preset="81x480x800"), None),  # not offered on this device: gradio's own choice check refuses it
+        (dict(preset="/etc/passwd"), None),
+        (dict(num_inference_steps=1000), "steps must be between 1 and 100, got 1,000"),  # refused, not clamped
+        (dict(guidance_scale=-3), "guidance must be a number between 0 and 30, got -3"),
+        (dict(seed=1.5), "seed must be a whole number, got 1.5"),  # refused, not rounded to 2
     ],
 )
-def test_client_bad_input_then_next_request_works(server, args, message):
+def test_client_errors_are_errors_then_next_request_works(server, args, message):
     from gradio_client import Client
+    from gradio_client.exceptions import AppError
 
     client = Client(server, verbose=False)
-    try:
-        status = compare(client, **args)[0]
-    except Exception as e:  # gradio rejects a value outside the dropdown's choices before our code runs
-        assert message is None, e
-    else:
-        assert status.startswith("**Error:**") and (message is None or message in status)
+    with pytest.raises((AppError, ValueError)) as info:
+        compare(client, **args)
+    if message is not None:
+        assert message in str(info.value)
+    assert "**Error:**" not in str(info.value) and "Traceback" not in str(info.value)
     assert compare(client, variants=("flash",))[0].startswith("Done: 1 variant(s)")
+
+
+def test_readme_client_example_runs(server):
+    """README's gradio_client example, as written there, against this server."""
+    text = (ROOT / "README.md").read_text()
+    app_section = text[text.index("## The app") :]
+    code = re.search(r"```python\n(from gradio_client import Client.*?)```", app_section, re.S).group(1)
+    code = code.replace("http://127.0.0.1:7860/", server)
+    namespace = {}
+    exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102 - our own README
+    assert namespace["result"]["status"].startswith("Done: 2 variant(s)")
 
 
 def test_client_benchmark(server):
     from gradio_client import Client
+    from gradio_client.exceptions import AppError
 
     client = Client(server, verbose=False)
     status, _plot, table, files = client.predict(
@@ -134,8 +166,8 @@ def test_client_benchmark(server):
     assert status.startswith("Done"), status
     assert len(table["data"]) == 2 * 3 + 2 * 2
     assert sorted(Path(f).name for f in files) == ["benchmark.csv", "benchmark.json"]
-    status = client.predict("1x4", ["operator"], ["flash"], 1, api_name="/benchmark")[0]
-    assert "a grid looks like" in status
+    with pytest.raises(AppError, match="a grid looks like"):
+        client.predict("1x4", ["operator"], ["flash"], 1, api_name="/benchmark")
 
 
 def _browser():
@@ -148,7 +180,13 @@ def _browser():
     return sync_playwright
 
 
-def test_browser_compare_and_error(server, tmp_path):
+def _set_number(page, elem_id: str, value) -> None:
+    box = page.locator(f"#{elem_id} input[type=number]")
+    box.fill(str(value))
+    box.press("Enter")
+
+
+def test_browser_streams_stops_and_shows_errors(server, tmp_path):
     sync_playwright = _browser()
     shot = Path(os.environ.get("APP_SCREENSHOT", tmp_path / "compare.png"))
     with sync_playwright() as p:
@@ -163,33 +201,64 @@ def test_browser_compare_and_error(server, tmp_path):
             page.goto(server)
             page.locator("#prompt textarea").wait_for()
             assert page.locator("#random-note").count() == (0 if TRAINED else 1)
-            page.locator("#prompt textarea").fill("a red fox running through snow")
+            # the placeholder does not read as a filled-in prompt
+            assert page.locator("#prompt textarea").get_attribute("placeholder").startswith("Describe the video")
+            page.locator("#prompt textarea").fill("a red square moves to the right")
             page.locator("#preset input").click()
             page.get_by_role("option", name=SMALLEST_LABEL).click()
+            _set_number(page, "steps", 40)  # long enough that mhla is still running when flash is shown
             for name in ("mhla-hybrid", "linear"):  # keep flash and mhla
                 page.locator("#variants").get_by_label(name, exact=True).uncheck()
-            page.locator("#generate").click()
-            status = page.locator("#status")
+            generate, status = page.locator("#generate"), page.locator("#status")
+            generate.click()
+            # streaming: flash's column is filled while mhla is still running
+            page.locator("#video-flash video").wait_for(state="attached", timeout=120_000)
+            assert "denoising step:" in page.locator("#latency-flash").inner_text()
+            assert "denoising step:" not in page.locator("#latency-mhla").inner_text()
+            assert "Running:" in status.inner_text() and generate.is_disabled()
             status.filter(has_text="Done: 2 variant(s)").wait_for(timeout=120_000)
-            for name in ("flash", "mhla"):
-                page.locator(f"#video-{name} video").wait_for(state="attached")
-                assert page.locator(f"#video-{name} video").get_attribute("src")
-                assert "per step:" in page.locator(f"#latency-{name}").inner_text()
+            assert page.locator("#video-mhla video").get_attribute("src")
             assert page.locator("#col-linear").is_hidden() and page.locator("#col-mhla-hybrid").is_hidden()
             note = "fine-tuned" if TRAINED else "converted, not fine-tuned"
             assert note in page.locator("#latency-mhla").inner_text()
             table = page.locator("#table").inner_text()
-            assert "flash" in table and "mhla" in table and "1.00x" in table
+            assert "PSNR dB vs flash" in table and "1.00x" in table
+            assert re.search(r"mhla\s.*\s\d+\.\d+\s", table.replace("\n", " "))  # mhla's PSNR is a number
+            assert "PSNR" in page.locator("#latency-mhla").inner_text()
+            page.locator("#generate:not([disabled])").wait_for()
             shot.parent.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=str(shot), full_page=True)
 
-            # bad input shows a readable error in the page; the next request still succeeds
+            # Stop: a run of all four variants ends while linear runs; flash stays, the rest never run
+            for name in ("mhla-hybrid", "linear"):
+                page.locator("#variants").get_by_label(name, exact=True).check()
+            _set_number(page, "steps", 100)
+            generate.click()
+            status.filter(has_text="linear: denoising step").wait_for(timeout=120_000)
+            page.locator("#stop").click()
+            page.locator("#generate:not([disabled])").wait_for(timeout=60_000)
+            status.filter(has_text="Stopped").wait_for()
+            time.sleep(2)
+            assert "Done" not in status.inner_text() and "Stopped" in status.inner_text()
+            assert not page.locator("#video-mhla-hybrid video").count() or not page.locator(
+                "#video-mhla-hybrid video"
+            ).get_attribute("src")
+
+            # bad input is an error on the page (an alert, and the status line); the next request still works
             page.locator("#prompt textarea").fill("")
-            page.locator("#generate").click()
-            status.filter(has_text="prompt is empty").wait_for()
-            page.locator("#prompt textarea").fill("a paper boat in the rain")
-            page.locator("#generate").click()
-            status.filter(has_text="Done: 2 variant(s)").wait_for(timeout=120_000)
+            generate.click()
+            page.locator(".toast-body").filter(has_text="prompt is empty").wait_for()
+            status.filter(has_text="Error").wait_for()
+            # out of range in the browser too: refused with a message, not clamped to the maximum
+            page.locator("#prompt textarea").fill("a small yellow circle bounces up and down")
+            _set_number(page, "steps", 1000)
+            generate.click()
+            page.locator(".toast-body").filter(has_text="steps must be between 1 and 100, got 1,000").wait_for()
+            for name in ("mhla-hybrid", "linear", "mhla"):
+                page.locator("#variants").get_by_label(name, exact=True).uncheck()
+            _set_number(page, "steps", 2)
+            generate.click()  # served at once: the stopped run no longer holds the device
+            status.filter(has_text="Done: 1 variant(s)").wait_for(timeout=60_000)
             assert not elsewhere, f"the page requested other hosts: {elsewhere[:5]}"
         finally:
             browser.close()

@@ -1,0 +1,97 @@
+"""Quality beside speed: each variant's video against the flash video of the same prompt and seed.
+
+PSNR and SSIM are the measures sparse- and linear-attention papers report against the dense output.
+Both are written out plainly here (numpy and one torch convolution) so a test can check them against
+values computed by hand. For the built-in model, the analyser of its synthetic world says whether the
+video shows the prompt's attributes (colour, shape, count, motion).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+# Wang et al. 2004: 11x11 Gaussian window, sigma 1.5, K1 = 0.01, K2 = 0.03, for data in [0, 1]
+SSIM_WINDOW = 11
+SSIM_SIGMA = 1.5
+SSIM_C1 = (0.01 * 1.0) ** 2
+SSIM_C2 = (0.03 * 1.0) ** 2
+
+
+def _as_float(frames) -> np.ndarray:
+    """``(T, H, W, 3)`` frames as float64 in [0, 1] (uint8 frames are divided by 255)."""
+    a = np.asarray(frames)
+    if a.ndim != 4 or a.shape[-1] != 3:
+        raise ValueError(f"frames must be (T, H, W, 3), got shape {a.shape}")
+    return a.astype(np.float64) / 255.0 if a.dtype == np.uint8 else a.astype(np.float64)
+
+
+def _check_pair(video, reference) -> tuple[np.ndarray, np.ndarray]:
+    x, y = _as_float(video), _as_float(reference)
+    if x.shape != y.shape:
+        raise ValueError(f"videos to compare must have the same shape, got {x.shape} and {y.shape}")
+    return x, y
+
+
+def psnr(video, reference) -> float:
+    """Peak signal-to-noise ratio in dB over all frames and channels, peak 1.0: ``10 log10(1 / MSE)``
+    (``inf`` for identical videos)."""
+    x, y = _check_pair(video, reference)
+    mse = float(np.mean((x - y) ** 2))
+    return math.inf if mse == 0 else 10 * math.log10(1.0 / mse)
+
+
+def _luma(frames: np.ndarray) -> np.ndarray:
+    """ITU-R BT.601 luma, as SSIM is usually reported on colour video: ``(T, H, W)``."""
+    return frames @ np.array([0.299, 0.587, 0.114])
+
+
+def _gaussian_window(size: int, sigma: float) -> torch.Tensor:
+    x = torch.arange(size, dtype=torch.float64) - (size - 1) / 2
+    g = torch.exp(-(x**2) / (2 * sigma**2))
+    g = g / g.sum()
+    return torch.outer(g, g)[None, None]  # (1, 1, size, size)
+
+
+def ssim(video, reference) -> float:
+    """Mean structural similarity of the frames' luma (Wang et al. 2004, Gaussian window, valid positions
+    only), averaged over frames. Frames smaller than the window use a window as large as they are."""
+    x, y = _check_pair(video, reference)
+    size = min(SSIM_WINDOW, *x.shape[1:3])
+    size -= 1 - size % 2  # odd
+    w = _gaussian_window(size, SSIM_SIGMA)
+    a = torch.from_numpy(_luma(x))[:, None]  # (T, 1, H, W)
+    b = torch.from_numpy(_luma(y))[:, None]
+
+    def blur(t):
+        return torch.nn.functional.conv2d(t, w)
+
+    mu_a, mu_b = blur(a), blur(b)
+    var_a = blur(a * a) - mu_a**2
+    var_b = blur(b * b) - mu_b**2
+    cov = blur(a * b) - mu_a * mu_b
+    s = ((2 * mu_a * mu_b + SSIM_C1) * (2 * cov + SSIM_C2)) / (
+        (mu_a**2 + mu_b**2 + SSIM_C1) * (var_a + var_b + SSIM_C2)
+    )
+    return float(s.mean())
+
+
+def attribute_verdict(frames, prompt: str) -> tuple[int, int] | None:
+    """``(right, named)``: how many of the attributes the prompt names (count, colour, shape, motion) the
+    built-in model's video shows, by the synthetic world's analyser; None when the prompt names nothing
+    the analyser knows (no colour of its world).
+
+    The analyser lives with the built-in model's training (``training/analyse.py``); it is imported here,
+    lazily, and only called for the built-in model, so ``app/`` needs ``training/`` only when that model is
+    served.
+    """
+    from training.analyse import analyse, parse_caption
+
+    caption = parse_caption(prompt)
+    if not any("colour" in o for o in caption["objects"]):
+        return None
+    verdict = analyse(np.asarray(frames), caption)
+    named = [verdict[a] for a in ("count", "colour", "shape", "motion") if verdict[a] is not None]
+    return sum(bool(v) for v in named), len(named)
