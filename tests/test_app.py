@@ -387,4 +387,4 @@ def test_random_wan_architectures_have_one_config_table():
     from benchmarks.wan_step import CONFIGS
     from pipelines.loading import WAN_CONFIGS
 
-    assert {k: CONFIGS[k] for k in WAN_CONFIGS} == WAN_CONFIGS and set(CONFIGS) == {"1.3b", "14b", "tiny"}
+    assert {k: CONFIGS[k] for k in WAN_CONFIGS} == WAN_CONFIGS and set(CONFIGS) == {"1.3b", "14b", "tiny", "builtin"}
