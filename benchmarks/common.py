@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from pipelines.timing import device_name  # the one owner (the CPU's model name from /proc/cpuinfo)
+
 RESULTS = Path(__file__).resolve().parent / "results"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -160,12 +162,6 @@ def matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
     else:  # the best of several runs, as for the copy bandwidth
         ms = min(t(lambda: a @ b) for _ in range(10))
     return 2 * n**3 / (ms / 1e3)
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return platform.processor() or platform.machine() or "cpu"
 
 
 def device_kind(device: torch.device) -> str:
