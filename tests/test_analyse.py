@@ -1,18 +1,25 @@
 """The hand-written video analyser that scores the built-in model: right on real clips, wrong on wrong ones."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
+import torch
+import torch.nn.functional as F
 
 from training.analyse import analyse, classify_shape, parse_caption, score
-from training.synthetic import generate_sample, render_video
+from training.synthetic import SyntheticVideoDataset, generate_sample, render_video
+from training.vae_ceiling import reconstruction_ceiling
 
 
-@pytest.fixture(scope="module")
-def clips():
-    # fresh draws of both splits (every motion, shape, colour, one or two objects, every background)
+@pytest.fixture(scope="module", params=[(128, 160), (64, 80)], ids=["128x160", "64x80"])
+def clips(request):
+    # fresh draws of both splits (every motion, shape, colour, one or two objects, every background),
+    # at the shipped size and at the half size a 4x4x4-stride VAE would use
     seed = int(np.random.default_rng().integers(1 << 30))
+    height, width = request.param
     return seed, [
-        generate_sample(i, seed=seed, split=split, num_frames=17, height=128, width=160)
+        generate_sample(i, seed=seed, split=split, num_frames=17, height=height, width=width)
         for split in ("train", "validation")
         for i in range(40)
     ]
@@ -71,3 +78,25 @@ def test_parse_caption_reads_full_and_short_forms():
 def test_bad_frames_are_named():
     with pytest.raises(ValueError, match=r"frames must be \(T, H, W, 3\)"):
         analyse(np.zeros((4, 8, 8)), "a red square")
+
+
+class _BlurVAE:
+    """Stands in for a VAE that loses detail: 8x8 average pooling of each frame, nearest upsampling back."""
+
+    device, dtype = torch.device("cpu"), torch.float32
+
+    def encode(self, x):
+        return SimpleNamespace(latent_dist=SimpleNamespace(mean=F.avg_pool3d(x, (1, 8, 8))))
+
+    def decode(self, z):
+        return SimpleNamespace(sample=F.interpolate(z, scale_factor=(1, 8, 8), mode="nearest"))
+
+
+def test_vae_ceiling_is_perfect_on_real_clips_and_drops_for_a_blurring_vae():
+    seed = int(np.random.default_rng().integers(1 << 30))
+    data = SyntheticVideoDataset(12, seed=seed, split="validation", num_frames=17, height=64, width=80)
+    real = reconstruction_ceiling(None, data, range(12))
+    assert real["overall"] == 1.0 and real["psnr_db"] == float("inf") and not real["failures"], seed
+    blurred = reconstruction_ceiling(_BlurVAE(), data, range(12))
+    assert blurred["psnr_db"] < 30 and blurred["psnr_object_db"] < blurred["psnr_db"], (seed, blurred)
+    assert blurred["shape"] < 0.75 and blurred["overall"] < 0.75 and blurred["failures"], (seed, blurred)

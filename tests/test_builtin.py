@@ -138,6 +138,23 @@ def test_build_runs_the_decoder_stage_after_the_vae_stages(fresh_model_dir, tmp_
     assert builtin.STAGES.index("vae-decoder") > builtin.STAGES.index("base")
 
 
+def test_init_vae_with_4x4x4_strides_keeps_the_latent_grid_at_half_the_resolution(tmp_path):
+    from diffusers import AutoencoderKLWan
+
+    from training.builtin import init_vae
+
+    folder = init_vae(tmp_path / "m", dim_mult=[1, 2, 4], temperal_downsample=[True, True])
+    vae = AutoencoderKLWan.from_pretrained(folder)
+    assert (vae.config.scale_factor_temporal, vae.config.scale_factor_spatial) == (4, 4)
+    with torch.no_grad():
+        z = vae.encode(torch.zeros(1, 3, 17, 64, 80)).latent_dist.mean
+    assert z.shape == (1, 16, 5, 16, 20)  # the shipped model's grid (17x128x160 at 4x8x8)
+    with pytest.raises(ValueError, match=r"one entry per downsampling \(2 for dim_mult \[1, 2, 4\]\)"):
+        init_vae(tmp_path / "bad", dim_mult=[1, 2, 4], temperal_downsample=[False, True, True])
+    with pytest.raises(ValueError, match=r"has no argument \['base_channels'\]"):
+        init_vae(tmp_path / "bad", base_channels=24)
+
+
 def test_vae_task_needs_a_model_dir(capsys):
     from training.finetune import main
 

@@ -126,6 +126,39 @@ def init_model_dir(out: str | Path, seed: int = 0) -> Path:
     return out
 
 
+def init_vae(out: str | Path, seed: int = 1, **overrides) -> Path:
+    """An untrained ``AutoencoderKLWan`` with :data:`VAE`'s settings changed by ``overrides`` (e.g. the
+    pilots' ``dim_mult=[1, 2, 4], temperal_downsample=[True, True], scale_factor_spatial=4``: 4x4x4
+    strides), saved as ``out/vae`` so that ``out`` can be a ``task: vae`` run's ``model.path``."""
+    import inspect
+
+    from diffusers import AutoencoderKLWan
+
+    bad = sorted(set(overrides) - set(inspect.signature(AutoencoderKLWan.__init__).parameters))
+    if bad:
+        raise ValueError(f"AutoencoderKLWan has no argument {bad}")
+    cfg = {**VAE, **overrides}
+    downs = len(cfg["dim_mult"]) - 1
+    if len(cfg["temperal_downsample"]) != downs:
+        raise ValueError(
+            f"temperal_downsample needs one entry per downsampling ({downs} for dim_mult {cfg['dim_mult']}), "
+            f"got {cfg['temperal_downsample']}"
+        )
+    cfg.setdefault("scale_factor_spatial", 2**downs)
+    cfg.setdefault("scale_factor_temporal", 2 ** sum(cfg["temperal_downsample"]))
+    if cfg["scale_factor_spatial"] != 2**downs or cfg["scale_factor_temporal"] != 2 ** sum(cfg["temperal_downsample"]):
+        raise ValueError(
+            f"scale factors {cfg['scale_factor_temporal']}x{cfg['scale_factor_spatial']} do not match dim_mult "
+            f"{cfg['dim_mult']} / temperal_downsample {cfg['temperal_downsample']}"
+        )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        vae = AutoencoderKLWan(**cfg).eval()
+    dest = Path(out) / "vae"
+    vae.save_pretrained(str(dest), safe_serialization=True)
+    return dest
+
+
 def _latest_transformer(run: Path) -> Path:
     found = ckpt.list_checkpoints(run)
     if not found:
@@ -297,10 +330,29 @@ def main(argv=None) -> int:
     i = sub.add_parser("init", help="write the untrained model directory")
     i.add_argument("--out", default=str(MODEL))
     i.add_argument("--seed", type=int, default=0)
+    v = sub.add_parser("init-vae", help="write an untrained VAE (OUT/vae) with the built-in settings changed by --set")
+    v.add_argument("--out", required=True)
+    v.add_argument("--seed", type=int, default=1)
+    v.add_argument(
+        "--set", nargs="*", default=[], metavar="KEY=JSON",
+        help='e.g. base_dim=16 \'dim_mult=[1,2,4]\' \'temperal_downsample=[true,true]\'',
+    )  # fmt: skip
     sub.add_parser("assemble", help="copy the trained parts into assets/builtin")
     args = p.parse_args(argv)
     if args.cmd == "init":
         print(f"wrote {init_model_dir(args.out, args.seed)}")
+        return 0
+    if args.cmd == "init-vae":
+        overrides = {}
+        for item in args.set:
+            key, sep, value = item.partition("=")
+            if not sep:
+                p.error(f"--set takes KEY=JSON, got {item!r}")
+            try:
+                overrides[key] = json.loads(value)
+            except json.JSONDecodeError:
+                p.error(f"--set {key}: {value!r} is not JSON")
+        print(f"wrote {init_vae(args.out, args.seed, **overrides)}")
         return 0
     if args.cmd == "assemble":
         print(f"wrote {assemble()}")
