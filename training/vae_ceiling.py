@@ -120,7 +120,9 @@ def main(argv=None) -> int:
     res = reconstruction_ceiling(vae, data, range(args.num_clips))
     res = {
         "vae": args.vae or "ground truth",
-        "vae_config": {k: vae.config[k] for k in ("base_dim", "z_dim", "dim_mult", "temperal_downsample")} if vae else None,
+        "vae_config": {k: vae.config[k] for k in ("base_dim", "z_dim", "dim_mult", "temperal_downsample")}
+        if vae
+        else None,
         "parameters_m": round(sum(x.numel() for x in vae.parameters()) / 1e6, 2) if vae else None,
         "clips": [args.frames, args.height, args.width],
         "num_clips": args.num_clips,
