@@ -1,4 +1,4 @@
-"""Loading Wan2.1 T2V components from a local diffusers-format directory, or the built-in tiny model.
+"""Loading Wan2.1 T2V components from a local diffusers-format directory, the built-in model, or the tiny random-weight one.
 
 Nothing is ever fetched from a hub: a path that is missing or incomplete raises an error that lists the
 files expected. Text encoder and VAE are loaded once and shared; transformers (one per variant, or one
@@ -34,7 +34,7 @@ class WanComponents:
     """The parts of a Wan2.1 T2V model, loaded once and shared by every variant.
 
     ``transformer`` is the default transformer (callers may keep others, one per variant).
-    ``random_weights`` is True for the built-in tiny model: its output is noise and must be labelled so.
+    ``random_weights`` is True for the tiny random-weight model: its output is noise and must be labelled so.
     ``defaults``: height, width, num_frames, num_inference_steps, guidance_scale suited to the model.
     ``block_shape``: target block shape in tokens for the default MHLA layout (paper: 3x10x10).
     ``variant_dirs``: fine-tuned transformer folders by variant that ship with the model (the built-in one's).
@@ -336,7 +336,7 @@ def load_components(
             vae=parts["vae"].to(device),
             scheduler=parts["scheduler"],
             transformer=transformer,
-            source=f"built-in tiny Wan2.1 (seed {seed}, RANDOM weights)",
+            source=f"tiny random-weight Wan2.1 (seed {seed}, RANDOM weights)",
             random_weights=True,
             device=device,
             dtype=dtype,

@@ -76,7 +76,7 @@ def check_model_dir(model_dir: str | Path) -> Path:
     if not root.is_dir():
         raise FileNotFoundError(
             f"model directory {str(root)!r} does not exist; expected a local diffusers-format Wan2.1 T2V directory "
-            f"({', '.join(EXPECTED.values())}), or no --model for the built-in tiny model"
+            f"({', '.join(EXPECTED.values())}), or no --model for the built-in model"
         )
     missing = missing_model_files(root)
     if missing:

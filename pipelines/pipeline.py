@@ -20,7 +20,9 @@ from .convert import attention_context, attention_options, convert_self_attentio
 from .request import MHLA_VARIANTS, GenerationRequest
 from .timing import Timing, sync
 
-RANDOM_WEIGHTS_NOTE = "built-in tiny model with RANDOM weights: this video is noise, made to test the plumbing"
+RANDOM_WEIGHTS_NOTE = (
+    "tiny random-weight model (tiny-random) with RANDOM weights: this video is noise, made to test the plumbing"
+)
 
 
 class NonFiniteLatentsError(FloatingPointError):

@@ -1,4 +1,4 @@
-"""The built-in tiny Wan2.1 model: real Wan architecture, tiny sizes, RANDOM weights.
+"""The tiny random-weight Wan2.1 model (tiny-random): real Wan architecture, tiny sizes, RANDOM weights.
 
 It exists so the whole product (conversion, generation, video writing, the app, CI) runs on a
 2-core CPU in seconds with nothing downloaded. Its weights are random: its videos are noise, and

@@ -1,4 +1,4 @@
-"""End to end on the built-in tiny model: generation, videos, save/load, local directories, bad input."""
+"""End to end on the tiny random-weight model: generation, videos, save/load, local directories, bad input."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The fine-tuning recipe on the built-in tiny model, on CPU: it learns, resumes exactly, runs on two
+"""The fine-tuning recipe on the tiny random-weight model, on CPU: it learns, resumes exactly, runs on two
 processes, keeps the mixing valid, stops cleanly on bad losses and rejects bad configs."""
 
 import json

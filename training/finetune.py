@@ -289,7 +289,9 @@ def main(argv=None) -> int:
         f"{n_train / 1e6:.2f}M trainable parameters ({cfg.train.trainable})"
     )
     if components.random_weights:
-        say("NOTE: the built-in tiny model has RANDOM weights: this run checks the recipe, not video quality")
+        say(
+            "NOTE: the tiny random-weight model (tiny-random) has RANDOM weights: this run checks the recipe, not video quality"
+        )
 
     # ---- data (the dataset was built and checked before the model)
     sampler = ResumableSampler(len(dataset), seed=cfg.train.seed, rank=rank, world_size=world)

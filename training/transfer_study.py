@@ -3,7 +3,7 @@
     python -m training.transfer_study                     # CPU, a few minutes
     python -m training.transfer_study --base-steps 400 --steps 100 --transfer-steps 30
 
-1. Train the built-in tiny Wan2.1 (softmax, ``flash``) from its random weights on the synthetic shapes:
+1. Train the tiny random-weight Wan2.1 (softmax, ``flash``) from its random weights on the synthetic shapes:
    this is the "pretrained" base.
 2. Convert copies of it to ``mhla`` and ``linear`` and fine-tune each with ``training/finetune.py``
    for the same number of end-to-end steps, once directly and once after an attention-transfer stage.
