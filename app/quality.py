@@ -83,11 +83,11 @@ def attribute_verdict(frames, prompt: str) -> tuple[int, int] | None:
     built-in model's video shows, by the synthetic world's analyser; None when the prompt names nothing
     the analyser knows (no colour of its world).
 
-    The analyser lives with the built-in model's training (``training/analyse.py``); it is imported here,
+    The analyser lives with the built-in model's training (``training/builtin/analyse.py``); it is imported here,
     lazily, and only called for the built-in model, so ``app/`` needs ``training/`` only when that model is
     served.
     """
-    from training.analyse import analyse, parse_caption
+    from training.builtin.analyse import analyse, parse_caption
 
     caption = parse_caption(prompt)
     if not any("colour" in o for o in caption["objects"]):

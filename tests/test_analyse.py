@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from training.analyse import analyse, classify_shape, parse_caption, score
-from training.synthetic import SyntheticVideoDataset, generate_sample, render_video
-from training.vae_ceiling import reconstruction_ceiling
+from training.builtin.analyse import analyse, classify_shape, parse_caption, score
+from training.builtin.synthetic import SyntheticVideoDataset, generate_sample, render_video
+from training.builtin.vae_ceiling import reconstruction_ceiling
 
 
 @pytest.fixture(scope="module", params=[(128, 160), (64, 80)], ids=["128x160", "64x80"])

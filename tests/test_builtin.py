@@ -12,7 +12,7 @@ import torch
 
 from pipelines import BUILTIN_DIR, load_components
 from pipelines.builtin import builtin_available
-from training.analyse import analyse
+from training.builtin.analyse import analyse
 
 needs_builtin = pytest.mark.skipif(
     not builtin_available(), reason="assets/builtin is missing (python -m training.builtin build)"
@@ -20,7 +20,7 @@ needs_builtin = pytest.mark.skipif(
 
 
 def test_tokenizer_reads_world_words_and_marks_unknown_ones():
-    from training.builtin import build_tokenizer, world_vocabulary
+    from training.builtin.build import build_tokenizer, world_vocabulary
 
     tok = build_tokenizer()
     ids = tok("A red Square moves to the right").input_ids
@@ -34,7 +34,7 @@ def test_tokenizer_reads_world_words_and_marks_unknown_ones():
 
 @pytest.fixture(scope="module")
 def fresh_model_dir(tmp_path_factory):
-    from training.builtin import init_model_dir
+    from training.builtin.build import init_model_dir
 
     return init_model_dir(tmp_path_factory.mktemp("builtin") / "model", seed=3)
 
@@ -114,7 +114,7 @@ def test_vae_runs_voids_a_decoder_run_once_the_encoder_is_retrained(tmp_path):
 def test_build_runs_the_decoder_stage_after_the_vae_stages(fresh_model_dir, tmp_path, monkeypatch):
     from omegaconf import OmegaConf
 
-    from training import builtin
+    from training.builtin import build as builtin
     from training.config import load_config
 
     configs = tmp_path / "configs"
@@ -141,7 +141,7 @@ def test_build_runs_the_decoder_stage_after_the_vae_stages(fresh_model_dir, tmp_
 def test_init_vae_with_4x4x4_strides_keeps_the_latent_grid_at_half_the_resolution(tmp_path):
     from diffusers import AutoencoderKLWan
 
-    from training.builtin import init_vae
+    from training.builtin.build import init_vae
 
     folder = init_vae(tmp_path / "m", dim_mult=[1, 2, 4], temperal_downsample=[True, True])
     vae = AutoencoderKLWan.from_pretrained(folder)
@@ -239,7 +239,7 @@ def test_app_loads_each_fine_tuned_variant_and_shows_no_server_paths():
 
 @needs_builtin
 def test_evaluate_writes_its_table(tmp_path):
-    from training.evaluate import main
+    from training.builtin.evaluate import main
 
     out = tmp_path / "eval"
     argv = ["--num-prompts", "1", "--steps", "2", "--loss-batches", "1", "--batch-size", "1",
@@ -254,7 +254,7 @@ def test_evaluate_writes_its_table(tmp_path):
 
 @needs_builtin
 def test_evaluate_sweeps_guidance_and_marks_the_best(tmp_path):
-    from training.evaluate import main
+    from training.builtin.evaluate import main
 
     out = tmp_path / "sweep"
     argv = ["--num-prompts", "1", "--steps", "2", "--loss-batches", "0", "--variants", "flash",
@@ -272,7 +272,7 @@ def test_evaluate_sweeps_guidance_and_marks_the_best(tmp_path):
 
 
 def test_sweep_table_puts_each_attribute_under_its_own_header():
-    from training.evaluate import sweep_markdown
+    from training.builtin.evaluate import sweep_markdown
 
     row = {"colour": 0.1, "shape": 0.2, "count": 0.3, "motion": 0.4, "overall": 0.0, "total_s": 1.0}
     res = {"num_prompts": 1, "data_seed": 1, "seeds": [0], "num_inference_steps": 2, "device": "cpu", "machine": "m",
@@ -291,7 +291,7 @@ def test_sweep_table_puts_each_attribute_under_its_own_header():
     ],
 )
 def test_evaluate_refuses_bad_sweep_arguments(bad, message, capsys):
-    from training.evaluate import main
+    from training.builtin.evaluate import main
 
     with pytest.raises(SystemExit):
         main(["--num-prompts", "1", *bad])
@@ -299,7 +299,7 @@ def test_evaluate_refuses_bad_sweep_arguments(bad, message, capsys):
 
 
 def test_evaluate_refuses_random_weights():
-    from training.evaluate import main
+    from training.builtin.evaluate import main
 
     with pytest.raises(SystemExit, match="random weights"):
         main(["--model", "tiny-random", "--num-prompts", "1"])

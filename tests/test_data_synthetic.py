@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 
-from training.synthetic import (
+from training.builtin.synthetic import (
     COLOURS,
     DEFAULT_HELD_OUT,
     MOTIONS,

@@ -1,3 +1,5 @@
-"""Fine-tuning recipe: data (``training.data``, ``training.synthetic``) and the training loop
-(``training/finetune.py``); the built-in model's build (``training.builtin``), its VAE stage
-(``training.vae``), the video analyser (``training.analyse``) and the evaluation (``training.evaluate``)."""
+"""The fine-tuning recipe: ``training/finetune.py`` (the loop, read top to bottom), its config
+(``training.config``), data (``training.data``), checkpoints (``training.checkpoint``), flow matching
+(``training.flow``), text/video encoding (``training.encoding``, ``training/precompute.py``) and the VAE
+task (``training.vae``). The built-in model's factory (build, synthetic world, analyser, evaluation)
+lives apart in ``training.builtin``."""

@@ -54,8 +54,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset, Sampler
 
+from training.builtin.synthetic import SyntheticVideoDataset, SyntheticWorld
 from training.encoding import Encoder
-from training.synthetic import SyntheticVideoDataset, SyntheticWorld
 
 VIDEO_EXTENSIONS: tuple[str, ...] = (".mp4", ".webm", ".mov", ".mkv", ".avi")
 MANIFEST_NAMES: tuple[str, ...] = ("manifest.jsonl", "manifest.csv", "metadata.jsonl", "metadata.csv")
@@ -641,6 +641,18 @@ class CachedLatents(Dataset):
         index = int(key[0] if isinstance(key, tuple) else key)
         t = self._load(self.root / self.items[index]["file"])
         return {"latents": t["latents"], "text": t["text"], "caption": self.items[index]["caption"], "index": index}
+
+
+def build_validation_dataset(cfg, size: int):
+    """Held-out clips for the evaluation loss: the synthetic world's validation split (unseen captions and
+    held-out attribute combinations) for ``data.source: synthetic``; ``None`` for other sources, whose
+    evaluation reads the first training videos."""
+    d = cfg.data
+    if d.source != "synthetic":
+        return None
+    return SyntheticVideoDataset(
+        size, seed=cfg.train.seed, split="validation", num_frames=d.num_frames, height=d.height, width=d.width
+    )
 
 
 def build_dataset(cfg):

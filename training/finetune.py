@@ -48,10 +48,9 @@ from pipelines.pipeline import generate
 from pipelines.video import write_mp4
 from training import checkpoint as ckpt
 from training.config import load_config, lr_multiplier
-from training.data import BatchEncoder, ResumableSampler, build_dataset, collate
+from training.data import BatchEncoder, ResumableSampler, build_dataset, build_validation_dataset, collate
 from training.encoding import Encoder
 from training.flow import FlowMatching
-from training.synthetic import SyntheticVideoDataset
 
 # --------------------------------------------------------------------------- model
 
@@ -327,17 +326,9 @@ def main(argv=None) -> int:
 
     # ---- evaluation loss on fixed batches with fixed noise, to compare start and end: the synthetic
     # validation split (unseen captions and held-out attribute combinations), else the first training videos
-    eval_set = dataset
-    if cfg.data.source == "synthetic":
-        d = cfg.data
-        eval_set = SyntheticVideoDataset(
-            max(1, cfg.validation.loss_batches * cfg.train.batch_size),
-            seed=cfg.train.seed,
-            split="validation",
-            num_frames=d.num_frames,
-            height=d.height,
-            width=d.width,
-        )
+    eval_set = build_validation_dataset(cfg, max(1, cfg.validation.loss_batches * cfg.train.batch_size))
+    if eval_set is None:
+        eval_set = dataset
     eval_batches = [
         collate([eval_set[(i * cfg.train.batch_size + j) % len(eval_set)] for j in range(cfg.train.batch_size)])
         for i in range(cfg.validation.loss_batches)

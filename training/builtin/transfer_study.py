@@ -1,7 +1,7 @@
 """Tiny-scale study: recovering a softmax model after conversion, with and without attention transfer.
 
-    python -m training.transfer_study                     # CPU, a few minutes
-    python -m training.transfer_study --base-steps 400 --steps 100 --transfer-steps 30
+    python -m training.builtin.transfer_study                     # CPU, a few minutes
+    python -m training.builtin.transfer_study --base-steps 400 --steps 100 --transfer-steps 30
 
 1. Train the tiny random-weight Wan2.1 (softmax, ``flash``) from its random weights on the synthetic shapes:
    this is the "pretrained" base.
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 
 

@@ -19,7 +19,7 @@ exact for this world: no learned model judges, so nothing can flatter one varian
   ``bouncing`` when the centre goes down and comes back up.
 
 :func:`analyse` returns per-attribute verdicts; :func:`score` aggregates them. ``python -m
-training.analyse VIDEO.mp4 --caption "..."`` prints the verdicts of one video.
+training.builtin.analyse VIDEO.mp4 --caption "..."`` prints the verdicts of one video.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from training.synthetic import BACKGROUNDS, COLOURS, MOTION_PHRASES, SHAPES, SIZES
+from training.builtin.synthetic import BACKGROUNDS, COLOURS, MOTION_PHRASES, SHAPES, SIZES
 
 ATTRIBUTES = ("count", "colour", "shape", "motion")
 STRAIGHT = {
@@ -222,7 +222,7 @@ def score(verdicts: list[dict]) -> dict:
 def main(argv=None) -> int:
     from pipelines.video import read_video
 
-    p = argparse.ArgumentParser(prog="python -m training.analyse", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m training.builtin.analyse", description=__doc__.split("\n\n")[0])
     p.add_argument("video")
     p.add_argument("--caption", required=True)
     args = p.parse_args(argv)

@@ -1,9 +1,9 @@
 """Evaluate the built-in model's variants the way the paper's Table 5 compares them, in miniature.
 
-    python -m training.evaluate                                  # assets/builtin, every variant
-    python -m training.evaluate --num-prompts 8 --steps 10       # quicker
-    python -m training.evaluate --model DIR --out benchmarks/results/my_eval
-    python -m training.evaluate --variants flash --data-seed 1 --loss-batches 0 --guidance 1.5 2 3 4 \
+    python -m training.builtin.evaluate                                  # assets/builtin, every variant
+    python -m training.builtin.evaluate --num-prompts 8 --steps 10       # quicker
+    python -m training.builtin.evaluate --model DIR --out benchmarks/results/my_eval
+    python -m training.builtin.evaluate --variants flash --data-seed 1 --loss-batches 0 --guidance 1.5 2 3 4 \
         --out benchmarks/results/builtin_cfg_sweep_cpu    # pick the CFG scale on a separate draw
 
 For each variant (flash = the softmax base; linear, mhla, mhla-hybrid = its fine-tuned conversions):
@@ -12,7 +12,7 @@ For each variant (flash = the softmax base; linear, mhla, mhla-hybrid = its fine
   held-out attribute combinations training never saw), with the same noise and timesteps for every
   variant;
 - **semantic score**: a video for each of the first ``--num-prompts`` validation captions and each
-  seed, judged by :mod:`training.analyse` (colour, shape, count, motion; overall = all right), split
+  seed, judged by :mod:`training.builtin.analyse` (colour, shape, count, motion; overall = all right), split
   into in-distribution prompts and prompts with a held-out combination; the analyser's score on
   the VAE's own reconstructions of the real clips is printed as the ceiling;
 - **latency**: the mean denoising and total time of those generations on this machine.
@@ -33,7 +33,7 @@ import sys
 from pathlib import Path
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import argparse
 import json
@@ -48,10 +48,10 @@ from tqdm.auto import tqdm
 from pipelines import BUILTIN_DIR, VARIANTS, load_components, load_transformer
 from pipelines.builtin import builtin_info
 from pipelines.pipeline import generate
-from training.analyse import ATTRIBUTES, analyse, score
+from training.builtin.analyse import ATTRIBUTES, analyse, score
+from training.builtin.synthetic import SyntheticVideoDataset
 from training.encoding import Encoder
 from training.flow import FlowMatching
-from training.synthetic import SyntheticVideoDataset
 
 NAMES = {"flash": "softmax (FA)", "linear": "linear", "mhla": "MHLA", "mhla-hybrid": "MHLA-hybrid"}
 
@@ -317,7 +317,7 @@ def plot(res: dict, path: Path) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m training.evaluate", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m training.builtin.evaluate", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="model directory (default: the built-in model in assets/builtin)")
     p.add_argument("--variants", default="flash,linear,mhla,mhla-hybrid")
     p.add_argument("--num-prompts", type=int, default=24, help="validation captions to generate")

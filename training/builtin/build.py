@@ -32,7 +32,7 @@ import sys
 from pathlib import Path
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import argparse
 import json
@@ -46,9 +46,9 @@ import torch
 
 from pipelines.builtin import BUILTIN_BLOCK_SHAPE, BUILTIN_DEFAULTS, BUILTIN_DIR, VARIANTS_SUBDIR
 from training import checkpoint as ckpt
-from training.synthetic import BACKGROUNDS, COLOURS, MOTION_PHRASES, SHAPES, SIZES
+from training.builtin.synthetic import BACKGROUNDS, COLOURS, MOTION_PHRASES, SHAPES, SIZES
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WORK = Path("runs/builtin")
 MODEL = WORK / "model"
 CACHE = WORK / "cache-train"
@@ -75,7 +75,7 @@ SPECIAL_TOKENS = ("<pad>", "</s>", "<unk>")  # ids 0, 1, 2: UMT5's pad and eos i
 
 
 def world_vocabulary() -> list[str]:
-    """Every word a synthetic caption can contain, sorted (see :func:`training.synthetic.caption_for`)."""
+    """Every word a synthetic caption can contain, sorted (see :func:`training.builtin.synthetic.caption_for`)."""
     words = {"a", "and", "on", "background", *SIZES, *COLOURS, *SHAPES, *BACKGROUNDS}
     for phrase in MOTION_PHRASES.values():
         words.update(phrase.split())

@@ -1,8 +1,8 @@
 """The VAE ceiling: how well a VAE's reconstructions of held-out clips still show what their captions say.
 
-    python -m training.vae_ceiling --vae assets/builtin/vae                       # the shipped VAE
-    python -m training.vae_ceiling --ground-truth                                 # the clips themselves (~1.0)
-    python -m training.vae_ceiling --vae runs/pilots/x/final/vae --height 64 --width 80 --out benchmarks/results/x
+    python -m training.builtin.vae_ceiling --vae assets/builtin/vae                       # the shipped VAE
+    python -m training.builtin.vae_ceiling --ground-truth                                 # the clips themselves (~1.0)
+    python -m training.builtin.vae_ceiling --vae runs/pilots/x/final/vae --height 64 --width 80 --out benchmarks/results/x
 
 A perfect transformer can draw no better than its VAE decodes: this is the top of the built-in
 model's semantic score. For each of ``--num-clips`` clips of the synthetic *validation* split
@@ -12,7 +12,7 @@ model's semantic score. For each of ``--num-clips`` clips of the synthetic *vali
 - ``psnr_db``: PSNR over all pixels of all clips (pooled MSE, signal range [-1, 1]);
 - ``psnr_object_db``: the same over the object pixels only (saturated ones in the real clip: a few
   per cent of a frame, what the analyser looks at);
-- the analyser's (:mod:`training.analyse`) per-attribute accuracy and ``overall`` on the
+- the analyser's (:mod:`training.builtin.analyse`) per-attribute accuracy and ``overall`` on the
   reconstructions, judged against each clip's attribute dict.
 
 ``--ground-truth`` scores the real clips (no VAE): the analyser must reach ~1.0 there, else the
@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import argparse
 import json
@@ -36,8 +36,8 @@ import time
 import numpy as np
 import torch
 
-from training.analyse import ATTRIBUTES, analyse, score
-from training.synthetic import SyntheticVideoDataset
+from training.builtin.analyse import ATTRIBUTES, analyse, score
+from training.builtin.synthetic import SyntheticVideoDataset
 
 
 def to_frames(video: torch.Tensor) -> np.ndarray:
@@ -92,7 +92,7 @@ def reconstruction_ceiling(vae, dataset, indices) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m training.vae_ceiling", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m training.builtin.vae_ceiling", description=__doc__.split("\n\n")[0])
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--vae", help="an AutoencoderKLWan folder (config.json + safetensors)")
     g.add_argument("--ground-truth", action="store_true", help="score the real clips (checks the analyser)")
