@@ -1,7 +1,8 @@
 """Fine-tune a Wan2.1 transformer converted to MHLA, linear or hybrid MHLA self-attention.
 
-    python training/finetune.py --config configs/finetune/tiny.yaml                  # CPU smoke test
-    python training/finetune.py --config configs/finetune/wan2.1-1.3b-mhla.yaml model.path=... data.path=...
+    python -m training.finetune --config configs/finetune/tiny.yaml                  # CPU smoke test
+    python -m training.finetune --config configs/finetune/wan2.1-1.3b-mhla.yaml model.path=... data.path=...
+    python training/finetune.py --config ...                                         # the same, as a script
     accelerate launch --num_processes 8 training/finetune.py --config ...             # DDP (or FSDP via accelerate config)
     torchrun --nproc_per_node 8 training/finetune.py --config ...
 
@@ -13,12 +14,6 @@ built-in model's first stage, ``configs/builtin/vae.yaml``).
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import argparse
 import copy
 import hashlib
@@ -26,8 +21,10 @@ import json
 import math
 import os
 import shutil
+import sys
 import time
 import warnings
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -192,7 +189,7 @@ class AttentionTransfer:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python training/finetune.py", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m training.finetune", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", required=True, help="a YAML file in configs/finetune/")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.steps=10 resume=latest")
     return p.parse_args(argv)

@@ -1,7 +1,7 @@
 """Encode a dataset's VAE latents and text embeddings once, so training runs without the text encoder.
 
-    python training/precompute.py --config configs/finetune/wan2.1-1.3b-mhla.yaml --out cache/mydata [key=value ...]
-    python training/finetune.py   --config configs/finetune/wan2.1-1.3b-mhla.yaml data.source=cache data.path=cache/mydata
+    python -m training.precompute --config configs/finetune/wan2.1-1.3b-mhla.yaml --out cache/mydata [key=value ...]
+    python -m training.finetune   --config configs/finetune/wan2.1-1.3b-mhla.yaml data.source=cache data.path=cache/mydata
 
 The dataset, resolution and frame count come from the same config as training (``data.*``, ``model.path``).
 The cache holds one ``sample_XXXXXXX.safetensors`` per video (``latents`` ``(16, F, h, w)`` and
@@ -14,15 +14,11 @@ and the model); a later run with other settings is refused instead of mixing two
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import argparse
 import json
 import os
+import sys
+from pathlib import Path
 
 import torch
 from safetensors import safe_open
@@ -77,7 +73,7 @@ def stale_cache(out: str | Path, cfg) -> str | None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python training/precompute.py", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m training.precompute", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", required=True)
     p.add_argument("--out", required=True, help="cache folder to write")
     p.add_argument("overrides", nargs="*")

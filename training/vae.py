@@ -1,7 +1,7 @@
 """Training the Wan2.1 VAE (``AutoencoderKLWan``) to reconstruct videos (configs with ``task: vae``).
 
     python -m training.vae --config configs/builtin/vae.yaml
-    python training/finetune.py --config configs/builtin/vae.yaml   # the same: finetune.py hands task: vae on
+    python -m training.finetune --config configs/builtin/vae.yaml   # the same: finetune.py hands task: vae on
 
 The VAE of ``model.path`` is trained on random ``vae.crop`` x ``vae.crop`` crops of the configured
 clips (it is fully convolutional and causal in time, so it then encodes whole, longer clips): L1 + MSE

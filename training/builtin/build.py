@@ -28,19 +28,15 @@ Stages (each a plain command; ``build`` prints them as it runs them):
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
 import argparse
 import json
 import os
 import platform
 import shutil
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
 

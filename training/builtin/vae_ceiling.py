@@ -21,17 +21,13 @@ analyser, not the VAE, is the limit. Writes ``<out>.json`` when ``--out`` is giv
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
 import argparse
 import json
 import math
 import platform
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
