@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What a session with a GPU runs, in three device calls of under 10 minutes each:
 #   bash benchmarks/run_gpu.sh kernels,tests
-#        1. kernels: tests/test_triton.py -m gpu: the compiled kernels against the float64 path on the Wan
+#        1. kernels: tests/mhla/test_triton.py -m gpu: the compiled kernels against the float64 path on the Wan
 #           grids, every input dtype; one case autotuned, the rest with the fixed launch settings (about
 #           100 compiles of a few seconds each; exact-fp32 products tune the fixed setting only)
 #        2. tests: the other GPU tests (softmax backends, the benchmark scripts at small sizes, the 1.3B app)
@@ -106,11 +106,11 @@ fi
 
 log "=== stages: ${STAGES:1:-1}"
 if [[ $STAGES == *,kernels,* ]]; then
-    run_stage "kernels" "$KERNELS_S" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_triton.py
+    run_stage "kernels" "$KERNELS_S" python3 -m pytest -q -m gpu -p no:cacheprovider tests/mhla/test_triton.py
 fi
 if [[ $STAGES == *,tests,* ]]; then
     run_stage "gpu tests" "$TESTS_S" python3 -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors \
-        --ignore=tests/test_triton.py tests
+        --ignore=tests/mhla/test_triton.py tests
 fi
 if [[ $STAGES == *,wan,* ]] && fused_path_ok; then
     run_stage "wan_step" "$WAN_S" python3 -m benchmarks.wan_step --config 1.3b --sizes 81x480x800,81x480x832 \

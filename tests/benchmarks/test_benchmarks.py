@@ -15,7 +15,7 @@ import torch
 from benchmarks import attention, wan_step
 from benchmarks.common import parse_grid
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 META_KEYS = {"device", "device_type", "device_kind", "torch", "cuda", "triton", "triton_mode", "date", "dtype"}
 
 
@@ -168,16 +168,16 @@ def test_gpu_script_stages_limits_and_loud_fallback(tmp_path):
     )
     assert run.returncode == 2 and "unknown stage 'attn'" in run.stderr
 
-    # the kernel tests are a stage of their own: only tests/test_triton.py, within their own limit
+    # the kernel tests are a stage of their own: only tests/mhla/test_triton.py, within their own limit
     run, modules, log = run_gpu_script(tmp_path, "kernels")
     assert run.returncode == 0, run.stdout + run.stderr
-    assert modules == ["-m pytest -q -m gpu -p no:cacheprovider tests/test_triton.py"]
+    assert modules == ["-m pytest -q -m gpu -p no:cacheprovider tests/mhla/test_triton.py"]
     assert "=== kernels (limit 360s" in log.read_text()
 
     # the other GPU tests leave test_triton.py out; a failing stage makes the script fail
     run, modules, _ = run_gpu_script(tmp_path, "tests", FAKE_PYTEST_RC="1")
     assert run.returncode == 1 and len(modules) == 1
-    assert "--ignore=tests/test_triton.py tests" in modules[0] and "-m gpu" in modules[0]
+    assert "--ignore=tests/mhla/test_triton.py tests" in modules[0] and "-m gpu" in modules[0]
 
     # timing stages run after the fused-path check, within what is left of the budget
     run, modules, log = run_gpu_script(tmp_path, "wan,profile", BUDGET_S="200")
@@ -248,7 +248,7 @@ def test_render_marks_a_partial_run(tmp_path):
 def test_benchmarks_on_gpu(tmp_path, monkeypatch):
     """The GPU paths of both scripts (bf16, fused kernels, CUDA events, peak memory) at small sizes, with
     the fixed launch settings: tuning compiles every candidate, which the GPU test stage cannot afford
-    (tests/test_triton.py tunes one case)."""
+    (tests/mhla/test_triton.py tunes one case)."""
     from mhla import triton_ops
 
     monkeypatch.setattr(triton_ops, "AUTOTUNE", False)

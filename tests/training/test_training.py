@@ -1,6 +1,8 @@
 """The fine-tuning recipe on the tiny random-weight model, on CPU: it learns, resumes exactly, runs on two
 processes, keeps the mixing valid, stops cleanly on bad losses and rejects bad configs."""
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -8,7 +10,9 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,25 +20,42 @@ import torch
 from training import checkpoint as ckpt
 from training.config import load_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "finetune" / "tiny.yaml")
 QUIET = ["log.tensorboard=false"]
 
 
+def in_process(main, argv):
+    """Run a command's ``main(argv)`` in this process, from the repository root, as its subprocess would:
+    its exit code and what it printed (no interpreter start-up per call)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.chdir(ROOT), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        with warnings.catch_warnings(record=True) as caught:  # printed to stderr, as a process would
+            warnings.simplefilter("always")
+            code = main(argv)
+    shown = "".join(warnings.formatwarning(w.message, w.category, w.filename, w.lineno) for w in caught)
+    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue() + shown)
+
+
 def finetune(run_dir, *overrides, launcher=None, check=True):
-    cmd = [
-        *(launcher or [sys.executable]),
-        str(ROOT / "training" / "finetune.py"),
-        "--config",
-        TINY,
-        f"run_dir={run_dir}",
-        *QUIET,
-        *overrides,
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    """The recipe on the tiny config; in this process unless a ``launcher`` starts several processes."""
+    argv = ["--config", TINY, f"run_dir={run_dir}", *QUIET, *overrides]
+    if launcher:
+        cmd = [*launcher, str(ROOT / "training" / "finetune.py"), *argv]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    else:
+        from training.finetune import main
+
+        proc = in_process(main, argv)
     if check and proc.returncode != 0:
         raise AssertionError(f"finetune failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc
+
+
+def precompute(*argv):
+    from training.precompute import main
+
+    return in_process(main, ["--config", TINY, *argv])
 
 
 def metrics(run_dir):
@@ -61,11 +82,11 @@ def test_tiny_recipe_learns_and_its_checkpoint_generates(tmp_path):
     found = ckpt.list_checkpoints(run)
     assert [p.name for p in found] == ["step-0000008", "step-0000016"]
     out = tmp_path / "ft.mp4"
-    gen = subprocess.run(
+    from pipelines.generate import main as generate_main
+
+    gen = in_process(
+        generate_main,
         [
-            sys.executable,
-            "-m",
-            "pipelines.generate",
             "--prompt",
             "a red circle moves to the left",
             "--model",
@@ -76,10 +97,6 @@ def test_tiny_recipe_learns_and_its_checkpoint_generates(tmp_path):
             str(out),
             "--no-progress",
         ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
     )
     assert gen.returncode == 0, gen.stderr
     assert "variant                mhla" in gen.stdout  # the checkpoint's own variant
@@ -181,21 +198,7 @@ def test_nonfinite_losses_stop_the_run_and_keep_the_checkpoint(tmp_path):
 
 def test_precomputed_cache_trains(tmp_path):
     cache = tmp_path / "cache"
-    pre = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "training" / "precompute.py"),
-            "--config",
-            TINY,
-            "--out",
-            str(cache),
-            "data.num_samples=4",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    pre = precompute("--out", str(cache), "data.num_samples=4")
     assert pre.returncode == 0, pre.stderr
     index = json.loads((cache / "index.json").read_text())
     assert len(index["items"]) == 4 and index["video"] == [9, 64, 96]
@@ -208,22 +211,7 @@ def test_precomputed_cache_trains(tmp_path):
         "checkpoint.every=0",
     )
     assert [r["step"] for r in metrics(tmp_path / "run") if "loss" in r] == [1, 2]
-    again = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "training" / "precompute.py"),
-            "--config",
-            TINY,
-            "--out",
-            str(cache),
-            "data.num_samples=4",
-            "data.short_captions=0.5",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    again = precompute("--out", str(cache), "data.num_samples=4", "data.short_captions=0.5")
     assert again.returncode == 2 and "holds a cache written with other settings" in again.stderr
     assert "data.short_captions: 0.0 -> 0.5" in again.stderr
 

@@ -20,7 +20,7 @@ import pytest
 from pipelines import read_video
 from pipelines.builtin import builtin_available
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SMALLEST = "5x32x48"
 # tokens and M depend on the model's patch and block shape (the built-in model: 1x1x1, 48 tokens)
 SMALLEST_LABEL = re.compile(r"^5 frames, 32x48: \d+ tokens \(\dx\dx\d\), M=\d+$")

@@ -294,7 +294,7 @@ def test_probe_finds_bad_videos_before_training(messy_folder, backend):
 
 # --------------------------------------------------------------------------- bad data at the entry points
 
-TINY_CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "finetune" / "tiny.yaml")
+TINY_CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "finetune" / "tiny.yaml")
 
 
 def test_precompute_leaves_unreadable_videos_out_instead_of_repeating_a_good_one(messy_folder, tmp_path, capsys):
