@@ -30,17 +30,32 @@ def parse_args(argv=None) -> argparse.Namespace:
         "random-weight model)",
     )
     p.add_argument(
-        "--variant", action="append", default=[], metavar="NAME=DIR",
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
         help="a fine-tuned transformer for a variant, e.g. mhla=ckpt/wan-mhla (repeatable)",
-    )  # fmt: skip
-    p.add_argument("--random-weights", choices=("1.3b", "14b"), default=None,
-                   help="Wan2.1 architecture at true size with random weights: real latency, videos are noise")  # fmt: skip
+    )
+    p.add_argument(
+        "--random-weights",
+        choices=("1.3b", "14b"),
+        default=None,
+        help="Wan2.1 architecture at true size with random weights: real latency, videos are noise",
+    )
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, float32 on CPU), float32, bfloat16, float16")
-    p.add_argument("--max-tokens", type=int, default=None,
-                   help="largest compare request in latent tokens (default: 8192 on CPU, no limit on GPU)")  # fmt: skip
-    p.add_argument("--max-bench-tokens", type=int, default=None,
-                   help="largest benchmark grid in tokens (default: 16384 on CPU, no limit on GPU)")  # fmt: skip
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="largest compare request in latent tokens (default: 8192 on CPU, no limit on GPU)",
+    )
+    p.add_argument(
+        "--max-bench-tokens",
+        type=int,
+        default=None,
+        help="largest benchmark grid in tokens (default: 16384 on CPU, no limit on GPU)",
+    )
     return p.parse_args(argv)
 
 
@@ -72,9 +87,15 @@ def main(argv=None) -> int:
     if models.random_note:
         print(f"NOTE: {models.random_note}")
     demo.queue(default_concurrency_limit=1, max_size=QUEUE_SIZE).launch(
-        server_name=args.host, server_port=args.port, share=args.share, show_error=False,
-        theme=THEME, css=CSS, ssr_mode=False, footer_links=["api", "settings"],
-    )  # fmt: skip
+        server_name=args.host,
+        server_port=args.port,
+        share=args.share,
+        show_error=False,
+        theme=THEME,
+        css=CSS,
+        ssr_mode=False,
+        footer_links=["api", "settings"],
+    )
     return 0
 
 

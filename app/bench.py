@@ -174,9 +174,14 @@ def transformer_rows(models: AppModels, grids, variants=VARIANTS, warmup=1, repe
 
 
 def run_benchmark(
-    models: AppModels, grids_text: str, levels=("operator", "transformer forward"), variants=VARIANTS,
-    max_tokens: int | None = None, repeats: int = 3, progress=None,
-) -> dict:  # fmt: skip
+    models: AppModels,
+    grids_text: str,
+    levels=("operator", "transformer forward"),
+    variants=VARIANTS,
+    max_tokens: int | None = None,
+    repeats: int = 3,
+    progress=None,
+) -> dict:
     """Both levels over the grids; returns ``{"meta": ..., "rows": [...]}`` (rows as :data:`FIELDS`)."""
     grids = parse_grids(grids_text, max_tokens)
     unknown = [v for v in variants if v not in VARIANTS]

@@ -377,10 +377,16 @@ def iter_compare(
                 progress(f"{text} · variant {i + 1}/{n}", (i + fraction) / n)
 
         args = dict(
-            negative_prompt=request.negative_prompt, height=request.height, width=request.width,
-            num_frames=request.num_frames, guidance_scale=request.guidance_scale, seed=request.seed,
-            variant=name, transformer=vm.transformer, show_progress=False,
-        )  # fmt: skip
+            negative_prompt=request.negative_prompt,
+            height=request.height,
+            width=request.width,
+            num_frames=request.num_frames,
+            guidance_scale=request.guidance_scale,
+            seed=request.seed,
+            variant=name,
+            transformer=vm.transformer,
+            show_progress=False,
+        )
         try:
             with _Stages(vm.transformer, report, cancel) as stages, warnings.catch_warnings():
                 # "untrained attention parameters": the column already says "converted, not fine-tuned"
@@ -388,8 +394,13 @@ def iter_compare(
                 # spans of the variant's work by denoising steps: the warm-up is one step, each repeat all of them
                 work = 1 + request.repeats * request.num_inference_steps
                 stages.start(f"{name}: warm-up (not timed)", 1, request.guidance_scale, i == 0, (0, 1 / work))
-                generate(models.components, request.prompt, num_inference_steps=1, **args,
-                         output_type="np" if i == 0 else "latent")  # fmt: skip
+                generate(
+                    models.components,
+                    request.prompt,
+                    num_inference_steps=1,
+                    **args,
+                    output_type="np" if i == 0 else "latent",
+                )
                 for r in range(request.repeats):
                     label = name if request.repeats == 1 else f"{name} (repeat {r + 1}/{request.repeats})"
                     span = (
@@ -397,7 +408,9 @@ def iter_compare(
                         (1 + (r + 1) * request.num_inference_steps) / work,
                     )
                     stages.start(label, request.num_inference_steps, request.guidance_scale, True, span)
-                    out = generate(models.components, request.prompt, num_inference_steps=request.num_inference_steps, **args)  # fmt: skip
+                    out = generate(
+                        models.components, request.prompt, num_inference_steps=request.num_inference_steps, **args
+                    )
                     run.timings.append(out.timing)
             stages.check()
             report(f"{name}: writing video", 1.0)
@@ -612,8 +625,15 @@ def speedup_figure(result: CompareResult):
     for x, (r, s) in enumerate(zip(done, stats, strict=True)):
         den, _, noise = result.speedups(r)
         if den is not None:
-            ax.annotate(_speedup(den, noise), (x, s.high * 1e3), xytext=(0, 3), textcoords="offset points",
-                        ha="center", va="bottom", fontsize=9)  # fmt: skip
+            ax.annotate(
+                _speedup(den, noise),
+                (x, s.high * 1e3),
+                xytext=(0, 3),
+                textcoords="offset points",
+                ha="center",
+                va="bottom",
+                fontsize=9,
+            )
     tokens = done[0].timing.num_tokens if done else 0
     ax.set(ylabel="ms per denoising step", title=f"Denoising step latency at {tokens:,} tokens (label: vs flash)")
     ax.title.set_fontsize(10)

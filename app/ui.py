@@ -94,8 +94,9 @@ def _status(text: str, started: float, fraction: float, first_done: bool) -> str
     return line
 
 
-def build_demo(models: AppModels, max_tokens: int | None = None, max_bench_tokens: int | None = None,
-               out_root: Path | None = None) -> gr.Blocks:  # fmt: skip
+def build_demo(
+    models: AppModels, max_tokens: int | None = None, max_bench_tokens: int | None = None, out_root: Path | None = None
+) -> gr.Blocks:
     """The app's page. ``max_tokens``/``max_bench_tokens``: largest request accepted (None: no limit).
     ``out_root``: where videos and benchmark files are written (a fresh temporary folder by default)."""
     out_root = Path(out_root or tempfile.mkdtemp(prefix="mhla-app-"))
@@ -117,14 +118,31 @@ def build_demo(models: AppModels, max_tokens: int | None = None, max_bench_token
         outs += [compare.summary_markdown(result), compare.table_rows(result), compare.speedup_figure(result)]
         return outs
 
-    def on_compare(prompt, negative_prompt, seed, num_inference_steps, guidance_scale, preset, variants, repeats,
-                   request: gr.Request):  # fmt: skip
+    def on_compare(
+        prompt,
+        negative_prompt,
+        seed,
+        num_inference_steps,
+        guidance_scale,
+        preset,
+        variants,
+        repeats,
+        request: gr.Request,
+    ):
         """Generates the prompt with each chosen variant (same seed) and yields the page after each one."""
         try:
             req = compare.check_request(
-                models, prompt, negative_prompt, seed, num_inference_steps, guidance_scale, preset, variants,
-                max_tokens, repeats,
-            )  # fmt: skip
+                models,
+                prompt,
+                negative_prompt,
+                seed,
+                num_inference_steps,
+                guidance_scale,
+                preset,
+                variants,
+                max_tokens,
+                repeats,
+            )
         except ValueError as e:
             # the status line keeps the message after the alert is closed; the API gets an error, not a value
             yield [f"⛔ **Error:** {e}"] + [gr.skip()] * n_outputs
@@ -136,9 +154,12 @@ def build_demo(models: AppModels, max_tokens: int | None = None, max_bench_token
         def work():
             try:
                 for snapshot in compare.iter_compare(
-                    models, req, out_root / "compare", progress=lambda t, f: events.put(("progress", (t, f))),
+                    models,
+                    req,
+                    out_root / "compare",
+                    progress=lambda t, f: events.put(("progress", (t, f))),
                     cancel=stop,
-                ):  # fmt: skip
+                ):
                     events.put(("result", snapshot))
             except BaseException as e:  # noqa: BLE001 - reported to the page below, without details
                 events.put(("failed", e))
@@ -195,9 +216,14 @@ def build_demo(models: AppModels, max_tokens: int | None = None, max_bench_token
     def on_bench(grids, levels, variants, repeats, progress=gr.Progress()):  # noqa: B008
         try:
             result = bench.run_benchmark(
-                models, grids, levels=levels, variants=variants or [], max_tokens=max_bench_tokens,
-                repeats=repeats, progress=lambda desc: progress(None, desc=desc),
-            )  # fmt: skip
+                models,
+                grids,
+                levels=levels,
+                variants=variants or [],
+                max_tokens=max_bench_tokens,
+                repeats=repeats,
+                progress=lambda desc: progress(None, desc=desc),
+            )
         except ValueError as e:
             raise gr.Error(str(e), title="Bad input") from None
         files = bench.save(result, out_root / "bench" / uuid.uuid4().hex[:12])
@@ -217,20 +243,27 @@ def build_demo(models: AppModels, max_tokens: int | None = None, max_bench_token
             with gr.Row():
                 with gr.Column(scale=3):
                     prompt = gr.Textbox(
-                        label="Prompt", lines=2, elem_id="prompt",
+                        label="Prompt",
+                        lines=2,
+                        elem_id="prompt",
                         placeholder="Describe the video to generate (or pick an example below)",
-                    )  # fmt: skip
+                    )
                     negative = gr.Textbox(
-                        "", label="Negative prompt (optional)", lines=1, elem_id="negative",
+                        "",
+                        label="Negative prompt (optional)",
+                        lines=1,
+                        elem_id="negative",
                         placeholder="what the video should not show",
-                    )  # fmt: skip
+                    )
                     gr.Examples(models.example_prompts, inputs=[prompt], label="Example prompts")
                 with gr.Column(scale=2):
                     preset = gr.Dropdown(
-                        compare.preset_choices(models, max_tokens), value=_default_preset(models, max_tokens),
-                        label="Frames and resolution (latent tokens, MHLA blocks M)", elem_id="preset",
+                        compare.preset_choices(models, max_tokens),
+                        value=_default_preset(models, max_tokens),
+                        label="Frames and resolution (latent tokens, MHLA blocks M)",
+                        elem_id="preset",
                         info=compare.presets_left_out(models, max_tokens),
-                    )  # fmt: skip
+                    )
                     variants = gr.CheckboxGroup(
                         list(VARIANTS), value=list(VARIANTS), label="Variants", elem_id="variants"
                     )
@@ -241,12 +274,28 @@ def build_demo(models: AppModels, max_tokens: int | None = None, max_bench_token
                     with gr.Row():
                         # numbers, not sliders: a slider clamps 1000 steps to 100 in the browser; out-of-range
                         # values must reach the check and be refused with a message
-                        steps = gr.Number(defaults["num_inference_steps"], precision=None, elem_id="steps",
-                                          label="Steps", info=f"1 to {compare.MAX_STEPS}")  # fmt: skip
-                        guidance = gr.Number(defaults["guidance_scale"], precision=None, step=0.5, elem_id="guidance",
-                                             label="Guidance", info=f"0 to {compare.MAX_GUIDANCE:g}")  # fmt: skip
-                        repeats = gr.Number(1, precision=None, elem_id="repeats", label="Repeats",
-                                            info=f"timed runs per variant after a warm-up, 1 to {compare.MAX_REPEATS}")  # fmt: skip
+                        steps = gr.Number(
+                            defaults["num_inference_steps"],
+                            precision=None,
+                            elem_id="steps",
+                            label="Steps",
+                            info=f"1 to {compare.MAX_STEPS}",
+                        )
+                        guidance = gr.Number(
+                            defaults["guidance_scale"],
+                            precision=None,
+                            step=0.5,
+                            elem_id="guidance",
+                            label="Guidance",
+                            info=f"0 to {compare.MAX_GUIDANCE:g}",
+                        )
+                        repeats = gr.Number(
+                            1,
+                            precision=None,
+                            elem_id="repeats",
+                            label="Repeats",
+                            info=f"timed runs per variant after a warm-up, 1 to {compare.MAX_REPEATS}",
+                        )
             with gr.Row():
                 run_button = gr.Button("Generate with each variant", variant="primary", elem_id="generate", scale=3)
                 stop_button = gr.Button("Stop", variant="stop", elem_id="stop", scale=1)
@@ -256,13 +305,19 @@ def build_demo(models: AppModels, max_tokens: int | None = None, max_bench_token
                 for name in VARIANTS:
                     with gr.Column(min_width=200, elem_id=f"col-{name}") as col:
                         video = gr.Video(
-                            label=f"{name} video", autoplay=True, loop=True, interactive=False, height=260,
+                            label=f"{name} video",
+                            autoplay=True,
+                            loop=True,
+                            interactive=False,
+                            height=260,
                             elem_id=f"video-{name}",
-                        )  # fmt: skip
+                        )
                         md = gr.Markdown(
-                            f"### {name}\n_{models.variants[name].note}_", label=f"{name} details",
-                            elem_id=f"latency-{name}", elem_classes="variant-info",
-                        )  # fmt: skip
+                            f"### {name}\n_{models.variants[name].note}_",
+                            label=f"{name} details",
+                            elem_id=f"latency-{name}",
+                            elem_classes="variant-info",
+                        )
                     columns += [col, video, md]
             summary = gr.Markdown(label="summary", elem_id="summary")
             table = gr.Dataframe(
@@ -272,9 +327,12 @@ def build_demo(models: AppModels, max_tokens: int | None = None, max_bench_token
 
             dice.click(lambda: random.randrange(2**31), None, seed, queue=False, api_visibility="private")
             started = run_button.click(
-                lambda: (gr.Button(interactive=False), "Queued: waiting for the device…"), None, [run_button, status],
-                queue=False, api_visibility="private",
-            )  # fmt: skip
+                lambda: (gr.Button(interactive=False), "Queued: waiting for the device…"),
+                None,
+                [run_button, status],
+                queue=False,
+                api_visibility="private",
+            )
             run = started.then(
                 on_compare,
                 [prompt, negative, seed, steps, guidance, preset, variants, repeats],
@@ -303,8 +361,9 @@ def build_demo(models: AppModels, max_tokens: int | None = None, max_bench_token
                     1, 20, 3 if models.device.type == "cpu" else 10, step=1, label="Repeats (median)"
                 )
             bench_button = gr.Button("Run benchmark", variant="primary", elem_id="bench")
-            bench_status = gr.Markdown(label="status", elem_id="bench-status", min_height=70, container=True,
-                                       padding=True)  # fmt: skip
+            bench_status = gr.Markdown(
+                label="status", elem_id="bench-status", min_height=70, container=True, padding=True
+            )
             bench_plot = gr.Plot(label="Latency vs tokens (log-log)")
             bench_table = gr.Dataframe(headers=list(bench.FIELDS), label="Results", elem_id="bench-table")
             bench_files = gr.File(label="Download JSON / CSV", file_count="multiple", interactive=False)

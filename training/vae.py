@@ -145,9 +145,13 @@ def train_vae(cfg) -> int:
     )
 
     loader = torch.utils.data.DataLoader(
-        dataset, batch_size=cfg.train.batch_size, sampler=sampler, num_workers=cfg.data.num_workers,
-        drop_last=True, collate_fn=collate,
-    )  # fmt: skip
+        dataset,
+        batch_size=cfg.train.batch_size,
+        sampler=sampler,
+        num_workers=cfg.data.num_workers,
+        drop_last=True,
+        collate_fn=collate,
+    )
     sampler.samples_consumed = samples
     batches = iter(loader)
     progress = tqdm(total=cfg.train.steps, initial=step, desc="vae", dynamic_ncols=True)
@@ -165,8 +169,14 @@ def train_vae(cfg) -> int:
         opt.step()
         sched.step()
         step += 1
-        row = {"step": step, "loss": loss.item(), "l1": l1.item(), "lr": sched.get_last_lr()[0],
-               "grad_norm": float(grad_norm), "step_time": time.perf_counter() - t0}  # fmt: skip
+        row = {
+            "step": step,
+            "loss": loss.item(),
+            "l1": l1.item(),
+            "lr": sched.get_last_lr()[0],
+            "grad_norm": float(grad_norm),
+            "step_time": time.perf_counter() - t0,
+        }
         with metrics.open("a") as f:
             f.write(json.dumps(row) + "\n")
         progress.update(1)
@@ -176,10 +186,16 @@ def train_vae(cfg) -> int:
             vae.save_pretrained(str(tmp / "vae"), safe_serialization=True)
             ckpt.save_state({"generator": generator.get_state(), "data": sampler.state_dict(samples)}, tmp / "rank0.pt")
             ckpt.save_state(
-                {"step": step, "stage": "vae", "optimizer": opt.state_dict(), "lr_scheduler": sched.state_dict(),
-                 "nonfinite_in_a_row": 0, "world_size": 1},
+                {
+                    "step": step,
+                    "stage": "vae",
+                    "optimizer": opt.state_dict(),
+                    "lr_scheduler": sched.state_dict(),
+                    "nonfinite_in_a_row": 0,
+                    "world_size": 1,
+                },
                 tmp / ckpt.STATE_FILE,
-            )  # fmt: skip
+            )
             (tmp / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
             ckpt.finish_checkpoint(run_dir, step, cfg.checkpoint.keep)
     progress.close()

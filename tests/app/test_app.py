@@ -147,9 +147,10 @@ def test_speedups_within_the_noise_are_marked(models):
 
     req = compare.check_request(models, "a fox", "", 0, 4, 5.0, SMALLEST, ["flash", "mhla", "linear"])
     result = compare.CompareResult(
-        req, [run("flash", [1.0, 1.1, 0.9, 1.0]), run("mhla", [0.5, 0.5, 0.5, 0.5]), run("linear", [0.9, 1.5, 0.4, 1.2])],
+        req,
+        [run("flash", [1.0, 1.1, 0.9, 1.0]), run("mhla", [0.5, 0.5, 0.5, 0.5]), run("linear", [0.9, 1.5, 0.4, 1.2])],
         "cpu",
-    )  # fmt: skip
+    )
     assert result.speedups(result.run("mhla")) == (2.0, 5.0 / 3.0, False)  # totals 5 s and 3 s
     assert result.speedups(result.run("linear"))[2] is True
     warning = compare.noise_warning(result)
@@ -302,13 +303,25 @@ def test_page_api_has_named_outputs_and_an_optional_negative_prompt(models, tmp_
     assert set(api) == {"/compare", "/benchmark"}  # the page's helper events are private
     params = {p["parameter_name"]: p for p in api["/compare"]["parameters"]}
     assert list(params) == [
-        "prompt", "negative_prompt", "seed", "num_inference_steps", "guidance_scale", "preset", "variants", "repeats"
-    ]  # fmt: skip
+        "prompt",
+        "negative_prompt",
+        "seed",
+        "num_inference_steps",
+        "guidance_scale",
+        "preset",
+        "variants",
+        "repeats",
+    ]
     assert not params["prompt"]["parameter_has_default"] and params["negative_prompt"]["parameter_default"] == ""
     assert "81x480x800" not in params["preset"]["type"]["enum"]  # not offered on this device
     names = [r["label"] for r in api["/compare"]["returns"]]
-    assert names == ["status", *(f"{v} {what}" for v in VARIANTS for what in ("video", "details")), "summary",
-                     "Latency and quality by variant", "denoising step latency"]  # fmt: skip
+    assert names == [
+        "status",
+        *(f"{v} {what}" for v in VARIANTS for what in ("video", "details")),
+        "summary",
+        "Latency and quality by variant",
+        "denoising step latency",
+    ]
     assert not any(n.startswith("value_") for n in names)
 
 

@@ -215,8 +215,17 @@ def stage_commands(stage: str) -> list[list[str]]:
     if stage in VAE_STAGES:
         return [[py, ft, "--config", str(CONFIGS / f"{stage}.yaml")]]
     if stage == "data":
-        return [[py, str(ROOT / "training" / "precompute.py"), "--config", str(CONFIGS / "base.yaml"), "--out", str(CACHE),
-                 "data.source=synthetic"]]  # fmt: skip
+        return [
+            [
+                py,
+                str(ROOT / "training" / "precompute.py"),
+                "--config",
+                str(CONFIGS / "base.yaml"),
+                "--out",
+                str(CACHE),
+                "data.source=synthetic",
+            ]
+        ]
     if stage in ("base", *CONVERSIONS):
         return [[py, ft, "--config", str(CONFIGS / f"{stage}.yaml")]]
     return []
@@ -318,11 +327,14 @@ def main(argv=None) -> int:
     b = sub.add_parser("build", help="run the stages in order (finished ones are skipped)")
     b.add_argument("--until", choices=STAGES, default="assemble")
     b.add_argument(
-        "--force", nargs="*", default=[], choices=STAGES,
+        "--force",
+        nargs="*",
+        default=[],
+        choices=STAGES,
         help="re-run these stages; a training stage's run directory (or the data cache) is moved to <dir>.old-<time> "
         "first, so it starts afresh from its configured source (the vae stages from the VAE installed in "
         "runs/builtin/model)",
-    )  # fmt: skip
+    )
     i = sub.add_parser("init", help="write the untrained model directory")
     i.add_argument("--out", default=str(MODEL))
     i.add_argument("--seed", type=int, default=0)
@@ -330,9 +342,12 @@ def main(argv=None) -> int:
     v.add_argument("--out", required=True)
     v.add_argument("--seed", type=int, default=1)
     v.add_argument(
-        "--set", nargs="*", default=[], metavar="KEY=JSON",
-        help='e.g. base_dim=16 \'dim_mult=[1,2,4]\' \'temperal_downsample=[true,true]\'',
-    )  # fmt: skip
+        "--set",
+        nargs="*",
+        default=[],
+        metavar="KEY=JSON",
+        help="e.g. base_dim=16 'dim_mult=[1,2,4]' 'temperal_downsample=[true,true]'",
+    )
     sub.add_parser("assemble", help="copy the trained parts into assets/builtin")
     args = p.parse_args(argv)
     if args.cmd == "init":

@@ -114,9 +114,15 @@ def semantic(components, transformer, variant: str, validation, prompts, seeds, 
         caption = validation[i]["caption"]
         for seed in seeds:
             result = generate(
-                components, caption, variant=variant, transformer=transformer, seed=seed,
-                num_inference_steps=steps, guidance_scale=guidance, show_progress=False,
-            )  # fmt: skip
+                components,
+                caption,
+                variant=variant,
+                transformer=transformer,
+                seed=seed,
+                num_inference_steps=steps,
+                guidance_scale=guidance,
+                show_progress=False,
+            )
             verdict = analyse(result.frames, caption)
             verdict["held_out"] = validation.attributes(i)["held_out"]
             verdicts.append(verdict)
@@ -146,9 +152,13 @@ def run(args) -> dict:
         raise SystemExit(f"error: unknown variants {bad}; expected some of {VARIANTS}")
     transformers = variant_transformers(components, variants)
     validation = SyntheticVideoDataset(
-        max(args.num_prompts, args.loss_batches * args.batch_size), seed=args.data_seed, split="validation",
-        num_frames=d["num_frames"], height=d["height"], width=d["width"],
-    )  # fmt: skip
+        max(args.num_prompts, args.loss_batches * args.batch_size),
+        seed=args.data_seed,
+        split="validation",
+        num_frames=d["num_frames"],
+        height=d["height"],
+        width=d["width"],
+    )
     print(f"model: {components.source}; variants {variants}; device {components.device}")
     t0 = time.time()
     if args.loss_batches:
@@ -171,8 +181,10 @@ def run(args) -> dict:
             row, frames = semantic(components, transformers[v], v, validation, prompts, args.seeds, args.steps, g)
             by_guidance[g] = row
             samples.setdefault(v, frames)
-            print(f"{v} (CFG {g:g}): overall {row['overall']:.2f} (colour {row['colour']:.2f}, shape {row['shape']:.2f}, "
-                  f"count {row['count']:.2f}, motion {row['motion']:.2f}); {row['total_s']:.1f} s per video")  # fmt: skip
+            print(
+                f"{v} (CFG {g:g}): overall {row['overall']:.2f} (colour {row['colour']:.2f}, shape {row['shape']:.2f}, "
+                f"count {row['count']:.2f}, motion {row['motion']:.2f}); {row['total_s']:.1f} s per video"
+            )
         if len(guidances) == 1:
             rows[v] = {"flow_loss": losses[v], **by_guidance[guidances[0]]}
         else:
@@ -320,9 +332,12 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--steps", type=int, default=None, help="denoising steps (default: the model's)")
     p.add_argument(
-        "--guidance", type=float, nargs="+", default=None,
+        "--guidance",
+        type=float,
+        nargs="+",
+        default=None,
         help="CFG scale (default: the model's); several values sweep them and mark each variant's best",
-    )  # fmt: skip
+    )
     p.add_argument("--loss-batches", type=int, default=16)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--data-seed", type=int, default=0, help="seed of the synthetic validation split")

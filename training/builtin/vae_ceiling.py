@@ -79,11 +79,16 @@ def reconstruction_ceiling(vae, dataset, indices) -> dict:
         psnr_object_db=psnr(sq_obj / max(n_obj, 1)),
         psnr_worst_clip_db=psnr(max(per_clip)),
         failures=[
-            {"index": v["index"], "caption": dataset[v["index"]]["caption"], "found": v["found"],
-             **{a: v[a] for a in ATTRIBUTES}}
-            for v in verdicts if not all(v[a] in (True, None) for a in ATTRIBUTES)
+            {
+                "index": v["index"],
+                "caption": dataset[v["index"]]["caption"],
+                "found": v["found"],
+                **{a: v[a] for a in ATTRIBUTES},
+            }
+            for v in verdicts
+            if not all(v[a] in (True, None) for a in ATTRIBUTES)
         ][:8],
-    )  # fmt: skip
+    )
     return out
 
 
@@ -109,9 +114,13 @@ def main(argv=None) -> int:
             p.error(f"--vae {args.vae!r} has no config.json (expected an AutoencoderKLWan folder)")
         vae = AutoencoderKLWan.from_pretrained(args.vae, dtype=torch.float32).eval()
     data = SyntheticVideoDataset(
-        args.num_clips, seed=args.data_seed, split="validation", num_frames=args.frames, height=args.height,
+        args.num_clips,
+        seed=args.data_seed,
+        split="validation",
+        num_frames=args.frames,
+        height=args.height,
         width=args.width,
-    )  # fmt: skip
+    )
     t0 = time.time()
     res = reconstruction_ceiling(vae, data, range(args.num_clips))
     res = {
@@ -128,8 +137,10 @@ def main(argv=None) -> int:
         **res,
     }
     line = ", ".join(f"{a} {res[a]:.2f}" for a in ATTRIBUTES if res[a] is not None)
-    print(f"{res['vae']}: PSNR {res['psnr_db']} dB (objects {res['psnr_object_db']} dB, worst clip "
-          f"{res['psnr_worst_clip_db']} dB); analyser overall {res['overall']:.2f} ({line}) on {args.num_clips} clips")  # fmt: skip
+    print(
+        f"{res['vae']}: PSNR {res['psnr_db']} dB (objects {res['psnr_object_db']} dB, worst clip "
+        f"{res['psnr_worst_clip_db']} dB); analyser overall {res['overall']:.2f} ({line}) on {args.num_clips} clips"
+    )
     for f in res["failures"][:4]:
         print(f"  wrong: {f['caption']!r} -> {f['found']}")
     if args.out:

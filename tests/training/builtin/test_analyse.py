@@ -38,9 +38,21 @@ def test_real_clips_score_perfectly(clips):
 
 
 def test_wrong_colour_motion_shape_and_count_are_caught():
-    attrs = {"background": "grey", "num_objects": 1, "held_out": False,
-             "objects": [{"shape": "square", "colour": "red", "size": "large", "motion": "right",
-                          "start": [0.3, 0.5], "end": [0.7, 0.5]}]}  # fmt: skip
+    attrs = {
+        "background": "grey",
+        "num_objects": 1,
+        "held_out": False,
+        "objects": [
+            {
+                "shape": "square",
+                "colour": "red",
+                "size": "large",
+                "motion": "right",
+                "start": [0.3, 0.5],
+                "end": [0.7, 0.5],
+            }
+        ],
+    }
     frames = render_video(attrs, 17, 128, 160)
     good = analyse(frames, "a red square moves to the right")
     assert good["colour"] and good["shape"] and good["motion"] and good["count"]

@@ -50,9 +50,21 @@ def test_vae_task_trains_installs_with_statistics_and_resumes(fresh_model_dir, t
 
     run = tmp_path / "vae"
     export = tmp_path / "installed_vae"
-    args = ["--config", "configs/builtin/vae.yaml", f"run_dir={run}", f"model.path={fresh_model_dir}",
-            f"vae.export={export}", "data.num_samples=4", "data.height=32", "data.width=48", "train.batch_size=1",
-            "vae.crop=32", "vae.stats_samples=2", "checkpoint.every=2", "train.warmup_steps=1"]  # fmt: skip
+    args = [
+        "--config",
+        "configs/builtin/vae.yaml",
+        f"run_dir={run}",
+        f"model.path={fresh_model_dir}",
+        f"vae.export={export}",
+        "data.num_samples=4",
+        "data.height=32",
+        "data.width=48",
+        "train.batch_size=1",
+        "vae.crop=32",
+        "vae.stats_samples=2",
+        "checkpoint.every=2",
+        "train.warmup_steps=1",
+    ]
     assert main([*args, "train.steps=2"]) == 0
     before = json.loads((export / "config.json").read_text())
     assert len(before["latents_mean"]) == 16 and all(s > 0 for s in before["latents_std"])
@@ -81,9 +93,22 @@ def test_vae_decoder_task_keeps_the_encoder_and_latent_statistics(fresh_model_di
     (model / "vae" / "config.json").write_text(json.dumps(cfg))
     (model / "vae" / "trained.json").write_text(json.dumps({"steps": 7, "psnr_db": 20.0, "run": "runs/x/vae"}))
     export = tmp_path / "installed"
-    args = ["--config", "configs/builtin/vae-decoder.yaml", f"run_dir={tmp_path / 'dec'}", f"model.path={model}",
-            f"vae.export={export}", "data.num_samples=4", "data.num_frames=5", "data.height=32", "data.width=48",
-            "train.batch_size=1", "vae.crop=32", "train.steps=2", "train.warmup_steps=1", "train.lr=1e-3"]  # fmt: skip
+    args = [
+        "--config",
+        "configs/builtin/vae-decoder.yaml",
+        f"run_dir={tmp_path / 'dec'}",
+        f"model.path={model}",
+        f"vae.export={export}",
+        "data.num_samples=4",
+        "data.num_frames=5",
+        "data.height=32",
+        "data.width=48",
+        "train.batch_size=1",
+        "vae.crop=32",
+        "train.steps=2",
+        "train.warmup_steps=1",
+        "train.lr=1e-3",
+    ]
     assert main(args) == 0
     before = load_file(model / "vae" / "diffusion_pytorch_model.safetensors")
     after = load_file(export / "diffusion_pytorch_model.safetensors")
@@ -129,11 +154,13 @@ def test_build_runs_the_decoder_stage_after_the_vae_stages(fresh_model_dir, tmp_
     record.write_text(json.dumps({"run": "runs/builtin/vae", "steps": 2800}))  # what vae-17f leaves
     assert builtin.stage_done("vae") and builtin.stage_done("vae-17f") and not builtin.stage_done("vae-decoder")
     history = [{"run": "runs/builtin/vae", "steps": 2800}]
-    record.write_text(json.dumps({"run": "runs/builtin/vae-decoder", "steps": 5, "trainable": "decoder",
-                                  "history": history}))  # fmt: skip
+    record.write_text(
+        json.dumps({"run": "runs/builtin/vae-decoder", "steps": 5, "trainable": "decoder", "history": history})
+    )
     assert builtin.stage_done("vae-17f") and not builtin.stage_done("vae-decoder")  # 5 of its steps
-    record.write_text(json.dumps({"run": "runs/builtin/vae-decoder", "steps": 10**6, "trainable": "decoder",
-                                  "history": history}))  # fmt: skip
+    record.write_text(
+        json.dumps({"run": "runs/builtin/vae-decoder", "steps": 10**6, "trainable": "decoder", "history": history})
+    )
     assert builtin.stage_done("vae-17f") and builtin.stage_done("vae-decoder")
     assert builtin.STAGES.index("vae-decoder") > builtin.STAGES.index("base")
 
@@ -242,8 +269,20 @@ def test_evaluate_writes_its_table(tmp_path):
     from training.builtin.evaluate import main
 
     out = tmp_path / "eval"
-    argv = ["--num-prompts", "1", "--steps", "2", "--loss-batches", "1", "--batch-size", "1",
-            "--variants", "flash,mhla", "--out", str(out)]  # fmt: skip
+    argv = [
+        "--num-prompts",
+        "1",
+        "--steps",
+        "2",
+        "--loss-batches",
+        "1",
+        "--batch-size",
+        "1",
+        "--variants",
+        "flash,mhla",
+        "--out",
+        str(out),
+    ]
     assert main(argv) == 0
     res = json.loads(out.with_suffix(".json").read_text())
     assert list(res["variants"]) == ["flash", "mhla"] and res["num_prompts"] == 1
@@ -257,8 +296,23 @@ def test_evaluate_sweeps_guidance_and_marks_the_best(tmp_path):
     from training.builtin.evaluate import main
 
     out = tmp_path / "sweep"
-    argv = ["--num-prompts", "1", "--steps", "2", "--loss-batches", "0", "--variants", "flash",
-            "--data-seed", "1", "--guidance", "1", "3", "--out", str(out)]  # fmt: skip
+    argv = [
+        "--num-prompts",
+        "1",
+        "--steps",
+        "2",
+        "--loss-batches",
+        "0",
+        "--variants",
+        "flash",
+        "--data-seed",
+        "1",
+        "--guidance",
+        "1",
+        "3",
+        "--out",
+        str(out),
+    ]
     assert main(argv) == 0
     res = json.loads(out.with_suffix(".json").read_text())
     row = res["variants"]["flash"]
@@ -275,8 +329,16 @@ def test_sweep_table_puts_each_attribute_under_its_own_header():
     from training.builtin.evaluate import sweep_markdown
 
     row = {"colour": 0.1, "shape": 0.2, "count": 0.3, "motion": 0.4, "overall": 0.0, "total_s": 1.0}
-    res = {"num_prompts": 1, "data_seed": 1, "seeds": [0], "num_inference_steps": 2, "device": "cpu", "machine": "m",
-           "date": "d", "variants": {"flash": {"best_guidance": 2.0, "by_guidance": {"2": row}}}}  # fmt: skip
+    res = {
+        "num_prompts": 1,
+        "data_seed": 1,
+        "seeds": [0],
+        "num_inference_steps": 2,
+        "device": "cpu",
+        "machine": "m",
+        "date": "d",
+        "variants": {"flash": {"best_guidance": 2.0, "by_guidance": {"2": row}}},
+    }
     header, _, line = sweep_markdown(res).splitlines()[2:5]
     cells = dict(zip([c.strip() for c in header.split("|")], [c.strip() for c in line.split("|")]))
     assert [cells[a] for a in ("colour", "shape", "count", "motion")] == ["0.10", "0.20", "0.30", "0.40"]
