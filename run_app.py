@@ -59,10 +59,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def compose(model, variant_dirs, random_weights, device, dtype):
+    """The app's models, with the analyser of the built-in model's world as their ``judge`` when that model is
+    served (its verdict column). The composition happens here so that ``app/`` imports nothing beside it."""
+    from app.models import load_app_models
+
+    models = load_app_models(model, variant_dirs, random_weights, device, dtype)
+    if models.builtin:
+        from training.builtin.analyse import attribute_verdict
+
+        models.judge = attribute_verdict
+    return models
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     from app.compare import CPU_MAX_TOKENS
-    from app.models import load_app_models, parse_variant_dirs
+    from app.models import parse_variant_dirs
 
     try:
         if args.model is not None and args.random_weights is not None:
@@ -72,7 +85,7 @@ def main(argv=None) -> int:
             from pipelines import check_model_dir
 
             check_model_dir(args.model)
-        models = load_app_models(args.model, variant_dirs, args.random_weights, args.device, args.dtype)
+        models = compose(args.model, variant_dirs, args.random_weights, args.device, args.dtype)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -211,7 +211,7 @@ class VariantRun:
     error: str | None = None
     psnr: float | None = None  # dB against flash's video (None: flash not run, or this is flash)
     ssim: float | None = None
-    attributes: tuple[int, int] | None = None  # (right, named) by the built-in model's analyser
+    attributes: tuple[int, int] | None = None  # (right, named) by the model's analyser (AppModels.judge)
 
     @property
     def timing(self) -> Timing | None:
@@ -423,8 +423,8 @@ def iter_compare(
                 reference = frames
             elif reference is not None:
                 run.psnr, run.ssim = quality.psnr(frames, reference), quality.ssim(frames, reference)
-            if models.builtin:
-                run.attributes = quality.attribute_verdict(frames, request.prompt)
+            if models.judge is not None:
+                run.attributes = models.judge(frames, request.prompt)
         except RunCancelled:
             result.stopped = True
             yield snapshot()

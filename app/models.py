@@ -10,9 +10,11 @@ weights. A variant given as ``--variant NAME=DIR`` gets its own transformer, loa
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 import mhla
@@ -63,6 +65,9 @@ class AppModels:
     variants: dict[str, VariantModel]
     random_note: str | None = None  # set when every video is noise (tiny model, --random-weights)
     notes: list[str] = field(default_factory=list)
+    # reads a video back into the prompt's attributes: (right, named), or None when the prompt names nothing
+    # it knows; set by whoever composes the app for a model with an analyser (run_app.py, the built-in model)
+    judge: Callable[[np.ndarray, str], tuple[int, int] | None] | None = None
 
     @property
     def device(self) -> torch.device:
@@ -88,7 +93,7 @@ class AppModels:
 
     @property
     def builtin(self) -> bool:
-        """True for the built-in model (it has an analyser for its videos)."""
+        """True for the built-in model (its example prompts; run_app.py gives it its analyser as ``judge``)."""
         return self.components.source.startswith("built-in model")
 
     @property

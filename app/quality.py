@@ -2,8 +2,8 @@
 
 PSNR and SSIM are the measures sparse- and linear-attention papers report against the dense output.
 Both are written out plainly here (numpy and one torch convolution) so a test can check them against
-values computed by hand. For the built-in model, the analyser of its synthetic world says whether the
-video shows the prompt's attributes (colour, shape, count, motion).
+values computed by hand. A model that has an analyser of its videos (the built-in model) hands it to the
+app as ``AppModels.judge`` (see ``run_app.py``); ``app/`` itself never imports the analyser.
 """
 
 from __future__ import annotations
@@ -76,22 +76,3 @@ def ssim(video, reference) -> float:
         (mu_a**2 + mu_b**2 + SSIM_C1) * (var_a + var_b + SSIM_C2)
     )
     return float(s.mean())
-
-
-def attribute_verdict(frames, prompt: str) -> tuple[int, int] | None:
-    """``(right, named)``: how many of the attributes the prompt names (count, colour, shape, motion) the
-    built-in model's video shows, by the synthetic world's analyser; None when the prompt names nothing
-    the analyser knows (no colour of its world).
-
-    The analyser lives with the built-in model's training (``training/builtin/analyse.py``); it is imported here,
-    lazily, and only called for the built-in model, so ``app/`` needs ``training/`` only when that model is
-    served.
-    """
-    from training.builtin.analyse import analyse, parse_caption
-
-    caption = parse_caption(prompt)
-    if not any("colour" in o for o in caption["objects"]):
-        return None
-    verdict = analyse(np.asarray(frames), caption)
-    named = [verdict[a] for a in ("count", "colour", "shape", "motion") if verdict[a] is not None]
-    return sum(bool(v) for v in named), len(named)

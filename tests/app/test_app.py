@@ -2,6 +2,7 @@
 
 import math
 import threading
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -190,13 +191,29 @@ def test_psnr_and_ssim_against_hand_computed_values():
         quality.psnr(a, a[:1])
 
 
-def test_attribute_verdict_of_a_drawn_square():
-    frames = np.full((5, 64, 64, 3), 128, np.uint8)  # grey background
-    for t in range(5):
-        frames[t, 24:40, 8 + 8 * t : 24 + 8 * t] = (230, 20, 20)  # a red square moving right
-    assert quality.attribute_verdict(frames, "a red square moves to the right") == (4, 4)
-    assert quality.attribute_verdict(frames, "a blue square moves to the right")[0] < 4
-    assert quality.attribute_verdict(frames, "a fox in the snow") is None
+def test_compare_asks_the_models_judge_about_each_video(models, tmp_path):
+    calls = []
+
+    def judge(frames, prompt):  # what a model's analyser gets: the decoded frames and the prompt
+        calls.append((np.asarray(frames).shape, prompt))
+        return (2, 3)
+
+    judged = replace(models, judge=judge)
+    req = compare.check_request(judged, "a red fox", "", 0, 1, 5.0, SMALLEST, ["flash", "mhla"])
+    result = list(compare.iter_compare(judged, req, tmp_path))[-1]
+    assert [r.attributes for r in result.runs] == [(2, 3), (2, 3)]
+    assert calls == [((5, 32, 48, 3), "a red fox")] * 2
+    col = compare.TABLE_HEADERS.index("attributes")
+    assert [row[col] for row in compare.table_rows(result)] == ["2/3", "2/3"]
+    assert "attributes 2/3" in compare.variant_markdown(result.runs[1], result)
+
+
+def test_the_launcher_gives_the_builtin_model_its_analyser():
+    import run_app
+    from training.builtin.analyse import attribute_verdict
+
+    assert run_app.compose(None, {}, None, "cpu", "auto").judge is attribute_verdict
+    assert run_app.compose("tiny-random", {}, None, "cpu", "auto").judge is None
 
 
 def test_spread_is_median_and_quartiles():

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from training.builtin.analyse import analyse, classify_shape, parse_caption, score
+from training.builtin.analyse import analyse, attribute_verdict, classify_shape, parse_caption, score
 from training.builtin.synthetic import SyntheticVideoDataset, generate_sample, render_video
 from training.builtin.vae_ceiling import reconstruction_ceiling
 
@@ -112,3 +112,12 @@ def test_vae_ceiling_is_perfect_on_real_clips_and_drops_for_a_blurring_vae():
     blurred = reconstruction_ceiling(_BlurVAE(), data, range(12))
     assert blurred["psnr_db"] < 30 and blurred["psnr_object_db"] < blurred["psnr_db"], (seed, blurred)
     assert blurred["shape"] < 0.75 and blurred["overall"] < 0.75 and blurred["failures"], (seed, blurred)
+
+
+def test_attribute_verdict_of_a_drawn_square():
+    frames = np.full((5, 64, 64, 3), 128, np.uint8)  # grey background
+    for t in range(5):
+        frames[t, 24:40, 8 + 8 * t : 24 + 8 * t] = (230, 20, 20)  # a red square moving right
+    assert attribute_verdict(frames, "a red square moves to the right") == (4, 4)
+    assert attribute_verdict(frames, "a blue square moves to the right")[0] < 4
+    assert attribute_verdict(frames, "a fox in the snow") is None
