@@ -215,6 +215,21 @@ def restore_run(path: Path, transformer, lora: bool, world: int, rank: int) -> t
     return state, load_state(path / f"rank{rank}.pt")
 
 
+def restore_raw_weights(path: Path, transformer) -> bool:
+    """After :func:`restore_run` of a checkpoint written with EMA (its ``transformer/`` holds the averages),
+    loads the raw trained values from its ``trainable.safetensors`` into ``transformer``; False when the
+    checkpoint has none (written without EMA: ``transformer/`` is already the raw weights)."""
+    from safetensors.torch import load_file
+
+    file = Path(path) / "trainable.safetensors"
+    if not file.is_file():
+        return False
+    _, unexpected = transformer.load_state_dict(load_file(file), strict=False)
+    if unexpected:
+        raise ValueError(f"checkpoint {path} does not match this model: unexpected {unexpected[:3]}")
+    return True
+
+
 def restore_optimizer(optimizer, scheduler, state: dict) -> None:
     """Load a checkpoint's optimizer and LambdaLR state, keeping the learning rates the config gives now.
 

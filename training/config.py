@@ -58,6 +58,7 @@ DEFAULTS: dict = {
         "gradient_checkpointing": True,
         "seed": 0,
         "max_nonfinite": 10,  # this many non-finite losses in a row stop the run
+        "ema_decay": 0.0,  # moving average of the trained weights, e.g. 0.999; 0 = off (training/ema.py)
         "lora": {"rank": 32, "alpha": 32, "target_modules": ["to_q", "to_k", "to_v", "to_out.0"]},
     },
     "flow": {"shift": 3.0, "weighting": "logit_normal", "logit_mean": 0.0, "logit_std": 1.0},
@@ -181,6 +182,7 @@ RANGES: dict[str, tuple] = {
     "train.warmup_steps": (0, True, None),
     "train.grad_clip": (0, True, None),
     "train.max_nonfinite": (1, True, None),
+    "train.ema_decay": (0, True, None),
     "train.lora.rank": (1, True, None),
     "train.lora.alpha": (0, False, None),
     "transfer.lr": (0, False, None),
@@ -308,6 +310,12 @@ def validate(cfg: DictConfig) -> None:
     need(cfg.flow.weighting in ("logit_normal", "uniform"), "flow.weighting", "'logit_normal' or 'uniform'")
     need(len(cfg.train.betas) == 2 and all(0 <= b < 1 for b in cfg.train.betas), "train.betas", "two numbers in [0, 1)")
     need(cfg.resume in (None, "latest") or Path(cfg.resume).is_dir(), "resume", "null, 'latest' or a checkpoint folder")
+    need(cfg.train.ema_decay < 1, "train.ema_decay", "a decay in [0, 1) (0 = off, e.g. 0.999)")
+    need(
+        not (cfg.train.ema_decay and cfg.train.trainable == "lora"),
+        "train.ema_decay",
+        "0 with train.trainable=lora (the average is of full weights; LoRA adapters are merged at export)",
+    )
     need(cfg.train.lr_schedule in LR_SCHEDULES, "train.lr_schedule", f"one of {LR_SCHEDULES}")
     need(0 <= cfg.train.min_lr_ratio <= 1, "train.min_lr_ratio", "a fraction of train.lr in [0, 1]")
     need(cfg.train.batch_size >= 1, "train.batch_size", "at least 1")

@@ -15,6 +15,7 @@ built-in model's first stage, ``configs/builtin/vae.yaml``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import hashlib
 import json
@@ -46,6 +47,7 @@ from pipelines.video import write_mp4
 from training import checkpoint as ckpt
 from training.config import load_config, lr_multiplier
 from training.data import BatchEncoder, ResumableSampler, build_dataset, build_validation_dataset, collate
+from training.ema import EMA
 from training.encoding import Encoder
 from training.flow import FlowMatching
 
@@ -305,7 +307,7 @@ def main(argv=None) -> int:
     step, samples, nonfinite = 0, 0, 0
     generator = torch.Generator(device=device).manual_seed(cfg.train.seed * 1000 + rank)
     resume_from = ckpt.resolve_resume(cfg.resume, run_dir)
-    resume_state = None
+    resume_state, ema = None, None
     if resume_from is not None:
         say(f"resuming from {resume_from} (its files match its manifest)")
         try:
@@ -315,11 +317,18 @@ def main(argv=None) -> int:
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+        if cfg.train.trainable != "lora" and resume_state.get("ema_updates") is not None and cfg.train.ema_decay:
+            # transformer/ holds the averages: they are the shadows; the raw weights train on
+            ema = EMA(transformer, trainable, cfg.train.ema_decay, updates=resume_state["ema_updates"])
+        if cfg.train.trainable != "lora":
+            ckpt.restore_raw_weights(resume_from, transformer)
         generator.set_state(rank_state["generator"])
         sampler.load_state_dict(rank_state["data"])
         samples = rank_state["data"]["samples_consumed"]
         step, nonfinite = resume_state["step"], resume_state["nonfinite_in_a_row"]
         say(f"resumed from {resume_from} at step {step}")
+    if cfg.train.ema_decay and ema is None:  # a new run, or EMA switched on for a resumed one
+        ema = EMA(transformer, trainable, cfg.train.ema_decay)
 
     # ---- evaluation loss on fixed batches with fixed noise, to compare start and end: the synthetic
     # validation split (unseen captions and held-out attribute combinations), else the first training videos
@@ -431,6 +440,8 @@ def main(argv=None) -> int:
             nonfinite = 0
             scheduler.step()
             project_mixing(accelerator.unwrap_model(model))
+            if ema is not None:
+                ema.update(accelerator.unwrap_model(model))
             step += 1
             dt = time.perf_counter() - t0
             loss_value = accelerator.gather(loss.detach().reshape(1)).mean().item()
@@ -470,6 +481,7 @@ def main(argv=None) -> int:
                         sampler,
                         samples,
                         nonfinite,
+                        ema,
                     )
                 except OSError as e:  # disk full, quota, permissions: say what and where, keep the good ones
                     progress.close()
@@ -484,7 +496,9 @@ def main(argv=None) -> int:
                     )
                     return 4
             if main_proc and cfg.validation.every and (step % cfg.validation.every == 0 or step == total_steps):
-                validation_videos(cfg, components, accelerator.unwrap_model(model), run_dir, step)
+                unwrapped = accelerator.unwrap_model(model)
+                with ema.swapped_in(unwrapped) if ema is not None else contextlib.nullcontext():
+                    validation_videos(cfg, components, unwrapped, run_dir, step)
         if transfer is not None:
             transfer.remove()
         stage_start = stage_end
@@ -493,9 +507,16 @@ def main(argv=None) -> int:
     final = accelerator.unwrap_model(model) if model is not None else transformer
     end_loss = eval_loss(final)
     say(f"eval flow loss at step {step}: {end_loss:.4f} (start {start_loss:.4f})")
+    row = {"step": step, "eval_loss": end_loss}
+    if ema is not None:
+        with ema.swapped_in(final):
+            row["eval_loss_ema"] = eval_loss(final)
+        say(
+            f"eval flow loss of the EMA weights (decay {ema.decay:g}, {ema.updates} updates): {row['eval_loss_ema']:.4f}"
+        )
     if main_proc:
         with metrics_file.open("a") as f:
-            f.write(json.dumps({"step": step, "eval_loss": end_loss}) + "\n")
+            f.write(json.dumps(row) + "\n")
         skipped = getattr(dataset, "skip_summary", None)
         if skipped is not None:
             say(skipped())
@@ -507,8 +528,11 @@ def main(argv=None) -> int:
     return 0
 
 
-def save(accelerator, cfg, run_dir, step, stage, model, optimizer, scheduler, generator, sampler, samples, nonfinite):
-    """One checkpoint, assembled in a temporary folder by all ranks, renamed into place by the main one."""
+def save(
+    accelerator, cfg, run_dir, step, stage, model, optimizer, scheduler, generator, sampler, samples, nonfinite, ema
+):
+    """One checkpoint, assembled in a temporary folder by all ranks, renamed into place by the main one.
+    With EMA, ``transformer/`` holds the averaged weights and ``trainable.safetensors`` the raw ones."""
     if accelerator.is_main_process:
         tmp = ckpt.begin_checkpoint(run_dir, step)
     accelerator.wait_for_everyone()
@@ -519,7 +543,13 @@ def save(accelerator, cfg, run_dir, step, stage, model, optimizer, scheduler, ge
     if accelerator.is_main_process:
         unwrapped = accelerator.unwrap_model(model)
         lora = cfg.train.trainable == "lora"
-        save_model_for_pipeline(unwrapped, tmp / "transformer", lora)
+        with ema.swapped_in(unwrapped) if ema is not None else contextlib.nullcontext():
+            save_model_for_pipeline(unwrapped, tmp / "transformer", lora)
+        if ema is not None:
+            from safetensors.torch import save_file
+
+            params = dict(unwrapped.named_parameters())
+            save_file({n: params[n].detach().contiguous() for n in ema.shadow}, tmp / "trainable.safetensors")
         if lora:
             from safetensors.torch import save_file
 
@@ -535,6 +565,7 @@ def save(accelerator, cfg, run_dir, step, stage, model, optimizer, scheduler, ge
                 "lr_scheduler": scheduler.state_dict(),
                 "nonfinite_in_a_row": nonfinite,
                 "world_size": accelerator.num_processes,
+                "ema_updates": None if ema is None else ema.updates,
             },
             tmp / ckpt.STATE_FILE,
         )

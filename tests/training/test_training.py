@@ -264,6 +264,8 @@ def test_lora_checkpoint_is_merged_into_the_pipeline_format(tmp_path):
         ("model.variant=softmax", "model.variant='softmax': expected one of"),
         ("data.short_captions=2", "data.short_captions=2: expected a value >= 0 and <= 1"),
         ("resume=/no/such/checkpoint", "resume='/no/such/checkpoint': expected null, 'latest' or a checkpoint"),
+        ("train.ema_decay=1", "train.ema_decay=1: expected a decay in [0, 1)"),
+        ("train.ema_decay=-0.5", "train.ema_decay=-0.5: expected a value >= 0"),
     ],
 )
 def test_bad_config_is_rejected_before_work(override, message):
@@ -432,3 +434,39 @@ def test_a_full_disk_while_saving_ends_with_a_message_and_keeps_earlier_checkpoi
     assert [p.name for p in ckpt.list_checkpoints(run)] == ["step-0000002"]
     assert ckpt.damage(run / "checkpoints" / "step-0000002") is None
     assert not list((run / "checkpoints").glob(".*"))  # no half-written folder left behind
+
+
+def test_ema_checkpoints_hold_the_averages_and_resume_exactly(tmp_path):
+    from safetensors.torch import load_file
+
+    def weights(run, step):
+        folder = ckpt.checkpoint_dir(run, step)
+        averaged = {}
+        for f in sorted((folder / "transformer").glob("*.safetensors")):
+            averaged.update(load_file(f))
+        return averaged, load_file(folder / "trainable.safetensors")
+
+    steps = ["train.steps=6", "checkpoint.every=3", "checkpoint.keep=0", "train.ema_decay=0.9", "log.param_digest=true"]
+    straight = tmp_path / "straight"
+    proc = finetune(straight, *steps)
+    assert "eval flow loss of the EMA weights (decay 0.9, 6 updates)" in proc.stdout + proc.stderr
+    assert "eval_loss_ema" in metrics(straight)[-1]
+    averaged, raw = weights(straight, 6)
+    assert raw and all(k in averaged for k in raw)
+    assert any(not torch.equal(averaged[k], raw[k]) for k in raw)  # transformer/ is the average, not the last step
+
+    resumed = tmp_path / "resumed"
+    finetune(resumed, *steps, "train.steps=3")  # stopped at step 3, then the same command for 6 steps
+    proc = finetune(resumed, *steps, "resume=latest")
+    assert "resumed from" in proc.stdout + proc.stderr
+    again_averaged, again_raw = weights(resumed, 6)
+    assert digest(resumed) == digest(straight)  # the raw weights trained on from the raw values
+    for k in averaged:
+        torch.testing.assert_close(again_averaged[k], averaged[k], rtol=0, atol=0)
+    for k in raw:
+        torch.testing.assert_close(again_raw[k], raw[k], rtol=0, atol=0)
+
+
+def test_ema_and_lora_exclude_each_other():
+    with pytest.raises(ValueError, match=r"train.ema_decay=0.99: expected 0 with train.trainable=lora"):
+        load_config(TINY, ["train.ema_decay=0.99", "train.trainable=lora"])
