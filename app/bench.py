@@ -37,14 +37,6 @@ def default_grids(device: torch.device) -> str:
     return GPU_GRIDS if device.type == "cuda" else CPU_GRIDS
 
 
-def parse_grid(text: str) -> tuple[int, int, int]:
-    """``"21x30x50"`` -> ``(21, 30, 50)`` (frames x height x width in tokens)."""
-    parts = text.strip().lower().split("x")
-    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise ValueError(f"a grid looks like 21x30x50 (frames x height x width), got {text!r}")
-    return tuple(int(p) for p in parts)  # type: ignore[return-value]
-
-
 def operator_call(op: str, q, k, v, layout, mixing, rope):
     """One forward of operator ``op`` (``softmax``, ``linear``, ``mhla``) on ``(1, N, heads, dim)`` inputs."""
 
@@ -65,7 +57,7 @@ def parse_grids(text: str, max_tokens: int | None = None) -> list[tuple[int, int
         raise ValueError("no token grids given; expected e.g. 1x16x16,2x16x32 (frames x height x width in tokens)")
     grids = []
     for part in text.split(","):
-        grid = parse_grid(part)
+        grid = mhla.parse_grid(part)
         if max_tokens is not None and math.prod(grid) > max_tokens:
             raise ValueError(
                 f"grid {part.strip()} has {math.prod(grid):,} tokens; this app allows at most {max_tokens:,} here "

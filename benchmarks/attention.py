@@ -44,8 +44,9 @@ from pathlib import Path
 import torch
 
 from mhla import BlockLayout, last_softmax_backend, linear_attention, locality_init, mhla_attention, softmax_attention
+from mhla.layout import parse_grid
 from mhla.ops import mhla_attention_naive
-from mhla.softmax import SOFTMAX_BACKENDS, _candidates, installed_external_backends
+from mhla.softmax import SOFTMAX_BACKENDS, candidate_backends, installed_external_backends
 from mhla.triton_ops import tuned_launches
 
 from .common import (
@@ -62,7 +63,6 @@ from .common import (
     matmul_rate,
     measure,
     measure_interleaved,
-    parse_grid,
     write_partial,
     write_results,
 )
@@ -91,7 +91,7 @@ def variants(device: torch.device, dtype: torch.dtype, softmax_backends: str, im
     elif softmax_backends == "auto":
         backends = ["auto"]
     elif softmax_backends == "all":
-        backends = _candidates(probe)
+        backends = candidate_backends(probe)
     else:
         backends = [b.strip() for b in softmax_backends.split(",") if b.strip()]
         bad = [b for b in backends if b not in SOFTMAX_BACKENDS]
@@ -243,7 +243,7 @@ def main(argv=None) -> dict:
         "passes": passes,
         "impls": impls,
         "softmax_backends_requested": args.softmax_backends,
-        "softmax_backends_available": _candidates(torch.empty(0, device=device, dtype=dtype)),
+        "softmax_backends_available": candidate_backends(torch.empty(0, device=device, dtype=dtype)),
         "softmax_external_installed": installed_external_backends(),
         "copy_bandwidth_gbs": bandwidth / 1e9,
         "matmul_tflops": rate / 1e12,

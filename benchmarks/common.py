@@ -28,14 +28,6 @@ def dtype_name(dtype: torch.dtype) -> str:
     return {v: k for k, v in DTYPES.items()}.get(dtype, str(dtype).replace("torch.", ""))
 
 
-def parse_grid(text: str) -> tuple[int, int, int]:
-    """``"21x30x50"`` -> ``(21, 30, 50)`` (frames x height x width)."""
-    parts = text.strip().lower().split("x")
-    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise ValueError(f"a grid looks like 21x30x50 (frames x height x width), got {text!r}")
-    return tuple(int(p) for p in parts)  # type: ignore[return-value]
-
-
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -36,7 +36,9 @@ from pathlib import Path
 
 import torch
 
-from .common import DTYPES, RESULTS, dtype_name, parse_grid
+from mhla.layout import parse_grid
+
+from .common import DTYPES, RESULTS, dtype_name
 
 SM = dict(registers=65536, shared=228 * 1024, shared_reserved=1024, warps=64, programs=32, count=132)
 PTR_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}

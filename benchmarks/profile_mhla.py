@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from mhla import BlockLayout, locality_init, triton_ops
+from mhla.layout import parse_grid
 
 from .common import (
     DTYPES,
@@ -37,7 +38,6 @@ from .common import (
     device_kind,
     dtype_name,
     environment,
-    parse_grid,
     sync,
     write_results,
 )

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from mhla.layout import parse_grid
 from mhla.triton_ops import tuned_launches
 from pipelines import AttentionOptions, convert_self_attention, set_variant
 from pipelines.attention import VARIANTS, linear_layers_for
@@ -51,7 +52,6 @@ from .common import (
     dtype_name,
     environment,
     measure,
-    parse_grid,
     sync,
     write_partial,
     write_results,

@@ -13,6 +13,7 @@ from .layout import (
     default_blocks,
     fit_blocks,
     parse_blocks,
+    parse_grid,
     split_points,
 )
 from .mixing import (
@@ -54,6 +55,7 @@ __all__ = [
     "mhla_attention_dense",
     "mix_summaries",
     "parse_blocks",
+    "parse_grid",
     "rank_and_entropy",
     "resample_mixing",
     "softmax_attention",

@@ -56,6 +56,14 @@ def parse_blocks(spec: str | tuple[int, int, int] | list[int]) -> Grid:
     return _as_triple(spec, "blocks")
 
 
+def parse_grid(text: str) -> Grid:
+    """A token grid such as ``"21x30x50"`` (frames x height x width, in tokens) -> ``(21, 30, 50)``."""
+    parts = text.strip().lower().split("x")
+    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"a grid looks like 21x30x50 (frames x height x width), got {text!r}")
+    return (int(parts[0]), int(parts[1]), int(parts[2]))
+
+
 def split_points(size: int, parts: int) -> list[int]:
     """Boundaries of ``parts`` contiguous segments of ``range(size)`` whose lengths differ by <= 1.
 

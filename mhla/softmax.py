@@ -117,6 +117,3 @@ def softmax_attention(q, k, v, backend: str = "auto", scale: float | None = None
         _auto_choice[key] = _last_backend = name
         return out
     raise RuntimeError("no softmax attention backend could run these inputs:\n" + "\n".join(errors))
-
-
-_candidates = candidate_backends  # the old private name, for code written against it

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from benchmarks import attention, wan_step
-from benchmarks.common import parse_grid
+from mhla import parse_grid
 
 ROOT = Path(__file__).resolve().parents[2]
 META_KEYS = {"device", "device_type", "device_kind", "torch", "cuda", "triton", "triton_mode", "date", "dtype"}

@@ -82,6 +82,16 @@ def test_bad_block_specs_raise(spec):
         parse_blocks(spec)
 
 
+def test_parse_grid():
+    from mhla import parse_grid
+
+    assert parse_grid("21x30x50") == (21, 30, 50) and parse_grid(" 5X16x20 ") == (5, 16, 20)
+    for bad in ("21x30", "21x30x0", "21x-3x50", "a x b x c", "21*30*50", ""):
+        with pytest.raises(ValueError, match="a grid looks like 21x30x50") as e:
+            parse_grid(bad)
+        assert str(e.value).endswith(f"got {bad!r}")
+
+
 def test_more_blocks_than_cells_raises_naming_axis():
     with pytest.raises(ValueError, match="8 blocks along frames.*only 5 cells"):
         BlockLayout((5, 30, 50), (8, 3, 5))
