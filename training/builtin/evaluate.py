@@ -68,23 +68,39 @@ def variant_transformers(components, variants: list[str]) -> dict:
 
 
 @torch.no_grad()
-def heldout_loss(components, transformers: dict, dataset, batches: int, batch_size: int, seed: int = 0) -> dict:
-    """Mean flow-matching loss per variant over the same latents, noise and timesteps."""
+def heldout_loss(
+    components, transformers: dict, dataset, batches: int, batch_size: int, seed: int = 0, draws: int = 3
+) -> dict:
+    """Flow-matching loss per variant over the same latents, noise and timesteps, for ``draws`` independent
+    draws of noise and timesteps (each clip encoded once): ``{variant: {"mean", "std", "draws"}}``, where
+    ``draws`` are the per-draw means and ``std`` their sample standard deviation (0 for one draw)."""
     encoder = Encoder(components, components.defaults.get("max_sequence_length", 512))
     flow = FlowMatching()
-    g = torch.Generator().manual_seed(seed)
-    losses = {v: [] for v in transformers}
+    generators = [torch.Generator().manual_seed(seed * 1000 + k) for k in range(draws)]
+    losses = {v: [[] for _ in range(draws)] for v in transformers}
     for b in tqdm(range(batches), desc="held-out loss", leave=False):
         items = [dataset[(b * batch_size + j) % len(dataset)] for j in range(batch_size)]
         latents = encoder.latents(torch.stack([it["video"] for it in items]))
         text = encoder.text([it["caption"] for it in items])
-        x_t, t, target = flow.noisy_input(latents, g)
-        for v, tr in transformers.items():
-            pred = tr(
-                hidden_states=x_t.to(tr.dtype), timestep=t, encoder_hidden_states=text.to(tr.dtype), return_dict=False
-            )[0]
-            losses[v].append(F.mse_loss(pred.float(), target.float()).item())
-    return {v: float(np.mean(x)) for v, x in losses.items()}
+        for k, g in enumerate(generators):
+            x_t, t, target = flow.noisy_input(latents, g)
+            for v, tr in transformers.items():
+                pred = tr(
+                    hidden_states=x_t.to(tr.dtype),
+                    timestep=t,
+                    encoder_hidden_states=text.to(tr.dtype),
+                    return_dict=False,
+                )[0]
+                losses[v][k].append(F.mse_loss(pred.float(), target.float()).item())
+    out = {}
+    for v, per_draw in losses.items():
+        means = [float(np.mean(x)) for x in per_draw]
+        out[v] = {
+            "mean": float(np.mean(means)),
+            "std": float(np.std(means, ddof=1)) if draws > 1 else 0.0,
+            "draws": means,
+        }
+    return out
 
 
 @torch.no_grad()
@@ -131,8 +147,11 @@ def semantic(components, transformer, variant: str, validation, prompts, seeds, 
                 frames.append(result.frames)
     held = [x for x in verdicts if x["held_out"]]
     seen = [x for x in verdicts if not x["held_out"]]
+    by_seed = [score(verdicts[j :: len(seeds)])["overall"] for j in range(len(seeds))]  # prompt-major order
     row = {
         **score(verdicts),
+        "overall_by_seed": by_seed,
+        "overall_std": float(np.std(by_seed, ddof=1)) if len(by_seed) > 1 else 0.0,
         "overall_in_distribution": score(seen)["overall"] if seen else None,
         "overall_held_out": score(held)["overall"] if held else None,
         "denoise_s": float(np.mean([t.denoising for t in timings])),
@@ -162,10 +181,12 @@ def run(args) -> dict:
     print(f"model: {components.source}; variants {variants}; device {components.device}")
     t0 = time.time()
     if args.loss_batches:
-        losses = heldout_loss(components, transformers, validation, args.loss_batches, args.batch_size)
-        print("held-out flow loss: " + ", ".join(f"{v} {x:.4f}" for v, x in losses.items()))
+        losses = heldout_loss(
+            components, transformers, validation, args.loss_batches, args.batch_size, draws=args.noise_draws
+        )
+        print("held-out flow loss: " + ", ".join(f"{v} {x['mean']:.4f} ± {x['std']:.4f}" for v, x in losses.items()))
     else:
-        losses = dict.fromkeys(variants)
+        losses = dict.fromkeys(variants, {"mean": None, "std": None, "draws": []})
     prompts = list(range(args.num_prompts))
     ceiling = None  # the sweep's table does not show the ceiling (it does not depend on the CFG scale)
     if not args.guidance or len(args.guidance) == 1:
@@ -186,11 +207,17 @@ def run(args) -> dict:
                 f"count {row['count']:.2f}, motion {row['motion']:.2f}); {row['total_s']:.1f} s per video"
             )
         if len(guidances) == 1:
-            rows[v] = {"flow_loss": losses[v], **by_guidance[guidances[0]]}
+            rows[v] = {
+                "flow_loss": losses[v]["mean"],
+                "flow_loss_std": losses[v]["std"],
+                "flow_loss_draws": losses[v]["draws"],
+                **by_guidance[guidances[0]],
+            }
         else:
             best = max(guidances, key=lambda g: (by_guidance[g]["overall"], attribute_mean(by_guidance[g])))
             rows[v] = {
-                "flow_loss": losses[v],
+                "flow_loss": losses[v]["mean"],
+                "flow_loss_std": losses[v]["std"],
                 "best_guidance": best,
                 "by_guidance": {f"{g:g}": r for g, r in by_guidance.items()},
             }
@@ -206,6 +233,7 @@ def run(args) -> dict:
         "num_inference_steps": args.steps or d["num_inference_steps"],
         "guidance_scale": guidances[0] if len(guidances) == 1 else guidances,
         "loss_clips": args.loss_batches * args.batch_size,
+        "noise_draws": args.noise_draws,
         "data_seed": args.data_seed,
         "vae_ceiling": ceiling,
         "variants": rows,
@@ -220,17 +248,24 @@ def markdown(res: dict) -> str:
 
     if isinstance(res["guidance_scale"], list):
         return sweep_markdown(res)
+
+    def pm(x, spread, p=2):  # mean ± spread, the spread left out when there is none to show
+        return f(x, p) if x is None or not spread else f"{x:.{p}f} ± {spread:.{p}f}"
+
     lines = [
         f"Built-in model, {res['num_prompts']} validation prompts x {len(res['seeds'])} seed(s), "
-        f"{res['num_inference_steps']} steps, CFG {res['guidance_scale']}, on {res['device']} ({res['machine']}), {res['date']}.",
+        f"{res['num_inference_steps']} steps, CFG {res['guidance_scale']}, on {res['device']} ({res['machine']}), {res['date']}. "
+        f"Held-out flow loss: mean ± standard deviation over {res.get('noise_draws', 1)} draws of noise and timesteps "
+        f"on {res['loss_clips']} clips; overall: mean over prompts ± standard deviation over seeds.",
         "",
         "| variant | held-out flow loss | colour | shape | count | motion | overall | overall, held-out combos | latency per video (denoise) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for v, r in res["variants"].items():
         lines.append(
-            f"| {NAMES.get(v, v)} | {f(r['flow_loss'], 4)} | {f(r['colour'])} | {f(r['shape'])} | {f(r['count'])} | "
-            f"{f(r['motion'])} | **{f(r['overall'])}** | {f(r['overall_held_out'])} | {r['total_s']:.1f} s ({r['denoise_s']:.1f} s) |"
+            f"| {NAMES.get(v, v)} | {pm(r['flow_loss'], r.get('flow_loss_std'), 4)} | {f(r['colour'])} | {f(r['shape'])} | "
+            f"{f(r['count'])} | {f(r['motion'])} | **{pm(r['overall'], r.get('overall_std'))}** | {f(r['overall_held_out'])} | "
+            f"{r['total_s']:.1f} s ({r['denoise_s']:.1f} s) |"
         )
     c = res["vae_ceiling"]
     lines.append(
@@ -339,6 +374,9 @@ def main(argv=None) -> int:
         help="CFG scale (default: the model's); several values sweep them and mark each variant's best",
     )
     p.add_argument("--loss-batches", type=int, default=16)
+    p.add_argument(
+        "--noise-draws", type=int, default=3, help="independent noise/timestep draws of the held-out loss (error bars)"
+    )
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--data-seed", type=int, default=0, help="seed of the synthetic validation split")
     p.add_argument("--device", default="auto")
@@ -353,6 +391,8 @@ def main(argv=None) -> int:
         p.error(f"--num-prompts must be >= 1, got {args.num_prompts}")
     if args.loss_batches < 0:
         p.error(f"--loss-batches must be >= 0 (0 = skip the held-out loss), got {args.loss_batches}")
+    if args.noise_draws < 1:
+        p.error(f"--noise-draws must be >= 1, got {args.noise_draws}")
     bad = [g for g in args.guidance or [] if not np.isfinite(g) or g < 0]
     if bad or len(set(args.guidance or [])) != len(args.guidance or []):
         p.error(f"--guidance takes distinct finite scales >= 0, got {args.guidance}")

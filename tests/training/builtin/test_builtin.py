@@ -280,15 +280,26 @@ def test_evaluate_writes_its_table(tmp_path):
         "1",
         "--variants",
         "flash,mhla",
+        "--seeds",
+        "0",
+        "1",
+        "--noise-draws",
+        "2",
         "--out",
         str(out),
     ]
     assert main(argv) == 0
     res = json.loads(out.with_suffix(".json").read_text())
-    assert list(res["variants"]) == ["flash", "mhla"] and res["num_prompts"] == 1
+    assert list(res["variants"]) == ["flash", "mhla"] and res["num_prompts"] == 1 and res["noise_draws"] == 2
     for r in res["variants"].values():
         assert np.isfinite(r["flow_loss"]) and 0 <= r["overall"] <= 1 and r["total_s"] > 0
-    assert "| MHLA |" in out.with_suffix(".md").read_text() and out.with_suffix(".png").stat().st_size > 1000
+        draws = r["flow_loss_draws"]
+        assert len(draws) == 2 and draws[0] != draws[1]  # independent noise: two different losses
+        assert r["flow_loss"] == pytest.approx(sum(draws) / 2)
+        assert r["flow_loss_std"] == pytest.approx(abs(draws[0] - draws[1]) / 2**0.5)  # sample std of two values
+        assert len(r["overall_by_seed"]) == 2 and r["overall"] == pytest.approx(sum(r["overall_by_seed"]) / 2)
+    md = out.with_suffix(".md").read_text()
+    assert "| MHLA |" in md and " ± " in md and out.with_suffix(".png").stat().st_size > 1000
 
 
 @needs_builtin
@@ -350,6 +361,7 @@ def test_sweep_table_puts_each_attribute_under_its_own_header():
         (["--guidance", "-1"], "--guidance takes distinct finite scales >= 0, got [-1.0]"),
         (["--guidance", "2", "2"], "--guidance takes distinct finite scales >= 0, got [2.0, 2.0]"),
         (["--loss-batches", "-1"], "--loss-batches must be >= 0 (0 = skip the held-out loss), got -1"),
+        (["--noise-draws", "0"], "--noise-draws must be >= 1, got 0"),
     ],
 )
 def test_evaluate_refuses_bad_sweep_arguments(bad, message, capsys):
