@@ -42,7 +42,7 @@ def check_mixing(mixing: torch.Tensor, num_blocks: int, num_heads: int) -> None:
         raise ValueError(f"mixing matrix must have a floating dtype, got {mixing.dtype}")
 
 
-def check_eps(eps) -> float:
+def check_eps(eps: float) -> float:
     """``eps`` as a float; ValueError unless it is a finite number >= 0."""
     try:
         value = float(eps)

@@ -12,8 +12,10 @@ from __future__ import annotations
 import math
 import operator
 import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
+from typing import SupportsIndex, cast
 
 import torch
 
@@ -23,7 +25,7 @@ Grid = tuple[int, int, int]
 PAPER_BLOCK_SHAPE: Grid = (3, 10, 10)
 
 
-def _as_int(x) -> int:
+def _as_int(x: SupportsIndex | float) -> int:
     """``x`` as an int if it is an integer (or an integral float such as ``5.0``); TypeError otherwise.
 
     Bools and fractional values are refused rather than truncated: ``int(5.7)`` would silently
@@ -37,17 +39,17 @@ def _as_int(x) -> int:
     return operator.index(x)
 
 
-def _as_triple(value, name: str) -> Grid:
+def _as_triple(value: Iterable[SupportsIndex | float], name: str) -> Grid:
     try:
         triple = tuple(_as_int(x) for x in value)
     except TypeError:
         raise ValueError(f"{name} must be three integers (frames, height, width), got {value!r}") from None
     if len(triple) != 3 or any(x < 1 for x in triple):
         raise ValueError(f"{name} must be three positive integers (frames, height, width), got {value!r}")
-    return triple  # type: ignore[return-value]
+    return triple
 
 
-def parse_blocks(spec: str | tuple[int, int, int] | list[int]) -> Grid:
+def parse_blocks(spec: str | Sequence[int]) -> Grid:
     """Parses a block count such as ``"7x3x5"`` (or a 3-sequence) into ``(bf, bh, bw)``."""
     if isinstance(spec, str):
         if not re.fullmatch(r"\s*\d+\s*[xX*,]\s*\d+\s*[xX*,]\s*\d+\s*", spec):
@@ -97,13 +99,13 @@ def default_blocks(grid: Grid, block_shape: Grid = PAPER_BLOCK_SHAPE) -> Grid:
         rel = [(size / b) / target if b > 1 else math.inf for size, b, target in zip(grid, blocks, block_shape)]
         axis = min(range(3), key=lambda a: rel[a])
         blocks[axis] -= 1
-    return tuple(blocks)  # type: ignore[return-value]
+    return cast(Grid, tuple(blocks))  # three axes: one count per axis of the grid
 
 
 def fit_blocks(blocks: Grid, grid: Grid) -> Grid:
     """The block count used on ``grid``: ``blocks``, capped per axis at the grid's cell count (a grid with
     fewer cells on an axis than the model has blocks, e.g. a video of few frames, shrinks the layout)."""
-    return tuple(min(b, s) for b, s in zip(blocks, grid, strict=True))  # type: ignore[return-value]
+    return cast(Grid, tuple(min(b, s) for b, s in zip(blocks, grid, strict=True)))
 
 
 @dataclass(frozen=True)
@@ -117,7 +119,7 @@ class BlockLayout:
     grid: Grid
     blocks: Grid
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         grid = _as_triple(self.grid, "grid")
         blocks = parse_blocks(self.blocks)
         for axis, size, b in zip(("frames", "height", "width"), grid, blocks):
@@ -157,7 +159,8 @@ class BlockLayout:
     @cached_property
     def axis_points(self) -> tuple[list[int], list[int], list[int]]:
         """Segment boundaries along (frames, height, width)."""
-        return tuple(split_points(size, b) for size, b in zip(self.grid, self.blocks))  # type: ignore[return-value]
+        points = tuple(split_points(size, b) for size, b in zip(self.grid, self.blocks))
+        return cast(tuple[list[int], list[int], list[int]], points)
 
     def _axis_ids(self, axis: int) -> torch.Tensor:
         points = self.axis_points[axis]
@@ -262,4 +265,4 @@ class BlockLayout:
 def cached_layout(grid: Grid, blocks: Grid) -> BlockLayout:
     """One shared :class:`BlockLayout` per ``(grid, blocks)``: layouts cache their index tensors (per
     device), so every layer and step of a model should reuse the same instance."""
-    return BlockLayout(tuple(int(x) for x in grid), parse_blocks(blocks))
+    return BlockLayout(cast(Grid, tuple(int(x) for x in grid)), parse_blocks(blocks))

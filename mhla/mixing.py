@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
+from typing import cast
 
 import torch
 from torch import nn
@@ -162,7 +163,8 @@ def resample_mixing(mixing: torch.Tensor, blocks: Grid, new_blocks: Grid, renorm
     """
     if tuple(new_blocks) == tuple(blocks):
         return mixing
-    blocks, new_blocks = tuple(blocks), tuple(new_blocks)
+    # hashable for _block_map's cache (a caller may pass lists)
+    blocks, new_blocks = cast(Grid, tuple(blocks)), cast(Grid, tuple(new_blocks))
     rows = _block_map(new_blocks, blocks).to(mixing.device)
     cols = _block_map(blocks, new_blocks).to(mixing.device)
     m_new = math.prod(new_blocks)

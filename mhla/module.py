@@ -5,6 +5,8 @@ Drop it into any attention layer that produces q, k, v as ``(batch, tokens, head
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -63,7 +65,7 @@ class MHLA(nn.Module):
     def layout(self, grid: Grid) -> BlockLayout:
         """The layout on ``grid``: the module's blocks, shrunk on any axis where the grid has fewer cells
         (:func:`mhla.fit_blocks`)."""
-        grid = tuple(int(x) for x in grid)
+        grid = cast(Grid, tuple(int(x) for x in grid))
         return cached_layout(grid, fit_blocks(self.blocks, grid))
 
     def mixing_for(self, layout: BlockLayout) -> torch.Tensor:
@@ -73,7 +75,15 @@ class MHLA(nn.Module):
             return self.mixing()
         return resample_mixing(self.mixing(), self.blocks, layout.blocks, renormalize=self.mixing.constrain)
 
-    def forward(self, q, k, v, grid: Grid, rotary_emb: Rotary | None = None, out_dtype=None) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        grid: Grid,
+        rotary_emb: Rotary | None = None,
+        out_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
         """q, k ``(B, N, H, D)``, v ``(B, N, H, E)``, ``grid`` = ``(F, H, W)`` with ``F*H*W == N``;
         ``out_dtype`` as :func:`mhla.mhla_attention`. A grid with fewer cells on an axis than the module
         has blocks shrinks the layout (see :meth:`layout`, :meth:`mixing_for`)."""

@@ -28,9 +28,11 @@ import math
 import os
 import threading
 import warnings
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +40,7 @@ from torch.autograd.function import once_differentiable
 
 from .checks import check_eps, check_mixing, check_qkv, check_rotary_dtype  # noqa: F401 (re-exported)
 from .feature_maps import RELU_EPS, get_feature_map
-from .layout import BlockLayout, cached_layout
+from .layout import BlockLayout, Grid, cached_layout
 from .rope import Rotary, apply_rotary, check_rotary
 
 IMPLS = ("auto", "torch", "triton")
@@ -67,7 +69,7 @@ def _use_fused(impl: str, q: torch.Tensor) -> bool:
     )
 
 
-def _run_fused(fn, *args, impl: str, **kwargs):
+def _run_fused(fn: Callable[..., torch.Tensor], *args: Any, impl: str, **kwargs: Any) -> torch.Tensor | None:
     """Runs a fused kernel; under ``impl="auto"`` a kernel that fails to build falls back to torch."""
     global _fused_failed
     try:
@@ -102,7 +104,9 @@ def _from_blocks(x: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
     return flat.index_select(1, layout.on("scatter_index", x.device))
 
 
-def block_summaries(fk: torch.Tensor, v: torch.Tensor, layout: BlockLayout, fk_rope: torch.Tensor | None = None):
+def block_summaries(
+    fk: torch.Tensor, v: torch.Tensor, layout: BlockLayout, fk_rope: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-block key-value summaries.
 
     Args:
@@ -129,18 +133,30 @@ def mix_summaries(mixing: torch.Tensor, summaries: torch.Tensor) -> torch.Tensor
     return torch.einsum("hij,bjh...->bih...", m, summaries)
 
 
-def _features(q, k, feature_map: str, rotary_emb: Rotary | None):
+def _features(
+    q: torch.Tensor, k: torch.Tensor, feature_map: str, rotary_emb: Rotary | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     dt = _compute_dtype(q)
     phi = get_feature_map(feature_map)
     fq, fk = phi(q.to(dt)), phi(k.to(dt))
     if rotary_emb is None:
         return fq, fk, fq, fk
-    rope = tuple(t.to(dt) for t in rotary_emb)
+    cos, sin = (t.to(dt) for t in rotary_emb)
+    rope = (cos, sin)
     return fq, fk, apply_rotary(fq, rope), apply_rotary(fk, rope)
 
 
 def mhla_attention_naive(
-    q, k, v, layout: BlockLayout, mixing, feature_map="relu", normalize=True, rotary_emb=None, eps=1e-6, out_dtype=None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: BlockLayout,
+    mixing: torch.Tensor,
+    feature_map: str = "relu",
+    normalize: bool = True,
+    rotary_emb: Rotary | None = None,
+    eps: float = 1e-6,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """The straightforward formulation of :func:`mhla_attention` (same arguments, no checks): gather
     the tokens into block order (padded to the largest block), per-block summaries, mixing, one
@@ -158,7 +174,16 @@ def mhla_attention_naive(
     return _from_blocks(out, layout).to(out_dtype or q.dtype)
 
 
-def _linear_attention_naive(q, k, v, feature_map, normalize, rotary_emb, eps, out_dtype):
+def _linear_attention_naive(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    feature_map: str,
+    normalize: bool,
+    rotary_emb: Rotary | None,
+    eps: float,
+    out_dtype: torch.dtype | None,
+) -> torch.Tensor:
     fq, fk, rq, rk = _features(q, k, feature_map, rotary_emb)
     summary = torch.einsum("bnhd,bnhe->bhde", rk, v.to(fq.dtype))
     out = torch.einsum("bnhd,bhde->bnhe", rq, summary)
@@ -196,12 +221,12 @@ class _Chunk:
         return self.sizes[0] * self.sizes[1] * self.sizes[2]
 
 
-def _ranges(total: int, step: int):
+def _ranges(total: int, step: int) -> list[tuple[int, int]]:
     return [(a, min(step, total - a)) for a in range(0, total, step)]
 
 
 @lru_cache(maxsize=256)
-def _plan(grid, blocks, heads: int, budget: int) -> tuple[_Chunk, ...]:
+def _plan(grid: Grid, blocks: Grid, heads: int, budget: int) -> tuple[_Chunk, ...]:
     """Chunks covering every token and head once, each about ``budget`` token-heads."""
     layout = cached_layout(grid, blocks)
     chunks = []
@@ -256,7 +281,7 @@ def _plan(grid, blocks, heads: int, budget: int) -> tuple[_Chunk, ...]:
     return tuple(chunks)
 
 
-def _token_view(x: torch.Tensor, c: _Chunk, grid) -> torch.Tensor:
+def _token_view(x: torch.Tensor, c: _Chunk, grid: Grid) -> torch.Tensor:
     """The chunk of ``x`` ``(B, N, H, D)`` as ``(B, heads, bf, bh, bw, lf, lh, lw, D)`` (a strided view)."""
     sb, sn, sh, sd = x.stride()
     _, gh, gw = grid
@@ -269,7 +294,7 @@ def _token_view(x: torch.Tensor, c: _Chunk, grid) -> torch.Tensor:
     )
 
 
-def _table_view(table: torch.Tensor, c: _Chunk, grid) -> torch.Tensor:
+def _table_view(table: torch.Tensor, c: _Chunk, grid: Grid) -> torch.Tensor:
     """The chunk of the complex RoPE table ``(N, D/2)`` as ``(bf, bh, bw, lf, lh, lw, D/2)``."""
     _, gh, gw = grid
     sn = table.stride(0)
@@ -291,10 +316,10 @@ def _summary_view(s: torch.Tensor, c: _Chunk) -> torch.Tensor:
 class _Buffers:
     """Flat scratch buffers reused by every chunk of one call."""
 
-    def __init__(self, numel: int, dtype: torch.dtype, device, count: int):
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, count: int) -> None:
         self.bufs = [torch.empty(numel, dtype=dtype, device=device) for _ in range(count)]
 
-    def get(self, i: int, shape) -> torch.Tensor:
+    def get(self, i: int, shape: Sequence[int]) -> torch.Tensor:
         return self.bufs[i][: math.prod(shape)].view(shape)
 
 
@@ -340,7 +365,14 @@ def _workers(n: int) -> ThreadPoolExecutor:
         return _pool
 
 
-def _run(step, plan, numel: int, dtype, device, nbufs: int) -> None:
+def _run(
+    step: Callable[[_Chunk, _Buffers], None],
+    plan: Sequence[_Chunk],
+    numel: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    nbufs: int,
+) -> None:
     """Calls ``step(chunk, buffers)`` for every chunk of ``plan``. Parts of one block (a chunk with
     ``first`` False and those before it) stay on one thread, in order, as they accumulate."""
     tasks: list[list[_Chunk]] = []
@@ -359,7 +391,7 @@ def _run(step, plan, numel: int, dtype, device, nbufs: int) -> None:
     queue = iter(tasks)
     lock = threading.Lock()
 
-    def work():
+    def work() -> None:
         with torch.no_grad():
             bufs = _Buffers(numel, dtype, device, nbufs)
             while True:
@@ -396,7 +428,9 @@ def _rotate_into(x: torch.Tensor, table: torch.Tensor, out: torch.Tensor) -> tor
     return out
 
 
-def _phi_backward_into(grad: torch.Tensor, x: torch.Tensor, out: torch.Tensor, feature_map: str, scratch) -> None:
+def _phi_backward_into(
+    grad: torch.Tensor, x: torch.Tensor, out: torch.Tensor, feature_map: str, scratch: torch.Tensor
+) -> None:
     """``out = grad * phi'(x)`` with the derivative autograd uses for relu / elu."""
     if x.dtype != grad.dtype:
         x = scratch.copy_(x)
@@ -426,14 +460,25 @@ def _mix(mixing: torch.Tensor | None, s: torch.Tensor, transpose: bool = False, 
     return s
 
 
-def _summaries(k, v, plan, grid, nblocks, table, feature_map, normalize, dt, numel):
+def _summaries(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: Sequence[_Chunk],
+    grid: Grid,
+    nblocks: Grid,
+    table: torch.Tensor | None,
+    feature_map: str,
+    normalize: bool,
+    dt: torch.dtype,
+    numel: int,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-block ``S`` ``(B, H, M, D, E)`` and, with ``normalize``, ``z`` ``(B, H, M, D)``."""
     b, _, h, d = k.shape
     e = v.shape[-1]
     s = torch.empty(b, h, *nblocks, d, e, dtype=dt, device=k.device)
     z = torch.empty(b, h, *nblocks, d, dtype=dt, device=k.device) if normalize else None
 
-    def step(c, bufs):
+    def step(c: _Chunk, bufs: _Buffers) -> None:
         hg, nb, lc = c.heads[1] - c.heads[0], c.num_blocks, c.block_tokens
         kv, vv = _token_view(k, c, grid), _token_view(v, c, grid)
         fk = _phi_into(kv, bufs.get(0, kv.shape), feature_map)
@@ -442,7 +487,7 @@ def _summaries(k, v, plan, grid, nblocks, table, feature_map, normalize, dt, num
         part = torch.matmul(rk.view(b, hg, nb, lc, d).transpose(-1, -2), vp.view(b, hg, nb, lc, e))
         sv = _summary_view(s, c)
         (sv.copy_ if c.first else sv.add_)(part.view(sv.shape))
-        if normalize:
+        if z is not None:  # with the normalizer
             zv = _summary_view(z, c)
             zpart = fk.view(b, hg, nb, lc, d).sum(dim=-2)
             (zv.copy_ if c.first else zv.add_)(zpart.view(zv.shape))
@@ -451,12 +496,23 @@ def _summaries(k, v, plan, grid, nblocks, table, feature_map, normalize, dt, num
     return s, z
 
 
-def _outputs(q, s, z, plan, grid, table, feature_map, eps, out, numel):
+def _outputs(
+    q: torch.Tensor,
+    s: torch.Tensor,
+    z: torch.Tensor | None,
+    plan: Sequence[_Chunk],
+    grid: Grid,
+    table: torch.Tensor | None,
+    feature_map: str,
+    eps: float,
+    out: torch.Tensor,
+    numel: int,
+) -> None:
     """``out`` (token order) from the mixed summaries ``s`` ``(B, H, bf, bh, bw, D, E)`` (and ``z``)."""
     b, _, h, d = q.shape
     e = s.shape[-1]
 
-    def step(c, bufs):
+    def step(c: _Chunk, bufs: _Buffers) -> None:
         hg, nb, lc = c.heads[1] - c.heads[0], c.num_blocks, c.block_tokens
         qv = _token_view(q, c, grid)
         fq = _phi_into(qv, bufs.get(0, qv.shape), feature_map)
@@ -478,7 +534,21 @@ class _MHLAFunction(torch.autograd.Function):
     keeps only the block summaries (``S``, ``S~`` and, with the normalizer, ``z``, ``z~``)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mixing, plan, grid, nblocks, table, feature_map, normalize, eps, out_dtype):
+    def forward(
+        ctx: Any,  # autograd's FunctionCtx, or _NoCtx without autograd
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mixing: torch.Tensor | None,
+        plan: tuple[_Chunk, ...],
+        grid: Grid,
+        nblocks: Grid,
+        table: torch.Tensor | None,
+        feature_map: str,
+        normalize: bool,
+        eps: float,
+        out_dtype: torch.dtype,
+    ) -> torch.Tensor:
         dt = _compute_dtype(q)
         b, n, h, d = q.shape
         m = math.prod(nblocks)
@@ -496,7 +566,7 @@ class _MHLAFunction(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         plan, grid, nblocks, feature_map, normalize, eps = ctx.setup
         q, k, v, mixing, table, s, s_mixed, z, z_mixed = ctx.saved_tensors
         dt = s_mixed.dtype
@@ -509,7 +579,7 @@ class _MHLAFunction(torch.autograd.Function):
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
         # pass over the queries: dS~, dz~ and dq (the output is never kept: g . out comes from g S~^T)
-        def query_step(c, bufs):
+        def query_step(c: _Chunk, bufs: _Buffers) -> None:
             hg, nb, lc = c.heads[1] - c.heads[0], c.num_blocks, c.block_tokens
             mat_d, mat_e = (b, hg, nb, lc, d), (b, hg, nb, lc, e)
             qv, gv = _token_view(q, c, grid), _token_view(grad, c, grid)
@@ -520,7 +590,7 @@ class _MHLAFunction(torch.autograd.Function):
             gp = bufs.get(2, gv.shape).copy_(gv).view(mat_e)
             sb = _summary_view(s_mixed, c).reshape(b, hg, nb, d, e)
             u = torch.matmul(gp, sb.transpose(-1, -2), out=bufs.get(3, mat_d))  # g S~^T
-            if normalize:
+            if dz_mixed is not None:  # with the normalizer
                 zb = _summary_view(z_mixed, c).reshape(b, hg, nb, 1, d)
                 den = torch.matmul(fq, zb.transpose(-1, -2)).add_(eps)  # (..., lc, 1)
                 gp.div_(den)
@@ -544,7 +614,7 @@ class _MHLAFunction(torch.autograd.Function):
         if mixing is not None and ctx.needs_input_grad[3]:
             # dm_ij = sum over the batch (and the heads, for a shared matrix) of <dS~_i, S_j> + <dz~_i, z_j>
             dmix = torch.matmul(ds_mixed.view(flat), s.view(flat).transpose(-1, -2))
-            if normalize:
+            if dz_mixed is not None:  # with the normalizer
                 dmix += torch.matmul(dz_mixed.view(flat), z.view(flat).transpose(-1, -2))
             dmix = dmix.sum(dim=(0, 1) if mixing.dim() == 2 else 0).to(mixing.dtype)
         ds = _mix(mixing, ds_mixed.view(flat), transpose=True, inplace=True).view(s_mixed.shape)
@@ -557,7 +627,7 @@ class _MHLAFunction(torch.autograd.Function):
         dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
         dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
 
-        def key_step(c, bufs):
+        def key_step(c: _Chunk, bufs: _Buffers) -> None:
             hg, nb, lc = c.heads[1] - c.heads[0], c.num_blocks, c.block_tokens
             mat_d, mat_e = (b, hg, nb, lc, d), (b, hg, nb, lc, e)
             kv, vv = _token_view(k, c, grid), _token_view(v, c, grid)
@@ -571,7 +641,7 @@ class _MHLAFunction(torch.autograd.Function):
             dvv.copy_(dvp.view(dvv.shape))
             drk = torch.matmul(vp, dsb.transpose(-1, -2), out=bufs.get(4, mat_d))
             dfk = drk if tv is None else _rotate_into(drk.view(kv.shape), tv.conj(), bufs.get(1, kv.shape)).view(mat_d)
-            if normalize:
+            if dz is not None:  # with the normalizer
                 dfk.add_(_summary_view(dz, c).reshape(b, hg, nb, 1, d))
             _phi_backward_into(dfk.view(kv.shape), kv, _token_view(dk, c, grid), feature_map, bufs.get(0, kv.shape))
 
@@ -579,7 +649,7 @@ class _MHLAFunction(torch.autograd.Function):
         return dq, dk, dv, dmix, None, None, None, None, None, None, None, None
 
 
-def _max_chunk(plan, batch: int, width: int) -> int:
+def _max_chunk(plan: Sequence[_Chunk], batch: int, width: int) -> int:
     return batch * width * max((c.heads[1] - c.heads[0]) * c.num_blocks * c.block_tokens for c in plan)
 
 
@@ -592,7 +662,18 @@ def _rope_table(rotary_emb: Rotary | None, dt: torch.dtype) -> torch.Tensor | No
     return torch.complex(cos[0, :, 0, 0::2].to(dt), sin[0, :, 0, 1::2].to(dt))
 
 
-def _chunked(q, k, v, layout, mixing, feature_map, normalize, rotary_emb, eps, out_dtype):
+def _chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: BlockLayout,
+    mixing: torch.Tensor | None,
+    feature_map: str,
+    normalize: bool,
+    rotary_emb: Rotary | None,
+    eps: float,
+    out_dtype: torch.dtype | None,
+) -> torch.Tensor:
     grid = layout.grid
     plan = _plan(grid, layout.blocks, q.shape[2], max(1, CHUNK_TOKEN_HEADS // q.shape[0]))
     table = _rope_table(rotary_emb, _compute_dtype(q))
@@ -608,7 +689,7 @@ class _NoCtx:
 
     needs_input_grad = (False,) * 12
 
-    def save_for_backward(self, *tensors):
+    def save_for_backward(self, *tensors: torch.Tensor | None) -> None:
         pass
 
 

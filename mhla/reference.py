@@ -19,7 +19,9 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
-def softmax_attention_dense(q, k, v, scale: float | None = None) -> torch.Tensor:
+def softmax_attention_dense(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
+) -> torch.Tensor:
     """``out_t = sum_s softmax_s(q_t . k_s * scale) v_s`` with ``scale = 1/sqrt(d)`` by default."""
     dt = _compute_dtype(q)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
@@ -28,7 +30,12 @@ def softmax_attention_dense(q, k, v, scale: float | None = None) -> torch.Tensor
 
 
 def mhla_weights_dense(
-    q, k, layout: BlockLayout, mixing: torch.Tensor, feature_map: str = "relu", rotary_emb: Rotary | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    layout: BlockLayout,
+    mixing: torch.Tensor,
+    feature_map: str = "relu",
+    rotary_emb: Rotary | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Unnormalised MHLA weights ``(B, H, N, N)``: numerator ``m_{b(t)b(s)} phi(q_t).phi(k_s)``
     (RoPE on phi(q), phi(k) when given) and normalizer weights (never RoPE'd)."""
@@ -50,9 +57,9 @@ def mhla_weights_dense(
 
 
 def mhla_attention_dense(
-    q,
-    k,
-    v,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
     layout: BlockLayout,
     mixing: torch.Tensor,
     feature_map: str = "relu",
@@ -73,7 +80,15 @@ def mhla_attention_dense(
     return out.to(q.dtype)
 
 
-def linear_attention_dense(q, k, v, feature_map="relu", normalize=True, rotary_emb=None, eps=1e-6) -> torch.Tensor:
+def linear_attention_dense(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    feature_map: str = "relu",
+    normalize: bool = True,
+    rotary_emb: Rotary | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
     """Vanilla linear attention: every query sees one global summary (MHLA with a single block)."""
     n = q.shape[1]
     layout = BlockLayout((1, 1, n), (1, 1, 1))

@@ -12,6 +12,8 @@ from __future__ import annotations
 import importlib
 import math
 from functools import cache
+from types import ModuleType
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -27,12 +29,12 @@ _EXTERNAL = ("flash_attn_3", "flash_attn", "xformers")
 SOFTMAX_BACKENDS = ("auto", *_EXTERNAL, "sdpa", *_SDPA_KERNELS)
 
 _last_backend: str | None = None
-# (device type, device index, dtype, head dim, needs grad) -> backend that worked for "auto"
-_auto_choice: dict[tuple, str] = {}
+# (device type, device index, dtype, q head dim, v head dim, needs grad) -> backend that worked for "auto"
+_auto_choice: dict[tuple[str, int | None, torch.dtype, int, int, bool], str] = {}
 
 
 @cache
-def _module(name: str):
+def _module(name: str) -> ModuleType | None:
     try:
         return importlib.import_module(name)
     except Exception:  # missing, or built for another torch/CUDA: treat as absent
@@ -65,14 +67,15 @@ def candidate_backends(q: torch.Tensor) -> list[str]:
     return out
 
 
-def _run(name: str, q, k, v, scale: float) -> torch.Tensor:
+def _run(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     if name == "flash_attn_3":
-        out = _module("flash_attn_interface").flash_attn_func(q, k, v, softmax_scale=scale)
+        # the external modules are used only once installed_external_backends() has found them
+        out = cast(ModuleType, _module("flash_attn_interface")).flash_attn_func(q, k, v, softmax_scale=scale)
         return out[0] if isinstance(out, tuple) else out
     if name == "flash_attn":
-        return _module("flash_attn").flash_attn_func(q, k, v, softmax_scale=scale)
+        return cast(ModuleType, _module("flash_attn")).flash_attn_func(q, k, v, softmax_scale=scale)
     if name == "xformers":
-        return _module("xformers.ops").memory_efficient_attention(q, k, v, scale=scale)
+        return cast(ModuleType, _module("xformers.ops")).memory_efficient_attention(q, k, v, scale=scale)
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
     if name == "sdpa":
         out = F.scaled_dot_product_attention(qt, kt, vt, scale=scale)
@@ -82,7 +85,9 @@ def _run(name: str, q, k, v, scale: float) -> torch.Tensor:
     return out.transpose(1, 2)
 
 
-def softmax_attention(q, k, v, backend: str = "auto", scale: float | None = None) -> torch.Tensor:
+def softmax_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = "auto", scale: float | None = None
+) -> torch.Tensor:
     """Softmax attention on ``(batch, tokens, heads, head_dim)`` tensors; returns the same layout.
 
     ``backend``: one of :data:`SOFTMAX_BACKENDS`. ``"auto"`` tries the fastest first and remembers

@@ -34,7 +34,9 @@ against the dense reference when no GPU is present.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
@@ -73,7 +75,7 @@ def _pow2(x: int) -> int:
     return max(16, 1 << (int(x) - 1).bit_length())
 
 
-def _dot_types(dtype: torch.dtype):
+def _dot_types(dtype: torch.dtype) -> tuple[Any, str]:
     """Operand dtype and precision of the kernels' matrix products for inputs of ``dtype``.
 
     bf16 inputs multiply in bf16 (float32's range). fp16 inputs multiply as float32 operands on TF32
@@ -130,7 +132,7 @@ FIXED_LAUNCH = {
 }
 
 
-def _launch_configs(name: str) -> list:
+def _launch_configs(name: str) -> list[Any]:
     if triton is None:
         return []
     if _interpreted():
@@ -138,11 +140,11 @@ def _launch_configs(name: str) -> list:
     return [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=st) for n, w, st in TUNE_CANDIDATES[name]]
 
 
-def _prune_for(name: str):
+def _prune_for(name: str) -> Callable[..., list[Any]]:
     """Exact float32 products: the fixed setting only (see above)."""
     fixed = FIXED_LAUNCH[name]
 
-    def prune(configs, named_args, **kwargs):
+    def prune(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
         if kwargs.get("PRECISION") != "ieee" or len(configs) == 1:
             return configs
         keep = [
@@ -167,10 +169,10 @@ if triton is not None:
     }
 
 
-def tuned_launches() -> dict:
+def tuned_launches() -> dict[str, dict[str, str]]:
     """Launch settings the autotuner has chosen in this process: ``{kernel: {shape key: settings}}``
     (empty where nothing was tuned: no GPU, or the interpreter's single setting)."""
-    out: dict = {}
+    out: dict[str, dict[str, str]] = {}
     if triton is None:
         return out
     for name, tuner in _TUNED.items():
@@ -217,10 +219,10 @@ def _mixing_grad(d_mixed: torch.Tensor, summaries: torch.Tensor) -> torch.Tensor
     return torch.bmm(a.float(), b.float())
 
 
-_rope_cache: dict = {}  # the last rotary tables seen and their halves (see _rope_halves)
+_rope_cache: dict[Any, Any] = {}  # the last rotary tables seen and their halves (see _rope_halves)
 
 
-def _rope_halves(rotary_emb, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+def _rope_halves(rotary_emb: Rotary, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """cos at even and sin at odd channels, contiguous, in ``dtype``: the halves v2's kernels read
     (bf16 for bf16 inputs: half the bytes every program reads, and the rotated features are rounded
     to bf16 for the products anyway; float32 otherwise).
@@ -260,14 +262,16 @@ def check_offsets(name: str, t: torch.Tensor) -> None:
 
 
 class _Geometry:
-    def __init__(self, q, v, layout: BlockLayout, rotary_emb, version: str):
+    def __init__(
+        self, q: torch.Tensor, v: torch.Tensor, layout: BlockLayout, rotary_emb: Rotary | None, version: str
+    ) -> None:
         self.B, self.N, self.H, D = q.shape
         self.D_HALF, self.E = D // 2, v.shape[-1]
         self.M = layout.num_blocks
         self.grid_args = (self.B, self.N, self.H, *layout.grid, *layout.blocks, self.M, self.D_HALF, self.E)
         self.launch = (self.B * self.H, self.M)
         self.use_rope = rotary_emb is not None
-        if not self.use_rope:
+        if rotary_emb is None:
             self.cos = self.sin = q  # unused pointers
             self.rope_strides = (0, 0)
         else:
@@ -285,13 +289,13 @@ class _Geometry:
         self.dot_dtype, self.precision = _dot_types(q.dtype)
         self.summary_dtype = summary_dtype(version, q.dtype)  # the normalizer sums z stay float32 (small)
 
-    def run(self, name: str, *args, **meta) -> None:
+    def run(self, name: str, *args: Any, **meta: Any) -> None:
         if PROFILE_RANGES:  # a named range per launch, so that a profile shows interpreted kernels too
             with torch.profiler.record_function(f"mhla.{name}"):
                 return self._launch(name, *args, **meta)
         return self._launch(name, *args, **meta)
 
-    def _launch(self, name: str, *args, **meta) -> None:
+    def _launch(self, name: str, *args: Any, **meta: Any) -> None:
         if _INTERCEPT is not None:  # see intercept_launches
             _INTERCEPT(self, name, args, meta)
             return
@@ -303,11 +307,12 @@ class _Geometry:
             _TUNED[name][self.launch](*args, **meta, **self.static)
 
 
-_INTERCEPT = None
+LaunchCallback = Callable[[_Geometry, str, tuple[Any, ...], dict[str, Any]], None]
+_INTERCEPT: LaunchCallback | None = None
 
 
 @contextmanager
-def intercept_launches(callback):
+def intercept_launches(callback: LaunchCallback) -> Iterator[None]:
     """While active, every kernel launch calls ``callback(geometry, name, args, meta)`` instead of running:
     for tools that need a launch's exact arguments without a GPU (``benchmarks.kernel_resources``
     compiles the kernels ahead of time from them). ``geometry`` has ``static`` (compile-time constants),
@@ -331,7 +336,20 @@ class _MHLAFunction(torch.autograd.Function):
     mixed summary is then one per (batch, head), ``SHARED`` in the kernels, instead of M equal copies."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mixing, layout, feature, normalize, rotary_emb, eps, out_dtype, version):
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mixing: torch.Tensor | None,
+        layout: BlockLayout,
+        feature: int,
+        normalize: bool,
+        rotary_emb: Rotary | None,
+        eps: float,
+        out_dtype: torch.dtype,
+        version: str,
+    ) -> torch.Tensor:
         g = _Geometry(q, v, layout, rotary_emb, version)
         shared = mixing is None
         summaries = q.new_empty((g.B * g.H, g.M, 2 * g.D_HALF, g.E), dtype=g.summary_dtype)
@@ -372,7 +390,7 @@ class _MHLAFunction(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, mixing, summaries, z, den = ctx.saved_tensors
         normalize = ctx.normalize
         shared = mixing is None
@@ -423,7 +441,9 @@ class _MHLAFunction(torch.autograd.Function):
         return dq, dk, dv, d_mixing, None, None, None, None, None, None, None
 
 
-def _mix_all(mixing, summaries, z, g: _Geometry, normalize: bool):
+def _mix_all(
+    mixing: torch.Tensor | None, summaries: torch.Tensor, z: torch.Tensor, g: _Geometry, normalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The mixed summaries S~ and normalizer sums z~ the output and backward kernels read: ``m @ S``,
     or for ``mixing`` None one float32 sum over the blocks per (batch, head)."""
     if mixing is None:
@@ -457,7 +477,19 @@ def mhla_attention_fused(
     return _fused(q, k, v, layout, mixing.float(), feature_map, normalize, rotary_emb, eps, out_dtype, version)
 
 
-def _fused(q, k, v, layout, mixing, feature_map, normalize, rotary_emb, eps, out_dtype, version):
+def _fused(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: BlockLayout,
+    mixing: torch.Tensor | None,
+    feature_map: str,
+    normalize: bool,
+    rotary_emb: Rotary | None,
+    eps: float,
+    out_dtype: torch.dtype | None,
+    version: str,
+) -> torch.Tensor:
     """Checks the arguments the kernels rely on and runs them; ``mixing`` None: linear attention."""
     if triton is None:
         raise RuntimeError("the fused kernels need Triton; use mhla.mhla_attention on this machine")
@@ -487,7 +519,15 @@ def _fused(q, k, v, layout, mixing, feature_map, normalize, rotary_emb, eps, out
 
 
 def linear_attention_fused(
-    q, k, v, feature_map="relu", normalize=True, rotary_emb=None, eps=1e-6, out_dtype=None, version="v2"
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    feature_map: str = "relu",
+    normalize: bool = True,
+    rotary_emb: Rotary | None = None,
+    eps: float = 1e-6,
+    out_dtype: torch.dtype | None = None,
+    version: str = "v2",
 ) -> torch.Tensor:
     """Vanilla linear attention by the fused kernels.
 

@@ -19,7 +19,9 @@ processor of the model shares (see :mod:`pipelines.convert`).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +29,7 @@ from torch import nn
 
 import mhla
 from mhla.layout import Grid, cached_layout
+from mhla.rope import Rotary
 
 from .timing import AttentionTimer
 
@@ -72,7 +75,7 @@ class AttentionOptions:
     softmax_backend: str = "auto"
     constrain_mixing: bool = True
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         object.__setattr__(self, "blocks", mhla.parse_blocks(self.blocks))
         mhla.get_feature_map(self.feature_map)
         if self.output_norm not in OUTPUT_NORMS:
@@ -82,20 +85,20 @@ class AttentionOptions:
         if self.softmax_backend not in mhla.SOFTMAX_BACKENDS:
             raise ValueError(f"softmax_backend must be one of {mhla.SOFTMAX_BACKENDS}, got {self.softmax_backend!r}")
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["blocks"] = list(self.blocks)
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> AttentionOptions:
+    def from_dict(cls, d: dict[str, Any]) -> AttentionOptions:
         known = {f.name for f in fields(cls)}
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"unknown attention options {sorted(unknown)}; expected some of {sorted(known)}")
         return cls(**d)
 
-    def replace(self, **changes) -> AttentionOptions:
+    def replace(self, **changes: Any) -> AttentionOptions:
         return replace(self, **changes)
 
 
@@ -104,7 +107,7 @@ def hybrid_layers(num_layers: int, softmax_every: int = 3) -> list[int]:
     return [i for i in range(num_layers) if i % softmax_every != 0]
 
 
-def linear_layers_for(variant: str, num_layers: int, layers=None) -> list[int]:
+def linear_layers_for(variant: str, num_layers: int, layers: Iterable[int] | None = None) -> list[int]:
     """Indices of the layers that ``variant`` runs as linear attention (MHLA or vanilla).
 
     ``layers`` (an explicit list) is accepted for ``mhla-hybrid`` only.
@@ -194,11 +197,19 @@ class LinearSelfAttention(nn.Module):
 
     def layout_for(self, grid: Grid) -> tuple[mhla.BlockLayout, bool]:
         """The layout used on ``grid`` and whether it was shrunk from the model's block count."""
-        grid = tuple(int(x) for x in grid)
+        grid = cast(Grid, tuple(int(x) for x in grid))
         blocks = mhla.fit_blocks(self.options.blocks, grid)
         return cached_layout(grid, blocks), blocks != self.options.blocks
 
-    def forward(self, q, k, v, grid: Grid | None, rotary_emb=None, x: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        grid: Grid | None,
+        rotary_emb: Rotary | None = None,
+        x: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """q, k, v ``(B, N, H, D)``; ``grid`` ``(F, H, W)`` with ``F*H*W == N`` (MHLA only);
         ``x`` the layer input ``(B, N, dim)`` (gate only). Returns ``(B, N, H, D)``."""
         rope = rotary_emb if self.options.rope else None
@@ -243,7 +254,7 @@ class SelfAttentionContext:
     grid: Grid | None = None
     timer: AttentionTimer = field(default_factory=AttentionTimer)
     softmax_backend: str | None = None
-    layouts: set = field(default_factory=set)
+    layouts: set[str] = field(default_factory=set)
 
 
 class SelfAttentionProcessor:
@@ -259,7 +270,14 @@ class SelfAttentionProcessor:
         self.context = context
         self.layer = layer
 
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
+    def __call__(
+        self,
+        attn: Any,  # diffusers' WanAttention
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        rotary_emb: Rotary | None = None,
+    ) -> torch.Tensor:
         if encoder_hidden_states is not None:
             raise ValueError(f"{type(self).__name__} is for self-attention (attn1) only; it got encoder_hidden_states")
         if attention_mask is not None:
@@ -277,7 +295,15 @@ class SelfAttentionProcessor:
         out = out.flatten(2, 3).type_as(query)
         return attn.to_out[1](attn.to_out[0](out))
 
-    def attend(self, attn, q, k, v, rotary_emb, hidden_states) -> torch.Tensor:
+    def attend(
+        self,
+        attn: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rotary_emb: Rotary | None,
+        hidden_states: torch.Tensor,
+    ) -> torch.Tensor:
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -293,7 +319,15 @@ class SoftmaxSelfAttnProcessor(SelfAttentionProcessor):
         super().__init__(context, layer)
         self.backend = backend
 
-    def attend(self, attn, q, k, v, rotary_emb, hidden_states):
+    def attend(
+        self,
+        attn: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rotary_emb: Rotary | None,
+        hidden_states: torch.Tensor,
+    ) -> torch.Tensor:
         if rotary_emb is not None:
             # same rotation as diffusers' WanAttnProcessor, computed in float32, back to the input dtype
             q = mhla.apply_rotary(q, rotary_emb).type_as(v)
@@ -311,7 +345,15 @@ class LinearSelfAttnProcessor(SelfAttentionProcessor):
         self.kind = kind
         self.variant = kind
 
-    def attend(self, attn, q, k, v, rotary_emb, hidden_states):
+    def attend(
+        self,
+        attn: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rotary_emb: Rotary | None,
+        hidden_states: torch.Tensor,
+    ) -> torch.Tensor:
         module: LinearSelfAttention = getattr(attn, PARAM_ATTRS[self.kind])
         if module.mhla is not None and self.context.grid is not None:
             layout, shrunk = module.layout_for(self.context.grid)

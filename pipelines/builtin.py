@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from .model_dir import missing_model_files
 
@@ -39,7 +40,7 @@ def builtin_available(root: str | Path = BUILTIN_DIR) -> bool:
     return (root / "builtin.json").is_file() and not missing_model_files(root)
 
 
-def builtin_info(root: str | Path = BUILTIN_DIR) -> dict:
+def builtin_info(root: str | Path = BUILTIN_DIR) -> dict[str, Any]:
     """Contents of ``builtin.json``: how the built-in model was trained."""
     return json.loads((Path(root) / "builtin.json").read_text())
 

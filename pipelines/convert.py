@@ -17,6 +17,8 @@ to ``config.json``)::
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,12 +33,15 @@ from .attention import (
     linear_layers_for,
 )
 
+if TYPE_CHECKING:
+    from diffusers import WanTransformer3DModel
+
 CONFIG_KEY = "self_attention"
 _CONTEXT_ATTR = "_self_attention_context"
 _HOOK_ATTR = "_self_attention_grid_hook"
 
 
-def attention_context(transformer) -> SelfAttentionContext:
+def attention_context(transformer: WanTransformer3DModel) -> SelfAttentionContext:
     """The :class:`SelfAttentionContext` of ``transformer``, created (with its grid hook) on first use."""
     ctx = getattr(transformer, _CONTEXT_ATTR, None)
     if ctx is None:
@@ -48,7 +53,7 @@ def attention_context(transformer) -> SelfAttentionContext:
     return ctx
 
 
-def _record_grid(module, args, kwargs):
+def _record_grid(module: WanTransformer3DModel, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     # hidden_states is (B, C, T, H, W) before patching; the token grid is that divided by the patch size.
     hidden_states = kwargs.get("hidden_states", args[0] if args else None)
     if hidden_states is None or hidden_states.dim() != 5:
@@ -58,7 +63,7 @@ def _record_grid(module, args, kwargs):
     getattr(module, _CONTEXT_ATTR).grid = (t // p_t, h // p_h, w // p_w)
 
 
-def self_attention_state(transformer) -> dict:
+def self_attention_state(transformer: WanTransformer3DModel) -> dict[str, Any]:
     """The model's conversion record (see the module docstring); ``flash`` with no parameters if unconverted."""
     state = transformer.config.get(CONFIG_KEY) if hasattr(transformer.config, "get") else None
     if not state:
@@ -71,12 +76,12 @@ def self_attention_state(transformer) -> dict:
     return copy.deepcopy(dict(state))
 
 
-def attention_options(transformer) -> AttentionOptions:
+def attention_options(transformer: WanTransformer3DModel) -> AttentionOptions:
     return AttentionOptions.from_dict(self_attention_state(transformer)["options"])
 
 
-def _param_layers(transformer) -> dict[str, list[int]]:
-    out = {kind: [] for kind in PARAM_ATTRS}
+def _param_layers(transformer: WanTransformer3DModel) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {kind: [] for kind in PARAM_ATTRS}
     for i, block in enumerate(transformer.blocks):
         for kind, attr in PARAM_ATTRS.items():
             if isinstance(getattr(block.attn1, attr, None), LinearSelfAttention):
@@ -84,7 +89,7 @@ def _param_layers(transformer) -> dict[str, list[int]]:
     return out
 
 
-def _check_options(existing: AttentionOptions, requested: AttentionOptions, params: dict) -> None:
+def _check_options(existing: AttentionOptions, requested: AttentionOptions, params: dict[str, list[int]]) -> None:
     shaping = []
     if params["mhla"]:
         shaping += ["blocks", "per_head_mixing", "learnable_mixing"]
@@ -99,7 +104,9 @@ def _check_options(existing: AttentionOptions, requested: AttentionOptions, para
             )
 
 
-def add_attention_parameters(transformer, kind: str, layers: list[int], options: AttentionOptions) -> None:
+def add_attention_parameters(
+    transformer: WanTransformer3DModel, kind: str, layers: Iterable[int], options: AttentionOptions
+) -> None:
     """Adds a freshly initialised :class:`LinearSelfAttention` of ``kind`` to ``attn1`` of each of ``layers``
     that lacks one (locality-initialised mixing, RMSNorm weight 1, zero gate). Processors are not changed."""
     if kind not in PARAM_ATTRS:
@@ -118,12 +125,12 @@ def add_attention_parameters(transformer, kind: str, layers: list[int], options:
 
 
 def convert_self_attention(
-    transformer,
+    transformer: WanTransformer3DModel,
     variant: str,
     layers: list[int] | None = None,
     options: AttentionOptions | None = None,
     allow_new_parameters: bool = True,
-):
+) -> WanTransformer3DModel:
     """Makes ``transformer``'s self-attention run as ``variant``, in place; returns ``transformer``.
 
     Args:
@@ -161,7 +168,7 @@ def convert_self_attention(
     params = _param_layers(transformer)
 
     ctx = attention_context(transformer)
-    processors = {}
+    processors: dict[str, object] = {}  # by name: ours for attn1, the model's own elsewhere
     for name, proc in transformer.attn_processors.items():
         # keys look like "blocks.12.attn1.processor"
         parts = name.split(".")
@@ -202,7 +209,7 @@ def convert_self_attention(
     return transformer
 
 
-def clone_transformer(transformer):
+def clone_transformer(transformer: WanTransformer3DModel) -> WanTransformer3DModel:
     """An independent copy of a (converted) transformer: same weights, variant and options, its own
     processors, context and grid hook. For keeping one transformer per variant while sharing the rest."""
     ctx = transformer.__dict__.pop(_CONTEXT_ATTR, None)
@@ -223,7 +230,9 @@ def clone_transformer(transformer):
     return convert_self_attention(clone, state["variant"], layers, options, allow_new_parameters=False)
 
 
-def set_variant(transformer, variant: str, layers: list[int] | None = None):
+def set_variant(
+    transformer: WanTransformer3DModel, variant: str, layers: list[int] | None = None
+) -> WanTransformer3DModel:
     """Switches a converted model's variant without creating parameters (e.g. ``mhla`` <-> ``flash``).
 
     Raises ``ValueError`` naming the layers that lack the variant's parameters.
@@ -231,5 +240,5 @@ def set_variant(transformer, variant: str, layers: list[int] | None = None):
     return convert_self_attention(transformer, variant, layers, allow_new_parameters=False)
 
 
-def current_variant(transformer) -> str:
+def current_variant(transformer: WanTransformer3DModel) -> str:
     return self_attention_state(transformer)["variant"]

@@ -11,8 +11,10 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import mhla
 
@@ -30,8 +32,13 @@ from .pipeline import (  # noqa: F401
 from .request import MHLA_VARIANTS, GenerationRequest, latent_grid, validate_request  # noqa: F401
 from .timing import format_comparison, format_timing
 
+if TYPE_CHECKING:
+    import torch
 
-def _parse_args(argv=None) -> argparse.Namespace:
+    from .loading import WanComponents
+
+
+def _parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m pipelines.generate",
         description="Wan2.1 text-to-video with softmax ('flash'), linear, MHLA or hybrid MHLA self-attention.",
@@ -99,7 +106,7 @@ def _out_path(out: str, variant: str, many: bool) -> Path:
     return path.with_name(f"{path.stem}_{variant}{path.suffix}") if many else path
 
 
-def _check_trained_blocks(variant: str, blocks: str | None, transformer_dir) -> None:
+def _check_trained_blocks(variant: str, blocks: str | None, transformer_dir: str | Path | None) -> None:
     """A fine-tuned MHLA transformer's mixing coefficients are M x M for its own block layout: another
     ``--blocks`` would need new ones, so it is refused before anything loads."""
     if variant not in MHLA_VARIANTS or not blocks or transformer_dir is None:
@@ -125,17 +132,16 @@ class _Plan:
 
     requests: list[GenerationRequest]
     outputs: list[tuple[Path, Path | None, Path | None]]  # (mp4, gif, grid png) per request
-    overrides: dict
-    device: object
-    dtype: object
+    overrides: dict[str, Any]
+    device: torch.device
+    dtype: torch.dtype
 
 
-def _preflight(args) -> _Plan:
+def _preflight(args: argparse.Namespace) -> _Plan:
     """Checks everything that needs no model (config files are read, no weights); raises ValueError or
     FileNotFoundError naming the bad value."""
     from .builtin import TINY_RANDOM
     from .loading import (
-        check_model_dir,
         model_num_layers,
         model_patch_size,
         model_settings,
@@ -144,6 +150,7 @@ def _preflight(args) -> _Plan:
         resolve_dtype,
         saved_transformer_config,
     )
+    from .model_dir import check_model_dir
     from .video import check_output_path
 
     if args.transformer:
@@ -206,7 +213,7 @@ def _preflight(args) -> _Plan:
     return _Plan(requests, outputs, overrides, device, resolve_dtype(args.dtype, device))
 
 
-def _load(args, plan: _Plan):
+def _load(args: argparse.Namespace, plan: _Plan) -> WanComponents:
     """The model's components, with ``--transformer`` in place of its own; raises ValueError when it does
     not fit."""
     from .loading import load_components, load_transformer
@@ -227,7 +234,7 @@ def _load(args, plan: _Plan):
     return components
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     from .loading import load_transformer
     from .video import write_frame_grid, write_gif, write_mp4
 

@@ -47,8 +47,10 @@ import re
 import shutil
 import sys
 import zipfile
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -56,6 +58,9 @@ from .attention import AttentionOptions, hybrid_layers
 from .convert import convert_self_attention
 from .loading import save_transformer
 from .model_dir import check_finite, check_model_dir, check_weight_files
+
+if TYPE_CHECKING:
+    from diffusers import WanTransformer3DModel
 
 # The only token grid the authors trained and run at: 81 frames at 480x800 -> 21x30x50 latent tokens.
 OFFICIAL_GRID = (21, 30, 50)
@@ -74,7 +79,7 @@ COMPONENTS = ("scheduler", "tokenizer", "text_encoder", "vae")
 RECORD = "import_official.json"
 
 # Their forward (module docstring). Layout ("blocks") is added per checkpoint.
-OFFICIAL_OPTIONS = dict(
+OFFICIAL_OPTIONS: dict[str, Any] = dict(
     feature_map="relu",
     normalize=False,
     output_norm="rms_head",
@@ -86,14 +91,14 @@ OFFICIAL_OPTIONS = dict(
 )
 
 
-def _grid_text(grid) -> str:
+def _grid_text(grid: Iterable[int]) -> str:
     return "x".join(str(int(x)) for x in grid)
 
 
 # --------------------------------------------------------------------------------------------- reading files
 
 
-def _flat_tensors(obj, path: Path, state_dict_key: str | None) -> tuple[dict[str, torch.Tensor], str | None]:
+def _flat_tensors(obj: Any, path: Path, state_dict_key: str | None) -> tuple[dict[str, torch.Tensor], str | None]:
     """The tensor dict inside a loaded .pt object, and the key it was found under (None: top level)."""
     if not isinstance(obj, dict):
         raise ValueError(f"{str(path)!r} holds a {type(obj).__name__}, expected a dict of tensors (a state dict)")
@@ -135,7 +140,9 @@ def _is_pickle(path: Path) -> bool:
         return False
 
 
-def load_checkpoint_tensors(path: str | Path, state_dict_key: str | None = None) -> tuple[dict, str | None]:
+def load_checkpoint_tensors(
+    path: str | Path, state_dict_key: str | None = None
+) -> tuple[dict[str, torch.Tensor], str | None]:
     """Reads a checkpoint: ``.safetensors``, or ``.pt/.pth/.bin/.ckpt`` through ``torch.load(weights_only=True)``.
 
     Returns ``(tensors, key)``: a flat ``{name: tensor}`` and where in a training checkpoint it was found.
@@ -186,7 +193,7 @@ def load_checkpoint_tensors(path: str | Path, state_dict_key: str | None = None)
 # --------------------------------------------------------------------------------------------- key mapping
 
 
-def _strip_wrappers(names) -> dict[str, str]:
+def _strip_wrappers(names: Iterable[str]) -> dict[str, str]:
     """``{clean name: stored name}`` with wrapper prefixes (:data:`_WRAPPER_PREFIXES`) removed."""
     out = {}
     for name in names:
@@ -201,7 +208,7 @@ def _strip_wrappers(names) -> dict[str, str]:
     return out
 
 
-def diffusers_names(original_names) -> dict[str, str]:
+def diffusers_names(original_names: Iterable[str]) -> dict[str, str]:
     """``{original Wan name: diffusers name}`` through diffusers' single-file Wan mapping.
 
     The mapping renames in place; it runs on a dict of names (not tensors), so nothing is loaded.
@@ -225,7 +232,7 @@ def mhla_param_names(layer: int) -> tuple[str, str]:
 # --------------------------------------------------------------------------------------------- layouts
 
 
-def infer_blocks(num_blocks: int, grid=OFFICIAL_GRID) -> tuple[int, int, int]:
+def infer_blocks(num_blocks: int, grid: Iterable[int] = OFFICIAL_GRID) -> tuple[int, int, int]:
     """The block layout ``(bf, bh, bw)`` of an ``M x M`` mixing matrix trained on ``grid``.
 
     Their code only splits grids evenly, so candidates are ``bf * bh * bw == M`` with each count dividing
@@ -273,14 +280,14 @@ class ImportPlan:
     blocks_source: str
     grid: tuple[int, int, int]
     names: dict[str, str] = field(default_factory=dict)
-    reshape: set = field(default_factory=set)
+    reshape: set[str] = field(default_factory=set)
 
     @property
     def options(self) -> AttentionOptions:
         return AttentionOptions(blocks=self.blocks, **OFFICIAL_OPTIONS)
 
 
-def _expected_shapes(transformer_config: dict) -> dict[str, tuple]:
+def _expected_shapes(transformer_config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """Parameter shapes of a Wan transformer of this config, built on the meta device (no memory, no init)."""
     from diffusers import WanTransformer3DModel
 
@@ -290,7 +297,7 @@ def _expected_shapes(transformer_config: dict) -> dict[str, tuple]:
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
-def _layer_list(layers) -> str:
+def _layer_list(layers: Iterable[int]) -> str:
     layers = list(layers)
     return (
         str(layers) if len(layers) <= 12 else f"[{', '.join(map(str, layers[:8]))}, ..., {layers[-1]}] ({len(layers)})"
@@ -298,11 +305,11 @@ def _layer_list(layers) -> str:
 
 
 def plan_import(
-    shapes: dict[str, tuple],
-    transformer_config: dict,
-    grid=OFFICIAL_GRID,
+    shapes: dict[str, tuple[int, ...]],
+    transformer_config: dict[str, Any],
+    grid: str | Sequence[int] = OFFICIAL_GRID,
     hybrid: bool | None = None,
-    blocks=None,
+    blocks: str | Sequence[int] | None = None,
 ) -> ImportPlan:
     """Checks a checkpoint's names and shapes against a Wan transformer config; raises before any heavy work.
 
@@ -377,7 +384,7 @@ def plan_import(
         )
 
     # mixing matrices and output norms
-    sizes = {}
+    sizes: dict[int, list[int]] = {}
     for layer in layers:
         conv = tuple(shapes[clean[mhla_keys[layer][MIXING_KEY]]])
         if not (len(conv) in (2, 4) and conv[0] == conv[1] and conv[2:] in ((), (1, 1))):
@@ -385,10 +392,10 @@ def plan_import(
                 f"blocks.{layer}.{MIXING_KEY} has shape {conv}, expected (M, M, 1, 1): a 1x1 conv over M blocks"
             )
         sizes.setdefault(conv[0], []).append(layer)
-        norm = tuple(shapes[clean[mhla_keys[layer][NORM_KEY]]])
-        if norm != (head_dim,):
+        norm_shape = tuple(shapes[clean[mhla_keys[layer][NORM_KEY]]])
+        if norm_shape != (head_dim,):
             raise ValueError(
-                f"blocks.{layer}.{NORM_KEY} has shape {norm}, expected ({head_dim},): one RMSNorm "
+                f"blocks.{layer}.{NORM_KEY} has shape {norm_shape}, expected ({head_dim},): one RMSNorm "
                 f"weight per head channel (attention_head_dim={head_dim}), shared by the {heads} heads"
             )
     if len(sizes) > 1:
@@ -443,7 +450,9 @@ def plan_import(
 # --------------------------------------------------------------------------------------------- import
 
 
-def build_transformer(plan: ImportPlan, transformer_config: dict, tensors: dict[str, torch.Tensor]):
+def build_transformer(
+    plan: ImportPlan, transformer_config: dict[str, Any], tensors: dict[str, torch.Tensor]
+) -> WanTransformer3DModel:
     """A float32 ``WanTransformer3DModel`` of ``transformer_config`` converted to ``plan.variant`` in the
     compatibility mode, holding ``tensors`` (checkpoint names); every parameter is checked to be loaded."""
     from diffusers import WanTransformer3DModel
@@ -484,8 +493,8 @@ def import_official(
     base: str | Path,
     out: str | Path,
     hybrid: bool | None = None,
-    grid=OFFICIAL_GRID,
-    blocks=None,
+    grid: str | Sequence[int] = OFFICIAL_GRID,
+    blocks: str | Sequence[int] | None = None,
     components: str = "link",
     state_dict_key: str | None = None,
 ) -> Path:
@@ -555,7 +564,7 @@ def import_official(
     return out
 
 
-def _parse_args(argv=None) -> argparse.Namespace:
+def _parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m pipelines.import_official",
         description="Import a published MHLA Wan2.1 checkpoint (full or hybrid) as a model directory.",
@@ -579,7 +588,7 @@ def _parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     import mhla
 
     args = _parse_args(argv)

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import logging as _logging
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -28,6 +30,9 @@ from .model_dir import (
 )
 from .tiny import TINY_BLOCK_SHAPE, TINY_DEFAULTS, TINY_TRANSFORMER, WAN_DEFAULTS, build_tiny_components
 
+if TYPE_CHECKING:
+    from diffusers import AutoencoderKLWan, SchedulerMixin, WanTransformer3DModel
+
 
 @dataclass
 class WanComponents:
@@ -42,19 +47,19 @@ class WanComponents:
 
     tokenizer: object
     text_encoder: torch.nn.Module
-    vae: torch.nn.Module
-    scheduler: object
-    transformer: torch.nn.Module
+    vae: AutoencoderKLWan
+    scheduler: SchedulerMixin
+    transformer: WanTransformer3DModel
     source: str
     random_weights: bool
     device: torch.device
     dtype: torch.dtype
-    defaults: dict = field(default_factory=dict)
+    defaults: dict[str, Any] = field(default_factory=dict)
     block_shape: tuple[int, int, int] = (3, 10, 10)
     variant_dirs: dict[str, Path] = field(default_factory=dict)
 
 
-def model_settings(model_dir: str | Path | None) -> tuple[dict, tuple[int, int, int], dict[str, Path]]:
+def model_settings(model_dir: str | Path | None) -> tuple[dict[str, Any], tuple[int, int, int], dict[str, Path]]:
     """``(defaults, block_shape, variant_dirs)`` of a model, read without loading it.
 
     ``None`` is the built-in model (or the tiny random one if ``assets/builtin`` is absent),
@@ -74,7 +79,7 @@ def model_settings(model_dir: str | Path | None) -> tuple[dict, tuple[int, int, 
     return dict(WAN_DEFAULTS), (3, 10, 10), {}
 
 
-def saved_transformer_config(folder: str | Path | None) -> dict | None:
+def saved_transformer_config(folder: str | Path | None) -> dict[str, Any] | None:
     """A transformer folder's ``config.json`` as a dict (None if there is none), without loading weights."""
     config = Path(folder) / "config.json" if folder is not None else None
     return read_json(config, "transformer config") if config is not None and config.is_file() else None
@@ -105,7 +110,7 @@ def model_num_layers(model_dir: str | Path | None, transformer_dir: str | Path |
     tiny = str(model_dir) == TINY_RANDOM
     where = Path(transformer_dir) if transformer_dir else (None if tiny else Path(model_dir) / "transformer")
     config = saved_transformer_config(where)
-    if config is not None:
+    if where is not None and config is not None:  # no folder, no config
         return int(require_key(config, "num_layers", where / "config.json"))
     return int(TINY_TRANSFORMER["num_layers"]) if tiny else 30
 
@@ -145,7 +150,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
 
 
 @contextmanager
-def _quiet_diffusers():
+def _quiet_diffusers() -> Iterator[None]:
     # from_pretrained warns about the config key and weights it does not know (ours); we load both ourselves.
     import diffusers
 
@@ -160,7 +165,7 @@ def _quiet_diffusers():
 
 def load_transformer(
     path: str | Path, dtype: str | torch.dtype | None = "auto", device: str | torch.device | None = "auto"
-):
+) -> WanTransformer3DModel:
     """Loads a ``WanTransformer3DModel`` saved with ``save_pretrained``, as the variant it was saved as.
 
     A plain Wan transformer loads as ``flash``. A converted one has a ``self_attention`` entry in its
@@ -210,12 +215,12 @@ def load_transformer(
     return convert_self_attention(model, state["variant"], layers, options, allow_new_parameters=False)
 
 
-def save_transformer(transformer, path: str | Path) -> None:
+def save_transformer(transformer: WanTransformer3DModel, path: str | Path) -> None:
     """``save_pretrained`` in safetensors; the variant travels in ``config.json`` (see :mod:`pipelines.convert`)."""
     transformer.save_pretrained(str(path), safe_serialization=True)
 
 
-def _load_scheduler(folder: Path):
+def _load_scheduler(folder: Path) -> SchedulerMixin:
     """The scheduler class the directory names (Wan2.1 ships UniPCMultistepScheduler with flow_shift 3.0)."""
     import diffusers
 
@@ -226,7 +231,10 @@ def _load_scheduler(folder: Path):
     return cls.from_pretrained(folder)
 
 
-def _cast(model, device: torch.device, dtype: torch.dtype):
+_Module = TypeVar("_Module", bound=torch.nn.Module)
+
+
+def _cast(model: _Module, device: torch.device, dtype: torch.dtype) -> _Module:
     """``model.to(device, dtype)`` keeping the modules diffusers keeps in float32 (norms, time embedding,
     RoPE), as ``from_pretrained(dtype=...)`` does."""
     model = model.to(device)
@@ -323,10 +331,8 @@ def load_components(
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     builtin = model_dir is None and builtin_available()
-    if model_dir is None and not builtin:
-        model_dir = TINY_RANDOM
-    if builtin:
-        model_dir = BUILTIN_DIR
+    if model_dir is None:
+        model_dir = BUILTIN_DIR if builtin else TINY_RANDOM
     if str(model_dir) == TINY_RANDOM:
         parts = build_tiny_components(seed)
         transformer = convert_self_attention(_cast(parts["transformer"], device, dtype), "flash")
@@ -349,7 +355,8 @@ def load_components(
     from transformers import AutoTokenizer, UMT5EncoderModel
 
     tokenizer = AutoTokenizer.from_pretrained(root / "tokenizer")
-    text_encoder = UMT5EncoderModel.from_pretrained(root / "text_encoder", dtype=dtype).to(device).eval()
+    # transformers wraps PreTrainedModel.to in functools.wraps(nn.Module.to): mypy takes it for the unbound method
+    text_encoder = UMT5EncoderModel.from_pretrained(root / "text_encoder", dtype=dtype).to(device).eval()  # type: ignore[arg-type]
     vae = AutoencoderKLWan.from_pretrained(root / "vae", dtype=torch.float32).to(device).eval()
     scheduler = _load_scheduler(root / "scheduler")
     transformer = load_transformer(root / "transformer", dtype=dtype, device=device)

@@ -7,7 +7,9 @@ config files and safetensors headers (and, in :func:`check_finite`, tensors alre
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -23,7 +25,7 @@ EXPECTED = {
 }
 
 
-def read_json(path: str | Path, what: str = "file") -> dict:
+def read_json(path: str | Path, what: str = "file") -> dict[str, Any]:
     """A JSON object from ``path``; a file that is not valid JSON raises ValueError naming it."""
     path = Path(path)
     try:
@@ -37,7 +39,7 @@ def read_json(path: str | Path, what: str = "file") -> dict:
     return data
 
 
-def require_key(config: dict, key: str, path) -> object:
+def require_key(config: dict[str, Any], key: str, path: str | Path) -> Any:
     if key not in config:
         raise ValueError(f"{str(path)!r} has no {key!r}; expected a Wan transformer config.json (save_pretrained's)")
     return config[key]
@@ -124,7 +126,7 @@ def check_weight_files(files: list[Path]) -> None:
             )
 
 
-def check_finite(named_tensors, source: str) -> None:
+def check_finite(named_tensors: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
     """Raises ValueError naming the tensors of ``source`` that hold NaN or inf (a model that would write black
     videos), or that are not floating point."""
     not_float, not_finite = [], []

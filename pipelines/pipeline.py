@@ -10,6 +10,7 @@ import math
 import time
 import warnings
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -19,6 +20,11 @@ from .attention import AttentionOptions
 from .convert import attention_context, attention_options, convert_self_attention, self_attention_state
 from .request import MHLA_VARIANTS, GenerationRequest
 from .timing import Timing, sync
+
+if TYPE_CHECKING:
+    from diffusers import WanTransformer3DModel
+
+    from .loading import WanComponents
 
 RANDOM_WEIGHTS_NOTE = (
     "tiny random-weight model (tiny-random) with RANDOM weights: this video is noise, made to test the plumbing"
@@ -38,7 +44,7 @@ class GenerationResult:
     ``(1, 16, F, height/8, width/8)``. ``initial_noise`` is the starting latent (same seed -> same noise).
     """
 
-    frames: object
+    frames: Any  # by output_type, as above
     timing: Timing
     prompt: str
     seed: int
@@ -46,14 +52,16 @@ class GenerationResult:
     random_weights: bool
 
 
-def initial_noise(seed: int, shape: tuple[int, ...], device) -> torch.Tensor:
+def initial_noise(seed: int, shape: tuple[int, ...], device: torch.device | str) -> torch.Tensor:
     """Starting latents from ``seed``: drawn on the CPU in float32 so every variant, dtype and device
     starts from bit-identical noise."""
     generator = torch.Generator("cpu").manual_seed(seed)
     return torch.randn(shape, generator=generator, dtype=torch.float32).to(device)
 
 
-def model_request(components, transformer, prompt: str, **fields) -> GenerationRequest:
+def model_request(
+    components: WanComponents, transformer: WanTransformer3DModel, prompt: str, **fields: Any
+) -> GenerationRequest:
     """A checked :class:`GenerationRequest` for this model: unset sizes, steps and guidance take the model's
     defaults (``components.defaults``); checked against its patch and VAE strides."""
     d = components.defaults
@@ -65,7 +73,12 @@ def model_request(components, transformer, prompt: str, **fields) -> GenerationR
     return GenerationRequest(prompt=prompt, **fields).check(tuple(transformer.config.patch_size), stride)
 
 
-def _attention_options(transformer, request: GenerationRequest, block_shape, overrides) -> AttentionOptions:
+def _attention_options(
+    transformer: WanTransformer3DModel,
+    request: GenerationRequest,
+    block_shape: tuple[int, int, int],
+    overrides: dict[str, Any] | None,
+) -> AttentionOptions:
     options = attention_options(transformer)
     if overrides:
         options = options.replace(**overrides)
@@ -74,11 +87,12 @@ def _attention_options(transformer, request: GenerationRequest, block_shape, ove
             options = options.replace(blocks=mhla.parse_blocks(request.blocks))
         elif not self_attention_state(transformer)["parameters"]["mhla"]:
             # a fresh conversion: the default rule on this grid, with the model's target block shape
-            options = options.replace(blocks=mhla.default_blocks(request.grid, block_shape))
+            grid = cast(tuple[int, int, int], request.grid)  # generate() takes checked requests only
+            options = options.replace(blocks=mhla.default_blocks(grid, block_shape))
     return options
 
 
-def _hybrid_layers(transformer, request: GenerationRequest) -> list[int] | None:
+def _hybrid_layers(transformer: WanTransformer3DModel, request: GenerationRequest) -> list[int] | None:
     """The MHLA layers of mhla-hybrid: the request's, else the model's own split (from its checkpoint, kept
     across switches to other variants), else None (the default split)."""
     if request.variant != "mhla-hybrid" or request.layers is not None:
@@ -91,7 +105,12 @@ def _hybrid_layers(transformer, request: GenerationRequest) -> list[int] | None:
     return None
 
 
-def _convert(components, transformer, request: GenerationRequest, overrides) -> AttentionOptions:
+def _convert(
+    components: WanComponents,
+    transformer: WanTransformer3DModel,
+    request: GenerationRequest,
+    overrides: dict[str, Any] | None,
+) -> AttentionOptions:
     """Converts ``transformer`` in place to the request's variant; warns when that adds untrained parameters
     to a real (non-random) model."""
     options = _attention_options(transformer, request, components.block_shape, overrides)
@@ -110,7 +129,7 @@ def _convert(components, transformer, request: GenerationRequest, overrides) -> 
 
 @torch.no_grad()
 def generate(
-    components,
+    components: WanComponents,
     prompt: str | GenerationRequest,
     negative_prompt: str = "",
     height: int | None = None,
@@ -122,8 +141,8 @@ def generate(
     variant: str = "flash",
     layers: list[int] | None = None,
     blocks: str | tuple[int, int, int] | None = None,
-    attention_options: dict | None = None,
-    transformer=None,
+    attention_options: dict[str, Any] | None = None,
+    transformer: WanTransformer3DModel | None = None,
     output_type: str = "np",
     max_sequence_length: int | None = None,
     show_progress: bool = True,
@@ -158,7 +177,7 @@ def generate(
         request = model_request(
             components,
             transformer,
-            prompt,
+            request,
             negative_prompt=negative_prompt,
             height=height,
             width=width,
@@ -171,7 +190,7 @@ def generate(
             blocks=blocks,
             output_type=output_type,
         )
-    elif request.grid is None:
+    if request.grid is None:  # model_request() always sets it
         raise ValueError("generate() got an unchecked GenerationRequest; make it with pipelines.model_request()")
     # text embeddings are padded to this length and not masked in cross-attention: use the model's own
     if max_sequence_length is None:
@@ -214,7 +233,7 @@ def generate(
     noise = initial_noise(request.seed, shape, device)
     step_ends: list[float] = []
 
-    def on_step_end(_pipe, i, _t, kwargs):
+    def on_step_end(_pipe: Any, i: int, _t: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
         sync(device)
         step_ends.append(time.perf_counter())
         # cheap (the latents are small): a model or dtype that overflows stops here, not in a black video
@@ -265,7 +284,7 @@ def generate(
     timing.self_attention = ctx.timer.seconds()
     timing.self_attention_calls = ctx.timer.calls
     timing.peak_memory_bytes = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    timing.grid = tuple(request.grid)
+    timing.grid = cast(tuple[int, int, int], tuple(request.grid))
     timing.num_tokens = math.prod(request.grid)
     if request.variant in MHLA_VARIANTS:
         timing.layout = "; ".join(sorted(ctx.layouts)) or "-"

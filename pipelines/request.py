@@ -7,7 +7,9 @@ is the rule that a block layout applies to the MHLA variants only (:data:`MHLA_V
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import cast
 
 import mhla
 
@@ -20,7 +22,13 @@ OUTPUT_TYPES = ("np", "pil", "pt", "latent")
 MHLA_VARIANTS = ("mhla", "mhla-hybrid")
 
 
-def latent_grid(height: int, width: int, num_frames: int, patch_size=(1, 2, 2), vae_stride=VAE_STRIDE):
+def latent_grid(
+    height: int,
+    width: int,
+    num_frames: int,
+    patch_size: Sequence[int] = (1, 2, 2),
+    vae_stride: Sequence[int] = VAE_STRIDE,
+) -> tuple[int, int, int]:
     """The latent-token grid ``(F, H, W)`` the transformer's attention sees for a video size."""
     f = (num_frames - 1) // vae_stride[0] + 1
     return (f // patch_size[0], height // vae_stride[1] // patch_size[1], width // vae_stride[2] // patch_size[2])
@@ -38,7 +46,7 @@ class GenerationRequest:
     num_inference_steps: int
     guidance_scale: float
     variant: str = "flash"
-    negative_prompt: str = ""
+    negative_prompt: str | None = ""  # None reads as "" (check() makes it a string)
     seed: int = 0
     blocks: str | tuple[int, int, int] | None = None
     layers: list[int] | None = None
@@ -53,7 +61,7 @@ class GenerationRequest:
     def num_tokens(self) -> int:
         return math.prod(self.grid) if self.grid else 0
 
-    def check(self, patch_size=(1, 2, 2), vae_stride=VAE_STRIDE) -> GenerationRequest:
+    def check(self, patch_size: Sequence[int] = (1, 2, 2), vae_stride: Sequence[int] = VAE_STRIDE) -> GenerationRequest:
         """The request with its ``grid`` set; raises ``ValueError`` naming the bad value and what was expected."""
         temporal_stride, spatial_multiple = vae_stride[0], vae_stride[1] * patch_size[1]
         prompt, negative = self.prompt, self.negative_prompt
@@ -102,20 +110,20 @@ class GenerationRequest:
 
 
 def validate_request(
-    prompt,
-    height,
-    width,
-    num_frames,
-    num_inference_steps,
-    guidance_scale,
-    variant,
-    blocks=None,
-    negative_prompt=None,
-    seed=0,
-    output_type="np",
-    patch_size=(1, 2, 2),
-    vae_stride=VAE_STRIDE,
-):
+    prompt: str,
+    height: int,
+    width: int,
+    num_frames: int,
+    num_inference_steps: int,
+    guidance_scale: float,
+    variant: str,
+    blocks: str | tuple[int, int, int] | None = None,
+    negative_prompt: str | None = None,
+    seed: int = 0,
+    output_type: str = "np",
+    patch_size: Sequence[int] = (1, 2, 2),
+    vae_stride: Sequence[int] = VAE_STRIDE,
+) -> tuple[int, int, int]:
     """:meth:`GenerationRequest.check` as a function; returns the latent-token grid ``(F, H, W)``."""
     request = GenerationRequest(
         prompt=prompt,
@@ -130,4 +138,5 @@ def validate_request(
         blocks=blocks,
         output_type=output_type,
     )
-    return request.check(patch_size, vae_stride).grid
+    # check() always sets the grid
+    return cast(tuple[int, int, int], request.check(patch_size, vae_stride).grid)

@@ -9,9 +9,11 @@ from __future__ import annotations
 import platform
 import statistics
 import time
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -57,7 +59,7 @@ class Spread:
         return self.low <= other.high and other.low <= self.high
 
 
-def spread(samples) -> Spread:
+def spread(samples: Iterable[float]) -> Spread:
     """:class:`Spread` of ``samples`` (seconds, or any unit); ``ValueError`` when there are none."""
     values = sorted(float(s) for s in samples)
     if not values:
@@ -68,7 +70,7 @@ def spread(samples) -> Spread:
     return Spread(statistics.median(values), low, high, len(values))
 
 
-def time_call(fn, device: torch.device | str, warmup: int = 1, repeats: int = 3) -> Spread:
+def time_call(fn: Callable[[], object], device: torch.device | str, warmup: int = 1, repeats: int = 3) -> Spread:
     """Seconds of ``fn()`` over ``repeats`` calls after ``warmup`` untimed ones: the wall clock around each
     call, the device synchronised before reading it (so GPU work is counted where it runs)."""
     if repeats < 1:
@@ -92,7 +94,7 @@ class AttentionTimer:
     summed by :meth:`seconds` after one synchronisation.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.enabled = False
         self.calls = 0
         self._cpu_seconds = 0.0
@@ -105,7 +107,7 @@ class AttentionTimer:
         self._events = []
 
     @contextmanager
-    def measure(self, device: torch.device):
+    def measure(self, device: torch.device) -> Iterator[None]:
         if not self.enabled:
             yield
             return
@@ -154,7 +156,7 @@ class Timing:
     def per_step(self) -> float:
         return sum(self.steps) / len(self.steps) if self.steps else 0.0
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
         d["per_step"] = self.per_step
         return d

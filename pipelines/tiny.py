@@ -15,7 +15,12 @@ Parts, all built deterministically from ``seed``:
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
+
+if TYPE_CHECKING:
+    from diffusers import WanTransformer3DModel
 
 # Tiny analogue of the paper's 3x10x10-token blocks: on the tiny default 3x4x6 grid the default rule
 # (mhla.default_blocks with this shape) gives several blocks instead of one.
@@ -24,7 +29,8 @@ TINY_DEFAULTS = {"height": 64, "width": 96, "num_frames": 9, "num_inference_step
 # The released Wan2.1 T2V defaults (diffusers' WanPipeline): 480x832, 81 frames, 50 steps, CFG 5.
 WAN_DEFAULTS = {"height": 480, "width": 832, "num_frames": 81, "num_inference_steps": 50, "guidance_scale": 5.0}
 
-TINY_TRANSFORMER = dict(
+# keyword arguments of the diffusers and transformers constructors (values of several types)
+TINY_TRANSFORMER: dict[str, Any] = dict(
     patch_size=(1, 2, 2),
     num_attention_heads=2,
     attention_head_dim=16,
@@ -36,17 +42,19 @@ TINY_TRANSFORMER = dict(
     num_layers=30,
     rope_max_seq_len=1024,
 )
-TINY_VAE = dict(
+TINY_VAE: dict[str, Any] = dict(
     base_dim=8,
     z_dim=16,
     dim_mult=[1, 1, 1, 1],
     num_res_blocks=0,
     temperal_downsample=[False, True, True],
 )
-TINY_TEXT_ENCODER = dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, relative_attention_num_buckets=8)
+TINY_TEXT_ENCODER: dict[str, Any] = dict(
+    d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, relative_attention_num_buckets=8
+)
 
 
-def build_tiny_transformer(seed: int = 0, num_layers: int = 30, **overrides):
+def build_tiny_transformer(seed: int = 0, num_layers: int = 30, **overrides: Any) -> WanTransformer3DModel:
     """A random-weight ``WanTransformer3DModel`` of the tiny config (float32, CPU)."""
     from diffusers import WanTransformer3DModel
 
@@ -55,7 +63,7 @@ def build_tiny_transformer(seed: int = 0, num_layers: int = 30, **overrides):
         return WanTransformer3DModel(**{**TINY_TRANSFORMER, "num_layers": num_layers, **overrides}).eval()
 
 
-def build_tiny_components(seed: int = 0) -> dict:
+def build_tiny_components(seed: int = 0) -> dict[str, Any]:
     """``tokenizer, text_encoder, vae, scheduler, transformer`` of the tiny model (float32, CPU, eval mode).
 
     Same ``seed`` -> bit-identical weights. Takes well under a second.

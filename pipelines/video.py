@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 
 import numpy as np
+import numpy.typing as npt
 
 # metadata text goes onto ffmpeg's command line: bounded, one line
 MAX_COMMENT_CHARS = 1000
@@ -41,22 +42,24 @@ def check_output_path(path: str | Path, suffixes: tuple[str, ...] | None = None)
     return path
 
 
-def to_uint8(frames) -> np.ndarray:
+def to_uint8(frames: npt.ArrayLike) -> np.ndarray:
     """Frames ``(num_frames, height, width, 3)`` as uint8; floats are read as [0, 1] and clipped."""
-    frames = np.asarray(frames)
-    if frames.ndim != 4 or frames.shape[-1] != 3:
-        raise ValueError(f"frames must be (num_frames, height, width, 3), got shape {frames.shape}")
-    if frames.dtype == np.uint8:
-        return frames
-    return (np.clip(frames, 0.0, 1.0) * 255.0 + 0.5).astype(np.uint8)
+    array = np.asarray(frames)
+    if array.ndim != 4 or array.shape[-1] != 3:
+        raise ValueError(f"frames must be (num_frames, height, width, 3), got shape {array.shape}")
+    if array.dtype == np.uint8:
+        return array
+    return (np.clip(array, 0.0, 1.0) * 255.0 + 0.5).astype(np.uint8)
 
 
-def write_mp4(path: str | Path, frames, fps: float = 16, comment: str | None = None, quality: int = 8) -> Path:
+def write_mp4(
+    path: str | Path, frames: npt.ArrayLike, fps: float = 16, comment: str | None = None, quality: int = 8
+) -> Path:
     """H.264 mp4 in yuv420p (plays in browsers and common players). ``comment`` goes into the file's metadata;
     ``quality`` is imageio's 0-10 scale (9 is near-lossless, for training data whose colours must survive)."""
     import imageio.v2 as imageio
 
-    frames = to_uint8(frames)
+    pixels = to_uint8(frames)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     params = ["-metadata", f"comment={_bounded_comment(comment)}"] if comment else None
@@ -72,12 +75,13 @@ def write_mp4(path: str | Path, frames, fps: float = 16, comment: str | None = N
         output_params=params,
         ffmpeg_log_level="error",
     ) as writer:
-        for frame in frames:
-            writer.append_data(frame)
+        for frame in pixels:
+            # imageio's stubs type __enter__ as returning the base class, which lacks append_data
+            writer.append_data(frame)  # type: ignore[attr-defined]
     return path
 
 
-def write_gif(path: str | Path, frames, fps: int = 16, comment: str | None = None) -> Path:
+def write_gif(path: str | Path, frames: npt.ArrayLike, fps: int = 16, comment: str | None = None) -> Path:
     """Looping GIF; ``comment`` goes into the file's comment extension."""
     from PIL import Image
 
@@ -91,12 +95,12 @@ def write_gif(path: str | Path, frames, fps: int = 16, comment: str | None = Non
     return path
 
 
-def frame_grid(frames, columns: int | None = None, max_frames: int = 16) -> np.ndarray:
+def frame_grid(frames: npt.ArrayLike, columns: int | None = None, max_frames: int = 16) -> np.ndarray:
     """Up to ``max_frames`` evenly spaced frames tiled into one ``(rows*H, columns*W, 3)`` uint8 image."""
-    frames = to_uint8(frames)
-    n = len(frames)
+    pixels = to_uint8(frames)
+    n = len(pixels)
     picks = np.unique(np.linspace(0, n - 1, min(n, max_frames)).round().astype(int))
-    chosen = frames[picks]
+    chosen = pixels[picks]
     columns = columns or math.ceil(math.sqrt(len(chosen)))
     rows = math.ceil(len(chosen) / columns)
     h, w = chosen.shape[1:3]
@@ -107,7 +111,9 @@ def frame_grid(frames, columns: int | None = None, max_frames: int = 16) -> np.n
     return grid
 
 
-def write_frame_grid(path: str | Path, frames, columns: int | None = None, comment: str | None = None) -> Path:
+def write_frame_grid(
+    path: str | Path, frames: npt.ArrayLike, columns: int | None = None, comment: str | None = None
+) -> Path:
     """PNG of :func:`frame_grid`; ``comment`` goes into a PNG text chunk ("Comment")."""
     from PIL import Image
     from PIL.PngImagePlugin import PngInfo
@@ -126,4 +132,5 @@ def read_video(path: str | Path) -> np.ndarray:
     import imageio.v2 as imageio
 
     with imageio.get_reader(str(path)) as reader:
-        return np.stack([np.asarray(f)[..., :3] for f in reader])
+        # imageio's stubs type __enter__ as returning the base class, which is not iterable
+        return np.stack([np.asarray(f)[..., :3] for f in reader])  # type: ignore[attr-defined]
