@@ -293,9 +293,10 @@ class _Stages:
         self.check()
         self.label, self.steps, self.decode, self.calls, self.span = label, steps, decode, 0, span
         self.per_step = 2 if guidance > 1.0 else 1  # WanPipeline: conditional and unconditional calls
-        self.say(f"{label}: encoding the prompt", 0.0)
+        self.show(f"{label}: encoding the prompt", 0.0)
 
-    def say(self, text: str, fraction: float):
+    def show(self, text: str, fraction: float):
+        """Reports ``text`` with ``fraction`` of this variant's span of the progress bar."""
         lo, hi = self.span
         self.report(text, lo + (hi - lo) * fraction)
 
@@ -303,12 +304,12 @@ class _Stages:
         self.check()
         if self.calls % self.per_step == 0:
             step = self.calls // self.per_step + 1
-            self.say(f"{self.label}: denoising step {step}/{self.steps}", (step - 1) / self.steps)
+            self.show(f"{self.label}: denoising step {step}/{self.steps}", (step - 1) / self.steps)
 
     def _after(self, _module, _args, _out):
         self.calls += 1
         if self.decode and self.calls == self.steps * self.per_step:
-            self.say(f"{self.label}: decoding video", 1.0)
+            self.show(f"{self.label}: decoding video", 1.0)
 
 
 def _error_text(e: BaseException, models: AppModels, request: CompareRequest) -> str:

@@ -124,13 +124,16 @@ def layer_core(kind: str, layout: BlockLayout, heads: int, dim: int, device, dty
     return module
 
 
-def make_fn(kind, arg, q, k, v, layout, mixing, rope, backward):
-    if arg == "layer":
+def timed_call(kind, impl, q, k, v, layout, mixing, rope, backward):
+    """The call the benchmark times: operator ``kind`` (softmax, linear, mhla) through ``impl`` (a softmax
+    backend, an MHLA/linear implementation such as ``auto``, ``torch``, ``triton``, ``triton-v1``, ``naive``,
+    or ``layer`` for the whole attention layer); forward only, or forward and backward."""
+    if impl == "layer":
         core = layer_core(kind, layout, q.shape[2], q.shape[3], q.device, q.dtype)
         fwd = lambda: core(q, k, v, layout.grid, rope)  # noqa: E731
     elif kind == "softmax":
-        fwd = lambda: softmax_attention(q, k, v, backend=arg)  # noqa: E731
-    elif arg == "triton-v1":  # the previous kernel version, timed beside the current one
+        fwd = lambda: softmax_attention(q, k, v, backend=impl)  # noqa: E731
+    elif impl == "triton-v1":  # the previous kernel version, timed beside the current one
         from mhla.triton_ops import linear_attention_fused, mhla_attention_fused
 
         if kind == "linear":
@@ -139,12 +142,12 @@ def make_fn(kind, arg, q, k, v, layout, mixing, rope, backward):
             fwd = lambda: mhla_attention_fused(  # noqa: E731
                 q, k, v, layout, mixing, normalize=False, rotary_emb=rope, version="v1"
             )
-    elif arg == "naive":
+    elif impl == "naive":
         fwd = lambda: mhla_attention_naive(q, k, v, layout, mixing, normalize=False, rotary_emb=rope)  # noqa: E731
     elif kind == "linear":
-        fwd = lambda: linear_attention(q, k, v, normalize=False, rotary_emb=rope, impl=arg)  # noqa: E731
+        fwd = lambda: linear_attention(q, k, v, normalize=False, rotary_emb=rope, impl=impl)  # noqa: E731
     else:
-        fwd = lambda: mhla_attention(q, k, v, layout, mixing, normalize=False, rotary_emb=rope, impl=arg)  # noqa: E731
+        fwd = lambda: mhla_attention(q, k, v, layout, mixing, normalize=False, rotary_emb=rope, impl=impl)  # noqa: E731
     if not backward:
 
         def run():
@@ -276,7 +279,7 @@ def main(argv=None) -> dict:
             min_bytes = attention_min_bytes(torch.Size(shape).numel(), size, size, backward)
             mem_floor = min_bytes / bandwidth * 1e3
             pending = []  # (row, fn) to time
-            for label, kind, arg in todo:
+            for label, kind, impl in todo:
                 f = flops(kind, n, args.heads, dim, layout.num_blocks, backward)
                 row = {
                     "grid": "x".join(map(str, grid)),
@@ -286,7 +289,7 @@ def main(argv=None) -> dict:
                     "pass": pass_,
                     "variant": label,
                     "kind": kind,
-                    "impl": arg if kind != "softmax" else None,
+                    "impl": impl if kind != "softmax" else None,
                     "min_bytes": min_bytes,
                     "mem_floor_ms": mem_floor,
                     "flops": f,
@@ -295,11 +298,11 @@ def main(argv=None) -> dict:
                 rows.append(row)
                 if kind == "softmax" and max_softmax and n > max_softmax:
                     row["skipped"] = f"softmax above {max_softmax} tokens (--max-softmax-tokens)"
-                elif arg == "sdpa_math" and n > args.max_math_tokens:
+                elif impl == "sdpa_math" and n > args.max_math_tokens:
                     row["skipped"] = f"sdpa_math above {args.max_math_tokens} tokens (--max-math-tokens)"
                 else:
                     try:
-                        fn = make_fn(kind, arg, q, k, v, layout, mixing, rope, backward)
+                        fn = timed_call(kind, impl, q, k, v, layout, mixing, rope, backward)
                         if cpu:  # time later, interleaved with the other variants
                             fn()
                             pending.append((row, fn))

@@ -265,9 +265,9 @@ def main(argv=None) -> int:
     if launched != world:
         raise RuntimeError(f"launched as {launched} processes but accelerate set up {world}; check the launcher")
     device = accelerator.device
-    say = accelerator.print
+    print_main = accelerator.print  # prints on the main process only
     if replaced and main_proc:
-        say(f"overwrite=true: removing the earlier run in {run_dir}")
+        print_main(f"overwrite=true: removing the earlier run in {run_dir}")
         ckpt.clear_run(run_dir)
     accelerator.wait_for_everyone()
     torch.manual_seed(cfg.train.seed)
@@ -281,13 +281,13 @@ def main(argv=None) -> int:
         transformer.enable_gradient_checkpointing()
     transformer.train()
     n_train = sum(p.numel() for n, p in transformer.named_parameters() if n in set(trainable))
-    say(
+    print_main(
         f"model: {components.source}; variant {state['variant']} ({len(converted)} of {len(transformer.blocks)} "
         f"self-attention layers converted), grid {'x'.join(map(str, grid))} = {math.prod(grid)} tokens, "
         f"{n_train / 1e6:.2f}M trainable parameters ({cfg.train.trainable})"
     )
     if components.random_weights:
-        say(
+        print_main(
             "NOTE: the tiny random-weight model (tiny-random) has RANDOM weights: this run checks the recipe, not video quality"
         )
 
@@ -309,7 +309,7 @@ def main(argv=None) -> int:
     resume_from = ckpt.resolve_resume(cfg.resume, run_dir)
     resume_state, ema = None, None
     if resume_from is not None:
-        say(f"resuming from {resume_from} (its files match its manifest)")
+        print_main(f"resuming from {resume_from} (its files match its manifest)")
         try:
             resume_state, rank_state = ckpt.restore_run(
                 resume_from, transformer, cfg.train.trainable == "lora", world, rank
@@ -326,7 +326,7 @@ def main(argv=None) -> int:
         sampler.load_state_dict(rank_state["data"])
         samples = rank_state["data"]["samples_consumed"]
         step, nonfinite = resume_state["step"], resume_state["nonfinite_in_a_row"]
-        say(f"resumed from {resume_from} at step {step}")
+        print_main(f"resumed from {resume_from} at step {step}")
     if cfg.train.ema_decay and ema is None:  # a new run, or EMA switched on for a resumed one
         ema = EMA(transformer, trainable, cfg.train.ema_decay)
 
@@ -365,7 +365,7 @@ def main(argv=None) -> int:
     if main_proc and step == 0:
         with metrics_file.open("a") as f:
             f.write(json.dumps({"step": 0, "eval_loss": start_loss}) + "\n")
-    say(f"eval flow loss at step {step}: {start_loss:.4f}")
+    print_main(f"eval flow loss at step {step}: {start_loss:.4f}")
 
     # ---- stages: optional attention transfer, then end-to-end flow matching
     stages = [("transfer", cfg.transfer.steps), ("train", cfg.train.steps)]
@@ -430,7 +430,7 @@ def main(argv=None) -> int:
                 )
                 if nonfinite >= cfg.train.max_nonfinite:
                     progress.close()
-                    say(
+                    print_main(
                         f"error: {nonfinite} non-finite losses in a row (train.max_nonfinite={cfg.train.max_nonfinite}); "
                         f"stopping. The last checkpoint in {run_dir / 'checkpoints'} is intact."
                     )
@@ -506,12 +506,12 @@ def main(argv=None) -> int:
 
     final = accelerator.unwrap_model(model) if model is not None else transformer
     end_loss = eval_loss(final)
-    say(f"eval flow loss at step {step}: {end_loss:.4f} (start {start_loss:.4f})")
+    print_main(f"eval flow loss at step {step}: {end_loss:.4f} (start {start_loss:.4f})")
     row = {"step": step, "eval_loss": end_loss}
     if ema is not None:
         with ema.swapped_in(final):
             row["eval_loss_ema"] = eval_loss(final)
-        say(
+        print_main(
             f"eval flow loss of the EMA weights (decay {ema.decay:g}, {ema.updates} updates): {row['eval_loss_ema']:.4f}"
         )
     if main_proc:
@@ -519,7 +519,7 @@ def main(argv=None) -> int:
             f.write(json.dumps(row) + "\n")
         skipped = getattr(dataset, "skip_summary", None)
         if skipped is not None:
-            say(skipped())
+            print_main(skipped())
     if cfg.log.param_digest:
         (run_dir / "param_digest").mkdir(parents=True, exist_ok=True)
         (run_dir / "param_digest" / f"rank{rank}.txt").write_text(digest(final))
