@@ -140,6 +140,9 @@ def init_vae(out: str | Path, seed: int = 1, **overrides) -> Path:
             f"temperal_downsample needs one entry per downsampling ({downs} for dim_mult {cfg['dim_mult']}), "
             f"got {cfg['temperal_downsample']}"
         )
+    if cfg["z_dim"] != VAE["z_dim"]:  # diffusers' defaults hold 16 channels' statistics; training measures them
+        cfg.setdefault("latents_mean", [0.0] * cfg["z_dim"])
+        cfg.setdefault("latents_std", [1.0] * cfg["z_dim"])
     cfg.setdefault("scale_factor_spatial", 2**downs)
     cfg.setdefault("scale_factor_temporal", 2 ** sum(cfg["temperal_downsample"]))
     if cfg["scale_factor_spatial"] != 2**downs or cfg["scale_factor_temporal"] != 2 ** sum(cfg["temperal_downsample"]):
@@ -152,7 +155,22 @@ def init_vae(out: str | Path, seed: int = 1, **overrides) -> Path:
         vae = AutoencoderKLWan(**cfg).eval()
     dest = Path(out) / "vae"
     vae.save_pretrained(str(dest), safe_serialization=True)
+    _match_transformer_channels(Path(out), cfg["z_dim"])
     return dest
+
+
+def _match_transformer_channels(model_dir: Path, z_dim: int) -> None:
+    """A model directory's untrained transformer reads and predicts ``z_dim`` latent channels: re-initialised
+    with :data:`TRANSFORMER` (and the same seed as ``init``) when the VAE's ``z_dim`` differs from it."""
+    config = model_dir / "transformer" / "config.json"
+    if not config.is_file() or json.loads(config.read_text())["in_channels"] == z_dim:
+        return
+    from diffusers import WanTransformer3DModel
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(2)
+        transformer = WanTransformer3DModel(**{**TRANSFORMER, "in_channels": z_dim, "out_channels": z_dim}).eval()
+    transformer.save_pretrained(str(model_dir / "transformer"), safe_serialization=True)
 
 
 def _latest_transformer(run: Path) -> Path:

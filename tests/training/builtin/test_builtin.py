@@ -182,6 +182,31 @@ def test_init_vae_with_4x4x4_strides_keeps_the_latent_grid_at_half_the_resolutio
         init_vae(tmp_path / "bad", base_channels=24)
 
 
+def test_init_vae_with_more_latent_channels_gives_the_transformer_as_many(fresh_model_dir, tmp_path):
+    import shutil
+
+    from diffusers import AutoencoderKLWan, WanTransformer3DModel
+
+    from training.builtin.build import init_vae
+
+    model = tmp_path / "model"
+    shutil.copytree(fresh_model_dir, model)
+    init_vae(model, z_dim=64)
+    vae = AutoencoderKLWan.from_pretrained(model / "vae")
+    transformer = WanTransformer3DModel.from_pretrained(model / "transformer")
+    assert vae.config.z_dim == 64 and len(vae.config.latents_mean) == 64
+    assert transformer.config.in_channels == transformer.config.out_channels == 64
+    with torch.no_grad():
+        z = vae.encode(torch.zeros(1, 3, 5, 32, 32)).latent_dist.mean
+        out = transformer(
+            hidden_states=z,
+            timestep=torch.tensor([500]),
+            encoder_hidden_states=torch.zeros(1, 4, 64),
+            return_dict=False,
+        )[0]
+    assert z.shape == out.shape == (1, 64, 2, 4, 4)
+
+
 def test_vae_task_needs_a_model_dir(capsys):
     from training.finetune import main
 
