@@ -9,7 +9,8 @@ exact for this world: no learned model judges, so nothing can flatter one varian
   covers at least ``min_area`` of the frame in at least half the frames.
 - **Count**: the number of colours present equals the number of objects in the caption.
 - **Colour**: every colour the caption names is present.
-- **Shape** (per named object, from its colour mask in the frame where it is largest): fill of the
+- **Shape** (per named object, from the largest connected region of its colour mask in the frame
+  where the mask is largest, so stray pixels of that colour elsewhere do not count): fill of the
   bounding box (square ~1.0 after anti-aliasing, circle ~0.79, triangle and diamond ~0.5), and the
   height of the mask's centroid in its box (a triangle pointing up has it at ~0.58 of the box, a
   diamond at 0.5).
@@ -33,6 +34,9 @@ import numpy as np
 from training.builtin.synthetic import BACKGROUNDS, COLOURS, MOTION_PHRASES, SHAPES, SIZES
 
 ATTRIBUTES = ("count", "colour", "shape", "motion")
+# Bumped whenever a verdict can change: scores are comparable only within one version (recorded in every
+# evaluate / vae_ceiling JSON). 1: the first analyser; 2: shape from the largest connected region.
+ANALYSER_VERSION = 2
 STRAIGHT = {
     (-1, 0): "left",
     (1, 0): "right",
@@ -125,9 +129,60 @@ def track(frames: np.ndarray, colour: str, masks: dict | None = None) -> ObjectT
     return ObjectTrack(colour, areas, centres, m[int(areas.argmax())])
 
 
+def largest_component(mask: np.ndarray) -> np.ndarray:
+    """The largest 4-connected region of a boolean mask ``(H, W)`` (all False for an empty mask; the first
+    in row order on a tie). Union-find over the horizontal runs of each row."""
+    mask = np.asarray(mask, bool)
+    if mask.ndim != 2:
+        raise ValueError(f"mask must be (H, W), got shape {mask.shape}")
+    runs: list[tuple[int, int, int]] = []  # (row, start, stop)
+    parent: list[int] = []
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    previous: list[int] = []  # run ids of the row above
+    for y, row in enumerate(mask):
+        edges = np.flatnonzero(np.diff(np.concatenate(([0], row.astype(np.int8), [0]))))
+        current = []
+        k = 0
+        for start, stop in zip(edges[::2].tolist(), edges[1::2].tolist()):
+            i = len(runs)
+            runs.append((y, start, stop))
+            parent.append(i)
+            current.append(i)
+            # runs of the row above that overlap [start, stop) in x are 4-connected to this one
+            while k < len(previous) and runs[previous[k]][2] <= start:
+                k += 1
+            j = k
+            while j < len(previous) and runs[previous[j]][1] < stop:
+                a, b = root(previous[j]), root(i)
+                if a != b:
+                    parent[max(a, b)] = min(a, b)
+                j += 1
+        previous = current
+    out = np.zeros_like(mask)
+    if not runs:
+        return out
+    sizes: dict[int, int] = {}
+    for i, (_, start, stop) in enumerate(runs):
+        r = root(i)
+        sizes[r] = sizes.get(r, 0) + stop - start
+    best = max(sizes, key=lambda r: (sizes[r], -r))
+    for i, (y, start, stop) in enumerate(runs):
+        if root(i) == best:
+            out[y, start:stop] = True
+    return out
+
+
 def classify_shape(mask: np.ndarray) -> str | None:
-    """Shape of the largest blob-ish mask ``(H, W)``: circle, square, triangle or diamond (None if empty)."""
-    ys, xs = np.nonzero(mask)
+    """Shape of the largest connected region of a mask ``(H, W)``: circle, square, triangle or diamond
+    (None if it has fewer than 6 pixels). Stray pixels of the same colour elsewhere in the frame (a
+    colour fringe, a speck of noise) do not change the object's box."""
+    ys, xs = np.nonzero(largest_component(mask))
     if len(ys) < 6:
         return None
     top, bottom, left, right = ys.min(), ys.max() + 1, xs.min(), xs.max() + 1

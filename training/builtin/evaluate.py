@@ -44,7 +44,7 @@ from tqdm.auto import tqdm
 from pipelines import BUILTIN_DIR, VARIANTS, load_components, load_transformer
 from pipelines.builtin import builtin_info
 from pipelines.pipeline import generate
-from training.builtin.analyse import ATTRIBUTES, analyse, score
+from training.builtin.analyse import ANALYSER_VERSION, ATTRIBUTES, analyse, score
 from training.builtin.synthetic import SyntheticVideoDataset
 from training.encoding import Encoder
 from training.flow import FlowMatching
@@ -226,6 +226,7 @@ def run(args) -> dict:
         "builtin": builtin_info(info_dir) if (info_dir / "builtin.json").is_file() else None,
         "device": str(components.device),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
+        "analyser_version": ANALYSER_VERSION,
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "num_prompts": len(prompts),
@@ -254,7 +255,7 @@ def markdown(res: dict) -> str:
 
     lines = [
         f"Built-in model, {res['num_prompts']} validation prompts x {len(res['seeds'])} seed(s), "
-        f"{res['num_inference_steps']} steps, CFG {res['guidance_scale']}, on {res['device']} ({res['machine']}), {res['date']}. "
+        f"{res['num_inference_steps']} steps, CFG {res['guidance_scale']}, on {res['device']} ({res['machine']}), {res['date']}, analyser v{res.get('analyser_version', 1)}. "
         f"Held-out flow loss: mean ± standard deviation over {res.get('noise_draws', 1)} draws of noise and timesteps "
         f"on {res['loss_clips']} clips; overall: mean over prompts ± standard deviation over seeds.",
         "",
@@ -279,7 +280,7 @@ def sweep_markdown(res: dict) -> str:
     """The CFG sweep: one row per variant and scale; each variant's best scale (overall, then attribute mean) in bold."""
     lines = [
         f"CFG sweep of the built-in model, {res['num_prompts']} validation prompts (data seed {res['data_seed']}) x "
-        f"{len(res['seeds'])} seed(s), {res['num_inference_steps']} steps, on {res['device']} ({res['machine']}), {res['date']}.",
+        f"{len(res['seeds'])} seed(s), {res['num_inference_steps']} steps, on {res['device']} ({res['machine']}), {res['date']}, analyser v{res.get('analyser_version', 1)}.",
         "",
         "| variant | CFG | " + " | ".join(ATTRIBUTES) + " | overall | attribute mean | latency per video |",
         "|---|---:|" + "---:|" * (len(ATTRIBUTES) + 3),

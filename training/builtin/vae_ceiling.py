@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from training.builtin.analyse import ATTRIBUTES, analyse, score
+from training.builtin.analyse import ANALYSER_VERSION, ATTRIBUTES, analyse, score
 from training.builtin.synthetic import SyntheticVideoDataset
 
 
@@ -133,6 +133,7 @@ def main(argv=None) -> int:
         "num_clips": args.num_clips,
         "data_seed": args.data_seed,
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
+        "analyser_version": ANALYSER_VERSION,
         "seconds": round(time.time() - t0, 1),
         **res,
     }

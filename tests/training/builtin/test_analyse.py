@@ -1,5 +1,6 @@
 """The hand-written video analyser that scores the built-in model: right on real clips, wrong on wrong ones."""
 
+from collections import deque
 from types import SimpleNamespace
 
 import numpy as np
@@ -7,7 +8,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from training.builtin.analyse import analyse, attribute_verdict, classify_shape, parse_caption, score
+from training.builtin.analyse import (
+    analyse,
+    attribute_verdict,
+    classify_shape,
+    largest_component,
+    parse_caption,
+    score,
+)
 from training.builtin.synthetic import SyntheticVideoDataset, generate_sample, render_video
 from training.builtin.vae_ceiling import reconstruction_ceiling
 
@@ -71,6 +79,64 @@ def test_shapes_from_masks():
     assert classify_shape(abs(xx - 20) + abs(yy - 20) <= 12) == "diamond"
     assert classify_shape((yy <= 30) & (yy >= 10 + 2 * abs(xx - 20))) == "triangle"
     assert classify_shape(np.zeros((40, 40), bool)) is None
+
+
+def _flood_fill_sizes(mask):
+    """Reference: 4-connected regions by breadth-first search, as (size, first pixel in row order, pixels)."""
+    seen = np.zeros_like(mask)
+    regions = []
+    for y, x in zip(*np.nonzero(mask)):
+        if seen[y, x]:
+            continue
+        seen[y, x] = True
+        queue, pixels = deque([(y, x)]), []
+        while queue:
+            a, b = queue.popleft()
+            pixels.append((a, b))
+            for c, d in ((a + 1, b), (a - 1, b), (a, b + 1), (a, b - 1)):
+                if 0 <= c < mask.shape[0] and 0 <= d < mask.shape[1] and mask[c, d] and not seen[c, d]:
+                    seen[c, d] = True
+                    queue.append((c, d))
+        regions.append((len(pixels), (int(y), int(x)), pixels))
+    return regions
+
+
+@pytest.mark.parametrize("density", [0.3, 0.5, 0.6, 0.75])
+def test_largest_component_matches_a_flood_fill(density):
+    rng = np.random.default_rng()
+    for _ in range(20):
+        h, w = rng.integers(1, 40, size=2)
+        mask = rng.random((h, w)) < density
+        got = largest_component(mask)
+        regions = _flood_fill_sizes(mask)
+        if not regions:
+            assert not got.any() and got.shape == mask.shape
+            continue
+        size = max(r[0] for r in regions)
+        first = min(r[1] for r in regions if r[0] == size)  # ties: the region met first in row order
+        want = np.zeros_like(mask)
+        for a, b in next(r[2] for r in regions if r[0] == size and r[1] == first):
+            want[a, b] = True
+        assert np.array_equal(got, want), (density, mask.astype(int))
+
+
+def test_largest_component_checks_its_input():
+    with pytest.raises(ValueError, match=r"mask must be \(H, W\), got shape \(2, 3, 4\)"):
+        largest_component(np.zeros((2, 3, 4), bool))
+
+
+def test_stray_pixels_do_not_change_the_shape():
+    # a square plus specks of its colour in the frame's corners (a fringe, decoder noise): the box of
+    # the whole mask would be the frame (fill ~0.1, read as a triangle or diamond); the object is a square
+    yy, xx = np.mgrid[0:64, 0:80]
+    square = (abs(xx - 40) <= 10) & (abs(yy - 32) <= 10)
+    specks = square.copy()
+    specks[0, 0] = specks[63, 79] = specks[2, 77] = specks[60, 3] = True
+    assert classify_shape(square) == "square" and classify_shape(specks) == "square"
+    circle = (xx - 40) ** 2 + (yy - 32) ** 2 <= 64
+    assert classify_shape(circle | (specks & ~square)) == "circle"
+    # a larger second region of the colour wins: the shape is read from it
+    assert classify_shape(circle | ((abs(xx - 12) <= 10) & (abs(yy - 32) <= 10))) == "square"
 
 
 def test_parse_caption_reads_full_and_short_forms():

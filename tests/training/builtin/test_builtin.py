@@ -317,6 +317,9 @@ def test_evaluate_writes_its_table(tmp_path):
     assert main(argv) == 0
     res = json.loads(out.with_suffix(".json").read_text())
     assert list(res["variants"]) == ["flash", "mhla"] and res["num_prompts"] == 1 and res["noise_draws"] == 2
+    from training.builtin.analyse import ANALYSER_VERSION
+
+    assert res["analyser_version"] == ANALYSER_VERSION  # scores compare only within one analyser version
     for r in res["variants"].values():
         assert np.isfinite(r["flow_loss"]) and 0 <= r["overall"] <= 1 and r["total_s"] > 0
         draws = r["flow_loss_draws"]
