@@ -103,18 +103,28 @@ def heldout_loss(
     return out
 
 
+GRID_PROMPTS = 4  # columns of the PNG's video grid: the first validation prompts
+
+
+def to_uint8(video: torch.Tensor) -> np.ndarray:
+    """``(3, T, H, W)`` in [-1, 1] -> ``(T, H, W, 3)`` uint8, as a user sees the video."""
+    return ((video.float().clamp(-1, 1).permute(1, 2, 3, 0).cpu().numpy() + 1) * 127.5).round().astype(np.uint8)
+
+
 @torch.no_grad()
-def vae_ceiling(components, dataset, prompts: list[int]) -> dict:
-    """Analyser score of the VAE's reconstructions of the real validation clips (what a perfect transformer reaches)."""
+def vae_ceiling(components, dataset, prompts: list[int]) -> tuple[dict, list[np.ndarray]]:
+    """Analyser score of the VAE's reconstructions of the real validation clips (what a perfect transformer
+    reaches), and the reconstructions of the first :data:`GRID_PROMPTS` clips."""
     vae = components.vae
-    verdicts = []
+    verdicts, shown = [], []
     for i in prompts:
         item = dataset[i]
         z = vae.encode(item["video"][None].to(vae.device, vae.dtype)).latent_dist.mean
-        rec = vae.decode(z).sample[0].float().clamp(-1, 1)
-        frames = ((rec.permute(1, 2, 3, 0).cpu().numpy() + 1) * 127.5).round().astype(np.uint8)
+        frames = to_uint8(vae.decode(z).sample[0])
         verdicts.append(analyse(frames, dataset.attributes(i)))
-    return score(verdicts)
+        if len(shown) < GRID_PROMPTS:
+            shown.append(frames)
+    return score(verdicts), shown
 
 
 def attribute_mean(row: dict) -> float:
@@ -124,7 +134,7 @@ def attribute_mean(row: dict) -> float:
 
 
 def semantic(components, transformer, variant: str, validation, prompts, seeds, steps, guidance) -> tuple[dict, list]:
-    """Analyser scores and latency of one variant at one CFG scale; also the first seed's frames of 4 prompts."""
+    """Analyser scores and latency of one variant at one CFG scale; also the first seed's frames of the grid's prompts."""
     verdicts, timings, frames = [], [], []
     for i in tqdm(prompts, desc=f"generate [{variant}, CFG {guidance:g}]"):
         caption = validation[i]["caption"]
@@ -143,7 +153,7 @@ def semantic(components, transformer, variant: str, validation, prompts, seeds, 
             verdict["held_out"] = validation.attributes(i)["held_out"]
             verdicts.append(verdict)
             timings.append(result.timing)
-            if i < 4 and seed == seeds[0]:
+            if i < GRID_PROMPTS and seed == seeds[0]:
                 frames.append(result.frames)
     held = [x for x in verdicts if x["held_out"]]
     seen = [x for x in verdicts if not x["held_out"]]
@@ -188,9 +198,12 @@ def run(args) -> dict:
     else:
         losses = dict.fromkeys(variants, {"mean": None, "std": None, "draws": []})
     prompts = list(range(args.num_prompts))
+    shown = prompts[:GRID_PROMPTS]
+    # the grid's reference rows: what each caption describes, and what the VAE makes of it
+    grid = {"real clip": [to_uint8(validation[i]["video"]) for i in shown]}
     ceiling = None  # the sweep's table does not show the ceiling (it does not depend on the CFG scale)
     if not args.guidance or len(args.guidance) == 1:
-        ceiling = vae_ceiling(components, validation, prompts)
+        ceiling, grid["VAE reconstruction"] = vae_ceiling(components, validation, prompts)
         print(f"analyser on VAE reconstructions of the real clips: overall {ceiling['overall']:.2f}")
 
     info_dir = Path(args.model) if args.model else BUILTIN_DIR
@@ -238,8 +251,10 @@ def run(args) -> dict:
         "data_seed": args.data_seed,
         "vae_ceiling": ceiling,
         "variants": rows,
+        "grid_prompts": [validation[i]["caption"] for i in shown],
         "minutes": round((time.time() - t0) / 60, 1),
         "_samples": samples,
+        "_grid": grid,
     }
 
 
@@ -318,44 +333,51 @@ def plot_sweep(res: dict, path: Path) -> None:
 
 
 def plot(res: dict, path: Path) -> None:
+    """Accuracy bars per variant, and under them one grid of videos (first, middle and last frame): a column
+    per prompt (its caption above), a row for the real clip, the VAE's reconstruction of it and each
+    variant's video for the same seed."""
     if isinstance(res["guidance_scale"], list):
         return plot_sweep(res, path)
+    import textwrap
+
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    samples = res["_samples"]
     variants = list(res["variants"])
-    cols = max(len(s) for s in samples.values()) if samples else 0
-    fig = plt.figure(figsize=(3 + 2.2 * max(cols, 1), 2.0 * len(variants) + 2.2))
-    ax = fig.add_axes([0.08, 0.78, 0.88, 0.18])
+    rows = {**res.get("_grid", {}), **{NAMES.get(v, v): res["_samples"].get(v, []) for v in variants}}
+    cols = max((len(r) for r in rows.values()), default=0)
+    _, h, w = next((r[0].shape[:3] for r in rows.values() if r), (1, 1, 3))
+    # sizes in inches: thumbnails of three frames side by side keep the video's aspect
+    left, thumb_w, gap, bars, title = 1.5, 2.6, 0.06, 2.0, 0.5
+    thumb_h = thumb_w * h / (3 * w)
+    width = left + max(cols, 1) * (thumb_w + gap) + 0.2
+    height = 0.5 + bars + 0.5 + title + len(rows) * (thumb_h + gap) + 0.1
+    fig = plt.figure(figsize=(width, height))
+    ax = fig.add_axes([left / width, 1 - (0.5 + bars) / height, (width - left - 0.2) / width, bars / height])
     keys = [*ATTRIBUTES, "overall"]
-    width = 0.8 / len(variants)
+    bar = 0.8 / len(variants)
     for i, v in enumerate(variants):
-        ax.bar(
-            np.arange(len(keys)) + i * width, [res["variants"][v][k] or 0 for k in keys], width, label=NAMES.get(v, v)
-        )
-    ax.set_xticks(np.arange(len(keys)) + 0.4 - width / 2, keys)
+        ax.bar(np.arange(len(keys)) + i * bar, [res["variants"][v][k] or 0 for k in keys], bar, label=NAMES.get(v, v))
+    ax.set_xticks(np.arange(len(keys)) + 0.4 - bar / 2, keys)
     ax.set_ylim(0, 1)
     ax.set_ylabel("accuracy")
-    ax.legend(ncol=len(variants), fontsize=8, loc="upper left", bbox_to_anchor=(0, 1.25))
-    for r, v in enumerate(variants):
-        for c, frames in enumerate(samples.get(v, [])):
-            a = fig.add_axes(
-                [
-                    0.08 + c * 0.88 / cols,
-                    0.72 - (r + 1) * 0.7 / len(variants),
-                    0.88 / cols - 0.01,
-                    0.7 / len(variants) - 0.01,
-                ]
-            )
-            t = len(frames)
-            a.imshow(np.concatenate([frames[0], frames[t // 2], frames[-1]], axis=1))
+    ax.legend(ncol=len(variants), fontsize=8, loc="lower left", bbox_to_anchor=(0, 1.0))
+    top = 0.5 + bars + 0.5 + title
+    captions = res.get("grid_prompts", [])
+    for r, (name, videos) in enumerate(rows.items()):
+        for c, frames in enumerate(videos):
+            y = top + r * (thumb_h + gap) + thumb_h
+            a = fig.add_axes([(left + c * (thumb_w + gap)) / width, 1 - y / height, thumb_w / width, thumb_h / height])
+            n = len(frames)
+            a.imshow(np.concatenate([frames[0], frames[n // 2], frames[-1]], axis=1))
             a.set_xticks([])
             a.set_yticks([])
             if c == 0:
-                a.set_ylabel(NAMES.get(v, v), fontsize=8)
+                a.set_ylabel(name, fontsize=8, rotation=0, ha="right", va="center")
+            if r == 0 and c < len(captions):
+                a.set_title(textwrap.fill(captions[c], 44), fontsize=7, loc="left")
     fig.savefig(path, dpi=90)
     plt.close(fig)
 
@@ -402,6 +424,7 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     plot(res, out.with_suffix(".png"))
     res.pop("_samples")
+    res.pop("_grid", None)
     out.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n")
     table = markdown(res)
     out.with_suffix(".md").write_text(table)

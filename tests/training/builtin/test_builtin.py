@@ -292,7 +292,9 @@ def test_app_loads_each_fine_tuned_variant_and_shows_no_server_paths():
 
 @needs_builtin
 def test_evaluate_writes_its_table(tmp_path):
+    from training.builtin.analyse import ANALYSER_VERSION
     from training.builtin.evaluate import main
+    from training.builtin.synthetic import SyntheticVideoDataset
 
     out = tmp_path / "eval"
     argv = [
@@ -317,9 +319,9 @@ def test_evaluate_writes_its_table(tmp_path):
     assert main(argv) == 0
     res = json.loads(out.with_suffix(".json").read_text())
     assert list(res["variants"]) == ["flash", "mhla"] and res["num_prompts"] == 1 and res["noise_draws"] == 2
-    from training.builtin.analyse import ANALYSER_VERSION
-
     assert res["analyser_version"] == ANALYSER_VERSION  # scores compare only within one analyser version
+    assert res["grid_prompts"] == [SyntheticVideoDataset(1, seed=0, split="validation")[0]["caption"]]
+    assert not any(k.startswith("_") for k in res)  # the frames behind the PNG stay out of the JSON
     for r in res["variants"].values():
         assert np.isfinite(r["flow_loss"]) and 0 <= r["overall"] <= 1 and r["total_s"] > 0
         draws = r["flow_loss_draws"]
