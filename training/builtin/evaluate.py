@@ -46,6 +46,7 @@ from pipelines.builtin import builtin_info
 from pipelines.pipeline import generate
 from training.builtin.analyse import ANALYSER_VERSION, ATTRIBUTES, analyse, score
 from training.builtin.synthetic import SyntheticVideoDataset
+from training.builtin.vae_ceiling import to_frames
 from training.encoding import Encoder
 from training.flow import FlowMatching
 
@@ -106,11 +107,6 @@ def heldout_loss(
 GRID_PROMPTS = 4  # columns of the PNG's video grid: the first validation prompts
 
 
-def to_uint8(video: torch.Tensor) -> np.ndarray:
-    """``(3, T, H, W)`` in [-1, 1] -> ``(T, H, W, 3)`` uint8, as a user sees the video."""
-    return ((video.float().clamp(-1, 1).permute(1, 2, 3, 0).cpu().numpy() + 1) * 127.5).round().astype(np.uint8)
-
-
 @torch.no_grad()
 def vae_ceiling(components, dataset, prompts: list[int]) -> tuple[dict, list[np.ndarray]]:
     """Analyser score of the VAE's reconstructions of the real validation clips (what a perfect transformer
@@ -120,7 +116,7 @@ def vae_ceiling(components, dataset, prompts: list[int]) -> tuple[dict, list[np.
     for i in prompts:
         item = dataset[i]
         z = vae.encode(item["video"][None].to(vae.device, vae.dtype)).latent_dist.mean
-        frames = to_uint8(vae.decode(z).sample[0])
+        frames = to_frames(vae.decode(z).sample[0])
         verdicts.append(analyse(frames, dataset.attributes(i)))
         if len(shown) < GRID_PROMPTS:
             shown.append(frames)
@@ -198,9 +194,9 @@ def run(args) -> dict:
     else:
         losses = dict.fromkeys(variants, {"mean": None, "std": None, "draws": []})
     prompts = list(range(args.num_prompts))
-    shown = prompts[:GRID_PROMPTS]
+    shown = [validation[i] for i in prompts[:GRID_PROMPTS]]  # each clip rendered once
     # the grid's reference rows: what each caption describes, and what the VAE makes of it
-    grid = {"real clip": [to_uint8(validation[i]["video"]) for i in shown]}
+    grid = {"real clip": [to_frames(item["video"]) for item in shown]}
     ceiling = None  # the sweep's table does not show the ceiling (it does not depend on the CFG scale)
     if not args.guidance or len(args.guidance) == 1:
         ceiling, grid["VAE reconstruction"] = vae_ceiling(components, validation, prompts)
@@ -251,7 +247,7 @@ def run(args) -> dict:
         "data_seed": args.data_seed,
         "vae_ceiling": ceiling,
         "variants": rows,
-        "grid_prompts": [validation[i]["caption"] for i in shown],
+        "grid_prompts": [item["caption"] for item in shown],
         "minutes": round((time.time() - t0) / 60, 1),
         "_samples": samples,
         "_grid": grid,
