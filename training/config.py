@@ -291,6 +291,11 @@ def validate(cfg: DictConfig) -> None:
     need(cfg.data.source in SOURCES, "data.source", f"one of {SOURCES}")
     need(cfg.train.trainable in TRAINABLE, "train.trainable", f"one of {TRAINABLE}")
     need(cfg.train.precision in PRECISIONS, "train.precision", f"one of {PRECISIONS}")
+    need(
+        cfg.task != "vae" or cfg.train.precision in ("no", "bf16"),
+        "train.precision",
+        "'no' or 'bf16' for task=vae (its loop has no fp16 gradient scaler)",
+    )
     need(cfg.data.num_frames >= 1 and (cfg.data.num_frames - 1) % 4 == 0, "data.num_frames", "4k+1 (e.g. 17, 81)")
     need(cfg.data.height % 16 == 0 and cfg.data.height > 0, "data.height", "a positive multiple of 16")
     need(cfg.data.width % 16 == 0 and cfg.data.width > 0, "data.width", "a positive multiple of 16")

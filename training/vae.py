@@ -6,7 +6,10 @@
 The VAE of ``model.path`` is trained on random ``vae.crop`` x ``vae.crop`` crops of the configured
 clips (it is fully convolutional and causal in time, so it then encodes whole, longer clips): L1 + MSE
 reconstruction of the posterior mean, objects weighted up (``vae.object_weight``), plus
-``vae.kl_weight`` times the KL term; AdamW, warm-up then constant rate.
+``vae.kl_weight`` times the KL term; AdamW, warm-up then constant rate. ``train.precision: bf16``
+runs the forward and backward passes under bfloat16 autocast (master weights and optimizer stay float32):
+on a CPU with AVX512-BF16 a step of the base-24 VAE takes about 0.6x the float32 time
+(benchmarks/results/builtin_pilots_cpu.md); ``no`` keeps float32 throughout (the shipped VAE's recipe).
 Checkpoints (``checkpoints/step-XXXXXXX/vae/`` + optimizer and generator state) are atomic and
 ``resume=latest`` continues a killed run. At the end it measures the per-channel mean and std of the
 latents (posterior means of ``vae.stats_samples`` full-size clips), writes them into the VAE's config
@@ -65,6 +68,16 @@ def decode_unclamped(vae, z: torch.Tensor) -> torch.Tensor:
         )
     vae.clear_cache()
     return torch.cat(out, 2)
+
+
+def autocast_for(precision: str, device_type: str = "cpu"):
+    """The autocast context of ``train.precision`` for the VAE task: ``no`` -> float32, ``bf16`` ->
+    bfloat16 autocast. ``fp16`` needs a gradient scaler this loop does not have: refused."""
+    if precision == "no":
+        return torch.autocast(device_type, enabled=False)
+    if precision == "bf16":
+        return torch.autocast(device_type, dtype=torch.bfloat16)
+    raise ValueError(f"train.precision={precision!r} is not supported for task=vae; expected 'no' or 'bf16'")
 
 
 def vae_loss(vae, video: torch.Tensor, kl_weight: float, object_weight: float, train_encoder: bool = True):
@@ -141,7 +154,7 @@ def train_vae(cfg) -> int:
     n_params = sum(p.numel() for p in params)
     print(
         f"vae: {source} ({n_params / 1e6:.2f}M trainable parameters: {cfg.vae.trainable}), clips {len(dataset)}, "
-        f"crop {cfg.vae.crop}"
+        f"crop {cfg.vae.crop}, precision {cfg.train.precision}"
     )
 
     loader = torch.utils.data.DataLoader(
@@ -160,7 +173,9 @@ def train_vae(cfg) -> int:
         batch = next(batches)
         samples += len(batch["caption"])
         video = _random_crop(batch["video"], cfg.vae.crop, generator)
-        loss, l1 = vae_loss(vae, video, cfg.vae.kl_weight, cfg.vae.object_weight, train_encoder)
+        with autocast_for(cfg.train.precision):
+            loss, l1 = vae_loss(vae, video, cfg.vae.kl_weight, cfg.vae.object_weight, train_encoder)
+        loss = loss.float()
         if not torch.isfinite(loss):
             raise FloatingPointError(f"step {step + 1}: non-finite VAE loss {loss.item()}")
         opt.zero_grad(set_to_none=True)

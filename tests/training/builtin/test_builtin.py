@@ -73,7 +73,8 @@ def test_vae_task_trains_installs_with_statistics_and_resumes(fresh_model_dir, t
     assert json.loads((export / "trained.json").read_text())["steps"] == 2
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and all(np.isfinite(r["loss"]) for r in rows)
-    assert main([*args, "train.steps=3", "resume=latest"]) == 0  # continues from the step-2 checkpoint
+    # continues from the step-2 checkpoint, now under bf16 autocast (master weights stay float32)
+    assert main([*args, "train.steps=3", "resume=latest", "train.precision=bf16"]) == 0
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
 
@@ -217,6 +218,35 @@ def test_vae_task_needs_a_model_dir(capsys):
     assert "task='gan': expected one of" in capsys.readouterr().err
     assert main(["--config", "configs/builtin/vae-decoder.yaml", "vae.trainable=encoder"]) == 2
     assert "vae.trainable='encoder': expected one of ('all', 'decoder')" in capsys.readouterr().err
+    assert main(["--config", "configs/builtin/vae.yaml", "train.precision=fp16"]) == 2
+    assert "train.precision='fp16': expected 'no' or 'bf16' for task=vae" in capsys.readouterr().err
+
+
+def test_vae_precision_runs_the_convolutions_in_bfloat16_and_keeps_float32_weights(fresh_model_dir, monkeypatch):
+    """``train.precision: bf16`` autocasts the VAE's forward pass (its convolutions produce bfloat16) while
+    the loss, the parameters and their gradients stay float32; ``no`` is float32 throughout."""
+    from diffusers import AutoencoderKLWan
+
+    from training.vae import autocast_for, vae_loss
+
+    vae = AutoencoderKLWan.from_pretrained(fresh_model_dir / "vae", dtype=torch.float32).train()
+    seen: list[torch.dtype] = []
+    vae.encoder.conv_in.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    video = torch.rand(1, 3, 5, 32, 32, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    losses = {}
+    for precision in ("no", "bf16"):
+        seen.clear()
+        vae.zero_grad(set_to_none=True)
+        with autocast_for(precision):
+            loss, _ = vae_loss(vae, video, 1e-6, 10.0)
+        loss.float().backward()
+        assert seen and set(seen) == {torch.float32 if precision == "no" else torch.bfloat16}
+        assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in vae.parameters())
+        losses[precision] = loss.item()
+    # the same computation at lower precision: close, not identical
+    assert losses["no"] != losses["bf16"] and abs(losses["no"] - losses["bf16"]) < 0.05 * losses["no"]
+    with pytest.raises(ValueError, match="expected 'no' or 'bf16'"):
+        autocast_for("fp16")
 
 
 # --------------------------------------------------------------------------- the shipped model
