@@ -46,7 +46,7 @@ from pipelines.builtin import builtin_info
 from pipelines.pipeline import generate
 from training.builtin.analyse import ANALYSER_VERSION, ATTRIBUTES, analyse, score
 from training.builtin.synthetic import SyntheticVideoDataset
-from training.builtin.vae_ceiling import to_frames
+from training.builtin.vae_ceiling import reconstruction_ceiling, to_frames
 from training.encoding import Encoder
 from training.flow import FlowMatching
 
@@ -109,18 +109,12 @@ GRID_PROMPTS = 4  # columns of the PNG's video grid: the first validation prompt
 
 @torch.no_grad()
 def vae_ceiling(components, dataset, prompts: list[int]) -> tuple[dict, list[np.ndarray]]:
-    """Analyser score of the VAE's reconstructions of the real validation clips (what a perfect transformer
-    reaches), and the reconstructions of the first :data:`GRID_PROMPTS` clips."""
-    vae = components.vae
-    verdicts, shown = [], []
-    for i in prompts:
-        item = dataset[i]
-        z = vae.encode(item["video"][None].to(vae.device, vae.dtype)).latent_dist.mean
-        frames = to_frames(vae.decode(z).sample[0])
-        verdicts.append(analyse(frames, dataset.attributes(i)))
-        if len(shown) < GRID_PROMPTS:
-            shown.append(frames)
-    return score(verdicts), shown
+    """Analyser score and PSNR of the VAE's reconstructions of the real validation clips (what a perfect
+    transformer reaches; :func:`training.builtin.vae_ceiling.reconstruction_ceiling`), and the
+    reconstructions of the first :data:`GRID_PROMPTS` clips."""
+    shown: list[np.ndarray] = []
+    result = reconstruction_ceiling(components.vae, dataset, prompts, keep=shown, keep_first=GRID_PROMPTS)
+    return result, shown
 
 
 def attribute_mean(row: dict) -> float:
@@ -200,7 +194,10 @@ def run(args) -> dict:
     ceiling = None  # the sweep's table does not show the ceiling (it does not depend on the CFG scale)
     if not args.guidance or len(args.guidance) == 1:
         ceiling, grid["VAE reconstruction"] = vae_ceiling(components, validation, prompts)
-        print(f"analyser on VAE reconstructions of the real clips: overall {ceiling['overall']:.2f}")
+        print(
+            f"analyser on VAE reconstructions of the real clips: overall {ceiling['overall']:.2f}, "
+            f"PSNR {ceiling['psnr_db']} dB (objects {ceiling['psnr_object_db']} dB)"
+        )
 
     info_dir = Path(args.model) if args.model else BUILTIN_DIR
     guidances = args.guidance or [d["guidance_scale"]]
@@ -280,8 +277,9 @@ def markdown(res: dict) -> str:
             f"{r['total_s']:.1f} s ({r['denoise_s']:.1f} s) |"
         )
     c = res["vae_ceiling"]
+    psnr = f", PSNR {c['psnr_db']} dB" if "psnr_db" in c else ""  # JSONs before the ceiling had PSNR
     lines.append(
-        f"| *VAE reconstruction of the real clips (ceiling)* | | {f(c['colour'])} | {f(c['shape'])} | {f(c['count'])} | "
+        f"| *VAE reconstruction of the real clips (ceiling{psnr})* | | {f(c['colour'])} | {f(c['shape'])} | {f(c['count'])} | "
         f"{f(c['motion'])} | {f(c['overall'])} | | |"
     )
     return "\n".join(lines) + "\n"

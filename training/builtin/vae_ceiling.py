@@ -12,6 +12,9 @@ model's semantic score. For each of ``--num-clips`` clips of the synthetic *vali
 - ``psnr_db``: PSNR over all pixels of all clips (pooled MSE, signal range [-1, 1]);
 - ``psnr_object_db``: the same over the object pixels only (saturated ones in the real clip: a few
   per cent of a frame, what the analyser looks at);
+- ``psnr_worst_clip_db``, ``psnr_by_background_db`` (pooled over the clips of each background) and
+  ``psnr_by_frame_db`` (pooled over clips, one per frame index): where a VAE loses it, e.g. one
+  background, or later frames drifting through the causal temporal cache;
 - the analyser's (:mod:`training.builtin.analyse`) per-attribute accuracy and ``overall`` on the
   reconstructions, judged against each clip's attribute dict.
 
@@ -47,10 +50,13 @@ def object_mask(video: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def reconstruction_ceiling(vae, dataset, indices) -> dict:
+def reconstruction_ceiling(vae, dataset, indices, keep: list[np.ndarray] | None = None, keep_first: int = 0) -> dict:
     """PSNR and analyser scores of ``vae``'s reconstructions of ``dataset[i]`` for ``i`` in ``indices``
-    (``vae=None``: the real clips themselves, PSNR infinite)."""
+    (``vae=None``: the real clips themselves, PSNR infinite). The uint8 frames of the first
+    ``keep_first`` reconstructions are appended to ``keep`` (the evaluation's picture grid)."""
     verdicts, sq, n, sq_obj, n_obj, per_clip = [], 0.0, 0, 0.0, 0, []
+    by_background: dict[str, list[float]] = {}  # background -> [sum of squared errors, count]
+    by_frame: list[list[float]] = []  # frame index -> [sum of squared errors, count]
     for i in indices:
         video = dataset[i]["video"]
         if vae is None:
@@ -60,13 +66,23 @@ def reconstruction_ceiling(vae, dataset, indices) -> dict:
             rec = vae.decode(z).sample[0].float().cpu().clamp(-1, 1)
         # the analyser sees what a user sees: the clip quantised to uint8
         frames = to_frames(rec)
+        if keep is not None and len(keep) < keep_first:
+            keep.append(frames)
         err = (torch.from_numpy(frames).permute(3, 0, 1, 2).float() / 127.5 - 1.0) - video
         e2 = err.square()
         m = object_mask(video).expand_as(e2)
         sq, n = sq + e2.sum().item(), n + e2.numel()
         sq_obj, n_obj = sq_obj + e2[m].sum().item(), n_obj + int(m.sum())
         per_clip.append(e2.mean().item())
-        v = analyse(frames, dataset.attributes(i))
+        attributes = dataset.attributes(i)
+        acc = by_background.setdefault(attributes["background"], [0.0, 0])
+        acc[0], acc[1] = acc[0] + e2.sum().item(), acc[1] + e2.numel()
+        frame_sums = e2.sum(dim=(0, 2, 3)).tolist()
+        by_frame.extend([0.0, 0] for _ in range(len(frame_sums) - len(by_frame)))
+        for t, value in enumerate(frame_sums):
+            by_frame[t][0] += value
+            by_frame[t][1] += e2[:, t].numel()
+        v = analyse(frames, attributes)
         v["index"] = int(i)
         verdicts.append(v)
 
@@ -78,6 +94,8 @@ def reconstruction_ceiling(vae, dataset, indices) -> dict:
         psnr_db=psnr(sq / n),
         psnr_object_db=psnr(sq_obj / max(n_obj, 1)),
         psnr_worst_clip_db=psnr(max(per_clip)),
+        psnr_by_background_db={b: psnr(total / count) for b, (total, count) in sorted(by_background.items())},
+        psnr_by_frame_db=[psnr(total / count) for total, count in by_frame],
         failures=[
             {
                 "index": v["index"],
@@ -142,6 +160,8 @@ def main(argv=None) -> int:
         f"{res['vae']}: PSNR {res['psnr_db']} dB (objects {res['psnr_object_db']} dB, worst clip "
         f"{res['psnr_worst_clip_db']} dB); analyser overall {res['overall']:.2f} ({line}) on {args.num_clips} clips"
     )
+    print("  by background: " + ", ".join(f"{b} {v} dB" for b, v in res["psnr_by_background_db"].items()))
+    print("  by frame: " + " ".join(f"{v}" for v in res["psnr_by_frame_db"]) + " dB")
     for f in res["failures"][:4]:
         print(f"  wrong: {f['caption']!r} -> {f['found']}")
     if args.out:

@@ -180,6 +180,59 @@ def test_vae_ceiling_is_perfect_on_real_clips_and_drops_for_a_blurring_vae():
     assert blurred["shape"] < 0.75 and blurred["overall"] < 0.75 and blurred["failures"], (seed, blurred)
 
 
+class _DarkDriftVAE:
+    """Stands in for a VAE that drifts on dark pixels over time: frame ``t`` of every pixel darker than
+    -0.75 (black backgrounds only: the darkest colour channel is 40/255) comes back ``0.04 * t`` brighter."""
+
+    device, dtype = torch.device("cpu"), torch.float32
+
+    def encode(self, x):
+        return SimpleNamespace(latent_dist=SimpleNamespace(mean=x))
+
+    def decode(self, z):
+        t = torch.arange(z.shape[2], dtype=z.dtype).view(1, 1, -1, 1, 1)
+        return SimpleNamespace(sample=z + 0.04 * t * (z < -0.75))
+
+
+def test_vae_ceiling_breaks_psnr_down_by_background_and_frame():
+    seed = int(np.random.default_rng().integers(1 << 30))
+    pool = SyntheticVideoDataset(60, seed=seed, split="validation", num_frames=9, height=48, width=64)
+    chosen: dict[str, list[int]] = {}
+    for i in range(60):  # two clips of each background the pool has (black among them: 1 - 0.8^60)
+        group = chosen.setdefault(pool.attributes(i)["background"], [])
+        if len(group) < 2:
+            group.append(i)
+    indices = sorted(i for group in chosen.values() for i in group)
+    res = reconstruction_ceiling(_DarkDriftVAE(), pool, indices)
+
+    # reference: the drift applied and quantised here, errors pooled per background and per frame
+    sums: dict[str, list[float]] = {}
+    frame_sq, frame_n = np.zeros(9), np.zeros(9)
+    for i in indices:
+        real = pool[i]["video"].numpy().astype(np.float64)  # (3, T, H, W)
+        drift = 0.04 * np.arange(9)[None, :, None, None] * (real < -0.75)
+        seen = np.round((np.clip(real + drift, -1, 1) + 1) * 127.5)  # uint8 levels, what a user sees
+        sq = ((seen - np.round((real + 1) * 127.5)) / 127.5) ** 2
+        acc = sums.setdefault(pool.attributes(i)["background"], [0.0, 0])
+        acc[0] += sq.sum()
+        acc[1] += sq.size
+        frame_sq += sq.sum(axis=(0, 2, 3))
+        frame_n += sq[:, 0].size
+
+    def psnr(mse):
+        return 10 * np.log10(4.0 / mse) if mse > 0 else float("inf")
+
+    got = res["psnr_by_background_db"]
+    assert list(got) == sorted(chosen), (seed, got)
+    for background, (total, count) in sums.items():
+        assert got[background] == pytest.approx(psnr(total / count), abs=0.01), (seed, background, got)
+    assert "black" in got and all(got["black"] < v for b, v in got.items() if b != "black"), (seed, got)
+    frames = res["psnr_by_frame_db"]
+    assert len(frames) == 9 and frames[0] == float("inf"), (seed, frames)
+    assert all(a > b for a, b in zip(frames[1:], frames[2:])), (seed, frames)  # drifts further each frame
+    assert frames == pytest.approx([psnr(s / n) for s, n in zip(frame_sq, frame_n)], abs=0.01), seed
+
+
 def test_attribute_verdict_of_a_drawn_square():
     frames = np.full((5, 64, 64, 3), 128, np.uint8)  # grey background
     for t in range(5):

@@ -352,6 +352,8 @@ def test_evaluate_writes_its_table(tmp_path):
     assert res["analyser_version"] == ANALYSER_VERSION  # scores compare only within one analyser version
     assert res["grid_prompts"] == [SyntheticVideoDataset(1, seed=0, split="validation")[0]["caption"]]
     assert not any(k.startswith("_") for k in res)  # the frames behind the PNG stay out of the JSON
+    ceiling = res["vae_ceiling"]  # the VAE's reconstructions of the prompts' real clips: scores and PSNR
+    assert 0 <= ceiling["overall"] <= 1 and 5 < ceiling["psnr_db"] < 60 and len(ceiling["psnr_by_frame_db"]) == 17
     for r in res["variants"].values():
         assert np.isfinite(r["flow_loss"]) and 0 <= r["overall"] <= 1 and r["total_s"] > 0
         draws = r["flow_loss_draws"]
