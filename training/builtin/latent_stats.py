@@ -1,0 +1,131 @@
+"""Latent statistics, frame by frame: what the transformer generates against what the VAE encodes.
+
+    python -m training.builtin.latent_stats                       # the built-in model, flash, 6 prompts
+    python -m training.builtin.latent_stats --guidance 1 --variant mhla --num-prompts 12 --out runs/x
+
+A diagnosis of the first-frame fault of issue 17 (every variant's first generated frame comes out in
+the wrong colours). AutoencoderKLWan encodes causally: latent frame 0 holds pixel frame 0 alone, every
+later latent frame four pixel frames, so frame 0's latents have statistics of their own. The
+transformer sees positions only through RoPE, relatively, so it must infer that a token sits in the
+first frame. For the first ``--num-prompts`` validation captions (data seed ``--data-seed``) this
+encodes the real clip and generates one video (seed 0, ``output_type="latent"``), both in the
+pipeline's normalised latent space, and reports per latent frame ``f``:
+
+- ``real_std`` / ``generated_std``: the standard deviation of all latents of frame ``f``;
+- ``channel_mean_gap``: the mean over channels of |mean over prompts and positions of generated
+  minus real|;
+- ``corr_real[f][g]``: the correlation, over the 16 channels, of the generated frame ``f``'s channel
+  means with the real frame ``g``'s. A model that knows which frame it draws has its largest value of
+  row ``f`` at ``g = f``; a first frame drawn like the second has it at ``g = 1``.
+
+Writes ``<out>.json`` when ``--out`` is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from pipelines import BUILTIN_DIR, VARIANTS, load_components
+from pipelines.pipeline import generate
+from training.builtin.synthetic import SyntheticVideoDataset
+
+
+def normalised_latents(vae, video: torch.Tensor) -> torch.Tensor:
+    """``(3, T, H, W)`` clip -> ``(C, F, h, w)`` posterior mean in the pipeline's normalised space."""
+    z = vae.encode(video[None].to(vae.device, vae.dtype)).latent_dist.mean[0].float().cpu()
+    mean = torch.tensor(vae.config.latents_mean).view(-1, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std).view(-1, 1, 1, 1)
+    return (z - mean) / std
+
+
+def frame_statistics(real: torch.Tensor, generated: torch.Tensor) -> dict:
+    """Per-latent-frame statistics of ``real`` and ``generated`` latents, both ``(N, C, F, h, w)``."""
+    if real.shape != generated.shape:
+        raise ValueError(f"real latents {tuple(real.shape)} and generated ones {tuple(generated.shape)} differ")
+    frames = real.shape[2]
+    real_means = real.mean(dim=(0, 3, 4)).double().numpy()  # (C, F)
+    gen_means = generated.mean(dim=(0, 3, 4)).double().numpy()
+    corr = [[float(np.corrcoef(gen_means[:, f], real_means[:, g])[0, 1]) for g in range(frames)] for f in range(frames)]
+    return {
+        "real_std": [round(real[:, :, f].std().item(), 4) for f in range(frames)],
+        "generated_std": [round(generated[:, :, f].std().item(), 4) for f in range(frames)],
+        "channel_mean_gap": [round(float(np.abs(gen_means[:, f] - real_means[:, f]).mean()), 4) for f in range(frames)],
+        "corr_real": [[round(v, 3) for v in row] for row in corr],
+        "closest_real_frame": [int(np.argmax(row)) for row in corr],
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m training.builtin.latent_stats", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="model directory (default: the built-in model in assets/builtin)")
+    p.add_argument("--variant", default="flash", choices=VARIANTS)
+    p.add_argument("--num-prompts", type=int, default=6)
+    p.add_argument("--data-seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=None, help="denoising steps (default: the model's)")
+    p.add_argument("--guidance", type=float, default=None, help="CFG scale (default: the model's)")
+    p.add_argument("--out", default=None, help="writes OUT.json")
+    args = p.parse_args(argv)
+    if args.num_prompts < 2:
+        p.error(f"--num-prompts must be >= 2 (correlations over prompts' means), got {args.num_prompts}")
+    components = load_components(args.model or BUILTIN_DIR, dtype="float32", device="cpu")
+    if components.random_weights:
+        p.error("the model has random weights; use the built-in model or a trained one (--model)")
+    d = components.defaults
+    data = SyntheticVideoDataset(
+        args.num_prompts,
+        seed=args.data_seed,
+        split="validation",
+        num_frames=d["num_frames"],
+        height=d["height"],
+        width=d["width"],
+    )
+    real, generated = [], []
+    for i in tqdm(range(args.num_prompts), desc=f"latents [{args.variant}]"):
+        item = data[i]
+        with torch.no_grad():
+            real.append(normalised_latents(components.vae, item["video"]))
+        result = generate(
+            components,
+            item["caption"],
+            variant=args.variant,
+            seed=0,
+            num_inference_steps=args.steps,
+            guidance_scale=args.guidance,
+            output_type="latent",
+            show_progress=False,
+        )
+        generated.append(torch.as_tensor(result.frames)[0].float().cpu())
+    stats = frame_statistics(torch.stack(real), torch.stack(generated))
+    res = {
+        "model": str(args.model or BUILTIN_DIR),
+        "variant": args.variant,
+        "num_prompts": args.num_prompts,
+        "data_seed": args.data_seed,
+        "guidance_scale": args.guidance if args.guidance is not None else d["guidance_scale"],
+        "num_inference_steps": args.steps or d["num_inference_steps"],
+        **stats,
+    }
+    print(f"{res['variant']}, CFG {res['guidance_scale']:g}, {args.num_prompts} prompts")
+    print("frame | real std | generated std | channel-mean gap | closest real frame | corr with real frames")
+    for f, row in enumerate(stats["corr_real"]):
+        print(
+            f"{f:5d} | {stats['real_std'][f]:8.3f} | {stats['generated_std'][f]:13.3f} | "
+            f"{stats['channel_mean_gap'][f]:16.3f} | {stats['closest_real_frame'][f]:18d} | {' '.join(f'{v:5.2f}' for v in row)}"
+        )
+    if args.out:
+        out = Path(args.out).with_suffix(".json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(res, indent=1) + "\n")
+        print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
