@@ -122,10 +122,19 @@ def init_model_dir(out: str | Path, seed: int = 0) -> Path:
     return out
 
 
-def init_vae(out: str | Path, seed: int = 1, **overrides) -> Path:
+# the settings that shape AutoencoderKLWan's encoder (and quant_conv): equal ones make encoders interchangeable
+ENCODER_KEYS = ("in_channels", "base_dim", "z_dim", "dim_mult", "num_res_blocks", "attn_scales", "temperal_downsample")
+
+
+def init_vae(out: str | Path, seed: int = 1, encoder_from: str | Path | None = None, **overrides) -> Path:
     """An untrained ``AutoencoderKLWan`` with :data:`VAE`'s settings changed by ``overrides`` (e.g. the
     pilots' ``dim_mult=[1, 2, 4], temperal_downsample=[True, True], scale_factor_spatial=4``: 4x4x4
-    strides), saved as ``out/vae`` so that ``out`` can be a ``task: vae`` run's ``model.path``."""
+    strides), saved as ``out/vae`` so that ``out`` can be a ``task: vae`` run's ``model.path``.
+
+    ``encoder_from``: a trained VAE folder whose encoder, ``quant_conv`` and latent statistics are copied
+    in (its encoder settings must match). With ``decoder_base_dim`` in ``overrides`` this makes a wider
+    (or narrower) decoder for the same latents, which ``vae.trainable: decoder`` then trains: a transformer
+    trained on that encoder's latents keeps working with it."""
     import inspect
 
     from diffusers import AutoencoderKLWan
@@ -153,10 +162,33 @@ def init_vae(out: str | Path, seed: int = 1, **overrides) -> Path:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         vae = AutoencoderKLWan(**cfg).eval()
+    if encoder_from is not None:
+        if not (Path(encoder_from) / "config.json").is_file():
+            raise ValueError(
+                f"encoder_from={str(encoder_from)!r} has no config.json (expected an AutoencoderKLWan folder)"
+            )
+        source = AutoencoderKLWan.from_pretrained(encoder_from, dtype=torch.float32)
+        differ = {
+            k: (source.config[k], vae.config[k])
+            for k in ENCODER_KEYS
+            if list_or(source.config[k]) != list_or(vae.config[k])
+        }
+        if differ:
+            raise ValueError(f"the encoder of {encoder_from} has other settings (theirs, these): {differ}")
+        vae.encoder.load_state_dict(source.encoder.state_dict())
+        vae.quant_conv.load_state_dict(source.quant_conv.state_dict())
+        vae.register_to_config(
+            latents_mean=list(source.config.latents_mean), latents_std=list(source.config.latents_std)
+        )
     dest = Path(out) / "vae"
     vae.save_pretrained(str(dest), safe_serialization=True)
     _match_transformer_channels(Path(out), cfg["z_dim"])
     return dest
+
+
+def list_or(value):
+    """Config values compared as plain lists (a JSON config gives lists where the code has tuples)."""
+    return list(value) if isinstance(value, (list, tuple)) else value
 
 
 def _match_transformer_channels(model_dir: Path, z_dim: int) -> None:
@@ -360,6 +392,12 @@ def main(argv=None) -> int:
     v.add_argument("--out", required=True)
     v.add_argument("--seed", type=int, default=1)
     v.add_argument(
+        "--encoder-from",
+        default=None,
+        metavar="VAE_DIR",
+        help="copy this trained VAE's encoder and latent statistics (e.g. assets/builtin/vae with --set decoder_base_dim=24)",
+    )
+    v.add_argument(
         "--set",
         nargs="*",
         default=[],
@@ -381,7 +419,7 @@ def main(argv=None) -> int:
                 overrides[key] = json.loads(value)
             except json.JSONDecodeError:
                 p.error(f"--set {key}: {value!r} is not JSON")
-        print(f"wrote {init_vae(args.out, args.seed, **overrides)}")
+        print(f"wrote {init_vae(args.out, args.seed, encoder_from=args.encoder_from, **overrides)}")
         return 0
     if args.cmd == "assemble":
         print(f"wrote {assemble()}")

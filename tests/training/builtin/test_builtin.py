@@ -184,6 +184,28 @@ def test_init_vae_with_4x4x4_strides_keeps_the_latent_grid_at_half_the_resolutio
         init_vae(tmp_path / "bad", base_channels=24)
 
 
+def test_init_vae_with_a_wider_decoder_keeps_the_trained_encoder_and_its_latents(tmp_path):
+    from diffusers import AutoencoderKLWan
+
+    from training.builtin.build import init_vae
+
+    trained = init_vae(tmp_path / "trained", seed=int(np.random.default_rng().integers(1 << 30)))
+    source = AutoencoderKLWan.from_pretrained(trained)
+    source.register_to_config(latents_mean=[0.5] * 16, latents_std=[2.0] * 16)  # stands in for measured ones
+    source.save_pretrained(trained)
+    wide = AutoencoderKLWan.from_pretrained(init_vae(tmp_path / "wide", encoder_from=trained, decoder_base_dim=16))
+    video = torch.rand(1, 3, 5, 32, 32) * 2 - 1
+    with torch.no_grad():
+        assert torch.equal(wide.encode(video).latent_dist.mean, source.encode(video).latent_dist.mean)
+        assert wide.decode(source.encode(video).latent_dist.mean).sample.shape == video.shape
+    assert wide.config.latents_mean == [0.5] * 16 and wide.config.latents_std == [2.0] * 16
+    assert wide.decoder.conv_in.out_channels == 4 * 16 != source.decoder.conv_in.out_channels  # 4 = dim_mult[-1]
+    with pytest.raises(ValueError, match=r"other settings \(theirs, these\): \{'base_dim': \(12, 16\)\}"):
+        init_vae(tmp_path / "bad", encoder_from=trained, base_dim=16)
+    with pytest.raises(ValueError, match="has no config.json"):
+        init_vae(tmp_path / "bad", encoder_from=tmp_path / "nowhere")
+
+
 def test_init_vae_with_more_latent_channels_gives_the_transformer_as_many(fresh_model_dir, tmp_path):
     import shutil
 
