@@ -484,3 +484,17 @@ def test_every_builtin_config_loads(tmp_path):
         assert str(cfg.run_dir).startswith("runs/"), f"{path.name}: run_dir {cfg.run_dir!r} outside runs/"
         if cfg.task == "vae" and cfg.vae.export:
             assert str(cfg.vae.export).startswith("runs/"), f"{path.name}: exports into {cfg.vae.export!r}"
+
+
+def test_vae_speed_times_both_precisions(tmp_path, capsys):
+    from training.builtin.vae_speed import main
+
+    out = tmp_path / "speed"
+    argv = ["--set", "base_dim=4", "--batch", "1", "--frames", "5", "--crop", "16", "--repeats", "1"]
+    assert main([*argv, "--trainable", "decoder", "--out", str(out)]) == 0
+    res = json.loads(out.with_suffix(".json").read_text())
+    assert set(res["precision"]) == {"no", "bf16"} and all(r["median_s"] > 0 for r in res["precision"].values())
+    assert res["vae"]["base_dim"] == 4 and res["trainable"] == "decoder" and res["batch"] == [1, 3, 5, 16, 16]
+    assert "bf16 / float32" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--frames", "4"])

@@ -1,0 +1,102 @@
+"""Time one VAE training step (``task: vae``'s loss, forward and backward) per ``train.precision``.
+
+    python -m training.builtin.vae_speed                                              # the built-in VAE's settings
+    python -m training.builtin.vae_speed --set base_dim=24 --frames 9 --crop 64 --out benchmarks/results/vae_step_cpu
+    python -m training.builtin.vae_speed --set decoder_base_dim=24 --trainable decoder --frames 9 --crop 64
+
+Builds an untrained ``AutoencoderKLWan`` with the built-in model's VAE settings changed by ``--set``
+(as ``python -m training.builtin init-vae``), then times :func:`training.vae.vae_loss` plus its
+backward pass on a random batch ``(--batch, 3, --frames, --crop, --crop)``: one untimed step, then the
+median of ``--repeats``, for each precision. Prints a table and writes ``<out>.json`` with ``--out``.
+Wall clock on this machine: run it on an otherwise idle one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from training.vae import autocast_for, vae_loss
+
+PRECISIONS = ("no", "bf16")
+
+
+def time_steps(vae, video: torch.Tensor, precision: str, repeats: int, train_encoder: bool) -> list[float]:
+    """Seconds per training step (loss, backward) of ``vae`` on ``video``: one warm-up, then ``repeats``."""
+    times = []
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        with autocast_for(precision):
+            loss, _ = vae_loss(vae, video, 1e-6, 10.0, train_encoder)
+        loss.float().backward()
+        vae.zero_grad(set_to_none=True)
+        if i:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def main(argv=None) -> int:
+    from diffusers import AutoencoderKLWan
+
+    from training.builtin.build import VAE
+
+    p = argparse.ArgumentParser(prog="python -m training.builtin.vae_speed", description=__doc__.split("\n\n")[0])
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=JSON", help="VAE settings, e.g. base_dim=24")
+    p.add_argument("--trainable", choices=("all", "decoder"), default="all")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--frames", type=int, default=5)
+    p.add_argument("--crop", type=int, default=80)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default=None, help="writes OUT.json")
+    args = p.parse_args(argv)
+    if (args.frames - 1) % 4:
+        p.error(f"--frames must be 4k+1 (the VAE's causal chunks), got {args.frames}")
+    overrides = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            p.error(f"--set takes KEY=JSON, got {item!r}")
+        overrides[key] = json.loads(value)
+    torch.manual_seed(0)
+    vae = AutoencoderKLWan(**{**VAE, **overrides}).train()
+    train_encoder = args.trainable == "all"
+    if not train_encoder:
+        vae.encoder.requires_grad_(False).eval()
+        vae.quant_conv.requires_grad_(False)
+    video = torch.rand(args.batch, 3, args.frames, args.crop, args.crop) * 2 - 1
+    rows = {}
+    for precision in PRECISIONS:
+        times = time_steps(vae, video, precision, args.repeats, train_encoder)
+        rows[precision] = {"median_s": round(statistics.median(times), 3), "times_s": [round(t, 3) for t in times]}
+    res = {
+        "vae": {**VAE, **overrides},
+        "trainable": args.trainable,
+        "parameters_m": round(sum(x.numel() for x in vae.parameters() if x.requires_grad) / 1e6, 2),
+        "batch": [args.batch, 3, args.frames, args.crop, args.crop],
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "precision": rows,
+        "bf16_over_fp32": round(rows["bf16"]["median_s"] / rows["no"]["median_s"], 2),
+    }
+    print(f"VAE step, batch {res['batch']}, {res['parameters_m']}M trainable ({args.trainable}), {res['machine']}")
+    print("| precision | s/step (median) |\n|---|---:|")
+    for precision, row in rows.items():
+        print(f"| {precision} | {row['median_s']:.3f} |")
+    print(f"bf16 / float32: {res['bf16_over_fp32']:.2f}")
+    if args.out:
+        out = Path(args.out).with_suffix(".json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(res, indent=1) + "\n")
+        print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
