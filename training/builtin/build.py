@@ -182,6 +182,14 @@ def init_vae(out: str | Path, seed: int = 1, encoder_from: str | Path | None = N
         )
     dest = Path(out) / "vae"
     vae.save_pretrained(str(dest), safe_serialization=True)
+    (dest / "trained.json").unlink(missing_ok=True)
+    if encoder_from is not None:  # the runs that trained the encoder (their decoder-only runs fitted another decoder)
+        from training.vae import _records
+
+        encoder_runs = [r for r in _records(Path(encoder_from) / "trained.json") if r.get("trainable", "all") == "all"]
+        if encoder_runs:
+            last = {**encoder_runs[-1], "history": encoder_runs[:-1], "decoder": "new, untrained (init-vae)"}
+            (dest / "trained.json").write_text(json.dumps(last) + "\n")
     _match_transformer_channels(Path(out), cfg["z_dim"])
     return dest
 

@@ -193,7 +193,13 @@ def test_init_vae_with_a_wider_decoder_keeps_the_trained_encoder_and_its_latents
     source = AutoencoderKLWan.from_pretrained(trained)
     source.register_to_config(latents_mean=[0.5] * 16, latents_std=[2.0] * 16)  # stands in for measured ones
     source.save_pretrained(trained)
-    wide = AutoencoderKLWan.from_pretrained(init_vae(tmp_path / "wide", encoder_from=trained, decoder_base_dim=16))
+    runs = [{"steps": 2800, "run": "runs/a/vae"}, {"steps": 1200, "run": "runs/a/vae-decoder", "trainable": "decoder"}]
+    (trained / "trained.json").write_text(json.dumps({**runs[1], "history": runs[:1]}))
+    folder = init_vae(tmp_path / "wide", encoder_from=trained, decoder_base_dim=16)
+    wide = AutoencoderKLWan.from_pretrained(folder)
+    # the encoder's training is on record; the old decoder's run is not (the new decoder is untrained)
+    record = json.loads((folder / "trained.json").read_text())
+    assert record["run"] == "runs/a/vae" and record["history"] == [] and "untrained" in record["decoder"]
     video = torch.rand(1, 3, 5, 32, 32) * 2 - 1
     with torch.no_grad():
         assert torch.equal(wide.encode(video).latent_dist.mean, source.encode(video).latent_dist.mean)
