@@ -70,6 +70,13 @@ def decode_unclamped(vae, z: torch.Tensor) -> torch.Tensor:
     return torch.cat(out, 2)
 
 
+def freeze_encoder(vae) -> None:
+    """``vae.trainable: decoder``: the encoder and ``quant_conv`` take no gradient (the encoder runs in eval
+    mode), so the latents, and a transformer trained on them, stay valid."""
+    vae.encoder.requires_grad_(False).eval()
+    vae.quant_conv.requires_grad_(False)
+
+
 def autocast_for(precision: str, device_type: str = "cpu"):
     """The autocast context of ``train.precision`` for the VAE task: ``no`` -> float32, ``bf16`` ->
     bfloat16 autocast. ``fp16`` needs a gradient scaler this loop does not have: refused."""
@@ -129,9 +136,8 @@ def train_vae(cfg) -> int:
     source = resume_from / "vae" if resume_from else Path(cfg.model.path) / "vae"
     vae = AutoencoderKLWan.from_pretrained(source, dtype=torch.float32).train()
     train_encoder = cfg.vae.trainable == "all"
-    if not train_encoder:  # decoder only: the latents (and a transformer trained on them) stay valid
-        vae.encoder.requires_grad_(False).eval()
-        vae.quant_conv.requires_grad_(False)
+    if not train_encoder:
+        freeze_encoder(vae)
     params = [p for p in vae.parameters() if p.requires_grad]
     history = _earlier_training(Path(cfg.model.path) / "vae" / "trained.json", run_dir)
     opt = torch.optim.AdamW(params, lr=cfg.train.lr, betas=tuple(cfg.train.betas), weight_decay=0.0)
@@ -175,7 +181,6 @@ def train_vae(cfg) -> int:
         video = _random_crop(batch["video"], cfg.vae.crop, generator)
         with autocast_for(cfg.train.precision):
             loss, l1 = vae_loss(vae, video, cfg.vae.kl_weight, cfg.vae.object_weight, train_encoder)
-        loss = loss.float()
         if not torch.isfinite(loss):
             raise FloatingPointError(f"step {step + 1}: non-finite VAE loss {loss.item()}")
         opt.zero_grad(set_to_none=True)
@@ -247,7 +252,7 @@ def train_vae(cfg) -> int:
     return 0
 
 
-def _records(trained_json: Path) -> list[dict]:
+def training_records(trained_json: Path) -> list[dict]:
     """The runs recorded in an installed VAE's ``trained.json``, oldest first ([] without one)."""
     if not trained_json.is_file():
         return []
@@ -258,14 +263,14 @@ def _records(trained_json: Path) -> list[dict]:
 def _earlier_training(trained_json: Path, run_dir: Path) -> list[dict]:
     """The runs that trained the VAE before this one, from the source VAE's ``trained.json`` (this run's
     own earlier record, left there by a finished run whose steps then grew, is dropped)."""
-    return [r for r in _records(trained_json) if Path(r.get("run", "")) != run_dir]
+    return [r for r in training_records(trained_json) if Path(r.get("run", "")) != run_dir]
 
 
 def vae_runs(trained_json: Path) -> dict[str, int]:
     """``{run directory: steps}`` of the runs recorded in an installed VAE's ``trained.json`` that still
     count: a decoder-only run is void once a later run retrained the encoder (it fitted other latents)."""
     kept: list[dict] = []
-    for r in _records(trained_json):
+    for r in training_records(trained_json):
         if r.get("trainable", "all") == "all":
             kept = [k for k in kept if k.get("trainable") != "decoder"]
         kept.append(r)

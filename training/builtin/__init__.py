@@ -5,8 +5,24 @@
 - ``analyse``: reads a generated clip back into attributes (count, colour, shape, motion);
 - ``evaluate``: the miniature Table 5 (``python -m training.builtin.evaluate``);
 - ``vae_ceiling``: what the VAE alone keeps of a clip (``python -m training.builtin.vae_ceiling``);
+- ``latent_stats``: generated against encoded latents, frame by frame;
+- ``vae_speed``: a VAE training step's time per precision;
 - ``transfer_study``: the conversion-recipe study on the built-in model.
 
 The recipe itself (``training/finetune.py`` and its data, config and checkpoint modules) does not
 depend on this package except for the synthetic data source (``data.source: synthetic``).
 """
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def write_json(out: str | Path, result: dict) -> Path:
+    """Writes ``result`` to ``<out>.json`` (folders made as needed) and returns that path: the commands'
+    ``--out``."""
+    path = Path(out).with_suffix(".json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    return path

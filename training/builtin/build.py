@@ -126,15 +126,9 @@ def init_model_dir(out: str | Path, seed: int = 0) -> Path:
 ENCODER_KEYS = ("in_channels", "base_dim", "z_dim", "dim_mult", "num_res_blocks", "attn_scales", "temperal_downsample")
 
 
-def init_vae(out: str | Path, seed: int = 1, encoder_from: str | Path | None = None, **overrides) -> Path:
-    """An untrained ``AutoencoderKLWan`` with :data:`VAE`'s settings changed by ``overrides`` (e.g. the
-    pilots' ``dim_mult=[1, 2, 4], temperal_downsample=[True, True], scale_factor_spatial=4``: 4x4x4
-    strides), saved as ``out/vae`` so that ``out`` can be a ``task: vae`` run's ``model.path``.
-
-    ``encoder_from``: a trained VAE folder whose encoder, ``quant_conv`` and latent statistics are copied
-    in (its encoder settings must match). With ``decoder_base_dim`` in ``overrides`` this makes a wider
-    (or narrower) decoder for the same latents, which ``vae.trainable: decoder`` then trains: a transformer
-    trained on that encoder's latents keeps working with it."""
+def vae_settings(**overrides) -> dict:
+    """:data:`VAE`'s settings changed by ``overrides``, checked: every key an ``AutoencoderKLWan`` argument,
+    one temporal flag per downsampling, scale factors that match the strides (filled in when not given)."""
     import inspect
 
     from diffusers import AutoencoderKLWan
@@ -159,6 +153,36 @@ def init_vae(out: str | Path, seed: int = 1, encoder_from: str | Path | None = N
             f"scale factors {cfg['scale_factor_temporal']}x{cfg['scale_factor_spatial']} do not match dim_mult "
             f"{cfg['dim_mult']} / temperal_downsample {cfg['temperal_downsample']}"
         )
+    return cfg
+
+
+def parse_overrides(items: list[str]) -> dict:
+    """``["base_dim=24", "dim_mult=[1,2,4]"]`` -> ``{"base_dim": 24, "dim_mult": [1, 2, 4]}`` (values are JSON);
+    raises ValueError naming a malformed item."""
+    overrides = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set takes KEY=JSON, got {item!r}")
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:
+            raise ValueError(f"--set {key}: {value!r} is not JSON") from None
+    return overrides
+
+
+def init_vae(out: str | Path, seed: int = 1, encoder_from: str | Path | None = None, **overrides) -> Path:
+    """An untrained ``AutoencoderKLWan`` with :data:`VAE`'s settings changed by ``overrides`` (e.g. the
+    pilots' ``dim_mult=[1, 2, 4], temperal_downsample=[True, True], scale_factor_spatial=4``: 4x4x4
+    strides), saved as ``out/vae`` so that ``out`` can be a ``task: vae`` run's ``model.path``.
+
+    ``encoder_from``: a trained VAE folder whose encoder, ``quant_conv`` and latent statistics are copied
+    in (its encoder settings must match). With ``decoder_base_dim`` in ``overrides`` this makes a wider
+    (or narrower) decoder for the same latents, which ``vae.trainable: decoder`` then trains: a transformer
+    trained on that encoder's latents keeps working with it."""
+    from diffusers import AutoencoderKLWan
+
+    cfg = vae_settings(**overrides)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         vae = AutoencoderKLWan(**cfg).eval()
@@ -168,11 +192,7 @@ def init_vae(out: str | Path, seed: int = 1, encoder_from: str | Path | None = N
                 f"encoder_from={str(encoder_from)!r} has no config.json (expected an AutoencoderKLWan folder)"
             )
         source = AutoencoderKLWan.from_pretrained(encoder_from, dtype=torch.float32)
-        differ = {
-            k: (source.config[k], vae.config[k])
-            for k in ENCODER_KEYS
-            if list_or(source.config[k]) != list_or(vae.config[k])
-        }
+        differ = {k: (source.config[k], vae.config[k]) for k in ENCODER_KEYS if source.config[k] != vae.config[k]}
         if differ:
             raise ValueError(f"the encoder of {encoder_from} has other settings (theirs, these): {differ}")
         vae.encoder.load_state_dict(source.encoder.state_dict())
@@ -184,19 +204,16 @@ def init_vae(out: str | Path, seed: int = 1, encoder_from: str | Path | None = N
     vae.save_pretrained(str(dest), safe_serialization=True)
     (dest / "trained.json").unlink(missing_ok=True)
     if encoder_from is not None:  # the runs that trained the encoder (their decoder-only runs fitted another decoder)
-        from training.vae import _records
+        from training.vae import training_records
 
-        encoder_runs = [r for r in _records(Path(encoder_from) / "trained.json") if r.get("trainable", "all") == "all"]
+        encoder_runs = [
+            r for r in training_records(Path(encoder_from) / "trained.json") if r.get("trainable", "all") == "all"
+        ]
         if encoder_runs:
             last = {**encoder_runs[-1], "history": encoder_runs[:-1], "decoder": "new, untrained (init-vae)"}
             (dest / "trained.json").write_text(json.dumps(last) + "\n")
     _match_transformer_channels(Path(out), cfg["z_dim"])
     return dest
-
-
-def list_or(value):
-    """Config values compared as plain lists (a JSON config gives lists where the code has tuples)."""
-    return list(value) if isinstance(value, (list, tuple)) else value
 
 
 def _match_transformer_channels(model_dir: Path, z_dim: int) -> None:
@@ -418,15 +435,10 @@ def main(argv=None) -> int:
         print(f"wrote {init_model_dir(args.out, args.seed)}")
         return 0
     if args.cmd == "init-vae":
-        overrides = {}
-        for item in args.set:
-            key, sep, value = item.partition("=")
-            if not sep:
-                p.error(f"--set takes KEY=JSON, got {item!r}")
-            try:
-                overrides[key] = json.loads(value)
-            except json.JSONDecodeError:
-                p.error(f"--set {key}: {value!r} is not JSON")
+        try:
+            overrides = parse_overrides(args.set)
+        except ValueError as e:
+            p.error(str(e))
         print(f"wrote {init_vae(args.out, args.seed, encoder_from=args.encoder_from, **overrides)}")
         return 0
     if args.cmd == "assemble":

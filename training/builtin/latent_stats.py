@@ -24,9 +24,7 @@ Writes ``<out>.json`` when ``--out`` is given.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -34,15 +32,9 @@ from tqdm.auto import tqdm
 
 from pipelines import BUILTIN_DIR, VARIANTS, load_components
 from pipelines.pipeline import generate
+from training.builtin import write_json
 from training.builtin.synthetic import SyntheticVideoDataset
-
-
-def normalised_latents(vae, video: torch.Tensor) -> torch.Tensor:
-    """``(3, T, H, W)`` clip -> ``(C, F, h, w)`` posterior mean in the pipeline's normalised space."""
-    z = vae.encode(video[None].to(vae.device, vae.dtype)).latent_dist.mean[0].float().cpu()
-    mean = torch.tensor(vae.config.latents_mean).view(-1, 1, 1, 1)
-    std = torch.tensor(vae.config.latents_std).view(-1, 1, 1, 1)
-    return (z - mean) / std
+from training.encoding import Encoder
 
 
 def frame_statistics(real: torch.Tensor, generated: torch.Tensor) -> dict:
@@ -86,11 +78,11 @@ def main(argv=None) -> int:
         height=d["height"],
         width=d["width"],
     )
+    encoder = Encoder(components)  # the normalised latents the transformer was trained on
     real, generated = [], []
     for i in tqdm(range(args.num_prompts), desc=f"latents [{args.variant}]"):
         item = data[i]
-        with torch.no_grad():
-            real.append(normalised_latents(components.vae, item["video"]))
+        real.append(encoder.latents(item["video"][None])[0].cpu())
         result = generate(
             components,
             item["caption"],
@@ -120,10 +112,7 @@ def main(argv=None) -> int:
             f"{stats['channel_mean_gap'][f]:16.3f} | {stats['closest_real_frame'][f]:18d} | {' '.join(f'{v:5.2f}' for v in row)}"
         )
     if args.out:
-        out = Path(args.out).with_suffix(".json")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(res, indent=1) + "\n")
-        print(f"wrote {out}")
+        print(f"wrote {write_json(args.out, res)}")
     return 0
 
 

@@ -25,7 +25,6 @@ analyser, not the VAE, is the limit. Writes ``<out>.json`` when ``--out`` is giv
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import platform
 import sys
@@ -35,6 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from training.builtin import write_json
 from training.builtin.analyse import ANALYSER_VERSION, ATTRIBUTES, analyse, score
 from training.builtin.synthetic import SyntheticVideoDataset
 
@@ -56,7 +56,8 @@ def reconstruction_ceiling(vae, dataset, indices, keep: list[np.ndarray] | None 
     ``keep_first`` reconstructions are appended to ``keep`` (the evaluation's picture grid)."""
     verdicts, sq, n, sq_obj, n_obj, per_clip = [], 0.0, 0, 0.0, 0, []
     by_background: dict[str, list[float]] = {}  # background -> [sum of squared errors, count]
-    by_frame: list[list[float]] = []  # frame index -> [sum of squared errors, count]
+    frame_sq: torch.Tensor | float = 0.0  # per frame index: sum of squared errors (all clips have as many frames)
+    frame_n = 0  # and the count of each
     for i in indices:
         video = dataset[i]["video"]
         if vae is None:
@@ -77,11 +78,8 @@ def reconstruction_ceiling(vae, dataset, indices, keep: list[np.ndarray] | None 
         attributes = dataset.attributes(i)
         acc = by_background.setdefault(attributes["background"], [0.0, 0])
         acc[0], acc[1] = acc[0] + e2.sum().item(), acc[1] + e2.numel()
-        frame_sums = e2.sum(dim=(0, 2, 3)).tolist()
-        by_frame.extend([0.0, 0] for _ in range(len(frame_sums) - len(by_frame)))
-        for t, value in enumerate(frame_sums):
-            by_frame[t][0] += value
-            by_frame[t][1] += e2[:, t].numel()
+        frame_sq = frame_sq + e2.sum(dim=(0, 2, 3), dtype=torch.float64)
+        frame_n += e2[:, 0].numel()
         v = analyse(frames, attributes)
         v["index"] = int(i)
         verdicts.append(v)
@@ -95,7 +93,7 @@ def reconstruction_ceiling(vae, dataset, indices, keep: list[np.ndarray] | None 
         psnr_object_db=psnr(sq_obj / max(n_obj, 1)),
         psnr_worst_clip_db=psnr(max(per_clip)),
         psnr_by_background_db={b: psnr(total / count) for b, (total, count) in sorted(by_background.items())},
-        psnr_by_frame_db=[psnr(total / count) for total, count in by_frame],
+        psnr_by_frame_db=[psnr(total / frame_n) for total in torch.as_tensor(frame_sq).tolist()],
         failures=[
             {
                 "index": v["index"],
@@ -165,10 +163,7 @@ def main(argv=None) -> int:
     for f in res["failures"][:4]:
         print(f"  wrong: {f['caption']!r} -> {f['found']}")
     if args.out:
-        out = Path(args.out).with_suffix(".json")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(res, indent=1) + "\n")
-        print(f"wrote {out}")
+        print(f"wrote {write_json(args.out, res)}")
     return 0
 
 

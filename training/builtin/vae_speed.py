@@ -5,7 +5,7 @@
     python -m training.builtin.vae_speed --set decoder_base_dim=24 --trainable decoder --frames 9 --crop 64
 
 Builds an untrained ``AutoencoderKLWan`` with the built-in model's VAE settings changed by ``--set``
-(as ``python -m training.builtin init-vae``), then times :func:`training.vae.vae_loss` plus its
+(checked as ``python -m training.builtin init-vae`` checks them), then times :func:`training.vae.vae_loss` plus its
 backward pass on a random batch ``(--batch, 3, --frames, --crop, --crop)``: one untimed step, then the
 median of ``--repeats``, for each precision. Prints a table and writes ``<out>.json`` with ``--out``.
 Wall clock on this machine: run it on an otherwise idle one.
@@ -14,16 +14,15 @@ Wall clock on this machine: run it on an otherwise idle one.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-from training.vae import autocast_for, vae_loss
+from training.builtin import write_json
+from training.vae import autocast_for, freeze_encoder, vae_loss
 
 PRECISIONS = ("no", "bf16")
 
@@ -35,7 +34,7 @@ def time_steps(vae, video: torch.Tensor, precision: str, repeats: int, train_enc
         t0 = time.perf_counter()
         with autocast_for(precision):
             loss, _ = vae_loss(vae, video, 1e-6, 10.0, train_encoder)
-        loss.float().backward()
+        loss.backward()
         vae.zero_grad(set_to_none=True)
         if i:
             times.append(time.perf_counter() - t0)
@@ -45,7 +44,7 @@ def time_steps(vae, video: torch.Tensor, precision: str, repeats: int, train_enc
 def main(argv=None) -> int:
     from diffusers import AutoencoderKLWan
 
-    from training.builtin.build import VAE
+    from training.builtin.build import parse_overrides, vae_settings
 
     p = argparse.ArgumentParser(prog="python -m training.builtin.vae_speed", description=__doc__.split("\n\n")[0])
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=JSON", help="VAE settings, e.g. base_dim=24")
@@ -58,25 +57,22 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if (args.frames - 1) % 4:
         p.error(f"--frames must be 4k+1 (the VAE's causal chunks), got {args.frames}")
-    overrides = {}
-    for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep:
-            p.error(f"--set takes KEY=JSON, got {item!r}")
-        overrides[key] = json.loads(value)
+    try:
+        settings = vae_settings(**parse_overrides(args.set))  # checked as init-vae checks them
+    except ValueError as e:
+        p.error(str(e))
     torch.manual_seed(0)
-    vae = AutoencoderKLWan(**{**VAE, **overrides}).train()
+    vae = AutoencoderKLWan(**settings).train()
     train_encoder = args.trainable == "all"
     if not train_encoder:
-        vae.encoder.requires_grad_(False).eval()
-        vae.quant_conv.requires_grad_(False)
+        freeze_encoder(vae)
     video = torch.rand(args.batch, 3, args.frames, args.crop, args.crop) * 2 - 1
     rows = {}
     for precision in PRECISIONS:
         times = time_steps(vae, video, precision, args.repeats, train_encoder)
         rows[precision] = {"median_s": round(statistics.median(times), 3), "times_s": [round(t, 3) for t in times]}
     res = {
-        "vae": {**VAE, **overrides},
+        "vae": settings,
         "trainable": args.trainable,
         "parameters_m": round(sum(x.numel() for x in vae.parameters() if x.requires_grad) / 1e6, 2),
         "batch": [args.batch, 3, args.frames, args.crop, args.crop],
@@ -91,10 +87,7 @@ def main(argv=None) -> int:
         print(f"| {precision} | {row['median_s']:.3f} |")
     print(f"bf16 / float32: {res['bf16_over_fp32']:.2f}")
     if args.out:
-        out = Path(args.out).with_suffix(".json")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(res, indent=1) + "\n")
-        print(f"wrote {out}")
+        print(f"wrote {write_json(args.out, res)}")
     return 0
 
 
