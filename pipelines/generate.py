@@ -69,6 +69,13 @@ def _parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--frames", type=int, default=None, help="num_frames, of the form 4k+1")
     p.add_argument("--steps", type=int, default=None, help="num_inference_steps")
     p.add_argument("--guidance", type=float, default=None, help="guidance_scale")
+    p.add_argument(
+        "--guidance-max-sigma",
+        type=float,
+        default=None,
+        help="guide only the denoising steps whose noise level sigma is at most this, in [0, 1] "
+        "(default: the model's; 1 = every step, as WanPipeline)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--blocks", default=None, help="MHLA block count FxHxW, e.g. 7x3x5 (default: fitted to the grid)")
     p.add_argument("--layers", default=None, help="MHLA layers of mhla-hybrid, e.g. '1,2,4-5'")
@@ -178,6 +185,9 @@ def _preflight(args: argparse.Namespace) -> _Plan:
         num_frames=defaults["num_frames"] if args.frames is None else args.frames,
         num_inference_steps=defaults["num_inference_steps"] if args.steps is None else args.steps,
         guidance_scale=defaults["guidance_scale"] if args.guidance is None else args.guidance,
+        guidance_max_sigma=(
+            defaults.get("guidance_max_sigma") if args.guidance_max_sigma is None else args.guidance_max_sigma
+        ),
     )
     requests = []
     for v in variants:

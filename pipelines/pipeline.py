@@ -65,7 +65,7 @@ def model_request(
     """A checked :class:`GenerationRequest` for this model: unset sizes, steps and guidance take the model's
     defaults (``components.defaults``); checked against its patch and VAE strides."""
     d = components.defaults
-    for key in ("height", "width", "num_frames", "num_inference_steps", "guidance_scale"):
+    for key in ("height", "width", "num_frames", "num_inference_steps", "guidance_scale", "guidance_max_sigma"):
         if fields.get(key) is None:
             fields[key] = d.get(key)
     vae = components.vae
@@ -127,6 +127,17 @@ def _convert(
     return options
 
 
+def _guided_steps(scheduler: Any, request: GenerationRequest) -> list[bool]:
+    """Per denoising step, whether classifier-free guidance applies: every step without a
+    ``guidance_max_sigma`` (or without guidance), else the steps whose sigma is at most it."""
+    steps = request.num_inference_steps
+    if request.guidance_max_sigma is None or request.guidance_scale <= 1.0:
+        return [True] * steps
+    probe = type(scheduler).from_config(scheduler.config)  # the schedule the pipeline will set
+    probe.set_timesteps(steps)
+    return [float(s) <= request.guidance_max_sigma for s in probe.sigmas[:steps]]
+
+
 @torch.no_grad()
 def generate(
     components: WanComponents,
@@ -137,6 +148,7 @@ def generate(
     num_frames: int | None = None,
     num_inference_steps: int | None = None,
     guidance_scale: float | None = None,
+    guidance_max_sigma: float | None = None,
     seed: int = 0,
     variant: str = "flash",
     layers: list[int] | None = None,
@@ -155,6 +167,9 @@ def generate(
             request's fields are used and the keyword arguments below it are ignored).
         negative_prompt, height, width, num_frames, num_inference_steps, guidance_scale: as diffusers'
             ``WanPipeline``; None takes the model's defaults (``components.defaults``).
+        guidance_max_sigma: classifier-free guidance only at the steps whose noise level sigma is at most
+            this (a guidance interval); the noisier steps take the conditional prediction alone. None takes
+            the model's default; a model without one guides every step, as ``WanPipeline``.
         seed: the initial noise (identical for every variant) and nothing else.
         variant: ``flash``, ``linear``, ``mhla`` or ``mhla-hybrid``.
         layers: MHLA layers for ``mhla-hybrid``; default: the model's own split if it has one (it runs as
@@ -184,6 +199,7 @@ def generate(
             num_frames=num_frames,
             num_inference_steps=num_inference_steps,
             guidance_scale=guidance_scale,
+            guidance_max_sigma=guidance_max_sigma,
             seed=seed,
             variant=variant,
             layers=layers,
@@ -232,6 +248,13 @@ def generate(
     shape = (1, transformer.config.in_channels, latent_frames, request.height // stride[1], request.width // stride[1])
     noise = initial_noise(request.seed, shape, device)
     step_ends: list[float] = []
+    guided = _guided_steps(scheduler, request)
+
+    def embeds_for(step: int) -> torch.Tensor:
+        # a guidance interval through WanPipeline's own hook: at an unguided step the "unconditional" pass gets
+        # the prompt's embeddings, so uncond == cond and uncond + g * (cond - uncond) is cond exactly (the pass
+        # still runs: the cost per step is unchanged)
+        return negative_embeds if guided[step] else prompt_embeds
 
     def on_step_end(_pipe: Any, i: int, _t: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
         sync(device)
@@ -243,6 +266,8 @@ def generate(
                 f"{request.num_inference_steps} ({str(transformer.dtype).replace('torch.', '')} on {device.type}); "
                 "no video is written. Check the weights, or try --dtype float32"
             )
+        if not all(guided) and i + 1 < len(guided):
+            return {"negative_prompt_embeds": embeds_for(i + 1)}
         return {}
 
     ctx.timer.reset(enabled=True)
@@ -250,7 +275,7 @@ def generate(
         # the pipeline denoises and decodes; the last step's end splits denoising from VAE decoding
         frames = pipe(
             prompt_embeds=prompt_embeds,
-            negative_prompt_embeds=negative_embeds,
+            negative_prompt_embeds=negative_embeds if all(guided) else embeds_for(0),
             height=request.height,
             width=request.width,
             num_frames=request.num_frames,
@@ -260,6 +285,7 @@ def generate(
             output_type=request.output_type,
             return_dict=False,
             callback_on_step_end=on_step_end,
+            callback_on_step_end_tensor_inputs=["latents", "negative_prompt_embeds"],
             max_sequence_length=max_sequence_length,
         )[0]
         if request.output_type != "latent":

@@ -46,6 +46,10 @@ class GenerationRequest:
     num_inference_steps: int
     guidance_scale: float
     variant: str = "flash"
+    # classifier-free guidance only at the steps whose noise level sigma (1 = pure noise, 0 = clean) is at
+    # most this; the earlier, noisier steps take the conditional prediction alone (a guidance interval,
+    # Kynkäänniemi et al., 2024). None: guidance at every step, as diffusers' WanPipeline.
+    guidance_max_sigma: float | None = None
     negative_prompt: str | None = ""  # None reads as "" (check() makes it a string)
     seed: int = 0
     blocks: str | tuple[int, int, int] | None = None
@@ -84,6 +88,11 @@ class GenerationRequest:
         g = self.guidance_scale
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g) or g < 0:
             raise ValueError(f"guidance_scale must be a finite number >= 0, got {g!r}")
+        m = self.guidance_max_sigma
+        if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m <= 1):
+            raise ValueError(
+                f"guidance_max_sigma must be a noise level in [0, 1] (1: guidance at every step) or None, got {m!r}"
+            )
         if self.variant not in VARIANTS:
             raise ValueError(f"unknown variant {self.variant!r}; expected one of {', '.join(VARIANTS)}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
@@ -118,6 +127,7 @@ def validate_request(
     guidance_scale: float,
     variant: str,
     blocks: str | tuple[int, int, int] | None = None,
+    guidance_max_sigma: float | None = None,
     negative_prompt: str | None = None,
     seed: int = 0,
     output_type: str = "np",
@@ -132,6 +142,7 @@ def validate_request(
         num_frames=num_frames,
         num_inference_steps=num_inference_steps,
         guidance_scale=guidance_scale,
+        guidance_max_sigma=guidance_max_sigma,
         variant=variant,
         negative_prompt=negative_prompt,
         seed=seed,

@@ -123,7 +123,9 @@ def attribute_mean(row: dict) -> float:
     return float(np.mean(vals)) if vals else 0.0
 
 
-def semantic(components, transformer, variant: str, validation, prompts, seeds, steps, guidance) -> tuple[dict, list]:
+def semantic(
+    components, transformer, variant: str, validation, prompts, seeds, steps, guidance, max_sigma=None
+) -> tuple[dict, list]:
     """Analyser scores and latency of one variant at one CFG scale; also the first seed's frames of the grid's prompts."""
     verdicts, timings, frames = [], [], []
     for i in tqdm(prompts, desc=f"generate [{variant}, CFG {guidance:g}]"):
@@ -137,6 +139,7 @@ def semantic(components, transformer, variant: str, validation, prompts, seeds, 
                 seed=seed,
                 num_inference_steps=steps,
                 guidance_scale=guidance,
+                guidance_max_sigma=max_sigma,
                 show_progress=False,
             )
             verdict = analyse(result.frames, caption)
@@ -201,11 +204,14 @@ def run(args) -> dict:
 
     info_dir = Path(args.model) if args.model else BUILTIN_DIR
     guidances = args.guidance or [d["guidance_scale"]]
+    max_sigma = args.guidance_max_sigma if args.guidance_max_sigma is not None else d.get("guidance_max_sigma")
     rows, samples = {}, {}
     for v in variants:
         by_guidance = {}
         for g in guidances:
-            row, frames = semantic(components, transformers[v], v, validation, prompts, args.seeds, args.steps, g)
+            row, frames = semantic(
+                components, transformers[v], v, validation, prompts, args.seeds, args.steps, g, max_sigma
+            )
             by_guidance[g] = row
             samples.setdefault(v, frames)
             print(
@@ -239,6 +245,7 @@ def run(args) -> dict:
         "seeds": list(args.seeds),
         "num_inference_steps": args.steps or d["num_inference_steps"],
         "guidance_scale": guidances[0] if len(guidances) == 1 else guidances,
+        "guidance_max_sigma": max_sigma,
         "loss_clips": args.loss_batches * args.batch_size,
         "noise_draws": args.noise_draws,
         "data_seed": args.data_seed,
@@ -249,6 +256,12 @@ def run(args) -> dict:
         "_samples": samples,
         "_grid": grid,
     }
+
+
+def interval(res: dict) -> str:
+    """The header's note of a guidance interval ("" when every step is guided)."""
+    m = res.get("guidance_max_sigma")
+    return "" if m is None or m >= 1 else f" at sigma <= {m:g} only"
 
 
 def markdown(res: dict) -> str:
@@ -263,7 +276,7 @@ def markdown(res: dict) -> str:
 
     lines = [
         f"Built-in model, {res['num_prompts']} validation prompts x {len(res['seeds'])} seed(s), "
-        f"{res['num_inference_steps']} steps, CFG {res['guidance_scale']}, on {res['device']} ({res['machine']}), {res['date']}, analyser v{res.get('analyser_version', 1)}. "
+        f"{res['num_inference_steps']} steps, CFG {res['guidance_scale']}{interval(res)}, on {res['device']} ({res['machine']}), {res['date']}, analyser v{res.get('analyser_version', 1)}. "
         f"Held-out flow loss: mean ± standard deviation over {res.get('noise_draws', 1)} draws of noise and timesteps "
         f"on {res['loss_clips']} clips; overall: mean over prompts ± standard deviation over seeds.",
         "",
@@ -289,7 +302,7 @@ def sweep_markdown(res: dict) -> str:
     """The CFG sweep: one row per variant and scale; each variant's best scale (overall, then attribute mean) in bold."""
     lines = [
         f"CFG sweep of the built-in model, {res['num_prompts']} validation prompts (data seed {res['data_seed']}) x "
-        f"{len(res['seeds'])} seed(s), {res['num_inference_steps']} steps, on {res['device']} ({res['machine']}), {res['date']}, analyser v{res.get('analyser_version', 1)}.",
+        f"{len(res['seeds'])} seed(s), {res['num_inference_steps']} steps{interval(res)}, on {res['device']} ({res['machine']}), {res['date']}, analyser v{res.get('analyser_version', 1)}.",
         "",
         "| variant | CFG | " + " | ".join(ATTRIBUTES) + " | overall | attribute mean | latency per video |",
         "|---|---:|" + "---:|" * (len(ATTRIBUTES) + 3),
@@ -390,6 +403,12 @@ def main(argv=None) -> int:
         default=None,
         help="CFG scale (default: the model's); several values sweep them and mark each variant's best",
     )
+    p.add_argument(
+        "--guidance-max-sigma",
+        type=float,
+        default=None,
+        help="guide only the steps whose noise level sigma is at most this (default: the model's; 1 = every step)",
+    )
     p.add_argument("--loss-batches", type=int, default=16)
     p.add_argument(
         "--noise-draws", type=int, default=3, help="independent noise/timestep draws of the held-out loss (error bars)"
@@ -413,6 +432,8 @@ def main(argv=None) -> int:
     bad = [g for g in args.guidance or [] if not np.isfinite(g) or g < 0]
     if bad or len(set(args.guidance or [])) != len(args.guidance or []):
         p.error(f"--guidance takes distinct finite scales >= 0, got {args.guidance}")
+    if args.guidance_max_sigma is not None and not 0 <= args.guidance_max_sigma <= 1:
+        p.error(f"--guidance-max-sigma must be in [0, 1], got {args.guidance_max_sigma}")
     res = run(args)
     out = Path(args.out or f"benchmarks/results/builtin_eval_{res['device'].split(':')[0]}")
     out.parent.mkdir(parents=True, exist_ok=True)
