@@ -308,6 +308,25 @@ def test_red_square_moves_right(builtin):
 
 
 @needs_builtin
+def test_held_out_combination_gets_an_object_of_its_colour(builtin):
+    """Green objects never move right in training (``DEFAULT_HELD_OUT``); the prompt still gets a green
+    object (a region of at most a third of the frame, not a green wash) for most seeds.
+
+    Only colour is asserted: the shipped base does not yet follow motion words on held-out or on
+    seen combinations other than the red square's (issue 17's pilots, session 5), so asserting the
+    motion here would fail on the model as it ships.
+    """
+    from pipelines.generate import generate
+    from training.builtin.synthetic import SyntheticWorld
+
+    assert SyntheticWorld().is_held_out({"colour": "green", "shape": "square", "motion": "right"})
+    prompt = "a green square moves to the right"
+    verdicts = [analyse(generate(builtin, prompt, seed=s, show_progress=False).frames, prompt) for s in range(3)]
+    passed = [bool(v["colour"] and v["found"]["objects"]["green"]["max_area"] <= 1 / 3) for v in verdicts]
+    assert sum(passed) >= 2, [v["found"] for v in verdicts]
+
+
+@needs_builtin
 def test_cli_runs_each_variant_from_its_fine_tuned_transformer(tmp_path, capsys):
     from pipelines.generate import main
     from pipelines.video import read_video
