@@ -62,10 +62,18 @@ def main(argv=None) -> int:
     p.add_argument("--data-seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=None, help="denoising steps (default: the model's)")
     p.add_argument("--guidance", type=float, default=None, help="CFG scale (default: the model's)")
+    p.add_argument(
+        "--guidance-max-sigma",
+        type=float,
+        default=None,
+        help="guide only the steps whose noise level sigma is at most this (default: the model's; 1 = every step)",
+    )
     p.add_argument("--out", default=None, help="writes OUT.json")
     args = p.parse_args(argv)
     if args.num_prompts < 2:
         p.error(f"--num-prompts must be >= 2 (correlations over prompts' means), got {args.num_prompts}")
+    if args.guidance_max_sigma is not None and not 0.0 <= args.guidance_max_sigma <= 1.0:
+        p.error(f"--guidance-max-sigma must be a noise level in [0, 1], got {args.guidance_max_sigma:g}")
     components = load_components(args.model or BUILTIN_DIR, dtype="float32", device="cpu")
     if components.random_weights:
         p.error("the model has random weights; use the built-in model or a trained one (--model)")
@@ -90,6 +98,7 @@ def main(argv=None) -> int:
             seed=0,
             num_inference_steps=args.steps,
             guidance_scale=args.guidance,
+            guidance_max_sigma=args.guidance_max_sigma,
             output_type="latent",
             show_progress=False,
         )
@@ -101,10 +110,16 @@ def main(argv=None) -> int:
         "num_prompts": args.num_prompts,
         "data_seed": args.data_seed,
         "guidance_scale": args.guidance if args.guidance is not None else d["guidance_scale"],
+        "guidance_max_sigma": args.guidance_max_sigma
+        if args.guidance_max_sigma is not None
+        else d.get("guidance_max_sigma", 1.0),
         "num_inference_steps": args.steps or d["num_inference_steps"],
         **stats,
     }
-    print(f"{res['variant']}, CFG {res['guidance_scale']:g}, {args.num_prompts} prompts")
+    print(
+        f"{res['variant']}, CFG {res['guidance_scale']:g} at sigma <= {res['guidance_max_sigma']:g}, "
+        f"{args.num_prompts} prompts"
+    )
     print("frame | real std | generated std | channel-mean gap | closest real frame | corr with real frames")
     for f, row in enumerate(stats["corr_real"]):
         print(

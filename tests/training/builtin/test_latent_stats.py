@@ -33,10 +33,14 @@ def test_a_first_frame_drawn_like_the_second_is_found():
 @pytest.mark.skipif(not builtin_available(), reason="assets/builtin is missing")
 def test_latent_stats_runs_on_the_builtin_model(tmp_path, capsys):
     out = tmp_path / "stats"
-    assert main(["--num-prompts", "2", "--steps", "2", "--out", str(out)]) == 0
+    assert main(["--num-prompts", "2", "--steps", "2", "--guidance-max-sigma", "0.5", "--out", str(out)]) == 0
     res = json.loads(out.with_suffix(".json").read_text())
+    assert res["guidance_max_sigma"] == 0.5
     assert len(res["real_std"]) == len(res["generated_std"]) == len(res["corr_real"]) == 5  # 17 frames: 5 latent
     assert all(len(row) == 5 and all(-1 <= v <= 1 for v in row) for row in res["corr_real"])
     assert "closest real frame" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["--num-prompts", "1"])
+    with pytest.raises(SystemExit):
+        main(["--guidance-max-sigma", "1.5"])
+    assert "--guidance-max-sigma must be a noise level in [0, 1], got 1.5" in capsys.readouterr().err
