@@ -19,6 +19,7 @@ import torch
 
 import mhla
 from pipelines import VARIANTS, WanComponents, latent_grid, load_components, load_transformer, self_attention_state
+from pipelines.builtin import BUILTIN_DIR, builtin_examples
 from pipelines.convert import attention_options
 from pipelines.loading import WAN_CONFIGS, build_random_wan
 
@@ -68,6 +69,8 @@ class AppModels:
     # reads a video back into the prompt's attributes: (right, named), or None when the prompt names nothing
     # it knows; set by whoever composes the app for a model with an analyser (run_app.py, the built-in model)
     judge: Callable[[np.ndarray, str], tuple[int, int] | None] | None = None
+    # prompts the model is known to draw (the built-in model's, chosen from its evaluation); [] = the defaults below
+    examples: list[str] = field(default_factory=list)
 
     @property
     def device(self) -> torch.device:
@@ -98,7 +101,7 @@ class AppModels:
 
     @property
     def example_prompts(self) -> list[str]:
-        return BUILTIN_PROMPTS if self.builtin else GENERAL_PROMPTS
+        return self.examples or (BUILTIN_PROMPTS if self.builtin else GENERAL_PROMPTS)
 
     @property
     def example_prompt(self) -> str:
@@ -199,4 +202,5 @@ def load_app_models(
             "variants without a fine-tuned checkpoint share the base transformer, switched in place at each run "
             "(conversion adds only small attention parameters)"
         )
-    return AppModels(components, variants, random_note, notes)
+    examples = [] if components.random_weights else builtin_examples(BUILTIN_DIR if model is None else model)
+    return AppModels(components, variants, random_note, notes, examples=examples)

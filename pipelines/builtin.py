@@ -45,6 +45,16 @@ def builtin_info(root: str | Path = BUILTIN_DIR) -> dict[str, Any]:
     return json.loads((Path(root) / "builtin.json").read_text())
 
 
+def builtin_examples(root: str | Path = BUILTIN_DIR) -> list[str]:
+    """The example prompts ``builtin.json`` records (chosen from an evaluation by
+    ``python -m training.builtin.examples``); [] when it has none."""
+    path = Path(root) / "builtin.json"
+    if not path.is_file():
+        return []
+    prompts = json.loads(path.read_text()).get("example_prompts", {}).get("prompts", [])
+    return [p for p in prompts if isinstance(p, str) and p.strip()]
+
+
 def builtin_variant_dirs(root: str | Path = BUILTIN_DIR) -> dict[str, Path]:
     """Fine-tuned transformer folders of the converted variants, by variant name."""
     folder = Path(root) / VARIANTS_SUBDIR

@@ -19,10 +19,18 @@ import json
 from pathlib import Path
 
 
+def output_path(out: str | Path, suffix: str) -> Path:
+    """``<out><suffix>`` for a command's ``--out`` stem: the suffix is appended, so a stem with a dot
+    (``sweep_sigma0.75``) keeps it (``Path.with_suffix`` would replace ``.75``); a stem that already ends
+    with the suffix is kept as it is."""
+    out = str(out)
+    return Path(out if out.endswith(suffix) else out + suffix)
+
+
 def write_json(out: str | Path, result: dict) -> Path:
     """Writes ``result`` to ``<out>.json`` (folders made as needed) and returns that path: the commands'
     ``--out``."""
-    path = Path(out).with_suffix(".json")
+    path = output_path(out, ".json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1) + "\n")
     return path

@@ -30,7 +30,6 @@ first, middle and last frame of a few videos per variant); ``<out>`` defaults to
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import time
@@ -44,6 +43,7 @@ from tqdm.auto import tqdm
 from pipelines import BUILTIN_DIR, VARIANTS, load_components, load_transformer
 from pipelines.builtin import builtin_info
 from pipelines.pipeline import generate
+from training.builtin import output_path, write_json
 from training.builtin.analyse import ANALYSER_VERSION, ATTRIBUTES, analyse, score
 from training.builtin.synthetic import SyntheticVideoDataset
 from training.builtin.vae_ceiling import reconstruction_ceiling, to_frames
@@ -144,6 +144,7 @@ def semantic(
             )
             verdict = analyse(result.frames, caption)
             verdict["held_out"] = validation.attributes(i)["held_out"]
+            verdict["prompt"], verdict["caption"], verdict["seed"] = i, caption, seed
             verdicts.append(verdict)
             timings.append(result.timing)
             if i < GRID_PROMPTS and seed == seeds[0]:
@@ -159,6 +160,8 @@ def semantic(
         "overall_held_out": score(held)["overall"] if held else None,
         "denoise_s": float(np.mean([t.denoising for t in timings])),
         "total_s": float(np.mean([t.total for t in timings])),
+        # every video's verdict (which prompts work, for the app's examples: training.builtin.examples)
+        "per_video": [{k: x[k] for k in ("prompt", "caption", "seed", "held_out", *ATTRIBUTES)} for x in verdicts],
     }
     return row, frames
 
@@ -437,14 +440,14 @@ def main(argv=None) -> int:
     res = run(args)
     out = Path(args.out or f"benchmarks/results/builtin_eval_{res['device'].split(':')[0]}")
     out.parent.mkdir(parents=True, exist_ok=True)
-    plot(res, out.with_suffix(".png"))
+    plot(res, output_path(out, ".png"))
     res.pop("_samples")
     res.pop("_grid", None)
-    out.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n")
+    write_json(out, res)
     table = markdown(res)
-    out.with_suffix(".md").write_text(table)
+    output_path(out, ".md").write_text(table)
     print("\n" + table)
-    print(f"wrote {out.with_suffix('.json')}, {out.with_suffix('.md')}, {out.with_suffix('.png')}")
+    print(f"wrote {', '.join(str(output_path(out, s)) for s in ('.json', '.md', '.png'))}")
     return 0
 
 

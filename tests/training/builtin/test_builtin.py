@@ -409,6 +409,12 @@ def test_evaluate_writes_its_table(tmp_path):
         assert r["flow_loss"] == pytest.approx(sum(draws) / 2)
         assert r["flow_loss_std"] == pytest.approx(abs(draws[0] - draws[1]) / 2**0.5)  # sample std of two values
         assert len(r["overall_by_seed"]) == 2 and r["overall"] == pytest.approx(sum(r["overall_by_seed"]) / 2)
+        videos = r["per_video"]  # one verdict per prompt and seed, from which the scores follow
+        assert [(x["prompt"], x["seed"]) for x in videos] == [(0, 0), (0, 1)]
+        right = [all(x[a] in (True, None) for a in ("count", "colour", "shape", "motion")) for x in videos]
+        assert r["overall"] == pytest.approx(sum(right) / 2) and r["colour"] == pytest.approx(
+            sum(x["colour"] for x in videos) / 2
+        )
     md = out.with_suffix(".md").read_text()
     assert "| MHLA |" in md and " ± " in md and out.with_suffix(".png").stat().st_size > 1000
 
