@@ -3,11 +3,14 @@
     python -m training.builtin.vae_speed                                              # the built-in VAE's settings
     python -m training.builtin.vae_speed --set base_dim=24 --frames 9 --crop 64 --out benchmarks/results/vae_step_cpu
     python -m training.builtin.vae_speed --set decoder_base_dim=24 --trainable decoder --frames 9 --crop 64
+    python -m training.builtin.vae_speed --encode --set base_dim=24 --frames 17 --height 128 --width 160 --batch 1
 
 Builds an untrained ``AutoencoderKLWan`` with the built-in model's VAE settings changed by ``--set``
 (checked as ``python -m training.builtin init-vae`` checks them), then times :func:`training.vae.vae_loss` plus its
 backward pass on a random batch ``(--batch, 3, --frames, --crop, --crop)``: one untimed step, then the
-median of ``--repeats``, for each precision. Prints a table and writes ``<out>.json`` with ``--out``.
+median of ``--repeats``, for each precision. ``--encode`` times what encoding a training cache costs instead:
+the encoder's forward pass alone (posterior mean, no gradients) on whole ``--height`` x ``--width`` clips.
+Prints a table and writes ``<out>.json`` with ``--out``.
 Wall clock on this machine: run it on an otherwise idle one.
 """
 
@@ -41,6 +44,19 @@ def time_steps(vae, video: torch.Tensor, precision: str, repeats: int, train_enc
     return times
 
 
+@torch.no_grad()
+def time_encodes(vae, video: torch.Tensor, precision: str, repeats: int) -> list[float]:
+    """Seconds per encode of ``video`` (the posterior mean, as a training cache stores): one warm-up, then ``repeats``."""
+    times = []
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        with autocast_for(precision):
+            vae.encode(video).latent_dist.mode()
+        if i:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
 def main(argv=None) -> int:
     from diffusers import AutoencoderKLWan
 
@@ -52,6 +68,9 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--frames", type=int, default=5)
     p.add_argument("--crop", type=int, default=80)
+    p.add_argument("--encode", action="store_true", help="time encoding whole clips (a training cache's cost)")
+    p.add_argument("--height", type=int, default=None, help="with --encode: clip height (default --crop)")
+    p.add_argument("--width", type=int, default=None, help="with --encode: clip width (default --crop)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=None, help="writes OUT.json")
     args = p.parse_args(argv)
@@ -61,28 +80,41 @@ def main(argv=None) -> int:
         settings = vae_settings(**parse_overrides(args.set))  # checked as init-vae checks them
     except ValueError as e:
         p.error(str(e))
+    if (args.height or args.width) and not args.encode:
+        p.error("--height/--width are for --encode (a training step takes square --crop crops)")
+    height, width = (args.height or args.crop, args.width or args.crop) if args.encode else (args.crop, args.crop)
     torch.manual_seed(0)
-    vae = AutoencoderKLWan(**settings).train()
+    vae = AutoencoderKLWan(**settings).train(not args.encode)
     train_encoder = args.trainable == "all"
-    if not train_encoder:
+    if not train_encoder or args.encode:
         freeze_encoder(vae)
-    video = torch.rand(args.batch, 3, args.frames, args.crop, args.crop) * 2 - 1
+    video = torch.rand(args.batch, 3, args.frames, height, width) * 2 - 1
     rows = {}
     for precision in PRECISIONS:
-        times = time_steps(vae, video, precision, args.repeats, train_encoder)
+        if args.encode:
+            times = time_encodes(vae, video, precision, args.repeats)
+        else:
+            times = time_steps(vae, video, precision, args.repeats, train_encoder)
         rows[precision] = {"median_s": round(statistics.median(times), 3), "times_s": [round(t, 3) for t in times]}
     res = {
         "vae": settings,
-        "trainable": args.trainable,
-        "parameters_m": round(sum(x.numel() for x in vae.parameters() if x.requires_grad) / 1e6, 2),
-        "batch": [args.batch, 3, args.frames, args.crop, args.crop],
+        "timed": "encode" if args.encode else "training step",
+        "trainable": None if args.encode else args.trainable,
+        "parameters_m": round(sum(x.numel() for x in vae.parameters() if x.requires_grad or args.encode) / 1e6, 2),
+        "encoder_parameters_m": round(
+            sum(x.numel() for n, x in vae.named_parameters() if n.startswith(("encoder.", "quant_conv."))) / 1e6, 2
+        ),
+        "batch": [args.batch, 3, args.frames, height, width],
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "precision": rows,
         "bf16_over_fp32": round(rows["bf16"]["median_s"] / rows["no"]["median_s"], 2),
     }
-    print(f"VAE step, batch {res['batch']}, {res['parameters_m']}M trainable ({args.trainable}), {res['machine']}")
-    print("| precision | s/step (median) |\n|---|---:|")
+    if args.encode:
+        print(f"VAE encode, batch {res['batch']}, encoder {res['encoder_parameters_m']}M parameters, {res['machine']}")
+    else:
+        print(f"VAE step, batch {res['batch']}, {res['parameters_m']}M trainable ({args.trainable}), {res['machine']}")
+    print(f"| precision | s/{'encode' if args.encode else 'step'} (median) |\n|---|---:|")
     for precision, row in rows.items():
         print(f"| {precision} | {row['median_s']:.3f} |")
     print(f"bf16 / float32: {res['bf16_over_fp32']:.2f}")

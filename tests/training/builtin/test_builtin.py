@@ -530,3 +530,11 @@ def test_vae_speed_times_both_precisions(tmp_path, capsys):
     assert "bf16 / float32" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["--frames", "4"])
+    # --encode: the encoder alone on whole clips of the given size (a training cache's cost)
+    assert main([*argv, "--encode", "--height", "16", "--width", "24", "--out", str(out)]) == 0
+    res = json.loads(out.with_suffix(".json").read_text())
+    assert res["timed"] == "encode" and res["batch"] == [1, 3, 5, 16, 24] and res["trainable"] is None
+    assert 0 < res["encoder_parameters_m"] < res["parameters_m"]
+    assert "VAE encode" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main([*argv, "--height", "16"])  # --height without --encode
