@@ -51,8 +51,9 @@ def builtin_examples(root: str | Path = BUILTIN_DIR) -> list[str]:
     path = Path(root) / "builtin.json"
     if not path.is_file():
         return []
-    prompts = json.loads(path.read_text()).get("example_prompts", {}).get("prompts", [])
-    return [p for p in prompts if isinstance(p, str) and p.strip()]
+    record = json.loads(path.read_text()).get("example_prompts")
+    prompts = record.get("prompts") if isinstance(record, dict) else None
+    return [p for p in prompts if isinstance(p, str) and p.strip()] if isinstance(prompts, list) else []
 
 
 def builtin_variant_dirs(root: str | Path = BUILTIN_DIR) -> dict[str, Path]:

@@ -70,6 +70,10 @@ def test_the_command_writes_builtin_json_and_the_app_offers_them(tmp_path, capsy
     assert info["example_prompts"]["prompts"] == [RED, PLAIN] and info["example_prompts"]["analyser_version"] == 3
     assert builtin_examples(model) == [RED, PLAIN] and "2/3 all right" in capsys.readouterr().out
     assert not list(model.glob("*.tmp"))
+    for odd in ([RED], {"prompts": RED}, {"prompts": [RED, 3, " "]}):  # a hand-edited record: what is usable
+        (model / "builtin.json").write_text(json.dumps({"example_prompts": odd}))
+        assert builtin_examples(model) == ([RED] if isinstance(odd, dict) and isinstance(odd["prompts"], list) else [])
+    (model / "builtin.json").write_text(json.dumps(info))
     # the app: a model's recorded examples win; without them, the built-in or general defaults
     assert AppModels(None, {}, examples=builtin_examples(model)).example_prompts == [RED, PLAIN]
     builtin, wan = SimpleNamespace(source="built-in model (assets/builtin)"), SimpleNamespace(source="/models/wan")
