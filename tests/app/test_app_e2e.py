@@ -6,6 +6,7 @@ package; it drives that browser (playwright downloads nothing). It saves a scree
 to $APP_SCREENSHOT, or to the test's tmp folder.
 """
 
+import json
 import os
 import re
 import socket
@@ -18,13 +19,17 @@ from pathlib import Path
 import pytest
 
 from pipelines import read_video
-from pipelines.builtin import builtin_available
+from pipelines.builtin import BUILTIN_DIR, builtin_available
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALLEST = "5x32x48"
 # tokens and M depend on the model's patch and block shape (the built-in model: 1x1x1, 48 tokens)
 SMALLEST_LABEL = re.compile(r"^5 frames, 32x48: \d+ tokens \(\dx\dx\d\), M=\d+$")
 TRAINED = builtin_available()  # the app serves the built-in model, else the tiny random one
+# the empty-prompt error suggests the model's first example: the built-in model's best prompt in its committed
+# evaluation (builtin.json's example_prompts, read here from the file), else the fixed list's first
+_EXAMPLES = json.loads((BUILTIN_DIR / "builtin.json").read_text()).get("example_prompts", {}) if TRAINED else {}
+SUGGESTED = (_EXAMPLES.get("prompts") or ["a red square moves to the right"])[0]
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
 # no network on CI machines: without these Chromium keeps retrying its background connections
 CHROMIUM_ARGS = [
@@ -122,7 +127,7 @@ def test_client_compare_three_variants(server):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (dict(prompt=""), "prompt is empty: describe the video to generate, e.g. 'a red square moves to the right'"),
+        (dict(prompt=""), f"prompt is empty: describe the video to generate, e.g. '{SUGGESTED}'"),
         (dict(variants=()), "no variant chosen"),
         (dict(preset="81x480x800"), None),  # not offered on this device: gradio's own choice check refuses it
         (dict(preset="/etc/passwd"), None),
