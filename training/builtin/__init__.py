@@ -7,6 +7,7 @@
 - ``vae_ceiling``: what the VAE alone keeps of a clip (``python -m training.builtin.vae_ceiling``);
 - ``latent_stats``: generated against encoded latents, frame by frame;
 - ``vae_speed``: a VAE training step's time per precision;
+- ``examples``: the app's example prompts, chosen from an evaluation's videos;
 - ``transfer_study``: the conversion-recipe study on the built-in model.
 
 The recipe itself (``training/finetune.py`` and its data, config and checkpoint modules) does not
