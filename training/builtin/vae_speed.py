@@ -86,7 +86,7 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     vae = AutoencoderKLWan(**settings).train(not args.encode)
     train_encoder = args.trainable == "all"
-    if not train_encoder or args.encode:
+    if not train_encoder and not args.encode:
         freeze_encoder(vae)
     video = torch.rand(args.batch, 3, args.frames, height, width) * 2 - 1
     rows = {}
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
         "vae": settings,
         "timed": "encode" if args.encode else "training step",
         "trainable": None if args.encode else args.trainable,
-        "parameters_m": round(sum(x.numel() for x in vae.parameters() if x.requires_grad or args.encode) / 1e6, 2),
+        "parameters_m": round(sum(x.numel() for x in vae.parameters() if x.requires_grad) / 1e6, 2),
         "encoder_parameters_m": round(
             sum(x.numel() for n, x in vae.named_parameters() if n.startswith(("encoder.", "quant_conv."))) / 1e6, 2
         ),
