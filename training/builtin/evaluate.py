@@ -261,6 +261,16 @@ def run(args) -> dict:
     }
 
 
+def seed_spread(videos: list[dict], attribute: str) -> float | None:
+    """Sample standard deviation over seeds of one attribute's accuracy, from an evaluation's ``per_video``
+    verdicts (None with fewer than two seeds that judged it)."""
+    per_seed = {}
+    for x in videos:
+        if x[attribute] is not None:
+            per_seed.setdefault(x["seed"], []).append(bool(x[attribute]))
+    return float(np.std([np.mean(v) for v in per_seed.values()], ddof=1)) if len(per_seed) > 1 else None
+
+
 def interval(res: dict) -> str:
     """The header's note of a guidance interval ("" when every step is guided)."""
     m = res.get("guidance_max_sigma")
@@ -281,15 +291,18 @@ def markdown(res: dict) -> str:
         f"Built-in model, {res['num_prompts']} validation prompts x {len(res['seeds'])} seed(s), "
         f"{res['num_inference_steps']} steps, CFG {res['guidance_scale']}{interval(res)}, on {res['device']} ({res['machine']}), {res['date']}, analyser v{res.get('analyser_version', 1)}. "
         f"Held-out flow loss: mean ± standard deviation over {res.get('noise_draws', 1)} draws of noise and timesteps "
-        f"on {res['loss_clips']} clips; overall: mean over prompts ± standard deviation over seeds.",
+        f"on {res['loss_clips']} clips; attributes and overall: mean over prompts ± standard deviation over seeds.",
         "",
         "| variant | held-out flow loss | colour | shape | count | motion | overall | overall, held-out combos | latency per video (denoise) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for v, r in res["variants"].items():
+        attrs = " | ".join(
+            pm(r[a], seed_spread(r.get("per_video", []), a)) for a in ("colour", "shape", "count", "motion")
+        )
         lines.append(
-            f"| {NAMES.get(v, v)} | {pm(r['flow_loss'], r.get('flow_loss_std'), 4)} | {f(r['colour'])} | {f(r['shape'])} | "
-            f"{f(r['count'])} | {f(r['motion'])} | **{pm(r['overall'], r.get('overall_std'))}** | {f(r['overall_held_out'])} | "
+            f"| {NAMES.get(v, v)} | {pm(r['flow_loss'], r.get('flow_loss_std'), 4)} | {attrs} | "
+            f"**{pm(r['overall'], r.get('overall_std'))}** | {f(r['overall_held_out'])} | "
             f"{r['total_s']:.1f} s ({r['denoise_s']:.1f} s) |"
         )
     c = res["vae_ceiling"]

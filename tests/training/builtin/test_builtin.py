@@ -472,6 +472,28 @@ def test_sweep_table_puts_each_attribute_under_its_own_header():
     assert [cells[a] for a in ("colour", "shape", "count", "motion")] == ["0.10", "0.20", "0.30", "0.40"]
 
 
+def test_the_table_shows_each_attributes_spread_over_seeds():
+    from training.builtin.evaluate import markdown, seed_spread
+
+    # colour right in 2 of 2 videos for seed 0, 1 of 2 for seed 1, 0 of 2 for seed 2: per seed 1, 0.5, 0;
+    # motion is named in one video per seed only, and shape in seed 0 only (one seed: no spread to show)
+    def video(seed, colour, motion, shape=None):
+        return {"seed": seed, "colour": colour, "motion": motion, "shape": shape, "count": True}
+
+    videos = [video(0, True, True, False), video(0, True, None, True), video(1, True, False), video(1, False, None)]
+    videos += [video(2, False, True), video(2, False, None)]
+    assert seed_spread(videos, "colour") == pytest.approx(0.5)  # sample std of 1, 0.5, 0
+    assert seed_spread(videos, "motion") == pytest.approx(np.std([1, 0, 1], ddof=1))
+    assert seed_spread(videos, "shape") is None and seed_spread(videos, "count") == 0.0
+    row = {"flow_loss": None, "colour": 0.5, "shape": 0.5, "count": 1.0, "motion": 2 / 3, "overall": 0.0,
+           "overall_std": 0.0, "overall_held_out": None, "total_s": 1.0, "denoise_s": 0.5, "per_video": videos}  # fmt: skip
+    res = {"guidance_scale": 4.0, "num_prompts": 2, "seeds": [0, 1, 2], "num_inference_steps": 2, "device": "cpu",
+           "machine": "m", "date": "d", "loss_clips": 0, "variants": {"flash": row},
+           "vae_ceiling": {"colour": 1.0, "shape": 1.0, "count": 1.0, "motion": 1.0, "overall": 1.0}}  # fmt: skip
+    line = markdown(res).splitlines()[4]
+    assert "| 0.50 ± 0.50 | 0.50 | 1.00 | 0.67 ± 0.58 |" in line, line
+
+
 @pytest.mark.parametrize(
     "bad, message",
     [
