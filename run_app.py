@@ -66,7 +66,7 @@ def compose(model, variant_dirs, random_weights, device, dtype):
 
     models = load_app_models(model, variant_dirs, random_weights, device, dtype)
     if models.builtin:
-        from training.builtin.analyse import attribute_verdict
+        from world.analyse import attribute_verdict
 
         models.judge = attribute_verdict
     return models

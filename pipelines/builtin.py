@@ -3,7 +3,7 @@
 It ships in ``assets/builtin/`` as a complete diffusers-format Wan2.1 T2V directory (tokenizer, text
 encoder, VAE, scheduler, the softmax-attention transformer) plus one fine-tuned transformer per
 converted variant in ``assets/builtin/variants/<variant>/``. It was trained on the synthetic
-moving-shapes world of :mod:`training.builtin.synthetic` (see ``training/builtin/build.py`` and README, "Built-in
+moving-shapes world of :mod:`world.synthetic` (see ``factory/build.py`` and README, "Built-in
 model"): it makes videos of coloured shapes moving on plain or textured backgrounds, nothing else.
 
 ``builtin.json`` beside it records how it was made (data, steps, time, machine).
@@ -47,7 +47,7 @@ def builtin_info(root: str | Path = BUILTIN_DIR) -> dict[str, Any]:
 
 def builtin_examples(root: str | Path = BUILTIN_DIR) -> list[str]:
     """The example prompts ``builtin.json`` records (chosen from an evaluation by
-    ``python -m training.builtin.examples``); [] when it has none."""
+    ``python -m factory.examples``); [] when it has none."""
     path = Path(root) / "builtin.json"
     if not path.is_file():
         return []

@@ -300,7 +300,7 @@ def validate(cfg: DictConfig) -> None:
     need(cfg.data.height % 16 == 0 and cfg.data.height > 0, "data.height", "a positive multiple of 16")
     need(cfg.data.width % 16 == 0 and cfg.data.width > 0, "data.width", "a positive multiple of 16")
     need(0 <= cfg.data.caption_dropout < 1, "data.caption_dropout", "a probability in [0, 1)")
-    from training.builtin.synthetic import BACKGROUNDS
+    from world.synthetic import BACKGROUNDS
 
     need(
         cfg.data.default_background in (None, *BACKGROUNDS),

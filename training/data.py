@@ -54,8 +54,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset, Sampler
 
-from training.builtin.synthetic import SyntheticVideoDataset, SyntheticWorld
 from training.encoding import Encoder
+from world.synthetic import SyntheticVideoDataset, SyntheticWorld
 
 VIDEO_EXTENSIONS: tuple[str, ...] = (".mp4", ".webm", ".mov", ".mkv", ".avi")
 MANIFEST_NAMES: tuple[str, ...] = ("manifest.jsonl", "manifest.csv", "metadata.jsonl", "metadata.csv")

@@ -9,7 +9,7 @@ reconstruction of the posterior mean, objects weighted up (``vae.object_weight``
 ``vae.kl_weight`` times the KL term; AdamW, warm-up then constant rate. ``train.precision: bf16``
 runs the forward and backward passes under bfloat16 autocast (master weights and optimizer stay float32):
 on this project's CPU (AVX512-BF16) a step takes 0.84x the float32 time at base_dim 12 and 0.69x at 24
-(``python -m training.builtin.vae_speed`` measures it); ``no`` keeps float32 throughout (the shipped VAE's recipe).
+(``python -m factory.vae_speed`` measures it); ``no`` keeps float32 throughout (the shipped VAE's recipe).
 Checkpoints (``checkpoints/step-XXXXXXX/vae/`` + optimizer and generator state) are atomic and
 ``resume=latest`` continues a killed run. At the end it measures the per-channel mean and std of the
 latents (posterior means of ``vae.stats_samples`` full-size clips), writes them into the VAE's config

@@ -210,7 +210,7 @@ def test_compare_asks_the_models_judge_about_each_video(models, tmp_path):
 
 def test_the_launcher_gives_the_builtin_model_its_analyser():
     import run_app
-    from training.builtin.analyse import attribute_verdict
+    from world.analyse import attribute_verdict
 
     assert run_app.compose(None, {}, None, "cpu", "auto").judge is attribute_verdict
     assert run_app.compose("tiny-random", {}, None, "cpu", "auto").judge is None

@@ -14,8 +14,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from training import data
-from training.builtin.synthetic import generate_sample, write_dataset, write_mp4
 from training.data import ClipKey, ResumableSampler, VideoFolderDataset, resize_center_crop, validate_num_frames
+from world.synthetic import generate_sample, write_dataset, write_mp4
 
 NUM_VIDEOS = 4
 BACKENDS = [

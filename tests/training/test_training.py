@@ -337,7 +337,7 @@ def test_a_resumed_run_takes_a_changed_lr_and_keeps_its_place_and_moments():
 
 
 def test_builtin_build_restarts_a_conversion_whose_source_changed(tmp_path, monkeypatch):
-    from training.builtin import build as builtin
+    from factory import build as builtin
 
     configs = tmp_path / "configs"
     configs.mkdir()

@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 
-from training.builtin.synthetic import (
+from world.synthetic import (
     COLOURS,
     DEFAULT_HELD_OUT,
     MOTIONS,

@@ -1,8 +1,8 @@
 """Build the built-in model (``assets/builtin/``) from nothing, with this project's own recipe.
 
-    python -m training.builtin build                 # every stage below, resumable: a finished stage is skipped
-    python -m training.builtin build --until base    # stop after a stage
-    python -m training.builtin init --out runs/builtin/model
+    python -m factory build                 # every stage below, resumable: a finished stage is skipped
+    python -m factory build --until base    # stop after a stage
+    python -m factory init --out runs/builtin/model
 
 Stages (each a plain command; ``build`` prints them as it runs them):
 
@@ -42,7 +42,7 @@ import torch
 
 from pipelines.builtin import BUILTIN_BLOCK_SHAPE, BUILTIN_DEFAULTS, BUILTIN_DIR, VARIANTS_SUBDIR
 from training import checkpoint as ckpt
-from training.builtin.synthetic import BACKGROUNDS, COLOURS, MOTION_PHRASES, SHAPES, SIZES
+from world.synthetic import BACKGROUNDS, COLOURS, MOTION_PHRASES, SHAPES, SIZES
 
 ROOT = Path(__file__).resolve().parents[2]
 WORK = Path("runs/builtin")
@@ -71,7 +71,7 @@ SPECIAL_TOKENS = ("<pad>", "</s>", "<unk>")  # ids 0, 1, 2: UMT5's pad and eos i
 
 
 def world_vocabulary() -> list[str]:
-    """Every word a synthetic caption can contain, sorted (see :func:`training.builtin.synthetic.caption_for`)."""
+    """Every word a synthetic caption can contain, sorted (see :func:`world.synthetic.caption_for`)."""
     words = {"a", "and", "on", "background", *SIZES, *COLOURS, *SHAPES, *BACKGROUNDS}
     for phrase in MOTION_PHRASES.values():
         words.update(phrase.split())
@@ -276,7 +276,7 @@ def assemble(out: Path = BUILTIN_DIR) -> Path:
         "device": "cuda: " + torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"),
-        "rebuild": "python -m training.builtin build",
+        "rebuild": "python -m factory build",
     }
     (tmp / "builtin.json").write_text(json.dumps(info, indent=1) + "\n")
     if out.exists():
@@ -397,7 +397,7 @@ def build(until: str, force: list[str]) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m training.builtin", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m factory", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="run the stages in order (finished ones are skipped)")
     b.add_argument("--until", choices=STAGES, default="assemble")

@@ -1,7 +1,7 @@
 """Tiny-scale study: recovering a softmax model after conversion, with and without attention transfer.
 
-    python -m training.builtin.transfer_study                     # CPU, a few minutes
-    python -m training.builtin.transfer_study --base-steps 400 --steps 100 --transfer-steps 30
+    python -m factory.transfer_study                     # CPU, a few minutes
+    python -m factory.transfer_study --base-steps 400 --steps 100 --transfer-steps 30
 
 1. Train the tiny random-weight Wan2.1 (softmax, ``flash``) from its random weights on the synthetic shapes:
    this is the "pretrained" base.

@@ -1,17 +1,15 @@
 """The built-in model's factory: how ``assets/builtin/`` is made and judged, apart from the recipe.
 
-- ``build``: the staged, resumable build (``python -m training.builtin build``);
-- ``synthetic``: the world it is trained on (rendered clips with their captions and attributes);
-- ``analyse``: reads a generated clip back into attributes (count, colour, shape, motion);
-- ``evaluate``: the miniature Table 5 (``python -m training.builtin.evaluate``);
-- ``vae_ceiling``: what the VAE alone keeps of a clip (``python -m training.builtin.vae_ceiling``);
+- ``build``: the staged, resumable build (``python -m factory build``);
+- ``evaluate``: the miniature Table 5 (``python -m factory.evaluate``);
+- ``vae_ceiling``: what the VAE alone keeps of a clip (``python -m factory.vae_ceiling``);
 - ``latent_stats``: generated against encoded latents, frame by frame;
 - ``vae_speed``: a VAE training step's time per precision;
 - ``examples``: the app's example prompts, chosen from an evaluation's videos;
 - ``transfer_study``: the conversion-recipe study on the built-in model.
 
-The recipe itself (``training/finetune.py`` and its data, config and checkpoint modules) does not
-depend on this package except for the synthetic data source (``data.source: synthetic``).
+The world it is trained on and the analyser that judges it are the package ``world`` below; this package
+sits above the recipe (it runs ``training`` stages) and nothing imports it but its own commands and tests.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
+from factory.latent_stats import frame_statistics, main
 from pipelines.builtin import builtin_available
-from training.builtin.latent_stats import frame_statistics, main
 
 
 def test_a_first_frame_drawn_like_the_second_is_found():

@@ -1,12 +1,12 @@
 """Time one VAE training step (``task: vae``'s loss, forward and backward) per ``train.precision``.
 
-    python -m training.builtin.vae_speed                                              # the built-in VAE's settings
-    python -m training.builtin.vae_speed --set base_dim=24 --frames 9 --crop 64 --out benchmarks/results/vae_step_cpu
-    python -m training.builtin.vae_speed --set decoder_base_dim=24 --trainable decoder --frames 9 --crop 64
-    python -m training.builtin.vae_speed --encode --set base_dim=24 --frames 17 --height 128 --width 160 --batch 1
+    python -m factory.vae_speed                                              # the built-in VAE's settings
+    python -m factory.vae_speed --set base_dim=24 --frames 9 --crop 64 --out benchmarks/results/vae_step_cpu
+    python -m factory.vae_speed --set decoder_base_dim=24 --trainable decoder --frames 9 --crop 64
+    python -m factory.vae_speed --encode --set base_dim=24 --frames 17 --height 128 --width 160 --batch 1
 
 Builds an untrained ``AutoencoderKLWan`` with the built-in model's VAE settings changed by ``--set``
-(checked as ``python -m training.builtin init-vae`` checks them), then times :func:`training.vae.vae_loss` plus its
+(checked as ``python -m factory init-vae`` checks them), then times :func:`training.vae.vae_loss` plus its
 backward pass on a random batch ``(--batch, 3, --frames, --crop, --crop)``: one untimed step, then the
 median of ``--repeats``, for each precision. ``--encode`` times what encoding a training cache costs instead:
 the encoder's forward pass alone (posterior mean, no gradients) on whole ``--height`` x ``--width`` clips.
@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from training.builtin import write_json
+from factory import write_json
 from training.vae import autocast_for, freeze_encoder, vae_loss
 
 PRECISIONS = ("no", "bf16")
@@ -60,9 +60,9 @@ def time_encodes(vae, video: torch.Tensor, precision: str, repeats: int) -> list
 def main(argv=None) -> int:
     from diffusers import AutoencoderKLWan
 
-    from training.builtin.build import parse_overrides, vae_settings
+    from factory.build import parse_overrides, vae_settings
 
-    p = argparse.ArgumentParser(prog="python -m training.builtin.vae_speed", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m factory.vae_speed", description=__doc__.split("\n\n")[0])
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=JSON", help="VAE settings, e.g. base_dim=24")
     p.add_argument("--trainable", choices=("all", "decoder"), default="all")
     p.add_argument("--batch", type=int, default=4)

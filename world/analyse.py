@@ -20,7 +20,7 @@ exact for this world: no learned model judges, so nothing can flatter one varian
   ``bouncing`` when the centre goes down and comes back up.
 
 :func:`analyse` returns per-attribute verdicts; :func:`score` aggregates them. ``python -m
-training.builtin.analyse VIDEO.mp4 --caption "..."`` prints the verdicts of one video.
+world.analyse VIDEO.mp4 --caption "..."`` prints the verdicts of one video.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from training.builtin.synthetic import BACKGROUNDS, COLOURS, MOTION_PHRASES, SHAPES, SIZES
+from world.synthetic import BACKGROUNDS, COLOURS, MOTION_PHRASES, SHAPES, SIZES
 
 ATTRIBUTES = ("count", "colour", "shape", "motion")
 # Bumped whenever a verdict can change: scores are comparable only within one version (recorded in every
@@ -303,7 +303,7 @@ def score(verdicts: list[dict]) -> dict:
 def main(argv=None) -> int:
     from pipelines.video import read_video
 
-    p = argparse.ArgumentParser(prog="python -m training.builtin.analyse", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m world.analyse", description=__doc__.split("\n\n")[0])
     p.add_argument("video")
     p.add_argument("--caption", required=True)
     args = p.parse_args(argv)

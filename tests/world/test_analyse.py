@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from training.builtin.analyse import (
+from factory.vae_ceiling import reconstruction_ceiling
+from world.analyse import (
     analyse,
     attribute_verdict,
     classify_shape,
@@ -16,8 +17,7 @@ from training.builtin.analyse import (
     parse_caption,
     score,
 )
-from training.builtin.synthetic import SyntheticVideoDataset, generate_sample, render_video
-from training.builtin.vae_ceiling import reconstruction_ceiling
+from world.synthetic import SyntheticVideoDataset, generate_sample, render_video
 
 
 @pytest.fixture(scope="module", params=[(128, 160), (64, 80)], ids=["128x160", "64x80"])

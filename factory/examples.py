@@ -1,9 +1,9 @@
 """Choose the app's example prompts for the built-in model from a committed evaluation: the prompts it draws best.
 
-    python -m training.builtin.examples --from benchmarks/results/builtin_eval_cpu.json
-    python -m training.builtin.examples --from EVAL.json --model runs/builtin/model --count 6
+    python -m factory.examples --from benchmarks/results/builtin_eval_cpu.json
+    python -m factory.examples --from EVAL.json --model runs/builtin/model --count 6
 
-Reads the per-video verdicts of :mod:`training.builtin.evaluate` (``variants.<v>.per_video``) and ranks its
+Reads the per-video verdicts of :mod:`factory.evaluate` (``variants.<v>.per_video``) and ranks its
 validation prompts by how the softmax base (``--variant``, default flash) drew them over the evaluation's
 seeds: first the number of videos with every named attribute right, then the fraction of attributes right,
 then the same fraction over every evaluated variant (a prompt all of them draw shows the comparison best).
@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from pipelines import BUILTIN_DIR
-from training.builtin.analyse import ATTRIBUTES, parse_caption
+from world.analyse import ATTRIBUTES, parse_caption
 
 
 def prompt_scores(videos: list[dict]) -> dict[str, dict]:
@@ -48,7 +48,7 @@ def choose(evaluation: dict, variant: str = "flash", count: int = 4) -> list[dic
         have = [v for v, r in rows.items() if "per_video" in r]
         raise ValueError(
             f"the evaluation has no per-video verdicts for {variant!r} (it has them for {have}); "
-            "re-run python -m training.builtin.evaluate with this version"
+            "re-run python -m factory.evaluate with this version"
         )
     base = prompt_scores(rows[variant]["per_video"])
     others = [prompt_scores(r["per_video"]) for r in rows.values() if "per_video" in r]
@@ -90,8 +90,8 @@ def write_examples(model_dir: Path, chosen: list[dict], source: str, evaluation:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m training.builtin.examples", description=__doc__.split("\n\n")[0])
-    p.add_argument("--from", dest="source", required=True, help="an evaluation JSON of training.builtin.evaluate")
+    p = argparse.ArgumentParser(prog="python -m factory.examples", description=__doc__.split("\n\n")[0])
+    p.add_argument("--from", dest="source", required=True, help="an evaluation JSON of factory.evaluate")
     p.add_argument(
         "--model", default=None, help="model directory whose builtin.json gets them (default: assets/builtin)"
     )

@@ -1,9 +1,9 @@
 """Evaluate the built-in model's variants the way the paper's Table 5 compares them, in miniature.
 
-    python -m training.builtin.evaluate                                  # assets/builtin, every variant
-    python -m training.builtin.evaluate --num-prompts 8 --steps 10       # quicker
-    python -m training.builtin.evaluate --model DIR --out benchmarks/results/my_eval
-    python -m training.builtin.evaluate --variants flash --data-seed 1 --loss-batches 0 --guidance 1.5 2 3 4 \
+    python -m factory.evaluate                                  # assets/builtin, every variant
+    python -m factory.evaluate --num-prompts 8 --steps 10       # quicker
+    python -m factory.evaluate --model DIR --out benchmarks/results/my_eval
+    python -m factory.evaluate --variants flash --data-seed 1 --loss-batches 0 --guidance 1.5 2 3 4 \
         --out benchmarks/results/builtin_cfg_sweep_cpu    # pick the CFG scale on a separate draw
 
 For each variant (flash = the softmax base; linear, mhla, mhla-hybrid = its fine-tuned conversions):
@@ -12,7 +12,7 @@ For each variant (flash = the softmax base; linear, mhla, mhla-hybrid = its fine
   held-out attribute combinations training never saw), with the same noise and timesteps for every
   variant;
 - **semantic score**: a video for each of the first ``--num-prompts`` validation captions and each
-  seed, judged by :mod:`training.builtin.analyse` (colour, shape, count, motion; overall = all right), split
+  seed, judged by :mod:`world.analyse` (colour, shape, count, motion; overall = all right), split
   into in-distribution prompts and prompts with a held-out combination; the analyser's score on
   the VAE's own reconstructions of the real clips is printed as the ceiling;
 - **latency**: the mean denoising and total time of those generations on this machine.
@@ -40,15 +40,15 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from factory import output_path, write_json
+from factory.vae_ceiling import reconstruction_ceiling, to_frames
 from pipelines import BUILTIN_DIR, VARIANTS, load_components, load_transformer
 from pipelines.builtin import builtin_info
 from pipelines.pipeline import generate
-from training.builtin import output_path, write_json
-from training.builtin.analyse import ANALYSER_VERSION, ATTRIBUTES, analyse, score
-from training.builtin.synthetic import SyntheticVideoDataset
-from training.builtin.vae_ceiling import reconstruction_ceiling, to_frames
 from training.encoding import Encoder
 from training.flow import FlowMatching
+from world.analyse import ANALYSER_VERSION, ATTRIBUTES, analyse, score
+from world.synthetic import SyntheticVideoDataset
 
 NAMES = {"flash": "softmax (FA)", "linear": "linear", "mhla": "MHLA", "mhla-hybrid": "MHLA-hybrid"}
 
@@ -110,7 +110,7 @@ GRID_PROMPTS = 4  # columns of the PNG's video grid: the first validation prompt
 @torch.no_grad()
 def vae_ceiling(components, dataset, prompts: list[int]) -> tuple[dict, list[np.ndarray]]:
     """Analyser score and PSNR of the VAE's reconstructions of the real validation clips (what a perfect
-    transformer reaches; :func:`training.builtin.vae_ceiling.reconstruction_ceiling`), and the
+    transformer reaches; :func:`factory.vae_ceiling.reconstruction_ceiling`), and the
     reconstructions of the first :data:`GRID_PROMPTS` clips."""
     shown: list[np.ndarray] = []
     result = reconstruction_ceiling(components.vae, dataset, prompts, keep=shown, keep_first=GRID_PROMPTS)
@@ -160,7 +160,7 @@ def semantic(
         "overall_held_out": score(held)["overall"] if held else None,
         "denoise_s": float(np.mean([t.denoising for t in timings])),
         "total_s": float(np.mean([t.total for t in timings])),
-        # every video's verdict (which prompts work, for the app's examples: training.builtin.examples)
+        # every video's verdict (which prompts work, for the app's examples: factory.examples)
         "per_video": [{k: x[k] for k in ("prompt", "caption", "seed", "held_out", *ATTRIBUTES)} for x in verdicts],
     }
     return row, frames
@@ -406,7 +406,7 @@ def plot(res: dict, path: Path) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m training.builtin.evaluate", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m factory.evaluate", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="model directory (default: the built-in model in assets/builtin)")
     p.add_argument("--variants", default="flash,linear,mhla,mhla-hybrid")
     p.add_argument("--num-prompts", type=int, default=24, help="validation captions to generate")

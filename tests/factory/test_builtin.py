@@ -13,15 +13,15 @@ import torch
 
 from pipelines import BUILTIN_DIR, load_components
 from pipelines.builtin import builtin_available
-from training.builtin.analyse import analyse
+from world.analyse import analyse
 
 needs_builtin = pytest.mark.skipif(
-    not builtin_available(), reason="assets/builtin is missing (python -m training.builtin build)"
+    not builtin_available(), reason="assets/builtin is missing (python -m factory build)"
 )
 
 
 def test_tokenizer_reads_world_words_and_marks_unknown_ones():
-    from training.builtin.build import build_tokenizer, world_vocabulary
+    from factory.build import build_tokenizer, world_vocabulary
 
     tok = build_tokenizer()
     ids = tok("A red Square moves to the right").input_ids
@@ -35,7 +35,7 @@ def test_tokenizer_reads_world_words_and_marks_unknown_ones():
 
 @pytest.fixture(scope="module")
 def fresh_model_dir(tmp_path_factory):
-    from training.builtin.build import init_model_dir
+    from factory.build import init_model_dir
 
     return init_model_dir(tmp_path_factory.mktemp("builtin") / "model", seed=3)
 
@@ -141,7 +141,7 @@ def test_vae_runs_voids_a_decoder_run_once_the_encoder_is_retrained(tmp_path):
 def test_build_runs_the_decoder_stage_after_the_vae_stages(fresh_model_dir, tmp_path, monkeypatch):
     from omegaconf import OmegaConf
 
-    from training.builtin import build as builtin
+    from factory import build as builtin
     from training.config import load_config
 
     configs = tmp_path / "configs"
@@ -170,7 +170,7 @@ def test_build_runs_the_decoder_stage_after_the_vae_stages(fresh_model_dir, tmp_
 def test_init_vae_with_4x4x4_strides_keeps_the_latent_grid_at_half_the_resolution(tmp_path):
     from diffusers import AutoencoderKLWan
 
-    from training.builtin.build import init_vae
+    from factory.build import init_vae
 
     folder = init_vae(tmp_path / "m", dim_mult=[1, 2, 4], temperal_downsample=[True, True])
     vae = AutoencoderKLWan.from_pretrained(folder)
@@ -187,7 +187,7 @@ def test_init_vae_with_4x4x4_strides_keeps_the_latent_grid_at_half_the_resolutio
 def test_init_vae_with_a_wider_decoder_keeps_the_trained_encoder_and_its_latents(tmp_path):
     from diffusers import AutoencoderKLWan
 
-    from training.builtin.build import init_vae
+    from factory.build import init_vae
 
     trained = init_vae(tmp_path / "trained", seed=int(np.random.default_rng().integers(1 << 30)))
     source = AutoencoderKLWan.from_pretrained(trained)
@@ -217,7 +217,7 @@ def test_init_vae_with_more_latent_channels_gives_the_transformer_as_many(fresh_
 
     from diffusers import AutoencoderKLWan, WanTransformer3DModel
 
-    from training.builtin.build import init_vae
+    from factory.build import init_vae
 
     model = tmp_path / "model"
     shutil.copytree(fresh_model_dir, model)
@@ -317,7 +317,7 @@ def test_held_out_combination_gets_an_object_of_its_colour(builtin):
     motion here would fail on the model as it ships.
     """
     from pipelines.generate import generate
-    from training.builtin.synthetic import SyntheticWorld
+    from world.synthetic import SyntheticWorld
 
     assert SyntheticWorld().is_held_out({"colour": "green", "shape": "square", "motion": "right"})
     prompt = "a green square moves to the right"
@@ -370,9 +370,9 @@ def test_app_loads_each_fine_tuned_variant_and_shows_no_server_paths():
 
 @needs_builtin
 def test_evaluate_writes_its_table(tmp_path):
-    from training.builtin.analyse import ANALYSER_VERSION
-    from training.builtin.evaluate import main
-    from training.builtin.synthetic import SyntheticVideoDataset
+    from factory.evaluate import main
+    from world.analyse import ANALYSER_VERSION
+    from world.synthetic import SyntheticVideoDataset
 
     out = tmp_path / "eval"
     argv = [
@@ -421,7 +421,7 @@ def test_evaluate_writes_its_table(tmp_path):
 
 @needs_builtin
 def test_evaluate_sweeps_guidance_and_marks_the_best(tmp_path):
-    from training.builtin.evaluate import main
+    from factory.evaluate import main
 
     out = tmp_path / "sweep"
     argv = [
@@ -454,7 +454,7 @@ def test_evaluate_sweeps_guidance_and_marks_the_best(tmp_path):
 
 
 def test_sweep_table_puts_each_attribute_under_its_own_header():
-    from training.builtin.evaluate import sweep_markdown
+    from factory.evaluate import sweep_markdown
 
     row = {"colour": 0.1, "shape": 0.2, "count": 0.3, "motion": 0.4, "overall": 0.0, "total_s": 1.0}
     res = {
@@ -473,7 +473,7 @@ def test_sweep_table_puts_each_attribute_under_its_own_header():
 
 
 def test_the_table_shows_each_attributes_spread_over_seeds():
-    from training.builtin.evaluate import markdown, seed_spread
+    from factory.evaluate import markdown, seed_spread
 
     # colour right in 2 of 2 videos for seed 0, 1 of 2 for seed 1, 0 of 2 for seed 2: per seed 1, 0.5, 0;
     # motion is named in one video per seed only, and shape in seed 0 only (one seed: no spread to show)
@@ -504,7 +504,7 @@ def test_the_table_shows_each_attributes_spread_over_seeds():
     ],
 )
 def test_evaluate_refuses_bad_sweep_arguments(bad, message, capsys):
-    from training.builtin.evaluate import main
+    from factory.evaluate import main
 
     with pytest.raises(SystemExit):
         main(["--num-prompts", "1", *bad])
@@ -512,7 +512,7 @@ def test_evaluate_refuses_bad_sweep_arguments(bad, message, capsys):
 
 
 def test_evaluate_refuses_random_weights():
-    from training.builtin.evaluate import main
+    from factory.evaluate import main
 
     with pytest.raises(SystemExit, match="random weights"):
         main(["--model", "tiny-random", "--num-prompts", "1"])
@@ -541,7 +541,7 @@ def test_every_builtin_config_loads(tmp_path):
 
 
 def test_vae_speed_times_both_precisions(tmp_path, capsys):
-    from training.builtin.vae_speed import main
+    from factory.vae_speed import main
 
     out = tmp_path / "speed"
     argv = ["--set", "base_dim=4", "--batch", "1", "--frames", "5", "--crop", "16", "--repeats", "1"]

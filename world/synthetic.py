@@ -23,7 +23,7 @@ says which: ``attributes["held_out"]``.
 Frames are ``uint8`` arrays ``(frames, height, width, 3)``, rendered with 4x4 supersampling
 (anti-aliased edges). Command line::
 
-    python -m training.builtin.synthetic --out data/shapes --num 256 --frames 17 --height 64 --width 64 --seed 0
+    python -m world.synthetic --out data/shapes --num 256 --frames 17 --height 64 --width 64 --seed 0
 
 writes ``videos/*.mp4``, ``videos/*.txt`` captions and ``manifest.csv`` / ``manifest.jsonl``
 (columns ``video``, ``caption``, ``split`` and the attributes), readable by

@@ -1,8 +1,8 @@
 """The VAE ceiling: how well a VAE's reconstructions of held-out clips still show what their captions say.
 
-    python -m training.builtin.vae_ceiling --vae assets/builtin/vae                       # the shipped VAE
-    python -m training.builtin.vae_ceiling --ground-truth                                 # the clips themselves (~1.0)
-    python -m training.builtin.vae_ceiling --vae runs/pilots/x/final/vae --height 64 --width 80 --out benchmarks/results/x
+    python -m factory.vae_ceiling --vae assets/builtin/vae                       # the shipped VAE
+    python -m factory.vae_ceiling --ground-truth                                 # the clips themselves (~1.0)
+    python -m factory.vae_ceiling --vae runs/pilots/x/final/vae --height 64 --width 80 --out benchmarks/results/x
 
 A perfect transformer can draw no better than its VAE decodes: this is the top of the built-in
 model's semantic score. For each of ``--num-clips`` clips of the synthetic *validation* split
@@ -15,7 +15,7 @@ model's semantic score. For each of ``--num-clips`` clips of the synthetic *vali
 - ``psnr_worst_clip_db``, ``psnr_by_background_db`` (pooled over the clips of each background) and
   ``psnr_by_frame_db`` (pooled over clips, one per frame index): where a VAE loses it, e.g. one
   background, or later frames drifting through the causal temporal cache;
-- the analyser's (:mod:`training.builtin.analyse`) per-attribute accuracy and ``overall`` on the
+- the analyser's (:mod:`world.analyse`) per-attribute accuracy and ``overall`` on the
   reconstructions, judged against each clip's attribute dict.
 
 ``--ground-truth`` scores the real clips (no VAE): the analyser must reach ~1.0 there, else the
@@ -34,9 +34,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from training.builtin import write_json
-from training.builtin.analyse import ANALYSER_VERSION, ATTRIBUTES, analyse, score
-from training.builtin.synthetic import SyntheticVideoDataset
+from factory import write_json
+from world.analyse import ANALYSER_VERSION, ATTRIBUTES, analyse, score
+from world.synthetic import SyntheticVideoDataset
 
 
 def to_frames(video: torch.Tensor) -> np.ndarray:
@@ -109,7 +109,7 @@ def reconstruction_ceiling(vae, dataset, indices, keep: list[np.ndarray] | None 
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m training.builtin.vae_ceiling", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m factory.vae_ceiling", description=__doc__.split("\n\n")[0])
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--vae", help="an AutoencoderKLWan folder (config.json + safetensors)")
     g.add_argument("--ground-truth", action="store_true", help="score the real clips (checks the analyser)")

@@ -6,9 +6,9 @@ from types import SimpleNamespace
 import pytest
 
 from app.models import BUILTIN_PROMPTS, GENERAL_PROMPTS, AppModels
+from factory import output_path
+from factory.examples import choose, main
 from pipelines.builtin import builtin_examples
-from training.builtin import output_path
-from training.builtin.examples import choose, main
 
 
 def video(caption, seed, count=True, colour=True, shape=True, motion=True):

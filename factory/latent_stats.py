@@ -1,7 +1,7 @@
 """Latent statistics, frame by frame: what the transformer generates against what the VAE encodes.
 
-    python -m training.builtin.latent_stats                       # the built-in model, flash, 6 prompts
-    python -m training.builtin.latent_stats --guidance 1 --variant mhla --num-prompts 12 --out runs/x
+    python -m factory.latent_stats                       # the built-in model, flash, 6 prompts
+    python -m factory.latent_stats --guidance 1 --variant mhla --num-prompts 12 --out runs/x
 
 A diagnosis of the first-frame fault of issue 17 (every variant's first generated frame comes out in
 the wrong colours). AutoencoderKLWan encodes causally: latent frame 0 holds pixel frame 0 alone, every
@@ -30,11 +30,11 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from factory import write_json
 from pipelines import BUILTIN_DIR, VARIANTS, load_components
 from pipelines.pipeline import generate
-from training.builtin import write_json
-from training.builtin.synthetic import SyntheticVideoDataset
 from training.encoding import Encoder
+from world.synthetic import SyntheticVideoDataset
 
 
 def frame_statistics(real: torch.Tensor, generated: torch.Tensor) -> dict:
@@ -55,7 +55,7 @@ def frame_statistics(real: torch.Tensor, generated: torch.Tensor) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m training.builtin.latent_stats", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m factory.latent_stats", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="model directory (default: the built-in model in assets/builtin)")
     p.add_argument("--variant", default="flash", choices=VARIANTS)
     p.add_argument("--num-prompts", type=int, default=6)
