@@ -4,6 +4,8 @@ layer (:mod:`mhla.triton_ops`): each raises ValueError naming the bad value and 
 from __future__ import annotations
 
 import math
+import operator
+from collections.abc import Iterable
 
 import torch
 
@@ -11,8 +13,8 @@ from .rope import Rotary
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Raises ValueError unless q, k, v are floating ``(B, N, H, D)`` with matching batch, tokens and
-    heads and a batch of at least 1."""
+    """Raises ValueError unless q, k, v are floating ``(B, N, H, D)`` on one device, with matching batch,
+    tokens and heads, a batch of at least 1 and at least one head."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a tensor (batch, tokens, heads, head_dim), got {type(t).__name__}")
@@ -27,9 +29,38 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         )
     if q.shape[0] < 1:
         raise ValueError(f"q, k, v have batch size {q.shape[0]}, expected at least 1 (shape {tuple(q.shape)})")
+    if q.shape[2] < 1 or q.shape[3] < 1 or v.shape[3] < 1:
+        raise ValueError(
+            f"q, k, v need at least one head and one channel per head; got q {tuple(q.shape)}, v {tuple(v.shape)} "
+            "(batch, tokens, heads, head_dim)"
+        )
+    if not q.device == k.device == v.device:
+        raise ValueError(f"q, k, v must be on one device, got q on {q.device}, k on {k.device}, v on {v.device}")
 
 
-def check_mixing(mixing: torch.Tensor, num_blocks: int, num_heads: int) -> None:
+def check_grid(grid: Iterable[object]) -> tuple[int, int, int]:
+    """``grid`` as three ints ``(frames, height, width)``, each >= 1; ValueError for anything else (a float,
+    even 5.0, a bool, a string): a fractional grid would otherwise be truncated into another layout."""
+    try:
+        values = tuple(grid)
+    except TypeError:
+        raise ValueError(f"grid must be three integers (frames, height, width), got {grid!r}") from None
+    ints = []
+    for x in values:
+        if isinstance(x, bool | float | str) or (isinstance(x, torch.Tensor) and x.is_floating_point()):
+            raise ValueError(f"grid must be three integers (frames, height, width), got {grid!r}")
+        try:
+            ints.append(operator.index(x))  # type: ignore[arg-type]
+        except TypeError:
+            raise ValueError(f"grid must be three integers (frames, height, width), got {grid!r}") from None
+    if len(ints) != 3 or min(ints) < 1:
+        raise ValueError(f"grid must be three positive integers (frames, height, width), got {grid!r}")
+    return (ints[0], ints[1], ints[2])
+
+
+def check_mixing(mixing: torch.Tensor, num_blocks: int, num_heads: int, device: torch.device | None = None) -> None:
+    """Raises ValueError unless ``mixing`` is a floating ``(M, M)`` or per-head ``(H, M, M)`` tensor on
+    ``device`` (that of q, k, v, when given)."""
     if not isinstance(mixing, torch.Tensor):
         raise ValueError(f"mixing must be a tensor of shape ({num_blocks}, {num_blocks}), got {type(mixing).__name__}")
     ok = mixing.dim() == 2 or (mixing.dim() == 3 and mixing.shape[0] == num_heads)
@@ -40,6 +71,8 @@ def check_mixing(mixing: torch.Tensor, num_blocks: int, num_heads: int) -> None:
         )
     if not mixing.is_floating_point():
         raise ValueError(f"mixing matrix must have a floating dtype, got {mixing.dtype}")
+    if device is not None and mixing.device != device:
+        raise ValueError(f"mixing matrix is on {mixing.device} but q, k, v are on {device}; expected one device")
 
 
 def check_eps(eps: float) -> float:

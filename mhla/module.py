@@ -5,11 +5,10 @@ Drop it into any attention layer that produces q, k, v as ``(batch, tokens, head
 
 from __future__ import annotations
 
-from typing import cast
-
 import torch
 from torch import nn
 
+from .checks import check_grid
 from .feature_maps import get_feature_map
 from .layout import BlockLayout, Grid, cached_layout, fit_blocks, parse_blocks
 from .mixing import MixingCoefficients, resample_mixing
@@ -65,7 +64,7 @@ class MHLA(nn.Module):
     def layout(self, grid: Grid) -> BlockLayout:
         """The layout on ``grid``: the module's blocks, shrunk on any axis where the grid has fewer cells
         (:func:`mhla.fit_blocks`)."""
-        grid = cast(Grid, tuple(int(x) for x in grid))
+        grid = check_grid(grid)  # ints only: int(5.5) would silently give another layout
         return cached_layout(grid, fit_blocks(self.blocks, grid))
 
     def mixing_for(self, layout: BlockLayout) -> torch.Tensor:

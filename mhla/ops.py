@@ -744,7 +744,7 @@ def mhla_attention(
     if layout.num_tokens != q.shape[1]:
         g = layout.grid
         raise ValueError(f"token grid {g[0]}x{g[1]}x{g[2]} has {layout.num_tokens} tokens but q has {q.shape[1]}")
-    check_mixing(mixing, layout.num_blocks, q.shape[2])
+    check_mixing(mixing, layout.num_blocks, q.shape[2], q.device)
     check_rotary(rotary_emb, q.shape[1], q.shape[3])
     check_rotary_dtype(rotary_emb)
     eps = check_eps(eps)

@@ -473,7 +473,7 @@ def mhla_attention_fused(
     side, see benchmarks/NOTES.md).
     """
     check_qkv(q, k, v)
-    check_mixing(mixing, layout.num_blocks, q.shape[2])
+    check_mixing(mixing, layout.num_blocks, q.shape[2], q.device)
     return _fused(q, k, v, layout, mixing.float(), feature_map, normalize, rotary_emb, eps, out_dtype, version)
 
 

@@ -57,3 +57,35 @@ def test_rotary_shape(qkv):
 def test_layout_argument_type(qkv):
     with pytest.raises(ValueError, match="must be a BlockLayout"):
         mhla_attention(*qkv, (3, 4, 5), torch.eye(4))
+
+
+# ---- issue 30, class 5: devices, head counts and grid types are checked in the shared input checks
+
+
+def test_mixing_on_another_device_is_refused(qkv):
+    """A mixing matrix on another device than q, k, v ("meta" stands in for a GPU here) used to return
+    uninitialised output buffers without an error."""
+    layout = BlockLayout((3, 4, 5), (1, 2, 2))
+    with pytest.raises(ValueError, match="mixing matrix is on meta but q, k, v are on cpu"):
+        mhla_attention(*qkv, layout, locality_init(layout).to("meta"))
+
+
+def test_qkv_on_mixed_devices_are_refused(qkv):
+    q, k, v = qkv
+    with pytest.raises(ValueError, match="must be on one device"):
+        linear_attention(q, k.to("meta"), v)
+
+
+@pytest.mark.parametrize("shape", [(1, 60, 0, 4), (1, 60, 2, 0)])
+def test_zero_heads_or_channels_are_refused(shape):
+    q = torch.randn(shape)
+    with pytest.raises(ValueError, match="at least one head"):
+        linear_attention(q, q, q)
+    with pytest.raises(ValueError, match="at least one head"):
+        MHLA(blocks="1x2x2")(q, q, q, grid=(3, 4, 5))
+
+
+@pytest.mark.parametrize("grid", [(3, 4.5, 5), (3.0, 4, 5), ("3", 4, 5), (True, 4, 15), (3, 4)])
+def test_module_grid_must_be_integers(qkv, grid):
+    with pytest.raises(ValueError, match="grid must be three"):
+        MHLA(blocks="1x2x2")(*qkv, grid=grid)
