@@ -73,22 +73,31 @@ def compose(model, variant_dirs, random_weights, device, dtype):
 
 
 def main(argv=None) -> int:
+    """Serves the app, behind the error boundary of :func:`pipelines.errors.run_cli` (exit codes there)."""
+    from pipelines.errors import run_cli
+
+    return run_cli(_main, argv, prog="run_app")
+
+
+def _main(argv) -> int:
     args = parse_args(argv)
     from app.compare import CPU_MAX_TOKENS
     from app.models import parse_variant_dirs
 
-    try:
-        if args.model is not None and args.random_weights is not None:
-            raise ValueError("--model and --random-weights exclude each other: random weights replace the model's")
-        variant_dirs = parse_variant_dirs(args.variant)
-        if args.model is not None and args.model != "tiny-random":
-            from pipelines import check_model_dir
+    if args.model is not None and args.random_weights is not None:
+        raise ValueError("--model and --random-weights exclude each other: random weights replace the model's")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port {args.port}: expected a port number in 0 ... 65535")
+    for name in ("max_tokens", "max_bench_tokens"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} {value}: expected a positive number of tokens")
+    variant_dirs = parse_variant_dirs(args.variant)
+    if args.model is not None and args.model != "tiny-random":
+        from pipelines import check_model_dir
 
-            check_model_dir(args.model)
-        models = compose(args.model, variant_dirs, args.random_weights, args.device, args.dtype)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        check_model_dir(args.model)
+    models = compose(args.model, variant_dirs, args.random_weights, args.device, args.dtype)
     cpu = models.device.type == "cpu"
     max_tokens = args.max_tokens if args.max_tokens is not None else (CPU_MAX_TOKENS if cpu else None)
     max_bench = args.max_bench_tokens if args.max_bench_tokens is not None else (16384 if cpu else None)

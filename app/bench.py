@@ -22,14 +22,17 @@ import torch
 
 import mhla
 from pipelines import VARIANTS, convert_self_attention, current_variant
+from pipelines.outputs import write_text_atomic
 from pipelines.timing import device_name, time_call
 
+from . import inputs
 from .models import AppModels
 
 OPERATORS = ("softmax", "linear", "mhla")
 CPU_GRIDS = "1x16x16,1x32x32,2x32x32"  # 256 .. 2,048 tokens: seconds on 2 CPU cores with the tiny model
 GPU_GRIDS = "1x32x32,4x32x32,8x32x48,21x30x50,21x30x52,32x48x48"  # .. 73,728 tokens
 MAX_GRIDS = 12
+LEVELS = ("operator", "transformer forward")
 FIELDS = ("level", "variant", "grid", "tokens", "M", "ms", "backend", "note")
 
 
@@ -53,6 +56,8 @@ def operator_call(op: str, q, k, v, layout, mixing, rope):
 
 def parse_grids(text: str, max_tokens: int | None = None) -> list[tuple[int, int, int]]:
     """``"1x16x16, 2x16x32"`` -> grids sorted by token count; ``ValueError`` names the bad entry."""
+    if text is not None and not isinstance(text, str):
+        raise ValueError(f"token grids must be text such as 1x16x16,2x16x32, got {type(text).__name__}")
     if not isinstance(text, str) or not text.strip():
         raise ValueError("no token grids given; expected e.g. 1x16x16,2x16x32 (frames x height x width in tokens)")
     grids = []
@@ -176,13 +181,10 @@ def run_benchmark(
 ) -> dict:
     """Both levels over the grids; returns ``{"meta": ..., "rows": [...]}`` (rows as :data:`FIELDS`)."""
     grids = parse_grids(grids_text, max_tokens)
-    unknown = [v for v in variants if v not in VARIANTS]
-    if unknown:
-        raise ValueError(f"unknown variant(s) {unknown}; expected some of {', '.join(VARIANTS)}")
-    bad_levels = [lv for lv in levels if lv not in ("operator", "transformer forward")]
-    if bad_levels or not levels:
-        raise ValueError(f"levels must be some of 'operator', 'transformer forward', got {list(levels)!r}")
-    repeats = max(1, min(int(repeats), 20))
+    variants = inputs.choices("variants", list(variants) if isinstance(variants, tuple) else variants, VARIANTS)
+    if not isinstance(levels, list | tuple) or not levels or any(lv not in LEVELS for lv in levels):
+        raise ValueError(f"levels must be some of {', '.join(map(repr, LEVELS))}, got {levels!r}")
+    repeats = inputs.whole_number("repeats", repeats, 1, 20)  # 2.7 is refused, never truncated
     t0 = time.perf_counter()
     rows = []
     if "operator" in levels:
@@ -220,8 +222,8 @@ def save(result: dict, folder: Path) -> tuple[Path, Path]:
     """Writes ``benchmark.json`` and ``benchmark.csv`` into ``folder`` (a server-made folder, never a UI path)."""
     folder.mkdir(parents=True, exist_ok=True)
     js, cs = folder / "benchmark.json", folder / "benchmark.csv"
-    js.write_text(json.dumps(result, indent=2) + "\n")
-    cs.write_text(to_csv(result))
+    write_text_atomic(js, json.dumps(result, indent=2) + "\n")
+    write_text_atomic(cs, to_csv(result))
     return js, cs
 
 

@@ -25,7 +25,7 @@ from pipelines import VARIANTS, Timing, write_mp4
 from pipelines.pipeline import generate
 from pipelines.timing import Spread, device_name, spread
 
-from . import quality
+from . import inputs, quality
 from .models import AppModels
 
 log = logging.getLogger(__name__)
@@ -105,17 +105,7 @@ def parse_preset(key) -> tuple[int, int, int]:
 
 def _as_int(name: str, value, lo: int, hi: int) -> int:
     # gr.Number sends floats; an integral float is fine, 2.5 steps is not (refused, never rounded)
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value != int(value)
-    ):
-        raise ValueError(f"{name} must be a whole number, got {value!r}")
-    value = int(value)
-    if not lo <= value <= hi:
-        raise ValueError(f"{name} must be between {lo} and {hi:,}, got {value:,}")
-    return value
+    return inputs.whole_number(name, value, lo, hi)
 
 
 @dataclass
@@ -156,13 +146,12 @@ def check_request(
 ) -> CompareRequest:
     """Validates everything the page sends before any model work; ``ValueError`` names the bad value.
     Out-of-range values are refused, never clamped or rounded."""
-    if not isinstance(prompt, str) or not prompt.strip():
+    # types first (a list is not a prompt), then control characters (a NUL would fail every variant's write)
+    prompt = inputs.text("prompt", prompt, MAX_PROMPT_CHARS)
+    negative_prompt = inputs.text("negative prompt", negative_prompt, MAX_PROMPT_CHARS)
+    if not prompt.strip():
         raise ValueError(f"the prompt is empty: describe the video to generate, e.g. '{models.example_prompt}'")
-    if negative_prompt is not None and not isinstance(negative_prompt, str):
-        raise ValueError(f"negative prompt must be text, got {type(negative_prompt).__name__}")
-    for name, text in (("prompt", prompt), ("negative prompt", negative_prompt or "")):
-        if len(text) > MAX_PROMPT_CHARS:
-            raise ValueError(f"the {name} has {len(text):,} characters; at most {MAX_PROMPT_CHARS:,} are accepted")
+    variants = inputs.choices("variants", variants, VARIANTS)
     seed = _as_int("seed", seed, 0, 2**63 - 1)
     steps = _as_int("steps", steps, 1, MAX_STEPS)
     repeats = _as_int("repeats", repeats, 1, MAX_REPEATS)

@@ -22,7 +22,7 @@ import gradio as gr
 from pipelines import VARIANTS
 from pipelines.timing import device_name
 
-from . import bench, compare
+from . import bench, compare, inputs
 from .models import AppModels
 
 # System fonts: the default theme pulls Google Fonts, and the app must work with no network at all.
@@ -146,7 +146,7 @@ def build_demo(
         except ValueError as e:
             # the status line keeps the message after the alert is closed; the API gets an error, not a value
             yield [f"⛔ **Error:** {e}"] + [gr.skip()] * n_outputs
-            raise gr.Error(str(e), title="Bad input") from None
+            raise inputs.refused(str(e)) from None  # one line in the server's log, no traceback
         session = getattr(request, "session_hash", None) or uuid.uuid4().hex
         stop = runs.start(session)
         events: queue.Queue = queue.Queue()
@@ -184,7 +184,10 @@ def build_demo(
                     continue
                 elif kind == "failed":
                     compare.log.error("compare run failed", exc_info=payload)
-                    raise gr.Error(f"internal error ({type(payload).__name__}); the details are in the server's log")
+                    raise gr.Error(  # the traceback was logged just above, once
+                        f"internal error ({type(payload).__name__}); the details are in the server's log",
+                        print_exception=False,
+                    )
                 elif kind == "end":
                     break
                 if time.monotonic() - shown >= POLL_SECONDS:  # the stage line, at most twice a second
@@ -195,7 +198,7 @@ def build_demo(
             worker.join()
             runs.end(session, stop)
         if last is None:
-            raise gr.Error("the run was stopped before any variant finished", title="Stopped")
+            raise gr.Error("the run was stopped before any variant finished", title="Stopped", print_exception=False)
         failed = [r.variant for r in last.runs if r.error]
         seconds = time.monotonic() - started
         if last.stopped:
@@ -225,7 +228,7 @@ def build_demo(
                 progress=lambda desc: progress(None, desc=desc),
             )
         except ValueError as e:
-            raise gr.Error(str(e), title="Bad input") from None
+            raise inputs.refused(str(e)) from None  # one line in the server's log, no traceback
         files = bench.save(result, out_root / "bench" / uuid.uuid4().hex[:12])
         m = result["meta"]
         status = (
@@ -341,6 +344,7 @@ def build_demo(
                 concurrency_limit=1,
                 show_progress="hidden",  # the status line says the stage and the time left (gradio's ETA was wrong)
                 api_name="compare",
+                preprocess=False,  # raw values reach app.inputs' checks: a list prompt is refused, not str()-ed
             )
             for after in (run.then, run.failure):  # gradio 6 skips .then after an error: enable on both
                 after(lambda: gr.Button(interactive=True), None, run_button, queue=False, api_visibility="private")
@@ -375,5 +379,6 @@ def build_demo(
                 concurrency_limit=1,
                 show_progress_on=[bench_status],
                 api_name="benchmark",
+                preprocess=False,  # raw values reach the checks: repeats=2.7 is refused, not truncated
             )
     return demo

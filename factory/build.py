@@ -397,6 +397,13 @@ def build(until: str, force: list[str]) -> int:
 
 
 def main(argv=None) -> int:
+    """``python -m factory``, behind the error boundary of :func:`pipelines.errors.run_cli` (exit codes there)."""
+    from pipelines.errors import run_cli
+
+    return run_cli(_main, argv, prog="factory")
+
+
+def _main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m factory", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="run the stages in order (finished ones are skipped)")

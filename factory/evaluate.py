@@ -406,6 +406,13 @@ def plot(res: dict, path: Path) -> None:
 
 
 def main(argv=None) -> int:
+    """``python -m factory.evaluate``, behind the error boundary of :func:`pipelines.errors.run_cli` (exit codes there)."""
+    from pipelines.errors import run_cli
+
+    return run_cli(_main, argv, prog="factory.evaluate")
+
+
+def _main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m factory.evaluate", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="model directory (default: the built-in model in assets/builtin)")
     p.add_argument("--variants", default="flash,linear,mhla,mhla-hybrid")

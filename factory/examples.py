@@ -90,6 +90,13 @@ def write_examples(model_dir: Path, chosen: list[dict], source: str, evaluation:
 
 
 def main(argv=None) -> int:
+    """``python -m factory.examples``, behind the error boundary of :func:`pipelines.errors.run_cli` (exit codes there)."""
+    from pipelines.errors import run_cli
+
+    return run_cli(_main, argv, prog="factory.examples")
+
+
+def _main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m factory.examples", description=__doc__.split("\n\n")[0])
     p.add_argument("--from", dest="source", required=True, help="an evaluation JSON of factory.evaluate")
     p.add_argument(

@@ -55,6 +55,13 @@ def frame_statistics(real: torch.Tensor, generated: torch.Tensor) -> dict:
 
 
 def main(argv=None) -> int:
+    """``python -m factory.latent_stats``, behind the error boundary of :func:`pipelines.errors.run_cli` (exit codes there)."""
+    from pipelines.errors import run_cli
+
+    return run_cli(_main, argv, prog="factory.latent_stats")
+
+
+def _main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m factory.latent_stats", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="model directory (default: the built-in model in assets/builtin)")
     p.add_argument("--variant", default="flash", choices=VARIANTS)

@@ -47,6 +47,13 @@ def run(run_dir: Path, *overrides: str) -> list[dict]:
 
 
 def main(argv=None) -> int:
+    """``python -m factory.transfer_study``, behind the error boundary of :func:`pipelines.errors.run_cli` (exit codes there)."""
+    from pipelines.errors import run_cli
+
+    return run_cli(_main, argv, prog="factory.transfer_study")
+
+
+def _main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base-steps", type=int, default=300)
     p.add_argument("--steps", type=int, default=60, help="end-to-end fine-tuning steps of each converted model")

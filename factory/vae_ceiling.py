@@ -109,6 +109,13 @@ def reconstruction_ceiling(vae, dataset, indices, keep: list[np.ndarray] | None 
 
 
 def main(argv=None) -> int:
+    """``python -m factory.vae_ceiling``, behind the error boundary of :func:`pipelines.errors.run_cli` (exit codes there)."""
+    from pipelines.errors import run_cli
+
+    return run_cli(_main, argv, prog="factory.vae_ceiling")
+
+
+def _main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m factory.vae_ceiling", description=__doc__.split("\n\n")[0])
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--vae", help="an AutoencoderKLWan folder (config.json + safetensors)")

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import mhla
 
 from .attention import VARIANTS, AttentionOptions, parse_layers
+from .errors import ModelError, check_seed, check_text, run_cli
 
 # the library's names, for code that imports them from here
 from .pipeline import (  # noqa: F401
@@ -92,6 +93,7 @@ def _parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gif", default=None, help="also write a GIF here")
     p.add_argument("--grid-png", default=None, help="also write a PNG with a grid of frames here")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--debug", action="store_true", help="print the traceback of an unexpected error")
     return p.parse_args(argv)
 
 
@@ -157,9 +159,16 @@ def _preflight(args: argparse.Namespace) -> _Plan:
         resolve_dtype,
         saved_transformer_config,
     )
-    from .model_dir import check_model_dir
-    from .video import check_output_path
+    from .model_dir import check_model_dir, check_transformer_config
+    from .video import check_fps, check_output_path
 
+    check_text(args.prompt, "--prompt")
+    check_text(args.negative_prompt, "--negative-prompt")
+    check_seed(args.seed)
+    try:
+        check_fps(args.fps)
+    except ValueError:
+        raise ValueError(f"--fps {args.fps}: expected a frame rate > 0 (e.g. 16)") from None
     if args.transformer:
         saved = saved_transformer_config(args.transformer)
         if saved is None:
@@ -167,6 +176,7 @@ def _preflight(args: argparse.Namespace) -> _Plan:
                 f"--transformer {args.transformer!r} has no config.json; expected a folder written by "
                 "save_transformer (e.g. runs/<run>/checkpoints/step-XXXXXXX/transformer)"
             )
+        check_transformer_config(saved, Path(args.transformer) / "config.json", "--transformer")
         if args.variant is None:
             args.variant = (saved.get("self_attention") or {"variant": "flash"})["variant"]
     variants = _variants(args.variant or "mhla-hybrid")
@@ -245,16 +255,17 @@ def _load(args: argparse.Namespace, plan: _Plan) -> WanComponents:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The command, behind the error boundary of :func:`pipelines.errors.run_cli` (exit codes there)."""
+    return run_cli(_main, argv, prog="pipelines.generate")
+
+
+def _main(argv: Sequence[str]) -> int:
     from .loading import load_transformer
     from .video import write_frame_grid, write_gif, write_mp4
 
     args = _parse_args(argv)
-    try:
-        plan = _preflight(args)
-        components = _load(args, plan)
-    except (ValueError, FileNotFoundError) as e:  # bad input, or damaged weights and configs: named
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    plan = _preflight(args)  # bad input: named before any model loads
+    components = _load(args, plan)
     print(f"model: {components.source}")
     if components.random_weights:
         print(f"NOTE: {RANDOM_WEIGHTS_NOTE}")
@@ -274,11 +285,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 show_progress=not args.no_progress,
             )
         except NonFiniteLatentsError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 3
+            raise ModelError(str(e)) from e
         comment = f"{v} | seed {request.seed} | {request.prompt}"
         if components.random_weights:
             comment = f"{RANDOM_WEIGHTS_NOTE} | {comment}"
+        # each file is written atomically and checked: a failed writer raises, and nothing says "wrote"
         written = [str(write_mp4(mp4, result.frames, fps=args.fps, comment=comment))]
         if gif:
             written.append(str(write_gif(gif, result.frames, fps=args.fps, comment=comment)))

@@ -56,8 +56,10 @@ import torch
 
 from .attention import AttentionOptions, hybrid_layers
 from .convert import convert_self_attention
+from .errors import run_cli
 from .loading import save_transformer
 from .model_dir import check_finite, check_model_dir, check_weight_files
+from .outputs import write_text_atomic
 
 if TYPE_CHECKING:
     from diffusers import WanTransformer3DModel
@@ -194,8 +196,13 @@ def load_checkpoint_tensors(
 
 
 def _strip_wrappers(names: Iterable[str]) -> dict[str, str]:
-    """``{clean name: stored name}`` with wrapper prefixes (:data:`_WRAPPER_PREFIXES`) removed."""
-    out = {}
+    """``{clean name: stored name}`` with wrapper prefixes (:data:`_WRAPPER_PREFIXES`) removed. Two stored
+    names for one weight (``module.x`` beside ``x``) raise :class:`pipelines.errors.ModelError` naming the first
+    few: which copy is the trained one cannot be known."""
+    from .errors import ModelError
+
+    out: dict[str, str] = {}
+    twice: list[str] = []
     for name in names:
         clean = name
         changed = True
@@ -204,7 +211,14 @@ def _strip_wrappers(names: Iterable[str]) -> dict[str, str]:
             for p in _WRAPPER_PREFIXES:
                 if clean.startswith(p):
                     clean, changed = clean[len(p) :], True
+        if clean in out:
+            twice.append(f"{out[clean]!r} and {name!r}")
         out[clean] = name
+    if twice:
+        raise ModelError(
+            f"the checkpoint stores {len(twice)} weight(s) twice under different names, e.g. {'; '.join(twice[:3])}; "
+            "expected one copy of each (save only the unwrapped model's state_dict)"
+        )
     return out
 
 
@@ -544,9 +558,16 @@ def import_official(
             else:
                 os.symlink(src, out / part, target_is_directory=True)
         shutil.copy2(base / "model_index.json", out / "model_index.json")
+        _write_record(out, checkpoint, found, base, components, plan)
     except BaseException:
         _remove_contents(out, remove_dir=created)  # no half-written directory that loads as something it is not
         raise
+    return out
+
+
+def _write_record(
+    out: Path, checkpoint: Path, found: str | None, base: Path, components: str, plan: ImportPlan
+) -> None:
     record = {
         "checkpoint": str(checkpoint.resolve()),
         "checkpoint_bytes": checkpoint.stat().st_size,
@@ -560,8 +581,7 @@ def import_official(
         "trained_grid": list(plan.grid),
         "forward": "MHLA authors' (constrain_mixing=false: mixing used as stored; no normalizer; output RMSNorm)",
     }
-    (out / RECORD).write_text(json.dumps(record, indent=2) + "\n")
-    return out
+    write_text_atomic(out / RECORD, json.dumps(record, indent=2) + "\n")
 
 
 def _parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -589,29 +609,30 @@ def _parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The command, behind the error boundary of :func:`pipelines.errors.run_cli` (exit codes there)."""
+    return run_cli(_main, argv, prog="pipelines.import_official")
+
+
+def _main(argv: Sequence[str]) -> int:
     import mhla
 
     args = _parse_args(argv)
     try:
-        try:
-            grid = mhla.parse_blocks(args.grid)
-        except ValueError:
-            raise ValueError(
-                f"--grid must look like '21x30x50' (latent tokens: frames x height x width), got {args.grid!r}"
-            ) from None
-        out = import_official(
-            args.checkpoint,
-            args.base,
-            args.out,
-            hybrid=True if args.hybrid else None,
-            grid=grid,
-            blocks=args.blocks,
-            components=args.components,
-            state_dict_key=args.state_dict_key,
-        )
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        grid = mhla.parse_blocks(args.grid)
+    except ValueError:
+        raise ValueError(
+            f"--grid must look like '21x30x50' (latent tokens: frames x height x width), got {args.grid!r}"
+        ) from None
+    out = import_official(
+        args.checkpoint,
+        args.base,
+        args.out,
+        hybrid=True if args.hybrid else None,
+        grid=grid,
+        blocks=args.blocks,
+        components=args.components,
+        state_dict_key=args.state_dict_key,
+    )
     record = json.loads((out / RECORD).read_text())
     b = "x".join(map(str, record["blocks"]))
     print(

@@ -188,6 +188,7 @@ def load_transformer(
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     check_weight_files(weight_files(folder))  # before diffusers reads them: names a bad file
+    _check_weights_against_config(folder, config)
     with _quiet_diffusers():
         model = WanTransformer3DModel.from_pretrained(folder, dtype=dtype).to(device).eval()
     if not state:
@@ -215,9 +216,24 @@ def load_transformer(
     return convert_self_attention(model, state["variant"], layers, options, allow_new_parameters=False)
 
 
+def _check_weights_against_config(folder: Path, config: dict[str, Any]) -> None:
+    """Missing, unexpected or twice-stored weights are errors naming the keys (issue 30): diffusers' own
+    warnings about them are muted above. Reads only the safetensors headers."""
+    from .model_dir import check_transformer_config, check_transformer_weights
+
+    check_transformer_config(config, folder / "config.json")
+    check_transformer_weights(folder, config, lambda key: any(f".attn1.{a}." in key for a in PARAM_ATTRS.values()))
+
+
 def save_transformer(transformer: WanTransformer3DModel, path: str | Path) -> None:
-    """``save_pretrained`` in safetensors; the variant travels in ``config.json`` (see :mod:`pipelines.convert`)."""
-    transformer.save_pretrained(str(path), safe_serialization=True)
+    """``save_pretrained`` in safetensors; the variant travels in ``config.json`` (see :mod:`pipelines.convert`).
+    Atomic: written to a temporary folder beside ``path`` and renamed into place when complete, so an earlier
+    save there is replaced only by a whole one (a folder holding anything else is refused, never deleted)."""
+    from .outputs import atomic_dir, check_replaceable
+
+    check_replaceable(path, MODEL_FILE_PATTERNS)
+    with atomic_dir(path) as tmp:
+        transformer.save_pretrained(str(tmp), safe_serialization=True)
 
 
 def _load_scheduler(folder: Path) -> SchedulerMixin:
@@ -230,6 +246,9 @@ def _load_scheduler(folder: Path) -> SchedulerMixin:
         raise ValueError(f"{str(folder)!r} names scheduler class {name!r}, which diffusers does not have")
     return cls.from_pretrained(folder)
 
+
+# what save_pretrained writes into a transformer folder: a folder holding only these may be replaced by a new save
+MODEL_FILE_PATTERNS = ("config.json", "*.safetensors", "*.safetensors.index.json")
 
 _Module = TypeVar("_Module", bound=torch.nn.Module)
 

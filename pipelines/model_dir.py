@@ -7,7 +7,7 @@ config files and safetensors headers (and, in :func:`check_finite`, tensors alre
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -142,3 +142,85 @@ def check_finite(named_tensors: Iterable[tuple[str, torch.Tensor]], source: str)
             f"{source}: {len(not_finite)} weight(s) hold NaN or inf, e.g. {not_finite[:3]}; refusing a model "
             "that can only produce non-finite (black) videos"
         )
+
+
+TRANSFORMER_KEYS = ("patch_size", "num_layers", "num_attention_heads", "attention_head_dim", "in_channels")
+
+
+def check_transformer_config(config: dict[str, Any], path: str | Path, what: str = "transformer") -> None:
+    """Raises ValueError unless ``config`` (read from ``path``) looks like a Wan transformer's ``config.json``
+    (a VAE's or a text encoder's does not): every key of :data:`TRANSFORMER_KEYS`, with positive integers."""
+    missing = [k for k in TRANSFORMER_KEYS if k not in config]
+    if missing:
+        kind = config.get("_class_name") or "another model"
+        raise ValueError(
+            f"{what} {str(path)!r} is not a Wan transformer's config ({kind}: no {', '.join(map(repr, missing))}); "
+            "expected the config.json of a transformer folder (e.g. <model>/transformer)"
+        )
+    for key in ("num_layers", "num_attention_heads", "attention_head_dim", "in_channels"):
+        value = config[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{what} {str(path)!r}: {key} is {value!r}; expected a positive integer")
+
+
+def weight_keys(files: list[Path]) -> tuple[set[str], list[str]]:
+    """The tensor names in safetensors ``files`` (headers only) and the names found in more than one file."""
+    from safetensors import safe_open
+
+    seen: set[str] = set()
+    duplicated: list[str] = []
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                if key in seen:
+                    duplicated.append(key)
+                seen.add(key)
+    return seen, sorted(duplicated)
+
+
+def _first(keys: Iterable[str], n: int = 4) -> str:
+    keys = sorted(keys)
+    more = f" (and {len(keys) - n} more)" if len(keys) > n else ""
+    return ", ".join(keys[:n]) + more
+
+
+def check_weights_match(
+    expected: set[str], files: list[Path], source: str, optional: Callable[[str], bool] = lambda key: False
+) -> None:
+    """Raises :class:`pipelines.errors.ModelError` naming the first few keys when the weight files hold
+    weights the model's config does not have (``optional(key)``: kept for later, e.g. attention parameters),
+    lack weights it has, or hold a weight twice (in two shards). diffusers only warns of missing and unexpected
+    keys (and this project mutes those warnings), so a config saying fewer layers than the weights would load
+    with layers silently dropped."""
+    from .errors import ModelError
+
+    found, duplicated = weight_keys(files)
+    missing = expected - found
+    unexpected = {k for k in found - expected if not optional(k)}
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} weight(s) its config.json promises are missing: {_first(missing)}")
+    if unexpected:
+        problems.append(f"{len(unexpected)} weight(s) are not in its config.json's model: {_first(unexpected)}")
+    if duplicated:
+        problems.append(f"{len(duplicated)} weight(s) are stored twice: {_first(duplicated)}")
+    if problems:
+        raise ModelError(
+            f"{source}: the weights do not match the config: " + "; ".join(problems) + ". Expected the files "
+            "save_pretrained wrote with this config.json (was the config edited, or the files mixed?)"
+        )
+
+
+def check_transformer_weights(folder: str | Path, config: dict[str, Any], extra: Callable[[str], bool]) -> None:
+    """:func:`check_weights_match` for a Wan transformer folder: the expected names come from its config, built
+    on the meta device (no memory, no weights read); ``extra(key)``: names the loader reads itself."""
+    import inspect
+
+    from diffusers import WanTransformer3DModel
+
+    folder = Path(folder)
+    accepted = inspect.signature(WanTransformer3DModel.__init__).parameters
+    with torch.device("meta"):
+        model = WanTransformer3DModel(**{k: v for k, v in config.items() if k in accepted})
+    expected = set(model.state_dict())
+    check_weights_match(expected, weight_files(folder), f"transformer {str(folder)!r}", extra)

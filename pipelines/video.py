@@ -1,4 +1,5 @@
-"""Writing generated frames: mp4 (imageio + its bundled ffmpeg), GIF, or one PNG with a grid of frames."""
+"""Writing generated frames: mp4 (imageio + its bundled ffmpeg), GIF, or one PNG with a grid of frames; each
+written atomically (:mod:`pipelines.outputs`): an earlier file is replaced only by a complete one."""
 
 from __future__ import annotations
 
@@ -19,12 +20,19 @@ def _bounded_comment(comment: str) -> str:
 
 def check_output_path(path: str | Path, suffixes: tuple[str, ...] | None = None) -> Path:
     """Checks, before any work, that a file can be written at ``path`` (its folder exists or can be made,
-    and is writable; ``path`` is not a folder); raises ValueError naming the path and why not. An existing
-    file is left as it is."""
+    is no symbolic link loop, and is writable; ``path`` is not a folder); raises ValueError naming the path
+    and why not. An existing file is left as it is."""
+    from .outputs import resolve_output_folder
+
     path = Path(path)
     if suffixes and path.suffix.lower() not in suffixes:
         raise ValueError(f"output {str(path)!r} must end in {' or '.join(suffixes)}")
-    if path.is_dir():
+    resolve_output_folder(path.parent)  # a symlink loop (ELOOP) or a file on the way: refused here
+    try:
+        is_dir = path.is_dir()
+    except OSError as e:
+        raise ValueError(f"output {str(path)!r} cannot be written: {e.strerror or e}") from None
+    if is_dir:
         raise ValueError(f"output {str(path)!r} is a folder; expected a file name")
     ancestor = path.parent
     while not ancestor.exists() and ancestor != ancestor.parent:
@@ -40,6 +48,14 @@ def check_output_path(path: str | Path, suffixes: tuple[str, ...] | None = None)
     except OSError as e:
         raise ValueError(f"output {str(path)!r} cannot be written in {str(probe_dir)!r}: {e.strerror or e}") from None
     return path
+
+
+def check_fps(fps: object) -> float:
+    """``fps`` as a float; ValueError unless it is a finite number > 0 (ffmpeg fails on others, or silently
+    picks its own)."""
+    if isinstance(fps, bool) or not isinstance(fps, int | float) or not math.isfinite(fps) or fps <= 0:
+        raise ValueError(f"fps {fps!r}: expected a frame rate > 0 (e.g. 16)")
+    return float(fps)
 
 
 def to_uint8(frames: npt.ArrayLike) -> np.ndarray:
@@ -59,39 +75,46 @@ def write_mp4(
     ``quality`` is imageio's 0-10 scale (9 is near-lossless, for training data whose colours must survive)."""
     import imageio.v2 as imageio
 
+    from .outputs import atomic_write
+
+    fps = check_fps(fps)
     pixels = to_uint8(frames)
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     params = ["-metadata", f"comment={_bounded_comment(comment)}"] if comment else None
-    # macro_block_size=16 would silently resize sizes that are not multiples of 16; heights and widths
-    # are multiples of 16 already, and 2 keeps yuv420p valid for any other even size.
-    with imageio.get_writer(
-        str(path),
-        fps=fps,
-        codec="libx264",
-        pixelformat="yuv420p",
-        quality=quality,
-        macro_block_size=2,
-        output_params=params,
-        ffmpeg_log_level="error",
-    ) as writer:
-        for frame in pixels:
-            # imageio's stubs type __enter__ as returning the base class, which lacks append_data
-            writer.append_data(frame)  # type: ignore[attr-defined]
+    # written to a temporary name and renamed only when ffmpeg finished: an existing video is never truncated
+    with atomic_write(path) as tmp:
+        # macro_block_size=16 would silently resize sizes that are not multiples of 16; heights and widths
+        # are multiples of 16 already, and 2 keeps yuv420p valid for any other even size.
+        with imageio.get_writer(
+            str(tmp),
+            fps=fps,
+            codec="libx264",
+            pixelformat="yuv420p",
+            quality=quality,
+            macro_block_size=2,
+            output_params=params,
+            ffmpeg_log_level="error",
+        ) as writer:
+            for frame in pixels:
+                # imageio's stubs type __enter__ as returning the base class, which lacks append_data
+                writer.append_data(frame)  # type: ignore[attr-defined]
     return path
 
 
-def write_gif(path: str | Path, frames: npt.ArrayLike, fps: int = 16, comment: str | None = None) -> Path:
+def write_gif(path: str | Path, frames: npt.ArrayLike, fps: float = 16, comment: str | None = None) -> Path:
     """Looping GIF; ``comment`` goes into the file's comment extension."""
     from PIL import Image
 
+    from .outputs import atomic_write
+
+    fps = check_fps(fps)
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     images = [Image.fromarray(f) for f in to_uint8(frames)]
     extra = {"comment": _bounded_comment(comment).encode()} if comment else {}
-    images[0].save(
-        path, format="GIF", save_all=True, append_images=images[1:], duration=round(1000 / fps), loop=0, **extra
-    )
+    with atomic_write(path) as tmp:
+        images[0].save(
+            tmp, format="GIF", save_all=True, append_images=images[1:], duration=round(1000 / fps), loop=0, **extra
+        )
     return path
 
 
@@ -118,12 +141,14 @@ def write_frame_grid(
     from PIL import Image
     from PIL.PngImagePlugin import PngInfo
 
+    from .outputs import atomic_write
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     info = PngInfo()
     if comment:
         info.add_text("Comment", comment)
-    Image.fromarray(frame_grid(frames, columns)).save(path, format="PNG", pnginfo=info)
+    with atomic_write(path) as tmp:
+        Image.fromarray(frame_grid(frames, columns)).save(tmp, format="PNG", pnginfo=info)
     return path
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 STATE_FILE = "training_state.pt"
+LOCK_FILE = ".lock"  # training.lock's file, kept by clear_run
 MANIFEST = "manifest.json"
 _NAME = re.compile(r"^step-(\d{7})$")
 
@@ -140,6 +141,8 @@ def clear_run(run_dir: str | Path) -> None:
     run_dir = Path(run_dir)
     if run_dir.is_dir():
         for p in run_dir.iterdir():
+            if p.name == LOCK_FILE:  # held by this run (training.lock)
+                continue
             shutil.rmtree(p) if p.is_dir() else p.unlink()
 
 

@@ -73,7 +73,7 @@ DEFAULTS: dict = {
         "guidance_scale": 5.0,
         "loss_batches": 1,  # fixed batches (fixed noise) for the eval loss at start and end
     },
-    "checkpoint": {"every": 500, "keep": 3},
+    "checkpoint": {"every": 500, "keep": 3},  # keep: the newest this many checkpoints; 0 = keep every one
     # task=vae only: crop size of training clips, KL weight, clips for the latent statistics, where to install it
     # trainable: all | decoder (the encoder, and so the latents and their statistics, stay as they are:
     # a transformer trained on those latents stays valid while the decoder improves)

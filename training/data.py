@@ -69,6 +69,7 @@ SKIP_REASONS: tuple[str, ...] = (
     "bad_manifest_row",  # unparsable JSON line, or no video path
     "unreadable",  # the decoder could not open or decode the file
     "too_few_frames",  # shorter than (num_frames - 1) * frame_stride + 1
+    "bad_caption",  # a caption file that is not UTF-8 text (latin-1, binary) or a caption with control characters
 )
 
 
@@ -126,8 +127,35 @@ def _find_manifest(root: Path, layout: str) -> Path | None:
     return None
 
 
+def _caption_ok(caption: str) -> bool:
+    """No control characters (NUL, escape: they end up in file metadata and tokenizers); tab and newline pass."""
+    return not any((ord(ch) < 32 and ch not in "\t\n\r") or 0x7F <= ord(ch) < 0xA0 for ch in caption)
+
+
+def read_caption_file(path: Path) -> str | None:
+    """A caption file's text, read strictly as UTF-8; None when it is not UTF-8 (a latin-1 file would otherwise
+    train as replacement characters) or holds control characters: the caller skips the video and counts it."""
+    try:
+        caption = path.read_text(encoding="utf-8-sig").strip()
+    except UnicodeDecodeError:
+        return None
+    return caption if _caption_ok(caption) else None
+
+
 def _read_manifest_rows(manifest: Path) -> list[dict | None]:
-    """Rows as dicts; ``None`` for a JSONL line that does not parse to an object."""
+    """Rows as dicts; ``None`` for a JSONL line that does not parse to an object. A manifest that is not
+    UTF-8 (a latin-1 spreadsheet export) raises ValueError naming the file and where."""
+    try:
+        return _read_rows(manifest)
+    except UnicodeDecodeError as e:
+        line = manifest.read_bytes()[: e.start].count(b"\n") + 1
+        raise ValueError(
+            f"manifest {str(manifest)!r} is not UTF-8 text (byte 0x{e.object[e.start]:02x} on line {line}); "
+            "expected a UTF-8 file: re-save it as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+        ) from None
+
+
+def _read_rows(manifest: Path) -> list[dict | None]:
     if manifest.suffix.lower() == ".csv":
         with open(manifest, newline="", encoding="utf-8-sig") as f:  # -sig: spreadsheet exports start with a BOM
             return list(csv.DictReader(f))
@@ -173,6 +201,8 @@ def read_manifest(
             skipped.append((str(path), "missing_file"))
         elif not caption:
             skipped.append((str(path), "empty_caption"))
+        elif not _caption_ok(caption):
+            skipped.append((f"{manifest}:{line_number}", "bad_caption"))
         else:
             entries.append(VideoEntry(path, caption))
     return entries, skipped
@@ -191,8 +221,10 @@ def scan_caption_files(folder: Path) -> tuple[list[VideoEntry], list[tuple[str, 
         if not caption_file.is_file():
             skipped.append((str(video), "missing_caption"))
             continue
-        caption = caption_file.read_text(encoding="utf-8", errors="replace").strip()
-        if caption:
+        caption = read_caption_file(caption_file)
+        if caption is None:
+            skipped.append((str(caption_file), "bad_caption"))
+        elif caption:
             entries.append(VideoEntry(video, caption))
         else:
             skipped.append((str(video), "empty_caption"))

@@ -25,6 +25,7 @@ import shutil
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -42,6 +43,8 @@ from pipelines import (
     save_transformer,
 )
 from pipelines.attention import PARAM_ATTRS, LinearSelfAttention
+from pipelines.errors import ModelError, OutputError, run_cli
+from pipelines.outputs import write_text_atomic
 from pipelines.pipeline import generate
 from pipelines.video import write_mp4
 from training import checkpoint as ckpt
@@ -50,6 +53,8 @@ from training.data import BatchEncoder, ResumableSampler, build_dataset, build_v
 from training.ema import EMA
 from training.encoding import Encoder
 from training.flow import FlowMatching
+from training.lock import hold_run_dir, is_main_launch
+from training.preflight import check_model_plan, check_resume_matches
 
 # --------------------------------------------------------------------------- model
 
@@ -194,6 +199,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m training.finetune", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", required=True, help="a YAML file in configs/finetune/")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.steps=10 resume=latest")
+    p.add_argument("--debug", action="store_true", help="print the traceback of an unexpected error")
     return p.parse_args(argv)
 
 
@@ -229,27 +235,46 @@ def digest(model) -> str:
 
 
 def main(argv=None) -> int:
-    from accelerate import Accelerator, DistributedDataParallelKwargs
+    """``python -m training.finetune --config FILE [key=value ...]``, behind the error boundary of
+    :func:`pipelines.errors.run_cli` (exit codes there; 3: non-finite losses, 4: a checkpoint could not be written)."""
+    return run_cli(_main, argv, prog="training.finetune")
 
+
+def _main(argv) -> int:
     args = parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    cfg = load_config(args.config, args.overrides)  # every key's type and range
     if cfg.task == "vae":  # the VAE stage's configs say task: vae; it has its own entry point
         from training import vae
 
         return vae.main(argv)
-    try:
-        # never two runs in one folder; replaced only on overwrite=true (after the barrier below)
-        replaced = ckpt.check_new_run(cfg.run_dir, cfg.resume, cfg.overwrite)
-        dataset = build_dataset(cfg)  # before the model loads: bad data stops here
-        if hasattr(dataset, "require_usable"):
-            dataset.require_usable()
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    with hold_run_dir(cfg.run_dir):  # one run per folder, for the life of the run
+        return train(cfg)
+
+
+@dataclass
+class Progress:
+    """Where the run is: what a checkpoint saves and a resume restores."""
+
+    step: int = 0
+    samples: int = 0
+    nonfinite: int = 0
+
+
+def train(cfg) -> int:
+    """The recipe: checks, model, data, resume, then the flow-matching loop with its checkpoints."""
+    from accelerate import Accelerator, DistributedDataParallelKwargs
+
+    # ---- everything that needs no model: a bad key, layer, layout, resume or dataset stops here
+    replaced = ckpt.check_new_run(cfg.run_dir, cfg.resume, cfg.overwrite)  # never two runs in one folder
+    check_model_plan(cfg)
+    resume_from = ckpt.resolve_resume(cfg.resume, cfg.run_dir)
+    if resume_from is not None:
+        check_resume_matches(cfg, resume_from)
+    dataset = build_dataset(cfg)
+    if hasattr(dataset, "require_usable"):
+        dataset.require_usable()
+    if getattr(dataset, "dropped", None) and is_main_launch():  # named now, not only at the end of the run
+        print(dataset.skip_summary(), file=sys.stderr)
     run_dir = Path(cfg.run_dir)
     accelerator = Accelerator(
         mixed_precision=cfg.train.precision,
@@ -303,20 +328,14 @@ def main(argv=None) -> int:
     )
 
     # ---- resume
-    total_steps = cfg.transfer.steps + cfg.train.steps
-    step, samples, nonfinite = 0, 0, 0
+    at = Progress()
     generator = torch.Generator(device=device).manual_seed(cfg.train.seed * 1000 + rank)
-    resume_from = ckpt.resolve_resume(cfg.resume, run_dir)
     resume_state, ema = None, None
     if resume_from is not None:
         print_main(f"resuming from {resume_from} (its files match its manifest)")
-        try:
-            resume_state, rank_state = ckpt.restore_run(
-                resume_from, transformer, cfg.train.trainable == "lora", world, rank
-            )
-        except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+        resume_state, rank_state = ckpt.restore_run(
+            resume_from, transformer, cfg.train.trainable == "lora", world, rank
+        )
         if cfg.train.trainable != "lora" and resume_state.get("ema_updates") is not None and cfg.train.ema_decay:
             # transformer/ holds the averages: they are the shadows; the raw weights train on
             ema = EMA(transformer, trainable, cfg.train.ema_decay, updates=resume_state["ema_updates"])
@@ -324,208 +343,252 @@ def main(argv=None) -> int:
             ckpt.restore_raw_weights(resume_from, transformer)
         generator.set_state(rank_state["generator"])
         sampler.load_state_dict(rank_state["data"])
-        samples = rank_state["data"]["samples_consumed"]
-        step, nonfinite = resume_state["step"], resume_state["nonfinite_in_a_row"]
-        print_main(f"resumed from {resume_from} at step {step}")
+        at = Progress(resume_state["step"], rank_state["data"]["samples_consumed"], resume_state["nonfinite_in_a_row"])
+        print_main(f"resumed from {resume_from} at step {at.step}")
     if cfg.train.ema_decay and ema is None:  # a new run, or EMA switched on for a resumed one
         ema = EMA(transformer, trainable, cfg.train.ema_decay)
 
-    # ---- evaluation loss on fixed batches with fixed noise, to compare start and end: the synthetic
-    # validation split (unseen captions and held-out attribute combinations), else the first training videos
-    eval_set = build_validation_dataset(cfg, max(1, cfg.validation.loss_batches * cfg.train.batch_size))
-    if eval_set is None:
-        eval_set = dataset
-    eval_batches = [
-        collate([eval_set[(i * cfg.train.batch_size + j) % len(eval_set)] for j in range(cfg.train.batch_size)])
-        for i in range(cfg.validation.loss_batches)
-    ]
+    evaluate = EvalLoss(cfg, dataset, batches, flow, accelerator)
+    metrics = Metrics(run_dir / "metrics.jsonl", main_proc)
+    if main_proc:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(cfg))
+        metrics.start(at.step)
+    if cfg.log.tensorboard:
+        accelerator.init_trackers("finetune", config={k: str(v) for k, v in OmegaConf.to_container(cfg).items()})
+    start_loss = evaluate(transformer)
+    if at.step == 0:
+        metrics.write({"step": 0, "eval_loss": start_loss})
+    print_main(f"eval flow loss at step {at.step}: {start_loss:.4f}")
 
-    def eval_loss(model) -> float:
-        g = torch.Generator(device=device).manual_seed(12345)
+    # ---- stages: optional attention transfer, then end-to-end flow matching
+    total_steps = cfg.transfer.steps + cfg.train.steps
+    model = None
+    progress = tqdm(total=total_steps, initial=at.step, disable=not main_proc, desc="fine-tune", dynamic_ncols=True)
+    try:
+        stage_start = 0
+        for stage, n_steps in [("transfer", cfg.transfer.steps), ("train", cfg.train.steps)]:
+            stage_end = stage_start + n_steps
+            if at.step >= stage_end or n_steps == 0:
+                stage_start = stage_end
+                continue
+            set_stage_trainable(transformer, cfg, stage, trainable, converted)
+            transfer = AttentionTransfer(transformer, converted) if stage == "transfer" else None
+            optimizer, scheduler = make_optimizer(transformer, cfg, stage)
+            if resume_state is not None and resume_state["stage"] == stage:
+                ckpt.restore_optimizer(optimizer, scheduler, resume_state)  # a changed train.lr takes effect
+            model, optimizer = accelerator.prepare(transformer, optimizer)
+            sampler.samples_consumed = at.samples  # the next stage continues the data order where this one stopped
+            loader = DataLoader(
+                dataset,
+                batch_size=cfg.train.batch_size,
+                sampler=sampler,
+                num_workers=cfg.data.num_workers,
+                drop_last=True,
+                collate_fn=collate,
+                persistent_workers=False,
+            )
+            data_iter = iter(loader)
+            while at.step < stage_end:
+                t0 = time.perf_counter()
+                grad_norm, finite = None, True
+                for _ in range(cfg.train.grad_accum):
+                    batch = next(data_iter)
+                    at.samples += len(batch["caption"])
+                    with accelerator.accumulate(model):
+                        latents, text = batches(batch, generator)
+                        x_t, t, target = flow.noisy_input(latents, generator)
+                        if transfer is not None:
+                            transfer.losses.clear()  # drop losses a checkpointed layer's recompute appended
+                        with accelerator.autocast():
+                            pred = model(hidden_states=x_t, timestep=t, encoder_hidden_states=text, return_dict=False)[
+                                0
+                            ]
+                        loss = (
+                            transfer.take_loss() if transfer is not None else F.mse_loss(pred.float(), target.float())
+                        )
+                        finite = bool(accelerator.gather(torch.isfinite(loss.detach()).reshape(1)).all())
+                        if finite:
+                            accelerator.backward(loss)
+                            if accelerator.sync_gradients and cfg.train.grad_clip:
+                                grad_norm = accelerator.clip_grad_norm_(
+                                    [p for p in model.parameters() if p.requires_grad], cfg.train.grad_clip
+                                )
+                            optimizer.step()
+                        optimizer.zero_grad(set_to_none=True)
+                if not finite:
+                    skip_nonfinite_step(cfg, at, loss, run_dir)  # raises after train.max_nonfinite in a row
+                    continue
+                at.nonfinite = 0
+                scheduler.step()
+                project_mixing(accelerator.unwrap_model(model))
+                if ema is not None:
+                    ema.update(accelerator.unwrap_model(model))
+                at.step += 1
+                dt = time.perf_counter() - t0
+                loss_value = accelerator.gather(loss.detach().reshape(1)).mean().item()
+                lr = scheduler.get_last_lr()[0]
+                tokens = cfg.train.batch_size * cfg.train.grad_accum * world * math.prod(grid)
+                progress.update(1)
+                progress.set_postfix(
+                    stage=stage,
+                    loss=f"{loss_value:.4f}",
+                    lr=f"{lr:.2e}",
+                    s_step=f"{dt:.2f}",
+                    tok_s=f"{tokens / dt:.0f}",
+                )
+                row = {
+                    "step": at.step,
+                    "stage": stage,
+                    "loss": loss_value,
+                    "lr": lr,
+                    "step_time": dt,
+                    "tokens_per_s": tokens / dt,
+                    "grad_norm": None if grad_norm is None else float(grad_norm),
+                }
+                metrics.write(row)
+                if cfg.log.tensorboard and at.step % cfg.log.every == 0:
+                    accelerator.log({k: v for k, v in row.items() if isinstance(v, float)}, step=at.step)
+                if cfg.checkpoint.every and (at.step % cfg.checkpoint.every == 0 or at.step == total_steps):
+                    save_or_explain(
+                        accelerator, cfg, run_dir, stage, model, optimizer, scheduler, generator, sampler, at, ema
+                    )
+                if (
+                    main_proc
+                    and cfg.validation.every
+                    and (at.step % cfg.validation.every == 0 or at.step == total_steps)
+                ):
+                    unwrapped = accelerator.unwrap_model(model)
+                    with ema.swapped_in(unwrapped) if ema is not None else contextlib.nullcontext():
+                        validation_videos(cfg, components, unwrapped, run_dir, at.step)
+            if transfer is not None:
+                transfer.remove()
+            stage_start = stage_end
+    except ModelError:
+        accelerator.end_training()
+        raise
+    finally:
+        progress.close()
+    final = accelerator.unwrap_model(model) if model is not None else transformer
+    finish_run(cfg, accelerator, evaluate, metrics, final, ema, at.step, start_loss, dataset, run_dir)
+    return 0
+
+
+# --------------------------------------------------------------------------- beside the loop
+
+
+class EvalLoss:
+    """Evaluation loss on fixed batches with fixed noise, to compare start and end: the synthetic validation
+    split (unseen captions and held-out attribute combinations), else the first training videos."""
+
+    def __init__(self, cfg, dataset, batches: BatchEncoder, flow: FlowMatching, accelerator):
+        eval_set = build_validation_dataset(cfg, max(1, cfg.validation.loss_batches * cfg.train.batch_size))
+        if eval_set is None:
+            eval_set = dataset
+        size = cfg.train.batch_size
+        self.batches = [
+            collate([eval_set[(i * size + j) % len(eval_set)] for j in range(size)])
+            for i in range(cfg.validation.loss_batches)
+        ]
+        self.encode, self.flow, self.accelerator = batches, flow, accelerator
+
+    def __call__(self, model) -> float:
+        g = torch.Generator(device=self.accelerator.device).manual_seed(12345)
         losses = []
-        with torch.no_grad(), accelerator.autocast():
-            for b in eval_batches:
-                latents, text = batches(b, None)
-                x_t, t, target = flow.noisy_input(latents, g)
+        with torch.no_grad(), self.accelerator.autocast():
+            for b in self.batches:
+                latents, text = self.encode(b, None)
+                x_t, t, target = self.flow.noisy_input(latents, g)
                 pred = model(hidden_states=x_t, timestep=t, encoder_hidden_states=text, return_dict=False)[0]
                 losses.append(F.mse_loss(pred.float(), target.float()).item())
         return sum(losses) / len(losses)
 
-    metrics_file = run_dir / "metrics.jsonl"
-    if main_proc:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+
+class Metrics:
+    """``metrics.jsonl``: one JSON row per line, written by the main process; a resumed run drops the rows
+    the interrupted run logged after its checkpoint (they are redone)."""
+
+    def __init__(self, path: Path, main_proc: bool):
+        self.path, self.main_proc = path, main_proc
+
+    def start(self, step: int) -> None:
         if step == 0:
-            metrics_file.write_text("")
-        else:  # rows the interrupted run logged after this checkpoint are redone now
-            ckpt.trim_metrics(metrics_file, step)
-    if cfg.log.tensorboard:
-        accelerator.init_trackers("finetune", config={k: str(v) for k, v in OmegaConf.to_container(cfg).items()})
-    start_loss = eval_loss(transformer)
-    if main_proc and step == 0:
-        with metrics_file.open("a") as f:
-            f.write(json.dumps({"step": 0, "eval_loss": start_loss}) + "\n")
-    print_main(f"eval flow loss at step {step}: {start_loss:.4f}")
+            write_text_atomic(self.path, "")
+        else:
+            ckpt.trim_metrics(self.path, step)
 
-    # ---- stages: optional attention transfer, then end-to-end flow matching
-    stages = [("transfer", cfg.transfer.steps), ("train", cfg.train.steps)]
-    model = None
-    progress = tqdm(total=total_steps, initial=step, disable=not main_proc, desc="fine-tune", dynamic_ncols=True)
-    stage_start = 0
-    for stage, n_steps in stages:
-        stage_end = stage_start + n_steps
-        if step >= stage_end or n_steps == 0:
-            stage_start = stage_end
-            continue
-        set_stage_trainable(transformer, cfg, stage, trainable, converted)
-        transfer = AttentionTransfer(transformer, converted) if stage == "transfer" else None
-        optimizer, scheduler = make_optimizer(transformer, cfg, stage)
-        if resume_state is not None and resume_state["stage"] == stage:
-            ckpt.restore_optimizer(optimizer, scheduler, resume_state)  # a changed train.lr takes effect
-        model, optimizer = accelerator.prepare(transformer, optimizer)
-        sampler.samples_consumed = samples  # the next stage continues the data order where this one stopped
-        loader = DataLoader(
-            dataset,
-            batch_size=cfg.train.batch_size,
-            sampler=sampler,
-            num_workers=cfg.data.num_workers,
-            drop_last=True,
-            collate_fn=collate,
-            persistent_workers=False,
+    def write(self, row: dict) -> None:
+        if self.main_proc:
+            with self.path.open("a") as f:
+                f.write(json.dumps(row) + "\n")  # one write per row: a crash leaves whole rows
+
+
+def skip_nonfinite_step(cfg, at: Progress, loss: torch.Tensor, run_dir: Path) -> None:
+    """A non-finite loss skips the step with a warning; ``train.max_nonfinite`` of them in a row end the run
+    (ModelError, exit 3), the last checkpoint intact."""
+    at.nonfinite += 1
+    warnings.warn(
+        f"step {at.step + 1}: non-finite loss ({loss.item()}); step skipped ({at.nonfinite} in a row)", stacklevel=2
+    )
+    if at.nonfinite >= cfg.train.max_nonfinite:
+        raise ModelError(
+            f"{at.nonfinite} non-finite losses in a row (train.max_nonfinite={cfg.train.max_nonfinite}); "
+            f"stopping. The last checkpoint in {run_dir / 'checkpoints'} is intact."
         )
-        data_iter = iter(loader)
-        while step < stage_end:
-            t0 = time.perf_counter()
-            grad_norm, finite = None, True
-            for _ in range(cfg.train.grad_accum):
-                batch = next(data_iter)
-                samples += len(batch["caption"])
-                with accelerator.accumulate(model):
-                    latents, text = batches(batch, generator)
-                    x_t, t, target = flow.noisy_input(latents, generator)
-                    if transfer is not None:
-                        transfer.losses.clear()  # drop losses a checkpointed layer's recompute appended
-                    with accelerator.autocast():
-                        pred = model(hidden_states=x_t, timestep=t, encoder_hidden_states=text, return_dict=False)[0]
-                    if transfer is not None:
-                        loss = transfer.take_loss()
-                    else:
-                        loss = F.mse_loss(pred.float(), target.float())
-                    finite = bool(accelerator.gather(torch.isfinite(loss.detach()).reshape(1)).all())
-                    if finite:
-                        accelerator.backward(loss)
-                        if accelerator.sync_gradients and cfg.train.grad_clip:
-                            grad_norm = accelerator.clip_grad_norm_(
-                                [p for p in model.parameters() if p.requires_grad], cfg.train.grad_clip
-                            )
-                        optimizer.step()
-                        optimizer.zero_grad(set_to_none=True)
-                    else:
-                        optimizer.zero_grad(set_to_none=True)
-            if not finite:
-                nonfinite += 1
-                warnings.warn(
-                    f"step {step + 1}: non-finite loss ({loss.item()}); step skipped ({nonfinite} in a row)",
-                    stacklevel=1,
-                )
-                if nonfinite >= cfg.train.max_nonfinite:
-                    progress.close()
-                    print_main(
-                        f"error: {nonfinite} non-finite losses in a row (train.max_nonfinite={cfg.train.max_nonfinite}); "
-                        f"stopping. The last checkpoint in {run_dir / 'checkpoints'} is intact."
-                    )
-                    accelerator.end_training()
-                    return 3
-                continue
-            nonfinite = 0
-            scheduler.step()
-            project_mixing(accelerator.unwrap_model(model))
-            if ema is not None:
-                ema.update(accelerator.unwrap_model(model))
-            step += 1
-            dt = time.perf_counter() - t0
-            loss_value = accelerator.gather(loss.detach().reshape(1)).mean().item()
-            lr = scheduler.get_last_lr()[0]
-            tokens = cfg.train.batch_size * cfg.train.grad_accum * world * math.prod(grid)
-            progress.update(1)
-            progress.set_postfix(
-                stage=stage, loss=f"{loss_value:.4f}", lr=f"{lr:.2e}", s_step=f"{dt:.2f}", tok_s=f"{tokens / dt:.0f}"
-            )
-            row = {
-                "step": step,
-                "stage": stage,
-                "loss": loss_value,
-                "lr": lr,
-                "step_time": dt,
-                "tokens_per_s": tokens / dt,
-                "grad_norm": None if grad_norm is None else float(grad_norm),
-            }
-            if main_proc:
-                with metrics_file.open("a") as f:
-                    f.write(json.dumps(row) + "\n")
-            if cfg.log.tensorboard and step % cfg.log.every == 0:
-                accelerator.log({k: v for k, v in row.items() if isinstance(v, float)}, step=step)
 
-            if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == total_steps):
-                try:
-                    save(
-                        accelerator,
-                        cfg,
-                        run_dir,
-                        step,
-                        stage,
-                        model,
-                        optimizer,
-                        scheduler,
-                        generator,
-                        sampler,
-                        samples,
-                        nonfinite,
-                        ema,
-                    )
-                except OSError as e:  # disk full, quota, permissions: say what and where, keep the good ones
-                    progress.close()
-                    shutil.rmtree(ckpt.pending_dir(run_dir, step), ignore_errors=True)
-                    good = ckpt.list_checkpoints(run_dir)
-                    print(
-                        f"error: could not write the checkpoint of step {step} to {ckpt.pending_dir(run_dir, step)}: "
-                        f"{e.strerror or e}. Earlier checkpoints are intact "
-                        f"({good[-1].name if good else 'none yet'} in {run_dir / 'checkpoints'}); free space and "
-                        "run the same command with resume=latest to continue.",
-                        file=sys.stderr,
-                    )
-                    return 4
-            if main_proc and cfg.validation.every and (step % cfg.validation.every == 0 or step == total_steps):
-                unwrapped = accelerator.unwrap_model(model)
-                with ema.swapped_in(unwrapped) if ema is not None else contextlib.nullcontext():
-                    validation_videos(cfg, components, unwrapped, run_dir, step)
-        if transfer is not None:
-            transfer.remove()
-        stage_start = stage_end
-    progress.close()
 
-    final = accelerator.unwrap_model(model) if model is not None else transformer
-    end_loss = eval_loss(final)
+def save_or_explain(accelerator, cfg, run_dir, stage, model, optimizer, scheduler, generator, sampler, at, ema):
+    """:func:`save`, or when the disk refuses (full, quota, permissions) an OutputError (exit 4) that says what
+    and where, after removing the half-written folder: earlier checkpoints stay intact."""
+    try:
+        save(
+            accelerator,
+            cfg,
+            run_dir,
+            at.step,
+            stage,
+            model,
+            optimizer,
+            scheduler,
+            generator,
+            sampler,
+            at.samples,
+            at.nonfinite,
+            ema,
+        )
+    except OSError as e:
+        shutil.rmtree(ckpt.pending_dir(run_dir, at.step), ignore_errors=True)
+        good = ckpt.list_checkpoints(run_dir)
+        raise OutputError(
+            f"could not write the checkpoint of step {at.step} to {ckpt.pending_dir(run_dir, at.step)}: "
+            f"{e.strerror or e}. Earlier checkpoints are intact "
+            f"({good[-1].name if good else 'none yet'} in {run_dir / 'checkpoints'}); free space and "
+            "run the same command with resume=latest to continue."
+        ) from e
+
+
+def finish_run(cfg, accelerator, evaluate, metrics, final, ema, step, start_loss, dataset, run_dir) -> None:
+    """The end-of-run evaluation (raw weights, then the EMA's), the skip summary and the parameter digest."""
+    print_main = accelerator.print
+    end_loss = evaluate(final)
     print_main(f"eval flow loss at step {step}: {end_loss:.4f} (start {start_loss:.4f})")
     row = {"step": step, "eval_loss": end_loss}
     if ema is not None:
         with ema.swapped_in(final):
-            row["eval_loss_ema"] = eval_loss(final)
+            row["eval_loss_ema"] = evaluate(final)
         print_main(
             f"eval flow loss of the EMA weights (decay {ema.decay:g}, {ema.updates} updates): {row['eval_loss_ema']:.4f}"
         )
-    if main_proc:
-        with metrics_file.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+    metrics.write(row)
+    if accelerator.is_main_process:
         skipped = getattr(dataset, "skip_summary", None)
         if skipped is not None:
             print_main(skipped())
     if cfg.log.param_digest:
         (run_dir / "param_digest").mkdir(parents=True, exist_ok=True)
-        (run_dir / "param_digest" / f"rank{rank}.txt").write_text(digest(final))
+        write_text_atomic(run_dir / "param_digest" / f"rank{accelerator.process_index}.txt", digest(final))
     accelerator.wait_for_everyone()
     accelerator.end_training()
-    return 0
 
 
 def save(

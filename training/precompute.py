@@ -26,6 +26,8 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from pipelines import load_components
+from pipelines.errors import run_cli
+from pipelines.outputs import resolve_output_folder
 from training.config import load_config
 from training.encoding import Encoder
 
@@ -73,33 +75,31 @@ def stale_cache(out: str | Path, cfg) -> str | None:
 
 
 def main(argv=None) -> int:
+    """``python -m training.precompute``, behind the error boundary of :func:`pipelines.errors.run_cli`."""
+    return run_cli(_main, argv, prog="training.precompute")
+
+
+def _main(argv) -> int:
     p = argparse.ArgumentParser(prog="python -m training.precompute", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", required=True)
     p.add_argument("--out", required=True, help="cache folder to write")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-        if cfg.data.source == "cache":
-            raise ValueError("data.source=cache: precompute reads videos (data.source folder or synthetic)")
-        stale = stale_cache(args.out, cfg)
-        if stale:
-            raise ValueError(
-                f"--out {args.out!r} holds a cache written with other settings ({stale}); "
-                "write to a new folder, or move that one away"
-            )
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    cfg = load_config(args.config, args.overrides)
+    if cfg.data.source == "cache":
+        raise ValueError("data.source=cache: precompute reads videos (data.source folder or synthetic)")
+    resolve_output_folder(args.out)  # a file or a symlink loop on the way: named before any work
+    stale = stale_cache(args.out, cfg)
+    if stale:
+        raise ValueError(
+            f"--out {args.out!r} holds a cache written with other settings ({stale}); "
+            "write to a new folder, or move that one away"
+        )
     from training.data import build_dataset  # the same dataset training would read
 
-    try:
-        dataset = build_dataset(cfg)  # before the model loads: a folder of broken videos stops here
-        if hasattr(dataset, "require_usable"):
-            dataset.require_usable()
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    dataset = build_dataset(cfg)  # before the model loads: a folder of broken videos stops here
+    if hasattr(dataset, "require_usable"):
+        dataset.require_usable()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / (RECORD + ".tmp")
@@ -126,8 +126,7 @@ def main(argv=None) -> int:
         _atomic_save({"latents": latents, "text": text}, out / name, {"caption": item["caption"]})
         items.append({"file": name, "caption": item["caption"]})
     if not items:
-        print(f"error: no sample could be written to {out}; {dataset.skip_summary()}", file=sys.stderr)
-        return 2
+        raise ValueError(f"no sample could be written to {out}; {dataset.skip_summary()}")
     index = {
         "video": [cfg.data.num_frames, cfg.data.height, cfg.data.width],
         "model": components.source,

@@ -285,25 +285,29 @@ def _replace(src: Path, dst: Path) -> None:
 
 
 def main(argv=None) -> int:
-    """``python -m training.vae --config configs/builtin/vae.yaml [key=value ...]``: trains ``model.path``'s VAE."""
+    """``python -m training.vae --config configs/builtin/vae.yaml [key=value ...]``: trains ``model.path``'s VAE
+    (behind the error boundary of :func:`pipelines.errors.run_cli`; the run folder is locked for the run)."""
+    from pipelines.errors import run_cli
+
+    return run_cli(_main, argv, prog="training.vae")
+
+
+def _main(argv) -> int:
     import argparse
-    import sys
 
     from training.config import load_config
+    from training.lock import hold_run_dir
 
     p = argparse.ArgumentParser(prog="python -m training.vae", description=main.__doc__)
     p.add_argument("--config", required=True, help="a YAML file with task: vae (configs/builtin/vae*.yaml)")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.steps=10 resume=latest")
     args = p.parse_args(argv)
-    try:
-        cfg = load_config(args.config, [*args.overrides, "task=vae"])
+    cfg = load_config(args.config, [*args.overrides, "task=vae"])
+    with hold_run_dir(cfg.run_dir):
         replaced = ckpt.check_new_run(cfg.run_dir, cfg.resume, cfg.overwrite)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if replaced:
-        ckpt.clear_run(cfg.run_dir)
-    return train_vae(cfg)
+        if replaced:
+            ckpt.clear_run(cfg.run_dir)
+        return train_vae(cfg)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import io
 import json
 import math
 from dataclasses import dataclass, field
@@ -539,6 +540,8 @@ def write_dataset(
     """
     from tqdm import tqdm
 
+    from pipelines.outputs import write_text_atomic
+
     if num_samples < 1:
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
     out_dir = Path(out_dir)
@@ -550,21 +553,49 @@ def write_dataset(
         )
         video = f"videos/{split}_{index:06d}.mp4"
         write_mp4(out_dir / video, sample.frames, fps=fps)
-        (out_dir / video).with_suffix(".txt").write_text(sample.caption + "\n")
+        write_text_atomic((out_dir / video).with_suffix(".txt"), sample.caption + "\n")
         rows.append(_flat_row(video, sample.caption, split, sample.attributes))
         records.append({"video": video, "caption": sample.caption, "split": split, "attributes": sample.attributes})
-    with open(out_dir / "manifest.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    table = io.StringIO(newline="")
+    writer = csv.DictWriter(table, fieldnames=list(rows[0]))
+    writer.writeheader()
+    writer.writerows(rows)
+    write_text_atomic(out_dir / "manifest.csv", table.getvalue())
     jsonl_path = out_dir / "manifest.jsonl"
-    with open(jsonl_path, "w") as f:
-        for record in records:
-            f.write(json.dumps(record) + "\n")
+    write_text_atomic(jsonl_path, "".join(json.dumps(record) + "\n" for record in records))
     return jsonl_path
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    """``python -m world.synthetic``, behind the error boundary of :func:`pipelines.errors.run_cli` (exit codes there)."""
+    from pipelines.errors import run_cli
+
+    return run_cli(_main, argv, prog="world.synthetic")
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """The command's values, before any work: ValueError naming the option and what was expected."""
+    from pipelines.errors import check_seed
+    from pipelines.outputs import resolve_output_folder
+    from pipelines.video import check_fps
+
+    if args.num < 1:
+        raise ValueError(f"--num {args.num}: expected at least 1 video")
+    if args.frames < 1:
+        raise ValueError(f"--frames {args.frames}: expected at least 1 frame (e.g. 17)")
+    for name in ("height", "width"):
+        value = getattr(args, name)
+        if value < 8:
+            raise ValueError(f"--{name} {value}: expected at least 8 pixels (e.g. 64)")
+    try:
+        check_fps(args.fps)
+    except ValueError:
+        raise ValueError(f"--fps {args.fps}: expected a frame rate > 0 (e.g. 16)") from None
+    check_seed(args.seed)
+    resolve_output_folder(args.out)
+
+
+def _main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Write a synthetic moving-shapes text-to-video dataset.")
     parser.add_argument("--out", required=True, help="output folder (videos/ and manifest.csv/.jsonl go here)")
     parser.add_argument("--num", type=int, required=True, help="number of videos")
@@ -577,6 +608,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-objects", type=int, choices=(1, 2), default=2)
     parser.add_argument("--backgrounds", choices=("all", "plain"), default="all", help="plain: no textures")
     args = parser.parse_args(argv)
+    check_arguments(args)  # everything before the first video is drawn
     world = SyntheticWorld(
         max_objects=args.max_objects,
         backgrounds=BACKGROUNDS if args.backgrounds == "all" else tuple(PLAIN_BACKGROUNDS),
@@ -596,4 +628,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,0 +1,169 @@
+"""Files the product writes for a user, written atomically: a temporary name in the same folder, flushed to
+disk, renamed into place only when complete and checked. A writer that fails (or a SIGTERM, which the
+error boundary of :mod:`pipelines.errors` turns into an exception) leaves the earlier file as it was and
+no temporary file behind.
+
+    with atomic_write("out.mp4") as tmp:      # tmp: ".out.mp4.<pid>.tmp.mp4/out.mp4" beside it
+        write_with_any_library(tmp)
+    with atomic_dir("model/transformer") as tmp:
+        model.save_pretrained(tmp)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+from .errors import BadInputError, OutputError, describe_os_error
+
+
+def _fsync_dir(folder: Path) -> None:
+    with contextlib.suppress(OSError):  # some file systems cannot open or sync a folder
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _temp_name(path: Path, kind: str) -> Path:
+    # the real suffix last: writers such as ffmpeg and PIL choose the format from it
+    return path.with_name(f".{path.name}.{os.getpid()}.{kind}{path.suffix}")
+
+
+@contextlib.contextmanager
+def atomic_write(path: str | Path, allow_empty: bool = False) -> Iterator[Path]:
+    """Yields a temporary path to write ``path``'s content to (same name and suffix, in a private folder beside
+    ``path``); on success checks that a file was written (and is not empty unless ``allow_empty``), flushes it
+    to disk and renames it onto ``path``. On any failure the private folder is removed, ``path`` is untouched,
+    and the failure propagates (a writer that produced no file raises :class:`OutputError`). The folder, not
+    just the file, goes: a writer process still finishing (ffmpeg) cannot recreate its file in it."""
+    path = Path(path)
+    folder = ensure_output_folder(path.parent)
+    private = folder / _temp_name(path, "tmp").name
+    _remove(private)
+    try:
+        private.mkdir()
+    except OSError as e:
+        raise OutputError(f"could not write {str(path)!r}: {describe_os_error(e)}; nothing was written") from e
+    tmp = private / path.name
+    try:
+        yield tmp
+        if not tmp.is_file() or (not allow_empty and tmp.stat().st_size == 0):
+            raise OutputError(f"writing {str(path)!r} failed: the writer produced no file; nothing was written")
+        _fsync_file(tmp)
+        os.replace(tmp, path)
+        _fsync_dir(folder)
+    except OSError as e:
+        if isinstance(e, OutputError):
+            raise
+        raise OutputError(f"could not write {str(path)!r}: {describe_os_error(e)}; nothing was written") from e
+    finally:
+        _remove(private)
+
+
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    """``Path(path).write_text(text)``, atomically."""
+    with atomic_write(path, allow_empty=True) as tmp:
+        tmp.write_text(text)
+    return Path(path)
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | Path) -> Iterator[Path]:
+    """Yields a temporary folder beside ``path``; on success renames it onto ``path`` (an earlier folder there is
+    moved aside first and removed after, so there is never a moment without one); on failure removes it."""
+    path = Path(path)
+    parent = ensure_output_folder(path.parent)
+    tmp = parent / _temp_name(path, "tmp").name
+    old = parent / _temp_name(path, "old").name
+    _remove(tmp)
+    tmp.mkdir()
+    try:
+        yield tmp
+        for f in tmp.rglob("*"):
+            if f.is_file():
+                _fsync_file(f)
+        if path.exists():
+            _remove(old)
+            os.replace(path, old)
+            os.replace(tmp, path)
+            _remove(old)
+        else:
+            os.replace(tmp, path)
+        _fsync_dir(parent)
+    except OSError as e:
+        _remove(tmp)
+        if isinstance(e, OutputError):
+            raise
+        raise OutputError(f"could not write {str(path)!r}: {describe_os_error(e)}; nothing was written") from e
+    except BaseException:
+        _remove(tmp)
+        raise
+
+
+def check_replaceable(path: str | Path, patterns: tuple[str, ...]) -> None:
+    """BadInputError unless ``path`` is absent, an empty folder, or a folder holding only files matching
+    ``patterns`` (an earlier save of the same kind, which :func:`atomic_dir` may replace)."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise BadInputError(f"output {str(path)!r} is a file; expected a folder to save into")
+    if path.is_dir():
+        others = sorted(p.name for p in path.iterdir() if not any(p.is_file() and p.match(pt) for pt in patterns))
+        if others:
+            raise BadInputError(
+                f"output folder {str(path)!r} holds other files ({', '.join(others[:4])}); expected an empty folder "
+                f"or an earlier save ({', '.join(patterns)}), which is replaced whole"
+            )
+
+
+def _remove(p: Path) -> None:
+    with contextlib.suppress(OSError):
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        elif p.exists() or p.is_symlink():
+            p.unlink()
+
+
+def resolve_output_folder(folder: str | Path) -> Path:
+    """``folder`` resolved (symbolic links followed) and checked, without creating anything: BadInputError
+    for a symlink loop (ELOOP), a file on the way, or a path too long."""
+    folder = Path(folder)
+    try:
+        resolved = folder.resolve(strict=False)
+        ancestor = resolved
+        while not ancestor.exists() and ancestor != ancestor.parent:
+            ancestor = ancestor.parent
+        ancestor.stat()
+    except RuntimeError:  # Path.resolve reports a loop this way on older Pythons
+        raise BadInputError(f"output folder {str(folder)!r} cannot be used: a symbolic link loop") from None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise BadInputError(f"output folder {str(folder)!r} cannot be used: a symbolic link loop") from None
+        raise BadInputError(f"output folder {str(folder)!r} cannot be used: {describe_os_error(e)}") from None
+    if not ancestor.is_dir():
+        raise BadInputError(f"output folder {str(folder)!r} cannot be made: {str(ancestor)!r} is a file, not a folder")
+    return resolved
+
+
+def ensure_output_folder(folder: str | Path) -> Path:
+    """Makes ``folder`` (checked as :func:`resolve_output_folder`); returns it."""
+    folder = Path(folder)
+    resolve_output_folder(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OutputError(f"could not make the output folder {str(folder)!r}: {describe_os_error(e)}") from e
+    return folder

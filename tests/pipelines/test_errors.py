@@ -1,0 +1,204 @@
+"""The error boundary (pipelines.errors.run_cli) and atomic outputs (pipelines.outputs), on their own (issue 30)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+import pytest
+
+from pipelines import errors, outputs
+from pipelines.video import write_frame_grid, write_gif, write_mp4
+
+
+@pytest.fixture(autouse=True)
+def log_dir(tmp_path, monkeypatch):
+    folder = tmp_path / "logs"
+    monkeypatch.setenv("MHLA_LOG_DIR", str(folder))
+    monkeypatch.delenv("MHLA_DEBUG", raising=False)
+    return folder
+
+
+def test_a_known_failure_is_one_paragraph_and_its_exit_code(capsys):
+    def main(argv):
+        raise ValueError("--steps 0: expected\n   at least 1")
+
+    assert errors.run_cli(main, [], prog="t") == 2
+    err = capsys.readouterr().err
+    assert err == "error: --steps 0: expected at least 1\n"
+
+
+@pytest.mark.parametrize(
+    "exc,code",
+    [
+        (errors.ModelError("weights"), 3),
+        (errors.OutputError("disk"), 4),
+        (FileNotFoundError(2, "No such file or directory", "/no/such"), 2),
+        (KeyboardInterrupt(), 130),
+        (errors.Terminated(), 143),
+        (SystemExit(2), 2),
+    ],
+)
+def test_exit_codes(exc, code, capsys):
+    def main(argv):
+        raise exc
+
+    assert errors.run_cli(main, [], prog="t") == code
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_an_unexpected_failure_is_one_line_and_a_log_with_the_traceback(capsys, log_dir):
+    def main(argv):
+        raise TypeError("'NoneType' object is not subscriptable")
+
+    assert errors.run_cli(main, ["--x"], prog="pipelines.generate") == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    logs = list(log_dir.glob("pipelines-generate-*.log"))
+    assert len(logs) == 1 and str(logs[0]) in err
+    text = logs[0].read_text()
+    assert "Traceback" in text and "TypeError" in text and "--x" in text
+
+
+def test_debug_prints_the_traceback_and_is_taken_out_of_argv(capsys):
+    seen = []
+
+    def main(argv):
+        seen.append(argv)
+        raise TypeError("boom")
+
+    assert errors.run_cli(main, ["--debug", "a"], prog="t") == 1
+    assert seen == [["a"]] and "Traceback" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "seed,ok", [(0, True), (2**63 - 1, True), (2**64, False), (-1, False), (1.5, False), (True, False)]
+)
+def test_seeds_must_fit_a_64_bit_generator(seed, ok):
+    if ok:
+        assert errors.check_seed(seed) == seed
+    else:
+        with pytest.raises(ValueError, match="expected a whole number in"):
+            errors.check_seed(seed)
+
+
+@pytest.mark.parametrize("text", ["a\x00b", "a\x1b[31m", "bad \udcff byte", ["a", "list"]])
+def test_text_from_outside_is_refused_when_not_clean_text(text):
+    with pytest.raises(ValueError, match="control character|not valid UTF-8|must be text"):
+        errors.check_text(text, "--prompt")
+    assert errors.check_text("tabs\tand\nnewlines are fine", "--prompt")
+
+
+# ---- atomic outputs
+
+
+def test_a_failed_writer_leaves_the_earlier_file_and_no_temporary(tmp_path):
+    out = tmp_path / "result.json"
+    out.write_text("the good one")
+    with pytest.raises(RuntimeError):
+        with outputs.atomic_write(out) as tmp:
+            tmp.write_text("half")
+            raise RuntimeError("killed mid-write")
+    assert out.read_text() == "the good one" and os.listdir(tmp_path) == ["result.json"]
+
+
+def test_a_writer_that_writes_nothing_is_an_error_not_a_success(tmp_path):
+    out = tmp_path / "x.mp4"
+    with pytest.raises(errors.OutputError, match="produced no file"):
+        with outputs.atomic_write(out):
+            pass  # as ffmpeg failing without raising
+    assert not out.exists() and not list(tmp_path.iterdir())
+
+
+def test_sigterm_during_a_video_write_keeps_the_earlier_video(tmp_path, monkeypatch):
+    """SIGTERM while an mp4 is written over an existing one: the error boundary turns it into an exception,
+    the temporary file goes, the earlier video stays whole."""
+    out = tmp_path / "v.mp4"
+    frames = np.zeros((5, 16, 16, 3), np.uint8)
+    write_mp4(out, frames)
+    before = out.read_bytes()
+    import imageio.v2 as imageio
+
+    real = imageio.get_writer
+
+    class Killed:
+        def __init__(self, *a, **k):
+            self.inner = real(*a, **k)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return self.inner.__exit__(*exc)
+
+        def append_data(self, frame):
+            self.inner.append_data(frame)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(imageio, "get_writer", Killed)
+
+    def main(argv):
+        write_mp4(out, np.ones((5, 16, 16, 3), np.uint8) * 200)
+        return 0
+
+    assert errors.run_cli(main, [], prog="t") == 143
+    assert out.read_bytes() == before and os.listdir(tmp_path) == ["v.mp4"]
+
+
+@pytest.mark.parametrize("fps", [0, -8, float("nan"), float("inf")])
+def test_frame_rates_must_be_positive(tmp_path, fps):
+    frames = np.zeros((5, 16, 16, 3), np.uint8)
+    for write in (write_mp4, write_gif):
+        with pytest.raises(ValueError, match="expected a frame rate > 0"):
+            write(tmp_path / ("x.mp4" if write is write_mp4 else "x.gif"), frames, fps=fps)
+    assert not list(tmp_path.iterdir())
+
+
+def test_every_frame_writer_is_atomic(tmp_path, monkeypatch):
+    frames = np.zeros((5, 16, 16, 3), np.uint8)
+    paths = [tmp_path / "a.mp4", tmp_path / "a.gif", tmp_path / "a.png"]
+    for p in paths:
+        p.write_bytes(b"earlier")
+    monkeypatch.setattr(os, "replace", lambda *a: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+    for path, write in zip(paths, (write_mp4, write_gif, write_frame_grid), strict=True):
+        with pytest.raises(errors.OutputError, match="No space left on device"):
+            write(path, frames)
+    assert all(p.read_bytes() == b"earlier" for p in paths) and len(list(tmp_path.iterdir())) == 3
+
+
+def test_atomic_dir_replaces_a_folder_whole_or_not_at_all(tmp_path):
+    out = tmp_path / "model"
+    out.mkdir()
+    (out / "config.json").write_text("old")
+    with pytest.raises(RuntimeError):
+        with outputs.atomic_dir(out) as tmp:
+            (tmp / "config.json").write_text("new")
+            raise RuntimeError("save failed")
+    assert (out / "config.json").read_text() == "old" and sorted(os.listdir(tmp_path)) == ["model"]
+    with outputs.atomic_dir(out) as tmp:
+        (tmp / "config.json").write_text("new")
+    assert (out / "config.json").read_text() == "new" and sorted(os.listdir(tmp_path)) == ["model"]
+
+
+def test_a_symlink_loop_is_refused_before_any_work(tmp_path):
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    with pytest.raises(ValueError, match="symbolic link loop"):
+        outputs.resolve_output_folder(tmp_path / "a" / "videos")
+    from pipelines.video import check_output_path
+
+    with pytest.raises(ValueError, match="symbolic link loop"):
+        check_output_path(tmp_path / "a" / "videos" / "x.mp4")
+
+
+def test_save_transformer_never_deletes_a_folder_of_other_files(tmp_path):
+    from pipelines.loading import save_transformer
+    from pipelines.tiny import build_tiny_transformer
+
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("keep")
+    with pytest.raises(ValueError, match="holds other files"):
+        save_transformer(build_tiny_transformer(), folder)
+    assert (folder / "notes.txt").read_text() == "keep"
