@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from pipelines.outputs import atomic_write, write_text_atomic
 from pipelines.timing import device_name  # the one owner (the CPU's model name from /proc/cpuinfo)
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -230,7 +231,7 @@ def write_partial(out_dir: Path, tag: str, meta: dict, rows: list[dict]) -> None
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     data = {"meta": {**meta, "complete": False}, "rows": rows}
-    (out_dir / f"{tag}.json").write_text(json.dumps(data, indent=2) + "\n")
+    write_text_atomic(out_dir / f"{tag}.json", json.dumps(data, indent=2) + "\n")
 
 
 def write_results(out_dir: Path, tag: str, meta: dict, rows: list[dict], table: str, plot=None) -> list[Path]:
@@ -239,8 +240,8 @@ def write_results(out_dir: Path, tag: str, meta: dict, rows: list[dict], table: 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = [out_dir / f"{tag}.json", out_dir / f"{tag}.md"]
-    written[0].write_text(json.dumps({"meta": {**meta, "complete": True}, "rows": rows}, indent=2) + "\n")
-    written[1].write_text(table)
+    write_text_atomic(written[0], json.dumps({"meta": {**meta, "complete": True}, "rows": rows}, indent=2) + "\n")
+    write_text_atomic(written[1], table)
     if plot is not None:
         try:
             import matplotlib
@@ -252,7 +253,8 @@ def write_results(out_dir: Path, tag: str, meta: dict, rows: list[dict], table: 
         else:
             fig = plot(plt)
             png = out_dir / f"{tag}.png"
-            fig.savefig(png, dpi=110)
+            with atomic_write(png) as tmp:
+                fig.savefig(tmp, dpi=110)
             plt.close(fig)
             written.append(png)
     print("wrote " + ", ".join(str(p) for p in written))

@@ -44,6 +44,7 @@ from factory import output_path, write_json
 from factory.vae_ceiling import reconstruction_ceiling, to_frames
 from pipelines import BUILTIN_DIR, VARIANTS, load_components, load_transformer
 from pipelines.builtin import builtin_info
+from pipelines.outputs import atomic_write, write_text_atomic
 from pipelines.pipeline import generate
 from training.encoding import Encoder
 from training.flow import FlowMatching
@@ -351,7 +352,8 @@ def plot_sweep(res: dict, path: Path) -> None:
     axes[0].set_ylabel("accuracy")
     axes[0].legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    with atomic_write(path) as tmp:
+        fig.savefig(tmp, dpi=90)
     plt.close(fig)
 
 
@@ -401,7 +403,8 @@ def plot(res: dict, path: Path) -> None:
                 a.set_ylabel(name, fontsize=8, rotation=0, ha="right", va="center")
             if r == 0 and c < len(captions):
                 a.set_title(textwrap.fill(captions[c], 44), fontsize=7, loc="left")
-    fig.savefig(path, dpi=90)
+    with atomic_write(path) as tmp:
+        fig.savefig(tmp, dpi=90)
     plt.close(fig)
 
 
@@ -465,7 +468,7 @@ def _main(argv=None) -> int:
     res.pop("_grid", None)
     write_json(out, res)
     table = markdown(res)
-    output_path(out, ".md").write_text(table)
+    write_text_atomic(output_path(out, ".md"), table)
     print("\n" + table)
     print(f"wrote {', '.join(str(output_path(out, s)) for s in ('.json', '.md', '.png'))}")
     return 0

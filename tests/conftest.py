@@ -23,6 +23,9 @@ SLOW_TESTS = (
     "test_app.py::test_a_variant_failing_unexpectedly",
     "test_app.py::test_compare_runs_every_variant",
     "test_app.py::test_compare_reports_a_failing_variant",
+    "test_app_inputs.py::test_through_the_api",
+    "test_errors.py::test_sigterm_during_a_video_write",
+    "test_boundary.py::test_a_lock_is_released_on_any_exit",
 )
 
 

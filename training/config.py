@@ -198,6 +198,9 @@ RANGES: dict[str, tuple] = {
     "validation.num_inference_steps": (1, True, None),
     "validation.guidance_scale": (0, True, None),
     "validation.loss_batches": (1, True, None),
+    # seeds: a 64-bit generator's range (train.seed also seeds rank r's generator with seed * 1000 + r)
+    "train.seed": (0, True, (2**63 - 1) // 1000 - 1000),
+    "model.seed": (0, True, 2**63 - 1),
     "checkpoint.every": (0, True, None),
     "checkpoint.keep": (0, True, None),
     "vae.crop": (8, True, None),
@@ -308,6 +311,7 @@ def validate(cfg: DictConfig) -> None:
         f"null or one of {BACKGROUNDS}",
     )
     need(cfg.train.steps >= 1, "train.steps", "at least 1")
+    need(all(0 <= s <= 2**63 - 1 for s in cfg.validation.seeds), "validation.seeds", "seeds in [0, 2**63 - 1]")
     from pipelines.attention import VARIANTS
 
     need(cfg.model.variant in VARIANTS, "model.variant", f"one of {VARIANTS}")

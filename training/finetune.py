@@ -247,6 +247,7 @@ def _main(argv) -> int:
         from training import vae
 
         return vae.main(argv)
+    check_model_plan(cfg)  # model.* against the model's config files, before the run folder is touched
     with hold_run_dir(cfg.run_dir):  # one run per folder, for the life of the run
         return train(cfg)
 
@@ -266,7 +267,6 @@ def train(cfg) -> int:
 
     # ---- everything that needs no model: a bad key, layer, layout, resume or dataset stops here
     replaced = ckpt.check_new_run(cfg.run_dir, cfg.resume, cfg.overwrite)  # never two runs in one folder
-    check_model_plan(cfg)
     resume_from = ckpt.resolve_resume(cfg.resume, cfg.run_dir)
     if resume_from is not None:
         check_resume_matches(cfg, resume_from)
