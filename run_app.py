@@ -92,6 +92,9 @@ def _main(argv) -> int:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} {value}: expected a positive number of tokens")
+    from pipelines.loading import resolve_device, resolve_dtype
+
+    resolve_dtype(args.dtype, resolve_device(args.device))  # named before any model loads
     variant_dirs = parse_variant_dirs(args.variant)
     if args.model is not None and args.model != "tiny-random":
         from pipelines import check_model_dir

@@ -129,7 +129,10 @@ def model_vae_stride(model_dir: str | Path | None) -> tuple[int, int, int]:
 def resolve_device(device: str | torch.device | None = None) -> torch.device:
     if device is None or device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device {device!r} is not a device name; expected auto, cpu, cuda or cuda:N") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {str(device)!r} was asked for, but CUDA is not available here")
     return device

@@ -14,7 +14,8 @@ MAX_COMMENT_CHARS = 1000
 
 
 def _bounded_comment(comment: str) -> str:
-    one_line = " ".join(str(comment).split())
+    # control characters (a NUL ends ffmpeg's argument) never reach the command line, whoever checked the text
+    one_line = " ".join("".join(ch if ch.isprintable() else " " for ch in str(comment)).split())
     return one_line if len(one_line) <= MAX_COMMENT_CHARS else one_line[: MAX_COMMENT_CHARS - 3] + "..."
 
 

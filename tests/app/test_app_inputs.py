@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from app import bench, compare, inputs
+from app import bench, compare
 from app.models import load_app_models
 from tests.boundary import assert_refused
 
@@ -56,6 +56,8 @@ def test_benchmark_grids_must_be_text(models):
 
 
 def test_a_refused_input_is_one_log_line_and_no_traceback(caplog):
+    from app import inputs
+
     with caplog.at_level(logging.INFO):
         error = inputs.refused("steps must be a whole number, got 2.5")
     assert error.print_exception is False  # gradio prints no traceback for it
@@ -84,6 +86,7 @@ LAUNCHER_TABLE = [
     ["--variant", "fast=ckpt"],
     ["--random-weights", "7b"],
     ["--model", "tiny-random", "--random-weights", "1.3b"],
+    ["--device", "bogus"],
 ]
 
 

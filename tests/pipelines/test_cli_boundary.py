@@ -54,6 +54,8 @@ GENERATE_TABLE = [
     ["--model", "/no/such/model"],
     ["--model", "{root}/out/video.mp4"],
     ["--steps", "two"],
+    ["--device", "bogus"],
+    ["--dtype", "float8"],
 ]
 
 

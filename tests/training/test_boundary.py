@@ -59,6 +59,7 @@ FINETUNE_TABLE = [
     ["train.seed=9999999999999999999"],  # fits no 64-bit generator: failed after the model loaded
     ["model.seed=-1"],
     ["validation.seeds=[18446744073709551616]"],
+    ['validation.prompts=["a NUL \x00 prompt"]'],
 ]
 
 
@@ -172,3 +173,18 @@ def test_a_latin1_caption_file_is_skipped_and_counted_with_its_name(tmp_path):
     entries, skipped, _ = find_entries(tmp_path, "txt")
     assert [e.caption for e in entries] == ["a red square"]
     assert sorted(skipped) == [(str(tmp_path / "bad.txt"), "bad_caption"), (str(tmp_path / "nul.txt"), "bad_caption")]
+
+
+@pytest.mark.slow
+def test_a_resume_with_another_architecture_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    """``resume=latest`` after changing ``model.blocks`` ended in a state-dict size mismatch (a traceback)
+    after the model had loaded."""
+    run = tmp_path / "run"
+    base = ["--config", TINY, f"run_dir={run}", "log.tensorboard=false", "train.steps=1", "checkpoint.every=1"]
+    assert finetune.main(base) == 0
+    capsys.readouterr()
+    monkeypatch.setattr(finetune, "build_model", lambda *a, **k: pytest.fail("the model loaded"))
+    err = assert_refused(finetune.main, [*base, "resume=latest", "model.blocks=1x2x2"], capsys, tmp_path)
+    assert "was trained with another architecture: MHLA blocks were 3x2x2, now 1x2x2" in err
+    err = assert_refused(finetune.main, [*base, "resume=latest", "model.variant=linear"], capsys, tmp_path)
+    assert "model.variant was 'mhla', now 'linear'" in err

@@ -1,0 +1,27 @@
+"""Issue 30: the factory's commands behind the error boundary (a table of malformed values: non-zero exit, a
+message, no traceback, pre-existing files byte-identical)."""
+
+from __future__ import annotations
+
+import pytest
+
+from factory import build, examples
+from tests.boundary import assert_refused
+
+TABLE = [
+    (build, ["build", "--until", "nowhere"]),
+    (build, ["init-vae", "--out", "{root}/vae", "--set", "base_dim"]),
+    (build, ["init-vae", "--out", "{root}/vae", "--set", "base_dim=[1,"]),
+    (examples, ["--from", "/no/such.json"]),
+    (examples, ["--from", "{root}/not_json.json"]),
+    (examples, ["--from", "{root}/not_json.json", "--count", "0"]),
+    (examples, ["--from", "{root}/not_json.json", "--model", "{root}"]),
+]
+
+
+@pytest.mark.parametrize("module,argv", TABLE, ids=[" ".join(a)[:40] for _, a in TABLE])
+def test_factory_commands_refuse_malformed_values(module, argv, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("MHLA_LOG_DIR", str(tmp_path / "logs"))
+    (tmp_path / "not_json.json").write_text("{ not json")
+    argv = [a.replace("{root}", str(tmp_path)) for a in argv]
+    assert_refused(module.main, argv, capsys, tmp_path)
