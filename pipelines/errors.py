@@ -131,7 +131,7 @@ def write_log(prog: str, text: str) -> Path | None:
         try:
             folder.mkdir(parents=True, exist_ok=True)
             path = folder / name
-            path.write_text(text)
+            path.write_text(text, encoding="utf-8", errors="backslashreplace")
             return path
         except OSError:
             continue
@@ -169,6 +169,13 @@ def classify(e: BaseException) -> tuple[int, str] | None:
     ):
         return EXIT_BAD_INPUT, describe_os_error(e)
     return None
+
+
+def _say(text: str) -> None:
+    """One message on stderr; characters it cannot encode (an undecodable byte of a path given on the command
+    line) are shown escaped instead of failing the report itself."""
+    encoding = getattr(sys.stderr, "encoding", None) or "utf-8"
+    print(text.encode(encoding, "backslashreplace").decode(encoding, "replace"), file=sys.stderr)
 
 
 def _first_paragraph(message: str) -> str:
@@ -212,7 +219,7 @@ def run_cli(main: Callable[[list[str]], int | None], argv: Sequence[str] | None 
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):
             return int(e.code or 0)
-        print(f"error: {e.code}", file=sys.stderr)
+        _say(f"error: {e.code}")
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print("interrupted: no output was left half-written", file=sys.stderr)
@@ -224,7 +231,7 @@ def run_cli(main: Callable[[list[str]], int | None], argv: Sequence[str] | None 
         known = classify(e)
         if known is not None:
             code, message = known
-            print(f"error: {_first_paragraph(message)}", file=sys.stderr)
+            _say(f"error: {_first_paragraph(message)}")
             if debug:
                 traceback.print_exc()
             return code
@@ -232,7 +239,7 @@ def run_cli(main: Callable[[list[str]], int | None], argv: Sequence[str] | None 
         log = write_log(prog, f"{prog} {' '.join(args)}\n\n{text}")
         first = " ".join(f"{type(e).__name__}: {e}".split())[:300]
         where = f"the traceback is in {log}" if log else "no log file could be written"
-        print(f"error: unexpected failure ({first}); {where} (rerun with --debug to print it)", file=sys.stderr)
+        _say(f"error: unexpected failure ({first}); {where} (rerun with --debug to print it)")
         if debug:
-            print(text, file=sys.stderr, end="")
+            _say(text.rstrip("\n"))
         return EXIT_UNEXPECTED

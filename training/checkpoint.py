@@ -210,7 +210,11 @@ def restore_run(path: Path, transformer, lora: bool, world: int, rank: int) -> t
         weights = {}
         for f in sorted((path / "transformer").glob("*.safetensors")):
             weights.update(load_file(f))
-    missing, unexpected = transformer.load_state_dict(weights, strict=False)
+    try:
+        missing, unexpected = transformer.load_state_dict(weights, strict=False)
+    except RuntimeError as e:  # a size mismatch: another layout, width or LoRA rank
+        first = " ".join(str(e).split())[:400]
+        raise ValueError(f"checkpoint {path} does not match this model ({first})") from None
     if unexpected or (not lora and missing):
         raise ValueError(
             f"checkpoint {path} does not match this model: missing {missing[:3]}, unexpected {unexpected[:3]}"
