@@ -86,9 +86,12 @@ def check_eps(eps: float) -> float:
     return value
 
 
-def check_rotary_dtype(rotary_emb: Rotary | None) -> None:
+def check_rotary_dtype(rotary_emb: Rotary | None, device: torch.device | None = None) -> None:
+    """Raises ValueError unless ``cos`` and ``sin`` are floating and on ``device`` (that of q, k, v, when given)."""
     if rotary_emb is None:
         return
     for name, t in zip(("cos", "sin"), rotary_emb):
         if not t.is_floating_point():
             raise ValueError(f"rotary_emb {name} must have a floating dtype, got {t.dtype}")
+        if device is not None and t.device != device:
+            raise ValueError(f"rotary_emb {name} is on {t.device} but q, k, v are on {device}; expected one device")

@@ -746,7 +746,7 @@ def mhla_attention(
         raise ValueError(f"token grid {g[0]}x{g[1]}x{g[2]} has {layout.num_tokens} tokens but q has {q.shape[1]}")
     check_mixing(mixing, layout.num_blocks, q.shape[2], q.device)
     check_rotary(rotary_emb, q.shape[1], q.shape[3])
-    check_rotary_dtype(rotary_emb)
+    check_rotary_dtype(rotary_emb, q.device)
     eps = check_eps(eps)
     if _use_fused(impl, q):
         from .triton_ops import mhla_attention_fused
@@ -779,7 +779,7 @@ def linear_attention(
     checks as :func:`mhla_attention`."""
     check_qkv(q, k, v)
     check_rotary(rotary_emb, q.shape[1], q.shape[3])
-    check_rotary_dtype(rotary_emb)
+    check_rotary_dtype(rotary_emb, q.device)
     eps = check_eps(eps)
     if _use_fused(impl, q):
         from .triton_ops import linear_attention_fused

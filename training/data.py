@@ -128,8 +128,15 @@ def _find_manifest(root: Path, layout: str) -> Path | None:
 
 
 def _caption_ok(caption: str) -> bool:
-    """No control characters (NUL, escape: they end up in file metadata and tokenizers); tab and newline pass."""
-    return not any((ord(ch) < 32 and ch not in "\t\n\r") or 0x7F <= ord(ch) < 0xA0 for ch in caption)
+    """No control characters (NUL, escape: they end up in file metadata and tokenizers); tab and newline pass
+    (the same rule as prompts: :func:`pipelines.errors.check_text`)."""
+    from pipelines.errors import check_text
+
+    try:
+        check_text(caption, "caption")
+    except ValueError:
+        return False
+    return True
 
 
 def read_caption_file(path: Path) -> str | None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -27,15 +26,14 @@ from tqdm.auto import tqdm
 
 from pipelines import load_components
 from pipelines.errors import run_cli
-from pipelines.outputs import resolve_output_folder
+from pipelines.outputs import atomic_write, resolve_output_folder, write_text_atomic
 from training.config import load_config
 from training.encoding import Encoder
 
 
 def _atomic_save(tensors: dict, path: Path, metadata: dict | None = None) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(tmp), metadata=metadata)
-    os.replace(tmp, path)
+    with atomic_write(path) as tmp:  # a kill or SIGTERM mid-write leaves no partial sample behind
+        save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(tmp), metadata=metadata)
 
 
 RECORD = "precompute.json"
@@ -102,9 +100,7 @@ def _main(argv) -> int:
         dataset.require_usable()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / (RECORD + ".tmp")
-    tmp.write_text(json.dumps(cache_record(cfg), indent=1))
-    os.replace(tmp, out / RECORD)
+    write_text_atomic(out / RECORD, json.dumps(cache_record(cfg), indent=1))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     components = load_components(cfg.model.path, dtype=cfg.model.dtype, device=device, seed=cfg.model.seed)
     encoder = Encoder(components, cfg.data.max_sequence_length)
@@ -133,9 +129,7 @@ def _main(argv) -> int:
         "max_sequence_length": cfg.data.max_sequence_length,
         "items": items,
     }
-    tmp = out / "index.json.tmp"
-    tmp.write_text(json.dumps(index, indent=1))
-    os.replace(tmp, out / "index.json")
+    write_text_atomic(out / "index.json", json.dumps(index, indent=1))
     print(f"wrote {len(items)} samples to {out}")
     summary = getattr(dataset, "skip_summary", None)
     if summary is not None:

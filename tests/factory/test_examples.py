@@ -84,12 +84,14 @@ def test_the_command_writes_builtin_json_and_the_app_offers_them(tmp_path, capsy
 def test_the_command_refuses_bad_input(tmp_path, capsys):
     model = tmp_path / "model"
     model.mkdir()
-    with pytest.raises(SystemExit):
-        main(["--from", str(tmp_path / "eval.json"), "--model", str(model)])
+    assert (
+        main(["--from", str(tmp_path / "eval.json"), "--model", str(model)]) == 2
+    )  # the error boundary: an exit code, not SystemExit
     assert "has no builtin.json" in capsys.readouterr().err
     (model / "builtin.json").write_text("{}")
-    with pytest.raises(SystemExit):
-        main(["--from", str(tmp_path / "missing.json"), "--model", str(model)])
+    assert (
+        main(["--from", str(tmp_path / "missing.json"), "--model", str(model)]) == 2
+    )  # the error boundary: an exit code, not SystemExit
     assert "missing.json" in capsys.readouterr().err
     assert json.loads((model / "builtin.json").read_text()) == {}  # untouched
 

@@ -89,3 +89,10 @@ def test_zero_heads_or_channels_are_refused(shape):
 def test_module_grid_must_be_integers(qkv, grid):
     with pytest.raises(ValueError, match="grid must be three"):
         MHLA(blocks="1x2x2")(*qkv, grid=grid)
+
+
+def test_rotary_on_another_device_is_refused(qkv):
+    q, k, v = qkv
+    cos = torch.ones(1, 60, 1, 4, device="meta")
+    with pytest.raises(ValueError, match="rotary_emb cos is on meta but q, k, v are on cpu"):
+        linear_attention(q, k, v, rotary_emb=(cos, cos))
