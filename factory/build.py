@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from pipelines.builtin import BUILTIN_BLOCK_SHAPE, BUILTIN_DEFAULTS, BUILTIN_DIR, VARIANTS_SUBDIR
+from pipelines.outputs import atomic_dir
 from training import checkpoint as ckpt
 from world.synthetic import BACKGROUNDS, COLOURS, MOTION_PHRASES, SHAPES, SIZES
 
@@ -201,17 +202,17 @@ def init_vae(out: str | Path, seed: int = 1, encoder_from: str | Path | None = N
             latents_mean=list(source.config.latents_mean), latents_std=list(source.config.latents_std)
         )
     dest = Path(out) / "vae"
-    vae.save_pretrained(str(dest), safe_serialization=True)
-    (dest / "trained.json").unlink(missing_ok=True)
-    if encoder_from is not None:  # the runs that trained the encoder (their decoder-only runs fitted another decoder)
-        from training.vae import training_records
+    with atomic_dir(dest) as tmp:  # replaced whole (an earlier vae/ with its trained.json included), or not at all
+        vae.save_pretrained(str(tmp), safe_serialization=True)
+        if encoder_from is not None:  # the runs that trained the encoder (their decoder-only runs fitted another one)
+            from training.vae import training_records
 
-        encoder_runs = [
-            r for r in training_records(Path(encoder_from) / "trained.json") if r.get("trainable", "all") == "all"
-        ]
-        if encoder_runs:
-            last = {**encoder_runs[-1], "history": encoder_runs[:-1], "decoder": "new, untrained (init-vae)"}
-            (dest / "trained.json").write_text(json.dumps(last) + "\n")
+            encoder_runs = [
+                r for r in training_records(Path(encoder_from) / "trained.json") if r.get("trainable", "all") == "all"
+            ]
+            if encoder_runs:
+                last = {**encoder_runs[-1], "history": encoder_runs[:-1], "decoder": "new, untrained (init-vae)"}
+                (tmp / "trained.json").write_text(json.dumps(last) + "\n")
     _match_transformer_channels(Path(out), cfg["z_dim"])
     return dest
 
@@ -227,7 +228,8 @@ def _match_transformer_channels(model_dir: Path, z_dim: int) -> None:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(2)
         transformer = WanTransformer3DModel(**{**TRANSFORMER, "in_channels": z_dim, "out_channels": z_dim}).eval()
-    transformer.save_pretrained(str(model_dir / "transformer"), safe_serialization=True)
+    with atomic_dir(model_dir / "transformer") as tmp:
+        transformer.save_pretrained(str(tmp), safe_serialization=True)
 
 
 def _latest_transformer(run: Path) -> Path:

@@ -219,7 +219,8 @@ def run_cli(main: Callable[[list[str]], int | None], argv: Sequence[str] | None 
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):
             return int(e.code or 0)
-        _say(f"error: {e.code}")
+        text = str(e.code)
+        _say(text if text.startswith("error:") else f"error: {text}")
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print("interrupted: no output was left half-written", file=sys.stderr)
