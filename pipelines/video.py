@@ -157,6 +157,12 @@ def read_video(path: str | Path) -> np.ndarray:
     """All frames of a video file as ``(num_frames, height, width, 3)`` uint8 (for tests and checks)."""
     import imageio.v2 as imageio
 
-    with imageio.get_reader(str(path)) as reader:
-        # imageio's stubs type __enter__ as returning the base class, which is not iterable
-        return np.stack([np.asarray(f)[..., :3] for f in reader])  # type: ignore[attr-defined]
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"video {str(path)!r} does not exist")
+    try:
+        with imageio.get_reader(str(path)) as reader:
+            # imageio's stubs type __enter__ as returning the base class, which is not iterable
+            return np.stack([np.asarray(f)[..., :3] for f in reader])  # type: ignore[attr-defined]
+    except Exception as e:  # noqa: BLE001 - imageio's readers raise many kinds; all mean "not a readable video"
+        first = " ".join(str(e).split())[:200]
+        raise ValueError(f"{str(path)!r} is not a readable video ({type(e).__name__}: {first})") from None

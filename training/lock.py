@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from pipelines.errors import BadInputError
+from pipelines.errors import BadInputError, describe_os_error
 from training.checkpoint import LOCK_FILE
 
 
@@ -39,8 +39,11 @@ class RunLock:
     def acquire(self) -> RunLock:
         if self.run_dir.exists() and not self.run_dir.is_dir():
             raise BadInputError(f"run_dir {str(self.run_dir)!r} is a file; expected a folder for the run")
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise BadInputError(f"run_dir {str(self.run_dir)!r} cannot be used: {describe_os_error(e)}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

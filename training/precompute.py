@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from pipelines import load_components
 from pipelines.errors import run_cli
-from pipelines.outputs import atomic_write, resolve_output_folder, write_text_atomic
+from pipelines.outputs import atomic_write, ensure_output_folder, resolve_output_folder, write_text_atomic
 from training.config import load_config
 from training.encoding import Encoder
 
@@ -98,8 +98,7 @@ def _main(argv) -> int:
     dataset = build_dataset(cfg)  # before the model loads: a folder of broken videos stops here
     if hasattr(dataset, "require_usable"):
         dataset.require_usable()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = ensure_output_folder(args.out)
     write_text_atomic(out / RECORD, json.dumps(cache_record(cfg), indent=1))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     components = load_components(cfg.model.path, dtype=cfg.model.dtype, device=device, seed=cfg.model.seed)

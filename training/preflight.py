@@ -42,6 +42,8 @@ def check_model_plan(cfg: DictConfig) -> None:
             )
         check_transformer_config(config, folder / "config.json", "model.transformer")
     attention = OmegaConf.to_container(cfg.model.attention)
+    if "blocks" in attention:  # type: ignore[operator]
+        raise ValueError("model.attention.blocks: the MHLA layout is model.blocks (e.g. model.blocks=7x3x5)")
     try:
         AttentionOptions(**attention)  # type: ignore[arg-type]
     except TypeError:

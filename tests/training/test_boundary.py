@@ -45,6 +45,8 @@ FINETUNE_TABLE = [
     ["model.transformer=/no/such"],
     ["model.attention.bogus=1"],
     ["model.attention.feature_map=sigmoid"],
+    ["model.attention.blocks=1x1x1"],
+    ["run_dir=/proc/no/run"],
     ["model.variant=mhla-hybrid", "model.layers=[99]"],
     ["run_dir={root}/a_file"],  # an existing file
     ["run_dir={root}/loop_a/run"],
