@@ -27,6 +27,7 @@ SLOW_TESTS = (
     "test_errors.py::test_sigterm_during_a_video_write",
     "test_boundary.py::test_a_lock_is_released_on_any_exit",
     "test_boundary.py::test_a_resume_with_another_architecture",
+    "test_boundary.py::test_sigterm_while_saving",
 )
 
 

@@ -565,6 +565,9 @@ def save_or_explain(accelerator, cfg, run_dir, stage, model, optimizer, schedule
             f"({good[-1].name if good else 'none yet'} in {run_dir / 'checkpoints'}); free space and "
             "run the same command with resume=latest to continue."
         ) from e
+    except BaseException:  # Ctrl-C or SIGTERM mid-save: no half-written folder either (earlier ones are intact)
+        shutil.rmtree(ckpt.pending_dir(run_dir, at.step), ignore_errors=True)
+        raise
 
 
 def finish_run(cfg, accelerator, evaluate, metrics, final, ema, step, start_loss, dataset, run_dir) -> None:

@@ -190,3 +190,28 @@ def test_a_resume_with_another_architecture_is_refused_before_the_model_loads(tm
     assert "was trained with another architecture: MHLA blocks were 3x2x2, now 1x2x2" in err
     err = assert_refused(finetune.main, [*base, "resume=latest", "model.variant=linear"], capsys, tmp_path)
     assert "model.variant was 'mhla', now 'linear'" in err
+
+
+@pytest.mark.slow
+def test_sigterm_while_saving_a_checkpoint_exits_143_and_leaves_no_half_written_folder(tmp_path, monkeypatch, capsys):
+    import signal
+
+    from training import checkpoint as ckpt
+
+    real_save_state = ckpt.save_state
+
+    def save_state(state, path):
+        if "step-0000004" in str(path):
+            os.kill(os.getpid(), signal.SIGTERM)  # the boundary turns it into an exception here
+        real_save_state(state, path)
+
+    monkeypatch.setattr(ckpt, "save_state", save_state)
+    run = tmp_path / "run"
+    argv = ["--config", TINY, f"run_dir={run}", "log.tensorboard=false", "train.steps=6", "checkpoint.every=2"]
+    assert finetune.main(argv) == 143
+    assert "terminated" in capsys.readouterr().err
+    assert [p.name for p in ckpt.list_checkpoints(run)] == ["step-0000002"]
+    assert ckpt.damage(run / "checkpoints" / "step-0000002") is None
+    assert not list((run / "checkpoints").glob(".*"))
+    monkeypatch.setattr(ckpt, "save_state", real_save_state)
+    assert finetune.main([*argv, "resume=latest"]) == 0  # the lock was released; the run continues
