@@ -28,6 +28,7 @@ SLOW_TESTS = (
     "test_boundary.py::test_a_lock_is_released_on_any_exit",
     "test_boundary.py::test_a_resume_with_another_architecture",
     "test_boundary.py::test_sigterm_while_saving",
+    "test_cli_boundary.py::test_a_failing_video_writer",
 )
 
 
