@@ -30,8 +30,9 @@ DEFAULTS: dict = {
         "source": "synthetic",  # synthetic | folder | cache
         "path": None,  # folder (manifest or .txt captions) or precomputed cache
         "num_samples": 64,  # synthetic only
-        "short_captions": 0.0,  # synthetic only: probability of leaving sizes / background out of a caption
-        "default_background": None,  # synthetic only: the one background a caption may leave out (None: any)
+        "world": "v1",  # synthetic only: the world preset (world.synthetic.WORLDS): v1 (shipped model) | v2
+        "short_captions": None,  # synthetic only: probability of leaving sizes / background out of a caption (null: the world's)
+        "default_background": None,  # synthetic only: the one background a caption may leave out (null: the world's)
         "num_frames": 81,
         "height": 480,
         "width": 800,
@@ -169,6 +170,7 @@ NULLABLE_TYPES: dict[str, tuple] = {
     "model.blocks": (str,),
     "data.path": (str,),
     "data.default_background": (str,),
+    "data.short_captions": _NUM,
     "train.mixing_lr": _NUM,
     "vae.export": (str,),
 }
@@ -300,12 +302,14 @@ def validate(cfg: DictConfig) -> None:
     need(cfg.data.height % 16 == 0 and cfg.data.height > 0, "data.height", "a positive multiple of 16")
     need(cfg.data.width % 16 == 0 and cfg.data.width > 0, "data.width", "a positive multiple of 16")
     need(0 <= cfg.data.caption_dropout < 1, "data.caption_dropout", "a probability in [0, 1)")
-    from world.synthetic import BACKGROUNDS
+    from world.synthetic import WORLDS
 
+    need(cfg.data.world in WORLDS, "data.world", f"one of {sorted(WORLDS)}")
+    backgrounds = WORLDS[cfg.data.world].backgrounds if cfg.data.world in WORLDS else ()
     need(
-        cfg.data.default_background in (None, *BACKGROUNDS),
+        cfg.data.default_background in (None, *backgrounds),
         "data.default_background",
-        f"null or one of {BACKGROUNDS}",
+        f"null or one of world {cfg.data.world}'s backgrounds {backgrounds}",
     )
     need(cfg.train.steps >= 1, "train.steps", "at least 1")
     from pipelines.attention import VARIANTS
