@@ -30,10 +30,14 @@ WEIGHT_FILES = ("config.json", "diffusion_pytorch_model.safetensors", "trained.j
 MAX_MB = 30
 
 
-def init(model: Path = MODEL, next_dir: Path = NEXT_DIR, base: Path = BUILTIN_DIR) -> Path:
+def init(
+    model: Path = MODEL, next_dir: Path = NEXT_DIR, base: Path = BUILTIN_DIR, fresh_transformer: bool = False
+) -> Path:
     """Writes ``model``: the shipped model directory (without its variants) with the committed stage weights of
     ``next_dir`` laid over it (``vae`` replaces the VAE, ``transformer`` the transformer). An existing
-    ``model`` is replaced whole (it is rebuilt from the repository alone)."""
+    ``model`` is replaced whole (it is rebuilt from the repository alone). ``fresh_transformer``: a randomly
+    initialised transformer of the built-in architecture where ``next_dir`` has none yet (the base stage
+    trains from scratch; once a stage has saved one, later runs continue from it)."""
     if not (base / "model_index.json").is_file():
         raise FileNotFoundError(f"{base} is not a model directory (no model_index.json)")
     tmp = model.with_name(model.name + ".tmp")
@@ -47,10 +51,20 @@ def init(model: Path = MODEL, next_dir: Path = NEXT_DIR, base: Path = BUILTIN_DI
             shutil.rmtree(tmp / part)
             shutil.copytree(src, tmp / part)
             laid.append(part)
+    if fresh_transformer and "transformer" not in laid:
+        import torch
+        from diffusers import WanTransformer3DModel
+
+        from factory.build import TRANSFORMER
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(2)
+            WanTransformer3DModel(**TRANSFORMER).save_pretrained(str(tmp / "transformer"), safe_serialization=True)
+        laid.append("a fresh transformer")
     if model.exists():
         shutil.rmtree(model)
     os.replace(tmp, model)
-    print(f"wrote {model} from {base}" + (f" with {', '.join(laid)} from {next_dir}" if laid else ""))
+    print(f"wrote {model} from {base}" + (f" with {', '.join(laid)}" if laid else ""))
     return model
 
 
@@ -91,13 +105,18 @@ def main(argv=None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     i = sub.add_parser("init", help="the working model directory from assets/builtin + assets/builtin-next")
     i.add_argument("--out", default=str(MODEL))
+    i.add_argument(
+        "--fresh-transformer",
+        action="store_true",
+        help="a random transformer where assets/builtin-next has none (the base stage trains from scratch)",
+    )
     s = sub.add_parser("save", help="a stage's weights into assets/builtin-next/PART")
     s.add_argument("part", choices=PARTS)
     s.add_argument("--from", dest="src", default=None, help="the folder to save (default: the model directory's)")
     args = p.parse_args(argv)
     try:
         if args.cmd == "init":
-            init(Path(args.out))
+            init(Path(args.out), fresh_transformer=args.fresh_transformer)
         else:
             default = MODEL / ("transformer" if args.part.startswith("transformer") else args.part)
             save(args.part, Path(args.src) if args.src else default)

@@ -73,6 +73,10 @@ DEFAULTS: dict = {
         "num_inference_steps": 50,
         "guidance_scale": 5.0,
         "loss_batches": 1,  # fixed batches (fixed noise) for the eval loss at start and end
+        # steps between the conditioning probe (training/probe.py: the swap test on synthetic validation clips of
+        # data.world) and the eval loss, both logged to metrics.jsonl; 0 = off. Synthetic worlds only.
+        "probe_every": 0,
+        "probe_clips": 8,
     },
     "checkpoint": {"every": 500, "keep": 3},
     # task=vae only: crop size of training clips, KL weight, clips for the latent statistics, where to install it
@@ -200,6 +204,8 @@ RANGES: dict[str, tuple] = {
     "validation.num_inference_steps": (1, True, None),
     "validation.guidance_scale": (0, True, None),
     "validation.loss_batches": (1, True, None),
+    "validation.probe_every": (0, True, None),
+    "validation.probe_clips": (1, True, None),
     "checkpoint.every": (0, True, None),
     "checkpoint.keep": (0, True, None),
     "vae.crop": (8, True, None),

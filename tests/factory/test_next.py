@@ -59,3 +59,39 @@ def test_save_refuses_bad_input(tmp_path, monkeypatch):
     assert not (tmp_path / "next" / "vae").exists()
     with pytest.raises(FileNotFoundError, match="model_index"):
         nxt.init(tmp_path / "out", next_dir=tmp_path / "next", base=tmp_path / "nothing")
+
+
+def test_a_fresh_transformer_only_where_no_stage_has_saved_one(tmp_path):
+    import torch
+    from diffusers import WanTransformer3DModel
+    from safetensors.torch import load_file
+
+    base = _model_dir(tmp_path / "builtin")
+    out = nxt.init(tmp_path / "model", next_dir=tmp_path / "none", base=base, fresh_transformer=True)
+    fresh = WanTransformer3DModel.from_pretrained(str(out / "transformer"))
+    assert fresh.config.num_layers == 6 and fresh.config.num_attention_heads * fresh.config.attention_head_dim == 128
+    again = nxt.init(tmp_path / "model2", next_dir=tmp_path / "none", base=base, fresh_transformer=True)
+    a = load_file(str(out / "transformer" / "diffusion_pytorch_model.safetensors"))
+    b = load_file(str(again / "transformer" / "diffusion_pytorch_model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)  # seeded: the same start on any machine
+    staged = tmp_path / "next" / "transformer"
+    staged.mkdir(parents=True)
+    (staged / "config.json").write_text(json.dumps({"tag": "stage"}))
+    kept = nxt.init(tmp_path / "model3", next_dir=tmp_path / "next", base=base, fresh_transformer=True)
+    assert json.loads((kept / "transformer" / "config.json").read_text())["tag"] == "stage"
+
+
+def test_the_second_designs_configs_are_valid(tmp_path):
+    from training.config import load_config
+
+    model = _model_dir(tmp_path / "model")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    for name, extra in (("vae", []), ("base", [f"data.path={cache}"])):
+        cfg = load_config(f"configs/builtin/v2/{name}.yaml", [f"model.path={model}", *extra])
+        assert cfg.data.world == "v2"
+    assert load_config("configs/builtin/v2/base.yaml", [f"model.path={model}", f"data.path={cache}"]).train.ema_decay
+    with pytest.raises(ValueError, match="data.world"):
+        load_config("configs/builtin/v2/vae.yaml", [f"model.path={model}", "data.world=v7"])
+    with pytest.raises(ValueError, match="default_background"):
+        load_config("configs/builtin/v2/vae.yaml", [f"model.path={model}", "data.default_background=striped"])
