@@ -34,7 +34,7 @@ from factory import write_json
 from pipelines import BUILTIN_DIR, VARIANTS, load_components
 from pipelines.pipeline import generate
 from training.encoding import Encoder
-from world.synthetic import SyntheticVideoDataset
+from world.synthetic import WORLDS, SyntheticVideoDataset
 
 
 def frame_statistics(real: torch.Tensor, generated: torch.Tensor) -> dict:
@@ -60,6 +60,7 @@ def main(argv=None) -> int:
     p.add_argument("--variant", default="flash", choices=VARIANTS)
     p.add_argument("--num-prompts", type=int, default=6)
     p.add_argument("--data-seed", type=int, default=0)
+    p.add_argument("--world", choices=sorted(WORLDS), default="v1", help="the synthetic world (world.synthetic.WORLDS)")
     p.add_argument("--steps", type=int, default=None, help="denoising steps (default: the model's)")
     p.add_argument("--guidance", type=float, default=None, help="CFG scale (default: the model's)")
     p.add_argument(
@@ -85,6 +86,7 @@ def main(argv=None) -> int:
         num_frames=d["num_frames"],
         height=d["height"],
         width=d["width"],
+        world=WORLDS[args.world],
     )
     encoder = Encoder(components)  # the normalised latents the transformer was trained on
     real, generated = [], []
