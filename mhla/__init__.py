@@ -9,11 +9,13 @@ from .feature_maps import FEATURE_MAPS, get_feature_map
 from .layout import (
     PAPER_BLOCK_SHAPE,
     BlockLayout,
+    ResolvedBlocks,
     cached_layout,
     default_blocks,
     fit_blocks,
     parse_blocks,
     parse_grid,
+    resolve_blocks,
     split_points,
 )
 from .mixing import (
@@ -36,6 +38,7 @@ __all__ = [
     "MHLA",
     "MixingCoefficients",
     "PAPER_BLOCK_SHAPE",
+    "ResolvedBlocks",
     "SOFTMAX_BACKENDS",
     "apply_rotary",
     "attention_weights",
@@ -58,6 +61,7 @@ __all__ = [
     "parse_grid",
     "rank_and_entropy",
     "resample_mixing",
+    "resolve_blocks",
     "softmax_attention",
     "softmax_attention_dense",
     "split_points",

@@ -12,6 +12,7 @@ from diffusers import WanPipeline
 from pipelines.generate import main, validate_request
 from pipelines.loading import load_components
 from pipelines.pipeline import generate
+from pipelines.request import GenerationRequest
 
 PROMPT = "a red square moves to the right"
 SIZE = dict(height=64, width=96, num_frames=9, num_inference_steps=4)
@@ -54,7 +55,8 @@ def reference_latents(components, prompt: str, guidance: float, max_sigma: float
 
 
 def latents(components, **kw) -> torch.Tensor:
-    out = generate(components, PROMPT, seed=0, output_type="latent", show_progress=False, **SIZE, **kw)
+    request = GenerationRequest(prompt=PROMPT, seed=0, output_type="latent", **{**SIZE, **kw})
+    out = generate(components, request, show_progress=False)
     return torch.as_tensor(out.frames)
 
 

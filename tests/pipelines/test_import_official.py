@@ -296,7 +296,7 @@ SMALL = dict(height=64, width=96, num_frames=9, num_inference_steps=2, guidance_
 
 
 def test_hybrid_import_loads_and_generates(base_dir, tmp_path, capsys):
-    from pipelines.generate import generate
+    from pipelines.generate import GenerationRequest, generate
     from pipelines.generate import main as generate_main
 
     ckpt = synthetic_checkpoint(build_tiny_transformer(num_layers=30), hybrid_layers(30), 6, seed=1)
@@ -330,7 +330,8 @@ def test_hybrid_import_loads_and_generates(base_dir, tmp_path, capsys):
     assert all(torch.equal(sd[new], ckpt[old]) for old, new in mapped.items())
     assert not hasattr(model.blocks[0].attn1, "mhla") and hasattr(model.blocks[1].attn1, "mhla")
 
-    result = generate(components, "a fox", variant="mhla-hybrid", seed=0, show_progress=False, **SMALL)
+    request = GenerationRequest(prompt="a fox", variant="mhla-hybrid", seed=0, **SMALL)
+    result = generate(components, request, show_progress=False)
     assert result.frames.shape == (9, 64, 96, 3) and np.isfinite(result.frames).all()
     assert result.timing.num_blocks == 6 and "1x2x3 blocks (M=6)" in result.timing.layout
     assert self_attention_state(model)["linear_layers"] == hybrid_layers(30)  # its own split, not re-chosen

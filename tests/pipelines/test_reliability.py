@@ -158,7 +158,8 @@ def test_latents_that_turn_non_finite_stop_generation_without_a_video(saved_mhla
 
     monkeypatch.setattr(components.transformer, "forward", overflowing)
     with pytest.raises(gen.NonFiniteLatentsError, match="NaN or inf at denoising step 1 of 2"):
-        gen.generate(components, "a fox", height=64, width=96, num_frames=9, num_inference_steps=2, show_progress=False)
+        request = gen.GenerationRequest(prompt="a fox", height=64, width=96, num_frames=9, num_inference_steps=2)
+        gen.generate(components, request, show_progress=False)
     monkeypatch.setattr(gen, "load_components", lambda *a, **k: components, raising=False)
     monkeypatch.setattr("pipelines.loading.load_components", lambda *a, **k: components)
     out = tmp_path / "black.mp4"
