@@ -27,7 +27,8 @@ from .mixing import (
     uniform_init,
 )
 from .module import MHLA
-from .ops import block_summaries, linear_attention, mhla_attention, mix_summaries
+from .naive import block_summaries, linear_attention_naive, mhla_attention_naive, mix_summaries
+from .ops import linear_attention, mhla_attention
 from .reference import linear_attention_dense, mhla_attention_dense, softmax_attention_dense
 from .rope import apply_rotary
 from .softmax import SOFTMAX_BACKENDS, last_softmax_backend, softmax_attention
@@ -52,10 +53,12 @@ __all__ = [
     "last_softmax_backend",
     "linear_attention",
     "linear_attention_dense",
+    "linear_attention_naive",
     "locality_columns_init",
     "locality_init",
     "mhla_attention",
     "mhla_attention_dense",
+    "mhla_attention_naive",
     "mix_summaries",
     "parse_blocks",
     "parse_grid",
