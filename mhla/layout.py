@@ -133,9 +133,9 @@ class BlockLayout:
 
     @classmethod
     def for_grid(cls, grid: Grid, blocks: str | Grid | None = None) -> BlockLayout:
-        """The layout for ``grid``: ``blocks`` when given (e.g. ``"7x3x5"``), else :func:`default_blocks`."""
-        grid = _as_triple(grid, "grid")
-        return cls(grid, default_blocks(grid) if blocks is None else parse_blocks(blocks))
+        """The layout for ``grid``: ``blocks`` when given (e.g. ``"7x3x5"``; it must fit), else
+        :func:`default_blocks` (the block rule, :func:`resolve_blocks`, without a model's own blocks)."""
+        return resolve_blocks(grid, blocks).layout
 
     @classmethod
     def sequence(cls, num_tokens: int, num_blocks: int | None = None) -> BlockLayout:

@@ -528,7 +528,7 @@ def test_every_builtin_config_loads(tmp_path):
 
     from training.config import load_config
 
-    root = Path(__file__).resolve().parents[3] / "configs" / "builtin"
+    root = Path(__file__).resolve().parents[2] / "configs" / "builtin"
     paths = sorted(root.rglob("*.yaml"))
     assert len(paths) >= 9 and {"base.yaml", "vae.yaml", "mhla.yaml"} <= {p.name for p in paths}
     for path in paths:

@@ -241,6 +241,13 @@ def base_dir(tmp_path_factory):
     return root
 
 
+@pytest.fixture(scope="module")
+def base6(tmp_path_factory):
+    """A 6-layer base directory shared by the tests whose checkpoints are refused before anything is written
+    (each asserts that its output folder was never made; the base is only read)."""
+    return _small_base(tmp_path_factory.mktemp("base6"), 6)
+
+
 def _small_base(tmp_path, num_layers):
     """A base dir whose transformer has ``num_layers`` layers (other parts as the tiny model's)."""
     from diffusers import WanPipeline
@@ -436,9 +443,9 @@ def _with(ckpt, **changes):
         ("int_weight", r"non-float tensor\(s\), e.g. 'blocks.0.self_attn.q.bias' as I64"),
     ],
 )
-def test_bad_checkpoints_are_named_before_heavy_work(case, message, tmp_path, monkeypatch):
+def test_bad_checkpoints_are_named_before_heavy_work(case, message, tmp_path, monkeypatch, base6):
     num_layers = 6
-    base = _small_base(tmp_path, num_layers)
+    base = base6
     model = build_tiny_transformer(num_layers=num_layers)
     hybrid = hybrid_layers(num_layers)
     ckpt = synthetic_checkpoint(model, hybrid, 6)
@@ -488,8 +495,8 @@ def test_bad_checkpoints_are_named_before_heavy_work(case, message, tmp_path, mo
 
 @pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
 @pytest.mark.parametrize("damage", ["empty", "text", "truncated"])
-def test_unreadable_checkpoint_files_are_named(suffix, damage, tmp_path, monkeypatch):
-    base = _small_base(tmp_path, 6)
+def test_unreadable_checkpoint_files_are_named(suffix, damage, tmp_path, monkeypatch, base6):
+    base = base6
     good = synthetic_checkpoint(build_tiny_transformer(num_layers=6), hybrid_layers(6), 6)
     path = tmp_path / f"ckpt{suffix}"
     if suffix == ".pt":

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pipelines.attention import AttentionOptions
-from pipelines.convert import convert_self_attention, current_variant, self_attention_state
+from pipelines.convert import convert_self_attention, current_variant, self_attention_state, set_variant
 from pipelines.generate import main, validate_request
 from pipelines.loading import check_model_dir, load_components, load_transformer, save_transformer
 from pipelines.pipeline import generate
@@ -21,9 +21,12 @@ from pipelines.video import read_video, write_frame_grid, write_gif, write_mp4
 SMALL = dict(height=64, width=96, num_frames=9, num_inference_steps=2, guidance_scale=4.0)
 
 
-@pytest.fixture(scope="module")
-def components():
-    return load_components("tiny-random", dtype="float32", device="cpu")
+@pytest.fixture
+def components(tiny_components):
+    """The session's tiny model (tests/conftest.py), back to softmax attention; conversions made by earlier
+    tests stay in it as parameters, as in one app session."""
+    set_variant(tiny_components.transformer, "flash")
+    return tiny_components
 
 
 def test_tiny_model_is_deterministic():

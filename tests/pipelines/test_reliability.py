@@ -14,7 +14,7 @@ import pipelines.generate as gen
 from pipelines.attention import AttentionOptions, parse_layers
 from pipelines.builtin import BUILTIN_DIR
 from pipelines.convert import convert_self_attention
-from pipelines.loading import load_components, load_transformer, save_transformer
+from pipelines.loading import load_transformer, save_transformer
 from pipelines.tiny import build_tiny_transformer
 from pipelines.video import MAX_COMMENT_CHARS, check_output_path, read_video, write_mp4
 
@@ -147,8 +147,10 @@ def test_unreadable_weight_files_are_named(saved_mhla, tmp_path, damage):
         load_transformer(folder, dtype="float32", device="cpu")
 
 
-def test_latents_that_turn_non_finite_stop_generation_without_a_video(saved_mhla, tmp_path, capsys, monkeypatch):
-    components = load_components("tiny-random", dtype="float32", device="cpu")
+def test_latents_that_turn_non_finite_stop_generation_without_a_video(
+    saved_mhla, tmp_path, capsys, monkeypatch, tiny_components
+):
+    components = tiny_components
     original = components.transformer.forward
 
     def overflowing(*args, **kwargs):
