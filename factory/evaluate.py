@@ -42,7 +42,7 @@ from tqdm.auto import tqdm
 
 from factory import output_path, write_json
 from factory.vae_ceiling import reconstruction_ceiling, to_frames
-from pipelines import BUILTIN_DIR, VARIANTS, load_components, load_transformer
+from pipelines import BUILTIN_DIR, VARIANTS, GenerationRequest, load_components, load_transformer
 from pipelines.builtin import builtin_info
 from pipelines.pipeline import generate
 from training.encoding import Encoder
@@ -131,17 +131,15 @@ def semantic(
     for i in tqdm(prompts, desc=f"generate [{variant}, CFG {guidance:g}]"):
         caption = validation[i]["caption"]
         for seed in seeds:
-            result = generate(
-                components,
-                caption,
+            request = GenerationRequest(
+                prompt=caption,
                 variant=variant,
-                transformer=transformer,
                 seed=seed,
                 num_inference_steps=steps,
                 guidance_scale=guidance,
                 guidance_max_sigma=max_sigma,
-                show_progress=False,
             )
+            result = generate(components, request, transformer=transformer, show_progress=False)
             verdict = analyse(result.frames, caption, colours=validation.world.colours)
             verdict["held_out"] = validation.attributes(i)["held_out"]
             verdict["prompt"], verdict["caption"], verdict["seed"] = i, caption, seed

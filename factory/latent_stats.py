@@ -31,7 +31,7 @@ import torch
 from tqdm.auto import tqdm
 
 from factory import write_json
-from pipelines import BUILTIN_DIR, VARIANTS, load_components
+from pipelines import BUILTIN_DIR, VARIANTS, GenerationRequest, load_components
 from pipelines.pipeline import generate
 from training.encoding import Encoder
 from world.synthetic import WORLDS, SyntheticVideoDataset
@@ -93,17 +93,16 @@ def main(argv=None) -> int:
     for i in tqdm(range(args.num_prompts), desc=f"latents [{args.variant}]"):
         item = data[i]
         real.append(encoder.latents(item["video"][None])[0].cpu())
-        result = generate(
-            components,
-            item["caption"],
+        request = GenerationRequest(
+            prompt=item["caption"],
             variant=args.variant,
             seed=0,
             num_inference_steps=args.steps,
             guidance_scale=args.guidance,
             guidance_max_sigma=args.guidance_max_sigma,
             output_type="latent",
-            show_progress=False,
         )
+        result = generate(components, request, show_progress=False)
         generated.append(torch.as_tensor(result.frames)[0].float().cpu())
     stats = frame_statistics(torch.stack(real), torch.stack(generated))
     res = {

@@ -5,13 +5,11 @@ Drop it into any attention layer that produces q, k, v as ``(batch, tokens, head
 
 from __future__ import annotations
 
-from typing import cast
-
 import torch
 from torch import nn
 
 from .feature_maps import get_feature_map
-from .layout import BlockLayout, Grid, cached_layout, fit_blocks, parse_blocks
+from .layout import BlockLayout, Grid, ResolvedBlocks, parse_blocks, resolve_blocks
 from .mixing import MixingCoefficients, resample_mixing
 from .ops import mhla_attention
 from .rope import Rotary
@@ -62,11 +60,14 @@ class MHLA(nn.Module):
             constrain=constrain_mixing,
         )
 
+    def resolve(self, grid: Grid) -> ResolvedBlocks:
+        """The module's blocks on ``grid`` by the block rule (:func:`mhla.resolve_blocks`): kept, and shrunk on
+        any axis where the grid has fewer cells. ``.layout`` is what runs; ``str()`` the note a run reports."""
+        return resolve_blocks(grid, own=self.blocks)
+
     def layout(self, grid: Grid) -> BlockLayout:
-        """The layout on ``grid``: the module's blocks, shrunk on any axis where the grid has fewer cells
-        (:func:`mhla.fit_blocks`)."""
-        grid = cast(Grid, tuple(int(x) for x in grid))
-        return cached_layout(grid, fit_blocks(self.blocks, grid))
+        """The layout on ``grid`` (:meth:`resolve`)."""
+        return self.resolve(grid).layout
 
     def mixing_for(self, layout: BlockLayout) -> torch.Tensor:
         """The mixing matrix for ``layout``: the module's own, resampled by nearest block centres when the
@@ -80,14 +81,19 @@ class MHLA(nn.Module):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        grid: Grid,
+        grid: Grid | ResolvedBlocks,
         rotary_emb: Rotary | None = None,
         out_dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
-        """q, k ``(B, N, H, D)``, v ``(B, N, H, E)``, ``grid`` = ``(F, H, W)`` with ``F*H*W == N``;
+        """q, k ``(B, N, H, D)``, v ``(B, N, H, E)``, ``grid`` = ``(F, H, W)`` with ``F*H*W == N``, or this
+        module's :meth:`resolve` of it when the caller already has it (then the rule is not applied again);
         ``out_dtype`` as :func:`mhla.mhla_attention`. A grid with fewer cells on an axis than the module
-        has blocks shrinks the layout (see :meth:`layout`, :meth:`mixing_for`)."""
-        layout = self.layout(grid)
+        has blocks shrinks the layout (see :meth:`resolve`, :meth:`mixing_for`)."""
+        resolved = grid if isinstance(grid, ResolvedBlocks) else self.resolve(grid)
+        if resolved.blocks != self.blocks:
+            theirs, ours = ("x".join(map(str, b)) for b in (resolved.blocks, self.blocks))
+            raise ValueError(f"a layout resolved for {theirs} blocks was passed to an MHLA module with {ours} blocks")
+        layout = resolved.layout
         return mhla_attention(
             q,
             k,

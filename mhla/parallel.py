@@ -24,7 +24,7 @@ import torch.distributed as dist
 from .checks import check_eps
 from .feature_maps import get_feature_map
 from .layout import BlockLayout
-from .ops import mix_summaries
+from .naive import mix_summaries
 from .rope import Rotary, apply_rotary
 
 
