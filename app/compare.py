@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipelines import VARIANTS, Timing, write_mp4
+from pipelines import VARIANTS, GenerationRequest, Timing, model_request, write_mp4
 from pipelines.pipeline import generate
 from pipelines.timing import Spread, device_name, spread
 
@@ -366,31 +366,31 @@ def iter_compare(
             if progress is not None:
                 progress(f"{text} · variant {i + 1}/{n}", (i + fraction) / n)
 
-        args = dict(
-            negative_prompt=request.negative_prompt,
-            height=request.height,
-            width=request.width,
-            num_frames=request.num_frames,
-            guidance_scale=request.guidance_scale,
-            seed=request.seed,
-            variant=name,
-            transformer=vm.transformer,
-            show_progress=False,
-        )
         try:
+            # built and checked once per variant; the warm-up is the same request with one step
+            timed = model_request(
+                models.components,
+                GenerationRequest(
+                    prompt=request.prompt,
+                    negative_prompt=request.negative_prompt,
+                    height=request.height,
+                    width=request.width,
+                    num_frames=request.num_frames,
+                    num_inference_steps=request.num_inference_steps,
+                    guidance_scale=request.guidance_scale,
+                    seed=request.seed,
+                    variant=name,
+                ),
+                vm.transformer,
+            )
+            warm_up = replace(timed, num_inference_steps=1, output_type="np" if i == 0 else "latent")
             with _Stages(vm.transformer, report, cancel) as stages, warnings.catch_warnings():
                 # "untrained attention parameters": the column already says "converted, not fine-tuned"
                 warnings.simplefilter("ignore", UserWarning)
                 # spans of the variant's work by denoising steps: the warm-up is one step, each repeat all of them
                 work = 1 + request.repeats * request.num_inference_steps
                 stages.start(f"{name}: warm-up (not timed)", 1, request.guidance_scale, i == 0, (0, 1 / work))
-                generate(
-                    models.components,
-                    request.prompt,
-                    num_inference_steps=1,
-                    **args,
-                    output_type="np" if i == 0 else "latent",
-                )
+                generate(models.components, warm_up, transformer=vm.transformer, show_progress=False)
                 for r in range(request.repeats):
                     label = name if request.repeats == 1 else f"{name} (repeat {r + 1}/{request.repeats})"
                     span = (
@@ -398,9 +398,7 @@ def iter_compare(
                         (1 + (r + 1) * request.num_inference_steps) / work,
                     )
                     stages.start(label, request.num_inference_steps, request.guidance_scale, True, span)
-                    out = generate(
-                        models.components, request.prompt, num_inference_steps=request.num_inference_steps, **args
-                    )
+                    out = generate(models.components, timed, transformer=vm.transformer, show_progress=False)
                     run.timings.append(out.timing)
             stages.check()
             report(f"{name}: writing video", 1.0)

@@ -9,7 +9,6 @@ weights. A variant given as ``--variant NAME=DIR`` gets its own transformer, loa
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,8 +16,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import mhla
-from pipelines import VARIANTS, WanComponents, latent_grid, load_components, load_transformer, self_attention_state
+from pipelines import (
+    VARIANTS,
+    WanComponents,
+    latent_grid,
+    load_components,
+    load_transformer,
+    resolve_model_blocks,
+)
 from pipelines.builtin import BUILTIN_DIR, builtin_examples
 from pipelines.convert import attention_options
 from pipelines.loading import WAN_CONFIGS, build_random_wan
@@ -84,15 +89,11 @@ class AppModels:
         return latent_grid(height, width, num_frames, self.patch)
 
     def num_blocks(self, grid, variant: str = "mhla") -> int:
-        """The M that ``generate()`` runs ``variant`` (an MHLA variant) with on ``grid``: the transformer's own
-        layout when it has MHLA parameters, else the default rule with the model's block shape; shrunk to
-        fit the grid (:func:`mhla.fit_blocks`), as generate() does."""
+        """The M that ``generate()`` runs ``variant`` (an MHLA variant) with on ``grid``, by the same rule
+        (:func:`pipelines.resolve_model_blocks`): the transformer's own layout when it has MHLA parameters, else
+        the default with the model's block shape; shrunk to fit the grid."""
         transformer = self.variants[variant].transformer
-        if self_attention_state(transformer)["parameters"]["mhla"] and attention_options(transformer).blocks:
-            blocks = attention_options(transformer).blocks
-        else:
-            blocks = mhla.default_blocks(grid, self.components.block_shape)
-        return math.prod(mhla.fit_blocks(tuple(blocks), tuple(grid)))
+        return resolve_model_blocks(transformer, grid, block_shape=self.components.block_shape).layout.num_blocks
 
     @property
     def builtin(self) -> bool:
@@ -134,17 +135,15 @@ def prepare_converted(components: WanComponents, names: list[str]) -> None:
 
     Without this the first MHLA run would fix the layout (M is fixed once a layer has its mixing matrix) at
     whatever preset came first, and a later 31,500-token run would use a tiny run's M. Smaller grids shrink
-    the layout to fit (see pipelines.attention.fit_blocks).
+    the layout to fit (see mhla.resolve_blocks).
     """
-    from pipelines import AttentionOptions, convert_self_attention, self_attention_state
+    from pipelines import convert_self_attention
 
     d = components.defaults
     transformer = components.transformer
     grid = latent_grid(d["height"], d["width"], d["num_frames"], tuple(transformer.config.patch_size))
-    state = self_attention_state(transformer)
-    options = AttentionOptions.from_dict(state["options"])
-    if not state["parameters"]["mhla"]:
-        options = options.replace(blocks=mhla.default_blocks(grid, components.block_shape))
+    blocks = resolve_model_blocks(transformer, grid, block_shape=components.block_shape).blocks
+    options = attention_options(transformer).replace(blocks=blocks)
     for name in names:
         convert_self_attention(transformer, "linear" if name == "linear" else "mhla", options=options)
     convert_self_attention(transformer, "flash", options=options)

@@ -9,7 +9,7 @@ Times, on q, k, v of shape ``(1, N, heads, dim)`` over latent-token grids ``F x 
 - ``softmax[<backend>]``: the fastest backend present (``--softmax-backends auto``), or every backend
   that can run here, each under its own name (``all``), or a comma-separated list of names;
 - ``linear[torch]`` / ``mhla[torch]``: the PyTorch path of :mod:`mhla.ops`;
-- ``mhla[naive]``: MHLA's straightforward formulation (:func:`mhla.ops.mhla_attention_naive`: gather into
+- ``mhla[naive]``: MHLA's straightforward formulation (:func:`mhla.naive.mhla_attention_naive`: gather into
   block order, per-block summaries, mixing, scatter back), so the gain of the real path is measured in
   every run;
 - ``linear[triton]`` / ``mhla[triton]``: the fused Triton kernels (default on CUDA when Triton is
@@ -45,7 +45,7 @@ import torch
 
 from mhla import BlockLayout, last_softmax_backend, linear_attention, locality_init, mhla_attention, softmax_attention
 from mhla.layout import parse_grid
-from mhla.ops import mhla_attention_naive
+from mhla.naive import mhla_attention_naive
 from mhla.softmax import SOFTMAX_BACKENDS, candidate_backends, installed_external_backends
 from mhla.triton_ops import tuned_launches
 

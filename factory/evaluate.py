@@ -42,14 +42,14 @@ from tqdm.auto import tqdm
 
 from factory import output_path, write_json
 from factory.vae_ceiling import reconstruction_ceiling, to_frames
-from pipelines import BUILTIN_DIR, VARIANTS, load_components, load_transformer
+from pipelines import BUILTIN_DIR, VARIANTS, GenerationRequest, load_components, load_transformer
 from pipelines.builtin import builtin_info
 from pipelines.outputs import atomic_write, write_text_atomic
 from pipelines.pipeline import generate
 from training.encoding import Encoder
 from training.flow import FlowMatching
 from world.analyse import ANALYSER_VERSION, ATTRIBUTES, analyse, score
-from world.synthetic import SyntheticVideoDataset
+from world.synthetic import WORLDS, SyntheticVideoDataset
 
 NAMES = {"flash": "softmax (FA)", "linear": "linear", "mhla": "MHLA", "mhla-hybrid": "MHLA-hybrid"}
 
@@ -132,18 +132,16 @@ def semantic(
     for i in tqdm(prompts, desc=f"generate [{variant}, CFG {guidance:g}]"):
         caption = validation[i]["caption"]
         for seed in seeds:
-            result = generate(
-                components,
-                caption,
+            request = GenerationRequest(
+                prompt=caption,
                 variant=variant,
-                transformer=transformer,
                 seed=seed,
                 num_inference_steps=steps,
                 guidance_scale=guidance,
                 guidance_max_sigma=max_sigma,
-                show_progress=False,
             )
-            verdict = analyse(result.frames, caption)
+            result = generate(components, request, transformer=transformer, show_progress=False)
+            verdict = analyse(result.frames, caption, colours=validation.world.colours)
             verdict["held_out"] = validation.attributes(i)["held_out"]
             verdict["prompt"], verdict["caption"], verdict["seed"] = i, caption, seed
             verdicts.append(verdict)
@@ -184,8 +182,9 @@ def run(args) -> dict:
         num_frames=d["num_frames"],
         height=d["height"],
         width=d["width"],
+        world=WORLDS[args.world],
     )
-    print(f"model: {components.source}; variants {variants}; device {components.device}")
+    print(f"model: {components.source}; world {args.world}; variants {variants}; device {components.device}")
     t0 = time.time()
     if args.loss_batches:
         losses = heldout_loss(
@@ -253,6 +252,7 @@ def run(args) -> dict:
         "loss_clips": args.loss_batches * args.batch_size,
         "noise_draws": args.noise_draws,
         "data_seed": args.data_seed,
+        "world": args.world,
         "vae_ceiling": ceiling,
         "variants": rows,
         "grid_prompts": [item["caption"] for item in shown],
@@ -441,6 +441,12 @@ def _main(argv=None) -> int:
     )
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--data-seed", type=int, default=0, help="seed of the synthetic validation split")
+    p.add_argument(
+        "--world",
+        choices=sorted(WORLDS),
+        default="v1",
+        help="the synthetic world the model was trained on (world.synthetic.WORLDS; the shipped model: v1)",
+    )
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument(

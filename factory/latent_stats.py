@@ -31,10 +31,10 @@ import torch
 from tqdm.auto import tqdm
 
 from factory import write_json
-from pipelines import BUILTIN_DIR, VARIANTS, load_components
+from pipelines import BUILTIN_DIR, VARIANTS, GenerationRequest, load_components
 from pipelines.pipeline import generate
 from training.encoding import Encoder
-from world.synthetic import SyntheticVideoDataset
+from world.synthetic import WORLDS, SyntheticVideoDataset
 
 
 def frame_statistics(real: torch.Tensor, generated: torch.Tensor) -> dict:
@@ -67,6 +67,7 @@ def _main(argv=None) -> int:
     p.add_argument("--variant", default="flash", choices=VARIANTS)
     p.add_argument("--num-prompts", type=int, default=6)
     p.add_argument("--data-seed", type=int, default=0)
+    p.add_argument("--world", choices=sorted(WORLDS), default="v1", help="the synthetic world (world.synthetic.WORLDS)")
     p.add_argument("--steps", type=int, default=None, help="denoising steps (default: the model's)")
     p.add_argument("--guidance", type=float, default=None, help="CFG scale (default: the model's)")
     p.add_argument(
@@ -92,23 +93,23 @@ def _main(argv=None) -> int:
         num_frames=d["num_frames"],
         height=d["height"],
         width=d["width"],
+        world=WORLDS[args.world],
     )
     encoder = Encoder(components)  # the normalised latents the transformer was trained on
     real, generated = [], []
     for i in tqdm(range(args.num_prompts), desc=f"latents [{args.variant}]"):
         item = data[i]
         real.append(encoder.latents(item["video"][None])[0].cpu())
-        result = generate(
-            components,
-            item["caption"],
+        request = GenerationRequest(
+            prompt=item["caption"],
             variant=args.variant,
             seed=0,
             num_inference_steps=args.steps,
             guidance_scale=args.guidance,
             guidance_max_sigma=args.guidance_max_sigma,
             output_type="latent",
-            show_progress=False,
         )
+        result = generate(components, request, show_progress=False)
         generated.append(torch.as_tensor(result.frames)[0].float().cpu())
     stats = frame_statistics(torch.stack(real), torch.stack(generated))
     res = {

@@ -36,7 +36,7 @@ import torch
 
 from factory import write_json
 from world.analyse import ANALYSER_VERSION, ATTRIBUTES, analyse, score
-from world.synthetic import SyntheticVideoDataset
+from world.synthetic import WORLDS, SyntheticVideoDataset
 
 
 def to_frames(video: torch.Tensor) -> np.ndarray:
@@ -80,7 +80,7 @@ def reconstruction_ceiling(vae, dataset, indices, keep: list[np.ndarray] | None 
         acc[0], acc[1] = acc[0] + e2.sum().item(), acc[1] + e2.numel()
         frame_sq = frame_sq + e2.sum(dim=(0, 2, 3), dtype=torch.float64)
         frame_n += e2[:, 0].numel()
-        v = analyse(frames, attributes)
+        v = analyse(frames, attributes, colours=dataset.world.colours)
         v["index"] = int(i)
         verdicts.append(v)
 
@@ -125,6 +125,7 @@ def _main(argv=None) -> int:
     p.add_argument("--frames", type=int, default=17)
     p.add_argument("--height", type=int, default=128)
     p.add_argument("--width", type=int, default=160)
+    p.add_argument("--world", choices=sorted(WORLDS), default="v1", help="the synthetic world's preset")
     p.add_argument("--out", default=None, help="writes OUT.json")
     args = p.parse_args(argv)
     if args.num_clips < 1:
@@ -143,6 +144,7 @@ def _main(argv=None) -> int:
         num_frames=args.frames,
         height=args.height,
         width=args.width,
+        world=WORLDS[args.world],
     )
     t0 = time.time()
     res = reconstruction_ceiling(vae, data, range(args.num_clips))
@@ -154,6 +156,7 @@ def _main(argv=None) -> int:
         "parameters_m": round(sum(x.numel() for x in vae.parameters()) / 1e6, 2) if vae else None,
         "clips": [args.frames, args.height, args.width],
         "num_clips": args.num_clips,
+        "world": args.world,
         "data_seed": args.data_seed,
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
         "analyser_version": ANALYSER_VERSION,

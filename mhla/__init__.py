@@ -9,11 +9,13 @@ from .feature_maps import FEATURE_MAPS, get_feature_map
 from .layout import (
     PAPER_BLOCK_SHAPE,
     BlockLayout,
+    ResolvedBlocks,
     cached_layout,
     default_blocks,
     fit_blocks,
     parse_blocks,
     parse_grid,
+    resolve_blocks,
     split_points,
 )
 from .mixing import (
@@ -25,7 +27,8 @@ from .mixing import (
     uniform_init,
 )
 from .module import MHLA
-from .ops import block_summaries, linear_attention, mhla_attention, mix_summaries
+from .naive import block_summaries, linear_attention_naive, mhla_attention_naive, mix_summaries
+from .ops import linear_attention, mhla_attention
 from .reference import linear_attention_dense, mhla_attention_dense, softmax_attention_dense
 from .rope import apply_rotary
 from .softmax import SOFTMAX_BACKENDS, last_softmax_backend, softmax_attention
@@ -36,6 +39,7 @@ __all__ = [
     "MHLA",
     "MixingCoefficients",
     "PAPER_BLOCK_SHAPE",
+    "ResolvedBlocks",
     "SOFTMAX_BACKENDS",
     "apply_rotary",
     "attention_weights",
@@ -49,15 +53,18 @@ __all__ = [
     "last_softmax_backend",
     "linear_attention",
     "linear_attention_dense",
+    "linear_attention_naive",
     "locality_columns_init",
     "locality_init",
     "mhla_attention",
     "mhla_attention_dense",
+    "mhla_attention_naive",
     "mix_summaries",
     "parse_blocks",
     "parse_grid",
     "rank_and_entropy",
     "resample_mixing",
+    "resolve_blocks",
     "softmax_attention",
     "softmax_attention_dense",
     "split_points",

@@ -133,9 +133,9 @@ class BlockLayout:
 
     @classmethod
     def for_grid(cls, grid: Grid, blocks: str | Grid | None = None) -> BlockLayout:
-        """The layout for ``grid``: ``blocks`` when given (e.g. ``"7x3x5"``), else :func:`default_blocks`."""
-        grid = _as_triple(grid, "grid")
-        return cls(grid, default_blocks(grid) if blocks is None else parse_blocks(blocks))
+        """The layout for ``grid``: ``blocks`` when given (e.g. ``"7x3x5"``; it must fit), else
+        :func:`default_blocks` (the block rule, :func:`resolve_blocks`, without a model's own blocks)."""
+        return resolve_blocks(grid, blocks).layout
 
     @classmethod
     def sequence(cls, num_tokens: int, num_blocks: int | None = None) -> BlockLayout:
@@ -266,3 +266,67 @@ def cached_layout(grid: Grid, blocks: Grid) -> BlockLayout:
     """One shared :class:`BlockLayout` per ``(grid, blocks)``: layouts cache their index tensors (per
     device), so every layer and step of a model should reuse the same instance."""
     return BlockLayout(cast(Grid, tuple(int(x) for x in grid)), parse_blocks(blocks))
+
+
+def resolve_blocks(
+    grid: Sequence[int],
+    requested: str | Sequence[int] | None = None,
+    own: Sequence[int] | None = None,
+    block_shape: Grid = PAPER_BLOCK_SHAPE,
+) -> ResolvedBlocks:
+    """The block rule, in one place: which block count a model runs with and the layout it gets on ``grid``.
+
+    - ``requested`` (e.g. ``"2x4x5"`` from ``--blocks``, or a triple) is parsed and must fit ``grid`` as it is:
+      a request that does not fit is an error (``ValueError`` naming the axis), never shrunk;
+    - else ``own``, the block count a model already has (its ``M x M`` mixing matrices are fixed for it), kept
+      and, on a grid with fewer cells on an axis than it has blocks (e.g. a video of few frames), shrunk
+      there (:func:`fit_blocks`);
+    - else :func:`default_blocks` of ``grid`` with the target ``block_shape``.
+
+    Returns a :class:`ResolvedBlocks`: ``blocks`` (the model's count) and ``layout`` (what runs on ``grid``),
+    one shared instance per argument set, so a layer calling this on every forward pays a dict look-up.
+    """
+    key_requested = requested if requested is None or isinstance(requested, str) else tuple(requested)
+    key_own = None if own is None else tuple(own)
+    return _resolve_blocks(tuple(grid), key_requested, key_own, tuple(block_shape))
+
+
+@lru_cache(maxsize=256)
+def _resolve_blocks(
+    grid: tuple[int, ...],
+    requested: str | tuple[int, ...] | None,
+    own: tuple[int, ...] | None,
+    block_shape: tuple[int, ...],
+) -> ResolvedBlocks:
+    checked = _as_triple(grid, "grid")
+    if requested is not None:
+        blocks = parse_blocks(requested)
+        layout = cached_layout(checked, blocks)  # BlockLayout raises, naming the axis, when it does not fit
+    elif own is not None:
+        blocks = parse_blocks(own)
+        layout = cached_layout(checked, fit_blocks(blocks, checked))
+    else:
+        blocks = default_blocks(checked, _as_triple(block_shape, "block_shape"))
+        layout = cached_layout(checked, blocks)
+    return ResolvedBlocks(blocks, layout)
+
+
+@dataclass(frozen=True)
+class ResolvedBlocks:
+    """The answer of :func:`resolve_blocks` for one grid.
+
+    ``blocks``: the model's block count ``(bf, bh, bw)`` (its mixing matrices are ``M x M`` for it);
+    ``layout``: the :class:`BlockLayout` that runs on the grid, ``blocks`` shrunk where the grid is smaller.
+    ``str()`` is the note a run reports, e.g. ``"1x2x2 blocks (M=4) over a 1x4x4 grid (N=16) (shrunk from 3x2x2)"``.
+    """
+
+    blocks: Grid
+    layout: BlockLayout
+
+    @property
+    def shrunk(self) -> bool:
+        return self.layout.blocks != self.blocks
+
+    def __str__(self) -> str:
+        note = f" (shrunk from {'x'.join(map(str, self.blocks))})" if self.shrunk else ""
+        return f"{self.layout}{note}"

@@ -10,7 +10,7 @@ from torch import nn
 
 from .checks import check_grid
 from .feature_maps import get_feature_map
-from .layout import BlockLayout, Grid, cached_layout, fit_blocks, parse_blocks
+from .layout import BlockLayout, Grid, ResolvedBlocks, parse_blocks, resolve_blocks
 from .mixing import MixingCoefficients, resample_mixing
 from .ops import mhla_attention
 from .rope import Rotary
@@ -61,11 +61,15 @@ class MHLA(nn.Module):
             constrain=constrain_mixing,
         )
 
+    def resolve(self, grid: Grid) -> ResolvedBlocks:
+        """The module's blocks on ``grid`` by the block rule (:func:`mhla.resolve_blocks`): kept, and shrunk on
+        any axis where the grid has fewer cells. ``.layout`` is what runs; ``str()`` the note a run reports."""
+        # ints only: int(5.5) would silently give another layout
+        return resolve_blocks(check_grid(grid), own=self.blocks)
+
     def layout(self, grid: Grid) -> BlockLayout:
-        """The layout on ``grid``: the module's blocks, shrunk on any axis where the grid has fewer cells
-        (:func:`mhla.fit_blocks`)."""
-        grid = check_grid(grid)  # ints only: int(5.5) would silently give another layout
-        return cached_layout(grid, fit_blocks(self.blocks, grid))
+        """The layout on ``grid`` (:meth:`resolve`)."""
+        return self.resolve(grid).layout
 
     def mixing_for(self, layout: BlockLayout) -> torch.Tensor:
         """The mixing matrix for ``layout``: the module's own, resampled by nearest block centres when the
@@ -79,14 +83,19 @@ class MHLA(nn.Module):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        grid: Grid,
+        grid: Grid | ResolvedBlocks,
         rotary_emb: Rotary | None = None,
         out_dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
-        """q, k ``(B, N, H, D)``, v ``(B, N, H, E)``, ``grid`` = ``(F, H, W)`` with ``F*H*W == N``;
+        """q, k ``(B, N, H, D)``, v ``(B, N, H, E)``, ``grid`` = ``(F, H, W)`` with ``F*H*W == N``, or this
+        module's :meth:`resolve` of it when the caller already has it (then the rule is not applied again);
         ``out_dtype`` as :func:`mhla.mhla_attention`. A grid with fewer cells on an axis than the module
-        has blocks shrinks the layout (see :meth:`layout`, :meth:`mixing_for`)."""
-        layout = self.layout(grid)
+        has blocks shrinks the layout (see :meth:`resolve`, :meth:`mixing_for`)."""
+        resolved = grid if isinstance(grid, ResolvedBlocks) else self.resolve(grid)
+        if resolved.blocks != self.blocks:
+            theirs, ours = ("x".join(map(str, b)) for b in (resolved.blocks, self.blocks))
+            raise ValueError(f"a layout resolved for {theirs} blocks was passed to an MHLA module with {ours} blocks")
+        layout = resolved.layout
         return mhla_attention(
             q,
             k,

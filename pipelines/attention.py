@@ -21,14 +21,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import mhla
-from mhla.layout import Grid, cached_layout
+from mhla.layout import Grid
 from mhla.rope import Rotary
 
 from .timing import AttentionTimer
@@ -100,6 +100,15 @@ class AttentionOptions:
 
     def replace(self, **changes: Any) -> AttentionOptions:
         return replace(self, **changes)
+
+
+def parameter_kind(variant: str) -> str:
+    """The kind of new parameters (a key of :data:`PARAM_ATTRS`) that ``variant``'s linear-attention layers
+    run on: ``"linear"`` for ``linear``, ``"mhla"`` for ``mhla`` and ``mhla-hybrid`` (and for ``flash``, which
+    has none: the kind a switch from it would add)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; expected one of {VARIANTS}")
+    return "linear" if variant == "linear" else "mhla"
 
 
 def hybrid_layers(num_layers: int, softmax_every: int = 3) -> list[int]:
@@ -195,22 +204,17 @@ class LinearSelfAttention(nn.Module):
             nn.init.zeros_(self.gate.weight)
             nn.init.zeros_(self.gate.bias)
 
-    def layout_for(self, grid: Grid) -> tuple[mhla.BlockLayout, bool]:
-        """The layout used on ``grid`` and whether it was shrunk from the model's block count."""
-        grid = cast(Grid, tuple(int(x) for x in grid))
-        blocks = mhla.fit_blocks(self.options.blocks, grid)
-        return cached_layout(grid, blocks), blocks != self.options.blocks
-
     def forward(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        grid: Grid | None,
+        grid: Grid | mhla.ResolvedBlocks | None,
         rotary_emb: Rotary | None = None,
         x: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q, k, v ``(B, N, H, D)``; ``grid`` ``(F, H, W)`` with ``F*H*W == N`` (MHLA only);
+        """q, k, v ``(B, N, H, D)``; ``grid`` ``(F, H, W)`` with ``F*H*W == N``, or the MHLA's
+        :meth:`mhla.MHLA.resolve` of it (MHLA only);
         ``x`` the layer input ``(B, N, dim)`` (gate only). Returns ``(B, N, H, D)``."""
         rope = rotary_emb if self.options.rope else None
         out_dtype = q.dtype
@@ -340,10 +344,10 @@ class SoftmaxSelfAttnProcessor(SelfAttentionProcessor):
 class LinearSelfAttnProcessor(SelfAttentionProcessor):
     """Linear or MHLA self-attention through the layer's :class:`LinearSelfAttention` submodule."""
 
-    def __init__(self, context: SelfAttentionContext, layer: int, kind: str):
+    def __init__(self, context: SelfAttentionContext, layer: int, variant: str):
         super().__init__(context, layer)
-        self.kind = kind
-        self.variant = kind
+        self.variant = variant
+        self.param_kind = parameter_kind(variant)
 
     def attend(
         self,
@@ -354,9 +358,10 @@ class LinearSelfAttnProcessor(SelfAttentionProcessor):
         rotary_emb: Rotary | None,
         hidden_states: torch.Tensor,
     ) -> torch.Tensor:
-        module: LinearSelfAttention = getattr(attn, PARAM_ATTRS[self.kind])
-        if module.mhla is not None and self.context.grid is not None:
-            layout, shrunk = module.layout_for(self.context.grid)
-            note = f" (shrunk from {'x'.join(map(str, module.options.blocks))})" if shrunk else ""
-            self.context.layouts.add(f"{layout}{note}")
-        return module(q, k, v, self.context.grid, rotary_emb, hidden_states)
+        module: LinearSelfAttention = getattr(attn, PARAM_ATTRS[self.param_kind])
+        grid = self.context.grid
+        if module.mhla is None or grid is None:
+            return module(q, k, v, grid, rotary_emb, hidden_states)
+        resolved = module.mhla.resolve(grid)  # the block rule, once per call: the note and the run share it
+        self.context.layouts.add(str(resolved))
+        return module(q, k, v, resolved, rotary_emb, hidden_states)

@@ -17,10 +17,13 @@ to ``config.json``)::
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+import mhla
+from mhla.layout import Grid
 
 from .attention import (
     PARAM_ATTRS,
@@ -31,6 +34,7 @@ from .attention import (
     SelfAttentionContext,
     SoftmaxSelfAttnProcessor,
     linear_layers_for,
+    parameter_kind,
 )
 
 if TYPE_CHECKING:
@@ -78,6 +82,25 @@ def self_attention_state(transformer: WanTransformer3DModel) -> dict[str, Any]:
 
 def attention_options(transformer: WanTransformer3DModel) -> AttentionOptions:
     return AttentionOptions.from_dict(self_attention_state(transformer)["options"])
+
+
+def model_blocks(transformer: WanTransformer3DModel) -> Grid | None:
+    """The transformer's own MHLA block count (its mixing matrices are ``M x M`` for it), or None when no
+    layer has MHLA parameters (a softmax or linear-only model: a conversion is free to choose)."""
+    state = self_attention_state(transformer)
+    return mhla.parse_blocks(state["options"]["blocks"]) if state["parameters"]["mhla"] else None
+
+
+def resolve_model_blocks(
+    transformer: WanTransformer3DModel,
+    grid: Sequence[int],
+    requested: str | Sequence[int] | None = None,
+    block_shape: Grid = mhla.PAPER_BLOCK_SHAPE,
+) -> mhla.ResolvedBlocks:
+    """The block rule (:func:`mhla.resolve_blocks`) for this transformer on ``grid``: ``requested``, else the
+    model's own blocks (:func:`model_blocks`), else the default for ``block_shape`` (the model's target block
+    shape in tokens, ``WanComponents.block_shape``)."""
+    return mhla.resolve_blocks(grid, requested, model_blocks(transformer), block_shape)
 
 
 def _param_layers(transformer: WanTransformer3DModel) -> dict[str, list[int]]:
@@ -157,14 +180,14 @@ def convert_self_attention(
     options = existing if options is None else options
     _check_options(existing, options, params)
 
-    kind = "linear" if variant == "linear" else "mhla"
-    missing = [i for i in targets if i not in params[kind]]
+    param_kind = parameter_kind(variant)
+    missing = [i for i in targets if i not in params[param_kind]]
     if missing and not allow_new_parameters:
         raise ValueError(
-            f"variant {variant!r} needs {kind} parameters in layers {missing}, which this model does not have; "
+            f"variant {variant!r} needs {param_kind} parameters in layers {missing}, which this model does not have; "
             "convert with allow_new_parameters=True (new, untrained parameters) or load a checkpoint that has them"
         )
-    add_attention_parameters(transformer, kind, missing, options)
+    add_attention_parameters(transformer, param_kind, missing, options)
     params = _param_layers(transformer)
 
     ctx = attention_context(transformer)
@@ -175,7 +198,7 @@ def convert_self_attention(
         if len(parts) == 4 and parts[0] == "blocks" and parts[2] == "attn1":
             i = int(parts[1])
             if i in targets:
-                processors[name] = LinearSelfAttnProcessor(ctx, i, kind)
+                processors[name] = LinearSelfAttnProcessor(ctx, i, variant)
             else:
                 processors[name] = SoftmaxSelfAttnProcessor(ctx, i, options.softmax_backend)
         else:

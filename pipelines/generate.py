@@ -115,10 +115,10 @@ def _out_path(out: str, variant: str, many: bool) -> Path:
     return path.with_name(f"{path.stem}_{variant}{path.suffix}") if many else path
 
 
-def _check_trained_blocks(variant: str, blocks: str | None, transformer_dir: str | Path | None) -> None:
+def _check_trained_blocks(request: GenerationRequest, transformer_dir: str | Path | None) -> None:
     """A fine-tuned MHLA transformer's mixing coefficients are M x M for its own block layout: another
-    ``--blocks`` would need new ones, so it is refused before anything loads."""
-    if variant not in MHLA_VARIANTS or not blocks or transformer_dir is None:
+    ``--blocks`` (the checked request's, parsed) would need new ones, so it is refused before anything loads."""
+    if not request.uses_blocks or request.blocks is None or transformer_dir is None:
         return
     from .loading import saved_transformer_config
 
@@ -126,10 +126,11 @@ def _check_trained_blocks(variant: str, blocks: str | None, transformer_dir: str
     if not state or not state["parameters"]["mhla"]:
         return  # a softmax or linear transformer: converted afresh with the requested blocks
     trained = state["options"].get("blocks")
-    if trained is not None and tuple(trained) != mhla.parse_blocks(blocks):
+    if trained is not None and tuple(trained) != tuple(request.blocks):
         m = math.prod(trained)
         raise ValueError(
-            f"--blocks {blocks}: the {variant} transformer {str(transformer_dir)!r} was fine-tuned with "
+            f"--blocks {'x'.join(map(str, request.blocks))}: the {request.variant} transformer "
+            f"{str(transformer_dir)!r} was fine-tuned with "
             f"{'x'.join(map(str, trained))} blocks (its mixing coefficients are {m}x{m}); leave --blocks unset, "
             "or pass an unconverted (softmax) --transformer to convert it afresh with these blocks"
         )
@@ -189,29 +190,25 @@ def _preflight(args: argparse.Namespace) -> _Plan:
         raise ValueError(f"--layers applies to --variant mhla-hybrid only, got --variant {args.variant}")
     layers = None if args.layers is None else parse_layers(args.layers, model_num_layers(args.model, args.transformer))
     geometry = model_patch_size(args.model, args.transformer), model_vae_stride(args.model)
-    sizes = dict(
-        height=defaults["height"] if args.height is None else args.height,
-        width=defaults["width"] if args.width is None else args.width,
-        num_frames=defaults["num_frames"] if args.frames is None else args.frames,
-        num_inference_steps=defaults["num_inference_steps"] if args.steps is None else args.steps,
-        guidance_scale=defaults["guidance_scale"] if args.guidance is None else args.guidance,
-        guidance_max_sigma=(
-            defaults.get("guidance_max_sigma") if args.guidance_max_sigma is None else args.guidance_max_sigma
-        ),
-    )
     requests = []
     for v in variants:
         request = GenerationRequest(
             prompt=args.prompt,
             negative_prompt=args.negative_prompt,
+            height=args.height,
+            width=args.width,
+            num_frames=args.frames,
+            num_inference_steps=args.steps,
+            guidance_scale=args.guidance,
+            guidance_max_sigma=args.guidance_max_sigma,
             seed=args.seed,
             variant=v,
             blocks=_blocks_for(v, args.blocks),
             layers=layers,
-            **sizes,
-        )
-        requests.append(request.check(*geometry))
-        _check_trained_blocks(v, args.blocks, args.transformer or variant_dirs.get(v))
+        ).with_defaults(defaults)
+        request = request.check(*geometry)
+        _check_trained_blocks(request, args.transformer or variant_dirs.get(v))
+        requests.append(request)
     overrides = dict(
         normalize=None if args.normalizer is None else args.normalizer == "on",
         feature_map=args.feature_map,

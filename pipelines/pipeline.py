@@ -17,8 +17,14 @@ import torch
 import mhla
 
 from .attention import AttentionOptions
-from .convert import attention_context, attention_options, convert_self_attention, self_attention_state
-from .request import MHLA_VARIANTS, GenerationRequest
+from .convert import (
+    attention_context,
+    attention_options,
+    convert_self_attention,
+    resolve_model_blocks,
+    self_attention_state,
+)
+from .request import GenerationRequest
 from .timing import Timing, sync
 
 if TYPE_CHECKING:
@@ -60,17 +66,15 @@ def initial_noise(seed: int, shape: tuple[int, ...], device: torch.device | str)
 
 
 def model_request(
-    components: WanComponents, transformer: WanTransformer3DModel, prompt: str, **fields: Any
+    components: WanComponents, request: GenerationRequest, transformer: WanTransformer3DModel | None = None
 ) -> GenerationRequest:
-    """A checked :class:`GenerationRequest` for this model: unset sizes, steps and guidance take the model's
-    defaults (``components.defaults``); checked against its patch and VAE strides."""
-    d = components.defaults
-    for key in ("height", "width", "num_frames", "num_inference_steps", "guidance_scale", "guidance_max_sigma"):
-        if fields.get(key) is None:
-            fields[key] = d.get(key)
+    """``request`` checked for this model: unset (None) sizes, steps and guidance take the model's defaults
+    (``components.defaults``), then :meth:`GenerationRequest.check` against its patch (``transformer``'s, default
+    ``components.transformer``) and VAE strides."""
+    transformer = components.transformer if transformer is None else transformer
     vae = components.vae
     stride = (vae.config.scale_factor_temporal, vae.config.scale_factor_spatial, vae.config.scale_factor_spatial)
-    return GenerationRequest(prompt=prompt, **fields).check(tuple(transformer.config.patch_size), stride)
+    return request.with_defaults(components.defaults).check(tuple(transformer.config.patch_size), stride)
 
 
 def _attention_options(
@@ -78,18 +82,17 @@ def _attention_options(
     request: GenerationRequest,
     block_shape: tuple[int, int, int],
     overrides: dict[str, Any] | None,
-) -> AttentionOptions:
+) -> tuple[AttentionOptions, mhla.ResolvedBlocks | None]:
+    """The options to convert with, and for an MHLA variant the block rule's answer on the request's grid
+    (:func:`resolve_model_blocks`: the request's blocks, else the model's own, else the default)."""
     options = attention_options(transformer)
     if overrides:
         options = options.replace(**overrides)
-    if request.uses_blocks:
-        if request.blocks is not None:
-            options = options.replace(blocks=mhla.parse_blocks(request.blocks))
-        elif not self_attention_state(transformer)["parameters"]["mhla"]:
-            # a fresh conversion: the default rule on this grid, with the model's target block shape
-            grid = cast(tuple[int, int, int], request.grid)  # generate() takes checked requests only
-            options = options.replace(blocks=mhla.default_blocks(grid, block_shape))
-    return options
+    if not request.uses_blocks:
+        return options, None
+    grid = cast(tuple[int, int, int], request.grid)  # generate() checks requests first
+    resolved = resolve_model_blocks(transformer, grid, request.blocks, block_shape)
+    return options.replace(blocks=resolved.blocks), resolved
 
 
 def _hybrid_layers(transformer: WanTransformer3DModel, request: GenerationRequest) -> list[int] | None:
@@ -110,10 +113,10 @@ def _convert(
     transformer: WanTransformer3DModel,
     request: GenerationRequest,
     overrides: dict[str, Any] | None,
-) -> AttentionOptions:
+) -> mhla.ResolvedBlocks | None:
     """Converts ``transformer`` in place to the request's variant; warns when that adds untrained parameters
-    to a real (non-random) model."""
-    options = _attention_options(transformer, request, components.block_shape, overrides)
+    to a real (non-random) model. Returns the MHLA blocks it runs with (None for other variants)."""
+    options, resolved = _attention_options(transformer, request, components.block_shape, overrides)
     before = self_attention_state(transformer)["parameters"]
     convert_self_attention(transformer, request.variant, _hybrid_layers(transformer, request), options)
     added = {k: sorted(set(v) - set(before[k])) for k, v in self_attention_state(transformer)["parameters"].items()}
@@ -124,14 +127,14 @@ def _convert(
             "a softmax-trained checkpoint needs fine-tuning before those layers make good videos",
             stacklevel=4,  # the caller of generate(), past torch.no_grad's wrapper
         )
-    return options
+    return resolved
 
 
 def _guided_steps(scheduler: Any, request: GenerationRequest) -> list[bool]:
     """Per denoising step, whether classifier-free guidance applies: every step without a
     ``guidance_max_sigma`` (or without guidance), else the steps whose sigma is at most it."""
-    steps = request.num_inference_steps
-    if request.guidance_max_sigma is None or request.guidance_scale <= 1.0:
+    steps = cast(int, request.num_inference_steps)  # a checked request has its sizes, steps and guidance
+    if request.guidance_max_sigma is None or cast(float, request.guidance_scale) <= 1.0:
         return [True] * steps
     probe = type(scheduler).from_config(scheduler.config)  # the schedule the pipeline will set
     probe.set_timesteps(steps)
@@ -141,77 +144,51 @@ def _guided_steps(scheduler: Any, request: GenerationRequest) -> list[bool]:
 @torch.no_grad()
 def generate(
     components: WanComponents,
-    prompt: str | GenerationRequest,
-    negative_prompt: str = "",
-    height: int | None = None,
-    width: int | None = None,
-    num_frames: int | None = None,
-    num_inference_steps: int | None = None,
-    guidance_scale: float | None = None,
-    guidance_max_sigma: float | None = None,
-    seed: int = 0,
-    variant: str = "flash",
-    layers: list[int] | None = None,
-    blocks: str | tuple[int, int, int] | None = None,
-    attention_options: dict[str, Any] | None = None,
+    request: GenerationRequest,
+    *,
     transformer: WanTransformer3DModel | None = None,
-    output_type: str = "np",
+    attention_options: dict[str, Any] | None = None,
     max_sequence_length: int | None = None,
     show_progress: bool = True,
 ) -> GenerationResult:
-    """Generates one video with ``variant`` self-attention and times it.
+    """Generates one video as ``request`` asks (prompt, size, steps, guidance, seed, variant, blocks, ...) and
+    times it::
+
+        generate(components, GenerationRequest(prompt="a red square moves to the right", variant="mhla", seed=0))
 
     Args:
         components: :class:`pipelines.loading.WanComponents` (tokenizer, text encoder, VAE shared by all variants).
-        prompt: the prompt, or a :class:`GenerationRequest` checked by :func:`model_request` (then the
-            request's fields are used and the keyword arguments below it are ignored).
-        negative_prompt, height, width, num_frames, num_inference_steps, guidance_scale: as diffusers'
-            ``WanPipeline``; None takes the model's defaults (``components.defaults``).
-        guidance_max_sigma: classifier-free guidance only at the steps whose noise level sigma is at most
-            this (a guidance interval); the noisier steps take the conditional prediction alone. None takes
-            the model's default; a model without one guides every step, as ``WanPipeline``.
-        seed: the initial noise (identical for every variant) and nothing else.
-        variant: ``flash``, ``linear``, ``mhla`` or ``mhla-hybrid``.
-        layers: MHLA layers for ``mhla-hybrid``; default: the model's own split if it has one (it runs as
-            ``mhla-hybrid``, or has MHLA parameters in some layers only), else all but 0, 3, 6, ...
-        blocks: MHLA block count, e.g. ``"7x3x5"``; must fit this video's token grid. Default: the model's own
-            (if it has MHLA parameters), else :func:`mhla.default_blocks` of this grid.
-        attention_options: overrides of :class:`pipelines.attention.AttentionOptions` (e.g. ``{"normalize": True}``).
+        request: a :class:`GenerationRequest`. An unchecked one (``grid`` None) is checked here, once, by
+            :func:`model_request` (unset sizes, steps and guidance take the model's defaults); a checked one
+            (the CLI checks before loading a model) is used as it is. Its ``blocks`` default to the model's own
+            (if it has MHLA parameters), else :func:`mhla.default_blocks` of the grid (:func:`mhla.resolve_blocks`);
+            its ``layers`` (mhla-hybrid) to the model's own split, else all but 0, 3, 6, ...
         transformer: the transformer to run (default ``components.transformer``); it is converted in place,
             reusing its variant parameters where it has them.
-        output_type: ``"np"``, ``"pil"``, ``"pt"`` or ``"latent"``.
+        attention_options: overrides of :class:`pipelines.attention.AttentionOptions` (e.g. ``{"normalize": True}``).
+        max_sequence_length: text tokens (default: the model's own, else 512).
+        show_progress: a progress bar over the denoising steps.
     Raises:
         ValueError: a bad request, before any model work. :class:`NonFiniteLatentsError`: the latents became
             NaN or inf (checked after every denoising step; nothing is decoded).
     """
     from diffusers import WanPipeline
 
-    transformer = components.transformer if transformer is None else transformer
-    request = prompt
     if not isinstance(request, GenerationRequest):
-        request = model_request(
-            components,
-            transformer,
-            request,
-            negative_prompt=negative_prompt,
-            height=height,
-            width=width,
-            num_frames=num_frames,
-            num_inference_steps=num_inference_steps,
-            guidance_scale=guidance_scale,
-            guidance_max_sigma=guidance_max_sigma,
-            seed=seed,
-            variant=variant,
-            layers=layers,
-            blocks=blocks,
-            output_type=output_type,
+        raise TypeError(
+            "generate() takes a GenerationRequest, e.g. generate(components, GenerationRequest(prompt='a red "
+            f"square moves to the right', variant='mhla')); got {type(request).__name__}"
         )
-    if request.grid is None:  # model_request() always sets it
-        raise ValueError("generate() got an unchecked GenerationRequest; make it with pipelines.model_request()")
+    transformer = components.transformer if transformer is None else transformer
+    if request.grid is None:
+        request = model_request(components, request, transformer)
+    grid = cast(tuple[int, int, int], request.grid)  # a checked request has its grid, sizes, steps and guidance
+    height, width, num_frames = cast(int, request.height), cast(int, request.width), cast(int, request.num_frames)
+    do_guidance = cast(float, request.guidance_scale) > 1.0
     # text embeddings are padded to this length and not masked in cross-attention: use the model's own
     if max_sequence_length is None:
         max_sequence_length = components.defaults.get("max_sequence_length", 512)
-    options = _convert(components, transformer, request, attention_options)
+    resolved = _convert(components, transformer, request, attention_options)
 
     device = components.device
     # WanPipeline is only a container of the shared parts: built per call for this variant's transformer
@@ -236,7 +213,7 @@ def generate(
     prompt_embeds, negative_embeds = pipe.encode_prompt(
         prompt=request.prompt,
         negative_prompt=request.negative_prompt,
-        do_classifier_free_guidance=request.guidance_scale > 1.0,
+        do_classifier_free_guidance=do_guidance,
         max_sequence_length=max_sequence_length,
         device=device,
     )
@@ -244,8 +221,8 @@ def generate(
     t_text = time.perf_counter()
 
     stride = components.vae.config.scale_factor_temporal, components.vae.config.scale_factor_spatial
-    latent_frames = (request.num_frames - 1) // stride[0] + 1
-    shape = (1, transformer.config.in_channels, latent_frames, request.height // stride[1], request.width // stride[1])
+    latent_frames = (num_frames - 1) // stride[0] + 1
+    shape = (1, transformer.config.in_channels, latent_frames, height // stride[1], width // stride[1])
     noise = initial_noise(request.seed, shape, device)
     step_ends: list[float] = []
     guided = _guided_steps(scheduler, request)
@@ -310,11 +287,11 @@ def generate(
     timing.self_attention = ctx.timer.seconds()
     timing.self_attention_calls = ctx.timer.calls
     timing.peak_memory_bytes = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    timing.grid = cast(tuple[int, int, int], tuple(request.grid))
-    timing.num_tokens = math.prod(request.grid)
-    if request.variant in MHLA_VARIANTS:
+    timing.grid = grid
+    timing.num_tokens = math.prod(grid)
+    if resolved is not None:
         timing.layout = "; ".join(sorted(ctx.layouts)) or "-"
-        timing.num_blocks = math.prod(mhla.fit_blocks(options.blocks, request.grid))
+        timing.num_blocks = resolved.layout.num_blocks
     elif request.variant == "linear":
         timing.layout = "one global summary (M=1)"
         timing.num_blocks = 1

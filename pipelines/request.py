@@ -7,9 +7,9 @@ is the rule that a block layout applies to the MHLA variants only (:data:`MHLA_V
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import cast
+from typing import Any, cast
 
 import mhla
 
@@ -20,6 +20,8 @@ VAE_STRIDE = (4, 8, 8)
 OUTPUT_TYPES = ("np", "pil", "pt", "latent")
 # the variants that run MHLA layers, and so take a block layout
 MHLA_VARIANTS = ("mhla", "mhla-hybrid")
+# the fields a model gives a default to (None in a request: the model's)
+DEFAULTED = ("height", "width", "num_frames", "num_inference_steps", "guidance_scale", "guidance_max_sigma")
 
 
 def latent_grid(
@@ -36,15 +38,19 @@ def latent_grid(
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """What to generate, in diffusers' argument names. :meth:`check` validates it for a model's patch and
-    VAE strides before any heavy work; a checked request carries its token ``grid``."""
+    """What to generate, in diffusers' argument names: what ``generate()`` takes, e.g.
+    ``GenerationRequest(prompt="a red square moves to the right", variant="mhla", seed=3)``.
+
+    Sizes, steps and guidance left None take the model's defaults (:meth:`with_defaults`). :meth:`check`
+    validates the request for a model's patch and VAE strides before any heavy work; a checked request carries
+    its token ``grid``, and its ``blocks`` (when given) parsed to ``(bf, bh, bw)``."""
 
     prompt: str
-    height: int
-    width: int
-    num_frames: int
-    num_inference_steps: int
-    guidance_scale: float
+    height: int | None = None
+    width: int | None = None
+    num_frames: int | None = None
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
     variant: str = "flash"
     # classifier-free guidance only at the steps whose noise level sigma (1 = pure noise, 0 = clean) is at
     # most this; the earlier, noisier steps take the conditional prediction alone (a guidance interval,
@@ -56,6 +62,12 @@ class GenerationRequest:
     layers: list[int] | None = None
     output_type: str = "np"
     grid: tuple[int, int, int] | None = None  # set by check()
+
+    def with_defaults(self, defaults: Mapping[str, Any]) -> GenerationRequest:
+        """The request with each unset (None) size, step count and guidance taken from ``defaults`` (a model's,
+        e.g. ``WanComponents.defaults``)."""
+        unset: dict[str, Any] = {key: defaults.get(key) for key in DEFAULTED if getattr(self, key) is None}
+        return replace(self, **unset)
 
     @property
     def uses_blocks(self) -> bool:
@@ -101,21 +113,23 @@ class GenerationRequest:
             raise ValueError(f"output_type must be one of {OUTPUT_TYPES}, got {self.output_type!r}")
         if self.layers is not None and self.variant != "mhla-hybrid":
             raise ValueError(f"layers apply to 'mhla-hybrid' only, got layers={self.layers!r} for {self.variant!r}")
-        grid = latent_grid(self.height, self.width, frames, patch_size, vae_stride)
-        if self.blocks is not None:
+        height, width = cast(int, self.height), cast(int, self.width)  # checked above
+        grid = latent_grid(height, width, frames, patch_size, vae_stride)
+        blocks = self.blocks
+        if blocks is not None:
             if not self.uses_blocks:
                 raise ValueError(
                     f"blocks apply to the {' and '.join(map(repr, MHLA_VARIANTS))} variants only, "
-                    f"got blocks={self.blocks!r} for {self.variant!r}"
+                    f"got blocks={blocks!r} for {self.variant!r}"
                 )
             try:
-                mhla.BlockLayout(grid, mhla.parse_blocks(self.blocks))
+                blocks = mhla.resolve_blocks(grid, blocks).blocks  # parsed once, here; must fit the grid
             except ValueError as e:
                 raise ValueError(
-                    f"blocks {self.blocks!r} do not fit {frames} frames at {self.height}x{self.width}: {e}. "
+                    f"blocks {blocks!r} do not fit {frames} frames at {self.height}x{self.width}: {e}. "
                     "Use fewer blocks on that axis, or leave blocks unset for the default layout"
                 ) from None
-        return replace(self, negative_prompt=negative or "", grid=grid)
+        return replace(self, negative_prompt=negative or "", blocks=blocks, grid=grid)
 
 
 def validate_request(

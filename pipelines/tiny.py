@@ -86,3 +86,55 @@ def build_tiny_components(seed: int = 0) -> dict[str, Any]:
         "scheduler": scheduler,
         "transformer": transformer,
     }
+
+
+# ---- the other Wan architectures, tiny and random (issue 32): what each differs in from Wan2.1-T2V
+# Wan2.2-TI2V-5B: a 48-channel VAE that patches 2x2 before its 8x8 strides (16x in all), the transformer's
+# timestep given per token (WanPipeline's expand_timesteps)
+TINY_VAE_22: dict[str, Any] = dict(
+    base_dim=8,
+    decoder_base_dim=8,
+    z_dim=48,
+    dim_mult=[1, 1, 1, 1],
+    num_res_blocks=0,
+    temperal_downsample=[False, True, True],
+    is_residual=True,
+    in_channels=12,
+    out_channels=12,
+    patch_size=2,
+    scale_factor_spatial=16,
+    scale_factor_temporal=4,
+    latents_mean=[0.0] * 48,
+    latents_std=[1.0] * 48,
+)
+TINY_ARCHITECTURES = ("wan2.1-t2v", "wan2.2-ti2v", "wan2.2-t2v-a14b", "wan2.2-i2v")
+
+
+def build_tiny_pipeline(architecture: str = "wan2.1-t2v", seed: int = 0, num_layers: int = 6) -> Any:
+    """A diffusers pipeline of ``architecture`` (:data:`TINY_ARCHITECTURES`) with tiny random parts:
+
+    - ``wan2.1-t2v``: ``WanPipeline`` as :func:`build_tiny_components`;
+    - ``wan2.2-ti2v``: ``WanPipeline(expand_timesteps=True)``, the 48-channel VAE (16x spatial), 48-channel transformer;
+    - ``wan2.2-t2v-a14b``: ``WanPipeline`` with two experts (``transformer_2``, ``boundary_ratio=0.875``);
+    - ``wan2.2-i2v``: ``WanImageToVideoPipeline`` without an image encoder, the transformer taking the noise, the
+      first-frame condition and its mask (16 + 16 + 4 = 36 channels).
+    """
+    from diffusers import AutoencoderKLWan, WanImageToVideoPipeline, WanPipeline
+
+    if architecture not in TINY_ARCHITECTURES:
+        raise ValueError(f"architecture must be one of {TINY_ARCHITECTURES}, got {architecture!r}")
+    parts = build_tiny_components(seed)
+    parts["transformer"] = build_tiny_transformer(seed + 2, num_layers=num_layers)
+    if architecture == "wan2.1-t2v":
+        return WanPipeline(**parts)
+    if architecture == "wan2.2-ti2v":
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed + 1)
+            parts["vae"] = AutoencoderKLWan(**TINY_VAE_22).eval()
+        parts["transformer"] = build_tiny_transformer(seed + 2, num_layers, in_channels=48, out_channels=48)
+        return WanPipeline(**parts, expand_timesteps=True)
+    if architecture == "wan2.2-t2v-a14b":
+        expert = build_tiny_transformer(seed + 3, num_layers=num_layers)
+        return WanPipeline(**parts, transformer_2=expert, boundary_ratio=0.875)
+    parts["transformer"] = build_tiny_transformer(seed + 2, num_layers, in_channels=36)
+    return WanImageToVideoPipeline(**parts, image_encoder=None, image_processor=None)

@@ -30,8 +30,9 @@ DEFAULTS: dict = {
         "source": "synthetic",  # synthetic | folder | cache
         "path": None,  # folder (manifest or .txt captions) or precomputed cache
         "num_samples": 64,  # synthetic only
-        "short_captions": 0.0,  # synthetic only: probability of leaving sizes / background out of a caption
-        "default_background": None,  # synthetic only: the one background a caption may leave out (None: any)
+        "world": "v1",  # synthetic only: the world preset (world.synthetic.WORLDS): v1 (shipped model) | v2
+        "short_captions": None,  # synthetic only: probability of leaving sizes / background out of a caption (null: the world's)
+        "default_background": None,  # synthetic only: the one background a caption may leave out (null: the world's)
         "num_frames": 81,
         "height": 480,
         "width": 800,
@@ -72,6 +73,10 @@ DEFAULTS: dict = {
         "num_inference_steps": 50,
         "guidance_scale": 5.0,
         "loss_batches": 1,  # fixed batches (fixed noise) for the eval loss at start and end
+        # steps between the conditioning probe (training/probe.py: the swap test on synthetic validation clips of
+        # data.world) and the eval loss, both logged to metrics.jsonl; 0 = off. Synthetic worlds only.
+        "probe_every": 0,
+        "probe_clips": 8,
     },
     "checkpoint": {"every": 500, "keep": 3},  # keep: the newest this many checkpoints; 0 = keep every one
     # task=vae only: crop size of training clips, KL weight, clips for the latent statistics, where to install it
@@ -169,6 +174,7 @@ NULLABLE_TYPES: dict[str, tuple] = {
     "model.blocks": (str,),
     "data.path": (str,),
     "data.default_background": (str,),
+    "data.short_captions": _NUM,
     "train.mixing_lr": _NUM,
     "vae.export": (str,),
 }
@@ -201,6 +207,8 @@ RANGES: dict[str, tuple] = {
     # seeds: a 64-bit generator's range (train.seed also seeds rank r's generator with seed * 1000 + r)
     "train.seed": (0, True, (2**63 - 1) // 1000 - 1000),
     "model.seed": (0, True, 2**63 - 1),
+    "validation.probe_every": (0, True, None),
+    "validation.probe_clips": (1, True, None),
     "checkpoint.every": (0, True, None),
     "checkpoint.keep": (0, True, None),
     "vae.crop": (8, True, None),
@@ -303,12 +311,14 @@ def validate(cfg: DictConfig) -> None:
     need(cfg.data.height % 16 == 0 and cfg.data.height > 0, "data.height", "a positive multiple of 16")
     need(cfg.data.width % 16 == 0 and cfg.data.width > 0, "data.width", "a positive multiple of 16")
     need(0 <= cfg.data.caption_dropout < 1, "data.caption_dropout", "a probability in [0, 1)")
-    from world.synthetic import BACKGROUNDS
+    from world.synthetic import WORLDS
 
+    need(cfg.data.world in WORLDS, "data.world", f"one of {sorted(WORLDS)}")
+    backgrounds = WORLDS[cfg.data.world].backgrounds if cfg.data.world in WORLDS else ()
     need(
-        cfg.data.default_background in (None, *BACKGROUNDS),
+        cfg.data.default_background in (None, *backgrounds),
         "data.default_background",
-        f"null or one of {BACKGROUNDS}",
+        f"null or one of world {cfg.data.world}'s backgrounds {backgrounds}",
     )
     need(cfg.train.steps >= 1, "train.steps", "at least 1")
     need(all(0 <= s <= 2**63 - 1 for s in cfg.validation.seeds), "validation.seeds", "seeds in [0, 2**63 - 1]")

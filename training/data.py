@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset, Sampler
 
 from training.encoding import Encoder
-from world.synthetic import SyntheticVideoDataset, SyntheticWorld
+from world.synthetic import SyntheticVideoDataset, SyntheticWorld, world_named
 
 VIDEO_EXTENSIONS: tuple[str, ...] = (".mp4", ".webm", ".mov", ".mkv", ".avi")
 MANIFEST_NAMES: tuple[str, ...] = ("manifest.jsonl", "manifest.csv", "metadata.jsonl", "metadata.csv")
@@ -690,8 +690,21 @@ def build_validation_dataset(cfg, size: int):
     if d.source != "synthetic":
         return None
     return SyntheticVideoDataset(
-        size, seed=cfg.train.seed, split="validation", num_frames=d.num_frames, height=d.height, width=d.width
+        size,
+        seed=cfg.train.seed,
+        split="validation",
+        num_frames=d.num_frames,
+        height=d.height,
+        width=d.width,
+        world=synthetic_world(cfg),
     )
+
+
+def synthetic_world(cfg) -> SyntheticWorld:
+    """The synthetic world ``cfg.data`` names: the preset ``data.world`` with ``data.short_captions`` and
+    ``data.default_background`` where they are set."""
+    d = cfg.data
+    return world_named(d.get("world", "v1"), short_captions=d.short_captions, default_background=d.default_background)
 
 
 def build_dataset(cfg):
@@ -704,7 +717,7 @@ def build_dataset(cfg):
             num_frames=d.num_frames,
             height=d.height,
             width=d.width,
-            world=SyntheticWorld(short_captions=d.short_captions, default_background=d.default_background),
+            world=synthetic_world(cfg),
         )
     if d.source == "folder":
         return VideoFolderDataset(

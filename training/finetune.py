@@ -36,10 +36,12 @@ from tqdm.auto import tqdm
 
 from pipelines import (
     AttentionOptions,
+    GenerationRequest,
     convert_self_attention,
     latent_grid,
     load_components,
     load_transformer,
+    resolve_model_blocks,
     save_transformer,
 )
 from pipelines.attention import PARAM_ATTRS, LinearSelfAttention
@@ -70,10 +72,9 @@ def build_model(cfg, device: torch.device):
         part.requires_grad_(False)
 
     grid = latent_grid(cfg.data.height, cfg.data.width, cfg.data.num_frames, tuple(transformer.config.patch_size))
-    import mhla
-
-    blocks = cfg.model.blocks or "x".join(map(str, mhla.default_blocks(grid, components.block_shape)))
-    mhla.BlockLayout(grid, blocks)  # fails early, naming the axis, if the layout does not fit the training grid
+    # the block rule: the config's blocks (they must fit the training grid: a ValueError names the axis), else
+    # the transformer's own (a fine-tuned MHLA checkpoint's), else the default for the model's block shape
+    blocks = resolve_model_blocks(transformer, grid, cfg.model.blocks or None, components.block_shape).blocks
     options = AttentionOptions(blocks=blocks, **OmegaConf.to_container(cfg.model.attention))
     layers = list(cfg.model.layers) if cfg.model.layers is not None else None
     convert_self_attention(transformer, cfg.model.variant, layers, options)
@@ -650,9 +651,8 @@ def validation_videos(cfg, components, transformer, run_dir: Path, step: int) ->
     with torch.no_grad():
         for i, prompt in enumerate(cfg.validation.prompts):
             for seed in cfg.validation.seeds:
-                result = generate(
-                    components,
-                    prompt,
+                request = GenerationRequest(
+                    prompt=prompt,
                     height=cfg.data.height,
                     width=cfg.data.width,
                     num_frames=cfg.data.num_frames,
@@ -660,9 +660,8 @@ def validation_videos(cfg, components, transformer, run_dir: Path, step: int) ->
                     guidance_scale=cfg.validation.guidance_scale,
                     seed=seed,
                     variant=variant,
-                    transformer=transformer,
-                    show_progress=False,
                 )
+                result = generate(components, request, transformer=transformer, show_progress=False)
                 write_mp4(out / f"prompt{i}_seed{seed}.mp4", result.frames, fps=16)
     transformer.train(was_training)
 

@@ -41,6 +41,7 @@ RECORD_KEYS = (
     "source",
     "path",
     "num_samples",
+    "world",
     "short_captions",
     "default_background",
     "num_frames",
@@ -53,8 +54,16 @@ RECORD_KEYS = (
 
 def cache_record(cfg) -> dict:
     """What a cache written with ``cfg`` holds: the data settings that shape it, the model and seed."""
+    data = {k: cfg.data.get(k) for k in RECORD_KEYS}
+    if cfg.data.source == "synthetic":  # the world's values where the config leaves them to it
+        from training.data import synthetic_world
+
+        world = synthetic_world(cfg)
+        data.update(short_captions=world.short_captions, default_background=world.default_background)
+    elif data["short_captions"] is None:  # as records wrote it before the key could be left to the world
+        data["short_captions"] = 0.0
     return {
-        "data": {k: cfg.data[k] for k in RECORD_KEYS},
+        "data": data,
         "model": None if cfg.model.path is None else str(cfg.model.path),
         "seed": cfg.train.seed,
     }
@@ -67,6 +76,7 @@ def stale_cache(out: str | Path, cfg) -> str | None:
     if not path.is_file():
         return None
     was, now = json.loads(path.read_text()), cache_record(cfg)
+    was["data"].setdefault("world", "v1")  # written before worlds had names
     diff = [f"data.{k}: {was['data'].get(k)!r} -> {v!r}" for k, v in now["data"].items() if was["data"].get(k) != v]
     diff += [f"{k}: {was.get(k)!r} -> {now[k]!r}" for k in ("model", "seed") if was.get(k) != now[k]]
     return "; ".join(diff) or None

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 import mhla
 from pipelines import AttentionOptions, latent_grid
 from pipelines.attention import linear_layers_for
+from pipelines.builtin import BUILTIN_DIR, TINY_RANDOM, builtin_available
 from pipelines.loading import model_num_layers, model_patch_size, model_settings, saved_transformer_config
 from pipelines.model_dir import check_transformer_config
 
@@ -19,15 +20,29 @@ from pipelines.model_dir import check_transformer_config
 ARCHITECTURE_KEYS = ("model.variant", "model.layers", "model.attention", "train.trainable", "train.lora")
 
 
+def _own_blocks(cfg: DictConfig) -> tuple[int, int, int] | None:
+    """The starting transformer's own MHLA blocks, from its config.json (as ``pipelines.convert.model_blocks``
+    reads them from a loaded one): ``model.transformer``'s, else ``model.path``'s; None for a softmax one."""
+    folder = cfg.model.transformer
+    if not folder:
+        path = cfg.model.path if cfg.model.path is not None else (BUILTIN_DIR if builtin_available() else TINY_RANDOM)
+        folder = None if str(path) == TINY_RANDOM else Path(path) / "transformer"
+    config = saved_transformer_config(folder) if folder is not None and Path(folder).is_dir() else None
+    state = (config or {}).get("self_attention") or {}
+    if not (state.get("parameters") or {}).get("mhla"):
+        return None
+    return mhla.parse_blocks(state["options"]["blocks"])
+
+
 def planned_blocks(cfg: DictConfig) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
-    """``(grid, blocks)`` the run will train with, from config files only (as ``finetune.build_model``)."""
+    """``(grid, blocks)`` the run will train with, from config files only, by the block rule
+    ``finetune.build_model`` applies (:func:`mhla.resolve_blocks`: ``model.blocks``, which must fit the grid, else
+    the starting transformer's own, else the default for the model's block shape)."""
     patch = model_patch_size(cfg.model.path, cfg.model.transformer)
     grid = latent_grid(cfg.data.height, cfg.data.width, cfg.data.num_frames, tuple(patch))
-    if cfg.model.blocks:
-        blocks = mhla.parse_blocks(cfg.model.blocks)
-    else:
-        blocks = mhla.default_blocks(grid, model_settings(cfg.model.path)[1])
-    return grid, tuple(blocks)
+    block_shape = model_settings(cfg.model.path)[1]
+    resolved = mhla.resolve_blocks(grid, cfg.model.blocks or None, _own_blocks(cfg), block_shape)
+    return grid, tuple(resolved.blocks)
 
 
 def check_model_plan(cfg: DictConfig) -> None:
@@ -59,8 +74,7 @@ def check_model_plan(cfg: DictConfig) -> None:
     except ValueError as e:
         raise ValueError(f"model.layers={layers}: {e}") from None
     try:
-        grid, blocks = planned_blocks(cfg)
-        mhla.BlockLayout(grid, blocks)
+        planned_blocks(cfg)  # a model.blocks that does not fit the training grid raises, naming the axis
     except ValueError as e:
         size = f"{cfg.data.num_frames} frames at {cfg.data.height}x{cfg.data.width}"
         raise ValueError(f"model.blocks={cfg.model.blocks!r} for the training grid of {size}: {e}") from None
@@ -77,8 +91,8 @@ def check_resume_matches(cfg: DictConfig, checkpoint: Path) -> None:
     changed = []
     for key in ARCHITECTURE_KEYS:
         was, now = OmegaConf.select(saved, key, default=None), OmegaConf.select(cfg, key, default=None)
-        was = OmegaConf.to_container(was) if isinstance(was, DictConfig | type(OmegaConf.create([]))) else was
-        now = OmegaConf.to_container(now) if isinstance(now, DictConfig | type(OmegaConf.create([]))) else now
+        was = OmegaConf.to_container(was) if isinstance(was, DictConfig | ListConfig) else was
+        now = OmegaConf.to_container(now) if isinstance(now, DictConfig | ListConfig) else now
         if was != now:
             changed.append(f"{key} was {was!r}, now {now!r}")
     state = (saved_transformer_config(checkpoint / "transformer") or {}).get("self_attention") or {}

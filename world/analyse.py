@@ -65,10 +65,13 @@ def _hsv(frames: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 COLOUR_HUES = {name: float(_hsv(np.array([[rgb]], np.uint8))[0][0, 0]) for name, rgb in COLOURS.items()}
 
 
-def colour_masks(frames: np.ndarray, max_hue_distance: float = 30.0) -> dict[str, np.ndarray]:
-    """Boolean masks ``(T, H, W)`` per world colour (a pixel goes to the nearest colour's hue)."""
+def colour_masks(
+    frames: np.ndarray, max_hue_distance: float = 30.0, colours: tuple[str, ...] | None = None
+) -> dict[str, np.ndarray]:
+    """Boolean masks ``(T, H, W)`` per world colour (a pixel goes to the nearest colour's hue); ``colours``:
+    the world's colours (default: every colour of :data:`world.synthetic.COLOURS`)."""
     hue, sat, val = _hsv(frames)
-    names = list(COLOUR_HUES)
+    names = list(colours or COLOUR_HUES)
     hues = np.array([COLOUR_HUES[n] for n in names])
     dist = np.abs((hue[..., None] - hues + 180.0) % 360.0 - 180.0)
     nearest = dist.argmin(-1)
@@ -233,8 +236,13 @@ def classify_motion(t: ObjectTrack, static_travel: float = 0.08) -> str | None:
     return STRAIGHT.get((sx, sy))
 
 
-def analyse(frames: np.ndarray, caption: str | dict, min_area: float = 0.004) -> dict:
+def analyse(
+    frames: np.ndarray, caption: str | dict, min_area: float = 0.004, colours: tuple[str, ...] | None = None
+) -> dict:
     """Verdicts for one video ``(T, H, W, 3)`` uint8 against its caption (a string or :func:`parse_caption`'s dict).
+
+    ``colours``: the world's colours (``SyntheticWorld.colours``; default all of them): a world without cyan
+    does not count a cyan fringe as an object.
 
     Returns ``{"count": bool, "colour": bool, "shape": bool | None, "motion": bool | None,
     "found": {...}}``: ``shape``/``motion`` are None when the caption names none; an attribute of an
@@ -248,8 +256,8 @@ def analyse(frames: np.ndarray, caption: str | dict, min_area: float = 0.004) ->
             np.uint8
         )
     want = parse_caption(caption) if isinstance(caption, str) else caption
-    masks = colour_masks(frames)
-    tracks = {c: track(frames, c, masks) for c in COLOURS}
+    masks = colour_masks(frames, colours=colours)
+    tracks = {c: track(frames, c, masks) for c in masks}
     present = sorted(c for c, t in tracks.items() if t.present(min_area))
     found = {"colours": present, "objects": {}}
     shape_ok, motion_ok = [], []
@@ -258,8 +266,11 @@ def analyse(frames: np.ndarray, caption: str | dict, min_area: float = 0.004) ->
         c = obj.get("colour")
         if c is None:
             continue
-        t = tracks[c]
+        t = tracks.get(c)
         here = c in present
+        if t is None:  # a colour this world does not have
+            colour_ok = False
+            continue
         colour_ok &= here
         shape = classify_shape(t.best) if here else None
         motion = classify_motion(t) if here else None

@@ -56,7 +56,7 @@ COLOURS: dict[str, tuple[int, int, int]] = {
 }
 SHAPES: tuple[str, ...] = ("circle", "square", "triangle", "diamond")
 # Base radius of an object as a fraction of min(height, width).
-SIZES: dict[str, float] = {"small": 0.10, "large": 0.17}
+SIZES: dict[str, float] = {"small": 0.10, "large": 0.17, "big": 0.22}
 MOTIONS: tuple[str, ...] = (
     "left",
     "right",
@@ -131,7 +131,7 @@ class SyntheticWorld:
 
     shapes: tuple[str, ...] = SHAPES
     colours: tuple[str, ...] = tuple(COLOURS)
-    sizes: tuple[str, ...] = tuple(SIZES)
+    sizes: tuple[str, ...] = ("small", "large")  # the first world's; "big" is the second world's one size
     motions: tuple[str, ...] = MOTIONS
     backgrounds: tuple[str, ...] = BACKGROUNDS
     max_objects: int = 2
@@ -145,6 +145,8 @@ class SyntheticWorld:
     # model otherwise averages the five backgrounds into a texture). None: any background is left out
     # with probability short_captions.
     default_background: str | None = None
+    # whether captions name the size ("a small red circle ..."); a world of one size leaves it unsaid
+    size_words: bool = True
 
     def __post_init__(self):
         for name, values, known in (
@@ -310,6 +312,36 @@ def sample_attributes(
     }
 
 
+WORLDS: dict[str, SyntheticWorld] = {
+    # the world the shipped built-in model was trained on (issue 17): six colours, two sizes, eleven
+    # motions, five backgrounds, 40% of clips with two objects
+    "v1": SyntheticWorld(),
+    # the second design (issue 28), sized to what a 6-layer, width-128 model learns on 2 cores: one object
+    # per clip, 48-64 px across at 128x160 (about 7 latent cells: radius 0.22 of the frame's short side),
+    # no cyan (it fringed into blue and green), straight motions and static, plain backgrounds; the
+    # size goes unsaid and a caption may leave out the default grey background
+    "v2": SyntheticWorld(
+        colours=("red", "yellow", "green", "blue", "purple"),
+        sizes=("big",),
+        motions=("left", "right", "up", "down", "static"),
+        backgrounds=("grey", "black", "white"),
+        max_objects=1,
+        short_captions=0.5,
+        default_background="grey",
+        size_words=False,
+    ),
+}
+
+
+def world_named(name: str, **overrides) -> SyntheticWorld:
+    """The world preset ``name`` (see :data:`WORLDS`), with fields replaced by the ``overrides`` that are not None."""
+    import dataclasses
+
+    if name not in WORLDS:
+        raise ValueError(f"unknown synthetic world {name!r}; expected one of {sorted(WORLDS)}")
+    return dataclasses.replace(WORLDS[name], **{k: v for k, v in overrides.items() if v is not None})
+
+
 def caption_for(attributes: dict, sizes: bool = True, background: bool = True) -> str:
     """``"a small red circle moves to the left and ... on a grey background"``; without ``sizes`` /
     ``background`` the size words / the background phrase are left out."""
@@ -323,9 +355,9 @@ def caption_for(attributes: dict, sizes: bool = True, background: bool = True) -
 def sample_caption(seed: int, index: int, split: str, attributes: dict, world: SyntheticWorld) -> str:
     """The caption of sample ``index``: the full template, or a short form with ``world.short_captions``."""
     if world.short_captions <= 0:
-        return caption_for(attributes)
+        return caption_for(attributes, sizes=world.size_words)
     rng = np.random.default_rng([int(seed), SPLITS.index(split), int(index), 1])
-    sizes, u = rng.random() >= world.short_captions, rng.random()
+    sizes, u = world.size_words and rng.random() >= world.short_captions, rng.random()
     if world.default_background is None:
         background = u >= world.short_captions
     else:

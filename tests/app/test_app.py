@@ -229,10 +229,10 @@ def test_spread_is_median_and_quartiles():
 def test_compare_reports_a_failing_variant_and_goes_on(models, tmp_path, monkeypatch):
     real = compare.generate
 
-    def failing(components, prompt, variant, **kw):
-        if variant == "linear":
+    def failing(components, request, **kw):
+        if request.variant == "linear":
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 40.00 GiB")
-        return real(components, prompt, variant=variant, **kw)
+        return real(components, request, **kw)
 
     monkeypatch.setattr(compare, "generate", failing)
     req = compare.check_request(models, "a fox", "", 1, 1, 5.0, SMALLEST, ["flash", "linear", "mhla"])
@@ -384,12 +384,12 @@ def test_a_variant_failing_unexpectedly_keeps_the_others_and_shows_no_server_pat
     real = compare.generate
     secret = str(tmp_path / "venv" / "lib" / "python3.11" / "site-packages" / "x.py")
 
-    def failing(components, prompt, variant, **kw):
-        if variant == "flash":
+    def failing(components, request, **kw):
+        if request.variant == "flash":
             raise OSError(7, f"Argument list too long: {secret}")
-        if variant == "linear":
+        if request.variant == "linear":
             raise ValueError(f"weights in {secret} are bad")
-        return real(components, prompt, variant=variant, **kw)
+        return real(components, request, **kw)
 
     monkeypatch.setattr(compare, "generate", failing)
     req = compare.check_request(models, "a fox " * 300, "", 1, 1, 5.0, SMALLEST, ["flash", "linear", "mhla"])

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from mhla import BlockLayout, default_blocks, parse_blocks, split_points
+from mhla import BlockLayout, default_blocks, parse_blocks, resolve_blocks, split_points
 
 
 def test_paper_default_layout():
@@ -109,3 +109,29 @@ def test_block_centres_units():
     assert tok[-1].tolist() == [2.5, 4.5, 7.0]
     with pytest.raises(ValueError, match="units"):
         layout.block_centres("pixels")
+
+
+def test_block_rule_requested_else_own_else_default():
+    # requested: parsed, kept, must fit the grid as it is
+    r = resolve_blocks((5, 16, 20), "2x4x5", own=(1, 1, 1))
+    assert r.blocks == (2, 4, 5) and r.layout == BlockLayout((5, 16, 20), (2, 4, 5)) and not r.shrunk
+    assert resolve_blocks((5, 16, 20), [2, 4, 5]).blocks == (2, 4, 5)
+    with pytest.raises(ValueError, match="3 blocks along frames, but the token grid 1x4x4 has only 1"):
+        resolve_blocks((1, 4, 4), "3x2x2")  # a request is never shrunk
+    with pytest.raises(ValueError, match="blocks must look like '7x3x5'"):
+        resolve_blocks((5, 16, 20), "2x4")
+    # own: kept, shrunk per axis on a smaller grid
+    own = resolve_blocks((1, 4, 4), own=(3, 2, 2))
+    assert own.blocks == (3, 2, 2) and own.layout.blocks == (1, 2, 2) and own.shrunk
+    assert str(own) == "1x2x2 blocks (M=4) over a 1x4x4 grid (N=16) (shrunk from 3x2x2)"
+    assert resolve_blocks((5, 16, 20), own=(2, 4, 5)).layout.blocks == (2, 4, 5)
+    # neither: the default rule with the given target block shape
+    assert resolve_blocks((21, 30, 50)).blocks == default_blocks((21, 30, 50)) == (7, 3, 5)
+    assert resolve_blocks((5, 16, 20), block_shape=(3, 4, 4)).blocks == default_blocks((5, 16, 20), (3, 4, 4))
+    assert str(resolve_blocks((21, 30, 50))) == str(BlockLayout((21, 30, 50), (7, 3, 5)))
+
+
+def test_block_rule_answers_share_one_layout():
+    a = resolve_blocks((3, 4, 6), own=(2, 2, 2))
+    assert resolve_blocks([3, 4, 6], own=[2, 2, 2]) is a  # one instance per question: no second fit per call
+    assert resolve_blocks((3, 4, 6), "2x2x2").layout is a.layout  # and one layout, whatever the route

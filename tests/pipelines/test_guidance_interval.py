@@ -9,17 +9,21 @@ import pytest
 import torch
 from diffusers import WanPipeline
 
+from pipelines.convert import set_variant
 from pipelines.generate import main, validate_request
-from pipelines.loading import load_components
 from pipelines.pipeline import generate
+from pipelines.request import GenerationRequest
 
 PROMPT = "a red square moves to the right"
 SIZE = dict(height=64, width=96, num_frames=9, num_inference_steps=4)
 
 
-@pytest.fixture(scope="module")
-def components():
-    return load_components("tiny-random", dtype="float32", device="cpu")
+@pytest.fixture
+def components(tiny_components):
+    """The session's tiny model (tests/conftest.py), back to softmax attention; conversions made by earlier
+    tests stay in it as parameters, as in one app session."""
+    set_variant(tiny_components.transformer, "flash")
+    return tiny_components
 
 
 def reference_latents(components, prompt: str, guidance: float, max_sigma: float, seed: int = 0) -> torch.Tensor:
@@ -54,7 +58,8 @@ def reference_latents(components, prompt: str, guidance: float, max_sigma: float
 
 
 def latents(components, **kw) -> torch.Tensor:
-    out = generate(components, PROMPT, seed=0, output_type="latent", show_progress=False, **SIZE, **kw)
+    request = GenerationRequest(prompt=PROMPT, seed=0, output_type="latent", **{**SIZE, **kw})
+    out = generate(components, request, show_progress=False)
     return torch.as_tensor(out.frames)
 
 

@@ -241,6 +241,13 @@ def base_dir(tmp_path_factory):
     return root
 
 
+@pytest.fixture(scope="module")
+def base6(tmp_path_factory):
+    """A 6-layer base directory shared by the tests whose checkpoints are refused before anything is written
+    (each asserts that its output folder was never made; the base is only read)."""
+    return _small_base(tmp_path_factory.mktemp("base6"), 6)
+
+
 def _small_base(tmp_path, num_layers):
     """A base dir whose transformer has ``num_layers`` layers (other parts as the tiny model's)."""
     from diffusers import WanPipeline
@@ -296,7 +303,7 @@ SMALL = dict(height=64, width=96, num_frames=9, num_inference_steps=2, guidance_
 
 
 def test_hybrid_import_loads_and_generates(base_dir, tmp_path, capsys):
-    from pipelines.generate import generate
+    from pipelines.generate import GenerationRequest, generate
     from pipelines.generate import main as generate_main
 
     ckpt = synthetic_checkpoint(build_tiny_transformer(num_layers=30), hybrid_layers(30), 6, seed=1)
@@ -330,7 +337,8 @@ def test_hybrid_import_loads_and_generates(base_dir, tmp_path, capsys):
     assert all(torch.equal(sd[new], ckpt[old]) for old, new in mapped.items())
     assert not hasattr(model.blocks[0].attn1, "mhla") and hasattr(model.blocks[1].attn1, "mhla")
 
-    result = generate(components, "a fox", variant="mhla-hybrid", seed=0, show_progress=False, **SMALL)
+    request = GenerationRequest(prompt="a fox", variant="mhla-hybrid", seed=0, **SMALL)
+    result = generate(components, request, show_progress=False)
     assert result.frames.shape == (9, 64, 96, 3) and np.isfinite(result.frames).all()
     assert result.timing.num_blocks == 6 and "1x2x3 blocks (M=6)" in result.timing.layout
     assert self_attention_state(model)["linear_layers"] == hybrid_layers(30)  # its own split, not re-chosen
@@ -435,9 +443,9 @@ def _with(ckpt, **changes):
         ("int_weight", r"non-float tensor\(s\), e.g. 'blocks.0.self_attn.q.bias' as I64"),
     ],
 )
-def test_bad_checkpoints_are_named_before_heavy_work(case, message, tmp_path, monkeypatch):
+def test_bad_checkpoints_are_named_before_heavy_work(case, message, tmp_path, monkeypatch, base6):
     num_layers = 6
-    base = _small_base(tmp_path, num_layers)
+    base = base6
     model = build_tiny_transformer(num_layers=num_layers)
     hybrid = hybrid_layers(num_layers)
     ckpt = synthetic_checkpoint(model, hybrid, 6)
@@ -487,8 +495,8 @@ def test_bad_checkpoints_are_named_before_heavy_work(case, message, tmp_path, mo
 
 @pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
 @pytest.mark.parametrize("damage", ["empty", "text", "truncated"])
-def test_unreadable_checkpoint_files_are_named(suffix, damage, tmp_path, monkeypatch):
-    base = _small_base(tmp_path, 6)
+def test_unreadable_checkpoint_files_are_named(suffix, damage, tmp_path, monkeypatch, base6):
+    base = base6
     good = synthetic_checkpoint(build_tiny_transformer(num_layers=6), hybrid_layers(6), 6)
     path = tmp_path / f"ckpt{suffix}"
     if suffix == ".pt":

@@ -3,24 +3,30 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 
 from pipelines.attention import AttentionOptions
-from pipelines.convert import convert_self_attention, current_variant, self_attention_state
-from pipelines.generate import generate, main, validate_request
+from pipelines.convert import convert_self_attention, current_variant, self_attention_state, set_variant
+from pipelines.generate import main, validate_request
 from pipelines.loading import check_model_dir, load_components, load_transformer, save_transformer
+from pipelines.pipeline import generate
+from pipelines.request import GenerationRequest
 from pipelines.tiny import build_tiny_components, build_tiny_transformer
 from pipelines.video import read_video, write_frame_grid, write_gif, write_mp4
 
 SMALL = dict(height=64, width=96, num_frames=9, num_inference_steps=2, guidance_scale=4.0)
 
 
-@pytest.fixture(scope="module")
-def components():
-    return load_components("tiny-random", dtype="float32", device="cpu")
+@pytest.fixture
+def components(tiny_components):
+    """The session's tiny model (tests/conftest.py), back to softmax attention; conversions made by earlier
+    tests stay in it as parameters, as in one app session."""
+    set_variant(tiny_components.transformer, "flash")
+    return tiny_components
 
 
 def test_tiny_model_is_deterministic():
@@ -42,9 +48,8 @@ def test_all_variants_generate_playable_mp4(components, tmp_path):
     results = {}
     try:
         for variant in ("flash", "linear", "mhla", "mhla-hybrid"):
-            results[variant] = generate(
-                components, "a red fox in snow", seed=11, variant=variant, show_progress=False, **SMALL
-            )
+            request = GenerationRequest(prompt="a red fox in snow", seed=11, variant=variant, **SMALL)
+            results[variant] = generate(components, request, show_progress=False)
     finally:
         hook.remove()
 
@@ -83,10 +88,10 @@ def test_all_variants_generate_playable_mp4(components, tmp_path):
 
 
 def test_same_seed_same_video_and_other_seed_differs(components):
-    kw = dict(variant="mhla", show_progress=False, output_type="latent", **SMALL)
-    a = generate(components, "waves", seed=3, **kw)
-    b = generate(components, "waves", seed=3, **kw)
-    c = generate(components, "waves", seed=4, **kw)
+    kw = dict(prompt="waves", variant="mhla", output_type="latent", **SMALL)
+    a = generate(components, GenerationRequest(seed=3, **kw), show_progress=False)
+    b = generate(components, GenerationRequest(seed=3, **kw), show_progress=False)
+    c = generate(components, GenerationRequest(seed=4, **kw), show_progress=False)
     assert torch.equal(a.frames, b.frames)
     assert not torch.equal(a.initial_noise, c.initial_noise)
 
@@ -95,9 +100,8 @@ def test_uneven_grid_runs(components):
     # tiny analogue of 480x832 (21x30x52 tokens): 3x5x13 tokens, blocks that split 5 and 13 unevenly
     small = {**SMALL, "height": 80, "width": 208}
     model = build_tiny_transformer(seed=2)
-    result = generate(
-        components, "a city", variant="mhla", blocks="2x2x5", transformer=model, show_progress=False, **small
-    )
+    request = GenerationRequest(prompt="a city", variant="mhla", blocks="2x2x5", **small)
+    result = generate(components, request, transformer=model, show_progress=False)
     assert result.frames.shape == (9, 80, 208, 3)
     assert result.timing.grid == (3, 5, 13)
     assert "2x2x5 blocks (M=20) over a 3x5x13 grid" in result.timing.layout
@@ -106,9 +110,8 @@ def test_uneven_grid_runs(components):
 def test_few_frames_shrink_the_layout(components):
     model = build_tiny_transformer(seed=2)
     convert_self_attention(model, "mhla", options=AttentionOptions(blocks=(3, 2, 2)))
-    result = generate(
-        components, "a bird", variant="mhla", transformer=model, show_progress=False, **{**SMALL, "num_frames": 1}
-    )
+    request = GenerationRequest(prompt="a bird", variant="mhla", **{**SMALL, "num_frames": 1})
+    result = generate(components, request, transformer=model, show_progress=False)
     assert result.frames.shape == (1, 64, 96, 3)
     assert result.timing.num_blocks == 4
     assert "1x2x2 blocks (M=4)" in result.timing.layout and "shrunk from 3x2x2" in result.timing.layout
@@ -169,20 +172,21 @@ def test_local_model_dir_round_trip(components, tmp_path):
     local = load_components(tmp_path / "wan", dtype="float32", device="cpu")
     assert not local.random_weights and local.source == str(tmp_path / "wan")
     assert current_variant(local.transformer) == "mhla-hybrid"
-    kw = dict(variant="mhla-hybrid", seed=5, show_progress=False, output_type="latent", **SMALL)
-    from_dir = generate(local, "a boat", **kw).frames  # keeps the checkpoint's own hybrid layers
+    hybrid = GenerationRequest(prompt="a boat", variant="mhla-hybrid", seed=5, output_type="latent", **SMALL)
+    from_dir = generate(local, hybrid, show_progress=False).frames  # keeps the checkpoint's own hybrid layers
     assert self_attention_state(local.transformer)["linear_layers"] == layers
-    generate(local, "a boat", **{**kw, "variant": "flash"})
-    generate(local, "a boat", **kw)  # back to hybrid: still the checkpoint's split, not the default one
+    generate(local, replace(hybrid, variant="flash"), show_progress=False)
+    generate(local, hybrid, show_progress=False)  # back to hybrid: still the checkpoint's split, not the default one
     assert self_attention_state(local.transformer)["linear_layers"] == layers
-    built = generate(components, "a boat", layers=layers, **kw).frames  # same tiny weights, converted the same way
+    # same tiny weights, converted the same way
+    built = generate(components, replace(hybrid, layers=layers), show_progress=False).frames
     # identical weights; outputs agree to float32 noise (tensors loaded from safetensors can take other CPU kernels)
     sa, sb = local.transformer.state_dict(), components.transformer.state_dict()
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
     torch.testing.assert_close(from_dir, built, rtol=1e-4, atol=1e-4)
     # a real (non-random) model asked for layers it has no MHLA parameters for says they are untrained
     with pytest.warns(UserWarning, match=r"untrained.*\[0, 1, 3"):
-        generate(local, "a boat", **{**kw, "variant": "mhla"})
+        generate(local, replace(hybrid, variant="mhla"), show_progress=False)
 
 
 def test_incomplete_model_dir_names_missing_files(tmp_path):
@@ -242,9 +246,11 @@ def test_generate_rejects_before_heavy_work(components, monkeypatch):
 
     monkeypatch.setattr(components.text_encoder, "forward", boom)
     with pytest.raises(ValueError, match="num_frames must be of the form"):
-        generate(components, "a cat", num_frames=10)
+        generate(components, GenerationRequest(prompt="a cat", num_frames=10))
     with pytest.raises(ValueError, match="prompt must be a non-empty string"):
-        generate(components, "", variant="mhla")
+        generate(components, GenerationRequest(prompt="", variant="mhla"))
+    with pytest.raises(TypeError, match="generate\\(\\) takes a GenerationRequest"):
+        generate(components, "a cat")  # one calling convention: a prompt alone is not a request
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,14 @@ from pipelines.attention import (
     linear_layers_for,
     parse_layers,
 )
-from pipelines.convert import convert_self_attention, self_attention_state, set_variant
+from pipelines.convert import (
+    attention_context,
+    convert_self_attention,
+    model_blocks,
+    resolve_model_blocks,
+    self_attention_state,
+    set_variant,
+)
 from pipelines.tiny import build_tiny_transformer
 from tests import independent
 
@@ -296,3 +303,49 @@ def test_unnormalised_output_survives_float16():
     out = module(q, q, v, (4, 30, 30))
     assert out.dtype == torch.float16 and torch.isfinite(out).all()
     torch.testing.assert_close(out.float().pow(2).mean(-1), torch.ones(1, 3600, 4), rtol=1e-2, atol=1e-2)
+
+
+def test_each_mhla_call_applies_the_block_rule_once_and_reports_what_ran(monkeypatch):
+    model = build_tiny_transformer(seed=3, num_layers=4)
+    convert_self_attention(model, "mhla", options=AttentionOptions(blocks=(3, 2, 2)))
+    calls = []
+    original = mhla.module.resolve_blocks
+
+    def counting(grid, *args, **kwargs):
+        calls.append(tuple(grid))
+        return original(grid, *args, **kwargs)
+
+    monkeypatch.setattr(mhla.module, "resolve_blocks", counting)
+    ctx = attention_context(model)
+    ctx.layouts.clear()
+    _forward(model, grid=(1, 4, 6))  # one frame: the model's 3 frame blocks shrink to 1
+    assert calls == [(1, 4, 6)] * 4  # once per layer call: the processor's note and the layer share the answer
+    assert ctx.layouts == {"1x2x2 blocks (M=4) over a 1x4x6 grid (N=24) (shrunk from 3x2x2)"}
+    # every processor knows the variant it runs by that name (not by its parameters' kind)
+    procs = [p for n, p in model.attn_processors.items() if ".attn1." in n]
+    assert {p.variant for p in procs} == {"mhla"}
+    convert_self_attention(model, "mhla-hybrid", [1, 2])
+    assert {p.variant for n, p in model.attn_processors.items() if ".attn1." in n} == {"mhla-hybrid", "flash"}
+
+
+def test_a_layout_resolved_for_other_blocks_is_refused():
+    layer = mhla.MHLA((2, 2, 2))
+    q = torch.randn(1, 24, 2, 4)
+    with pytest.raises(ValueError, match="resolved for 1x2x2 blocks was passed to an MHLA module with 2x2x2 blocks"):
+        layer(q, q, q, mhla.resolve_blocks((3, 4, 2), own=(1, 2, 2)))
+    torch.testing.assert_close(layer(q, q, q, layer.resolve((3, 4, 2))), layer(q, q, q, (3, 4, 2)))
+
+
+def test_model_blocks_are_the_models_own_else_none():
+    model = build_tiny_transformer(seed=3, num_layers=2)
+    assert model_blocks(model) is None
+    assert resolve_model_blocks(model, (3, 4, 6), block_shape=(3, 2, 2)).blocks == mhla.default_blocks(
+        (3, 4, 6), (3, 2, 2)
+    )
+    convert_self_attention(model, "linear")
+    assert model_blocks(model) is None  # linear layers have no blocks: a later MHLA conversion is free to choose
+    convert_self_attention(model, "mhla", options=AttentionOptions(blocks=(3, 2, 2)))
+    convert_self_attention(model, "flash")
+    assert model_blocks(model) == (3, 2, 2)  # kept while it runs as flash: its mixing matrices are 12x12
+    r = resolve_model_blocks(model, (1, 4, 6))
+    assert r.blocks == (3, 2, 2) and r.layout.blocks == (1, 2, 2)

@@ -14,7 +14,7 @@ import pipelines.generate as gen
 from pipelines.attention import AttentionOptions, parse_layers
 from pipelines.builtin import BUILTIN_DIR
 from pipelines.convert import convert_self_attention
-from pipelines.loading import load_components, load_transformer, save_transformer
+from pipelines.loading import load_transformer, save_transformer
 from pipelines.tiny import build_tiny_transformer
 from pipelines.video import MAX_COMMENT_CHARS, check_output_path, read_video, write_mp4
 
@@ -147,8 +147,10 @@ def test_unreadable_weight_files_are_named(saved_mhla, tmp_path, damage):
         load_transformer(folder, dtype="float32", device="cpu")
 
 
-def test_latents_that_turn_non_finite_stop_generation_without_a_video(saved_mhla, tmp_path, capsys, monkeypatch):
-    components = load_components("tiny-random", dtype="float32", device="cpu")
+def test_latents_that_turn_non_finite_stop_generation_without_a_video(
+    saved_mhla, tmp_path, capsys, monkeypatch, tiny_components
+):
+    components = tiny_components
     original = components.transformer.forward
 
     def overflowing(*args, **kwargs):
@@ -158,7 +160,8 @@ def test_latents_that_turn_non_finite_stop_generation_without_a_video(saved_mhla
 
     monkeypatch.setattr(components.transformer, "forward", overflowing)
     with pytest.raises(gen.NonFiniteLatentsError, match="NaN or inf at denoising step 1 of 2"):
-        gen.generate(components, "a fox", height=64, width=96, num_frames=9, num_inference_steps=2, show_progress=False)
+        request = gen.GenerationRequest(prompt="a fox", height=64, width=96, num_frames=9, num_inference_steps=2)
+        gen.generate(components, request, show_progress=False)
     monkeypatch.setattr(gen, "load_components", lambda *a, **k: components, raising=False)
     monkeypatch.setattr("pipelines.loading.load_components", lambda *a, **k: components)
     out = tmp_path / "black.mp4"

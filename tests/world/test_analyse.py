@@ -268,3 +268,17 @@ def test_attribute_verdict_of_a_drawn_square():
     assert attribute_verdict(frames, "a red square moves to the right") == (4, 4)
     assert attribute_verdict(frames, "a blue square moves to the right")[0] < 4
     assert attribute_verdict(frames, "a fox in the snow") is None
+
+
+def test_second_world_clips_score_perfectly_and_a_cyan_fringe_is_not_an_object():
+    from world.synthetic import WORLDS, generate_sample
+
+    world = WORLDS["v2"]
+    samples = [generate_sample(i, split="validation", height=128, width=160, world=world) for i in range(12)]
+    verdicts = [analyse(s.frames, s.caption, colours=world.colours) for s in samples]
+    assert score(verdicts)["overall"] == 1.0, [v["found"] for v in verdicts]
+    # a cyan bar beside the object: an extra object among six colours, nothing in a world without cyan
+    frames = samples[0].frames.copy()
+    frames[:, 4:20, 4:40] = (40, 195, 210)
+    assert analyse(frames, samples[0].caption)["count"] is False
+    assert analyse(frames, samples[0].caption, colours=world.colours)["count"] is True

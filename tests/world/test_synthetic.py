@@ -206,7 +206,7 @@ def test_held_out_combinations_never_appear_in_train_but_every_value_does():
             assert not all(obj[k] == v for k, v in combination.items()), f"held-out {combination} in train: {obj}"
     assert all(not attrs["held_out"] for attrs in train)
     # Composition is only testable if each value on its own was seen in training.
-    for key, values in (("shape", SHAPES), ("colour", COLOURS), ("size", SIZES), ("motion", MOTIONS)):
+    for key, values in (("shape", SHAPES), ("colour", COLOURS), ("size", world.sizes), ("motion", MOTIONS)):
         assert {o[key] for o in train_objects} == set(values), key
     assert {a["num_objects"] for a in train} == {1, 2}
     validation = [sample_attributes(0, i, "validation", world) for i in range(40)]
@@ -312,3 +312,31 @@ def test_synthetic_dataset_batches_through_a_dataloader_with_the_resumable_sampl
     indices = [i for b in batches for i in b["index"].tolist()]
     assert sorted(indices) == list(range(6))
     assert [c for b in batches for c in b["caption"]] == [caption_for(dataset.attributes(i)) for i in indices]
+
+
+def test_second_world_is_the_narrow_one_the_issue_asks_for():
+    from world.analyse import parse_caption
+    from world.synthetic import WORLDS, generate_sample, world_named
+
+    world = WORLDS["v2"]
+    assert (
+        "cyan" not in world.colours and world.max_objects == 1 and set(world.backgrounds) == {"grey", "black", "white"}
+    )
+    named_background = 0
+    for i in range(40):
+        s = generate_sample(i, seed=3, height=128, width=160, world=world)
+        assert s.attributes["num_objects"] == 1
+        assert not any(size in s.caption.split() for size in SIZES)  # one size: never named
+        (obj,) = s.attributes["objects"]
+        # 48-64 px across at 128x160: the radius is 0.22 of the short side (56 px across)
+        assert 48 <= 2 * SIZES[obj["size"]] * 128 <= 64
+        parsed = parse_caption(s.caption)
+        assert parsed["objects"][0]["colour"] == obj["colour"] and parsed["objects"][0]["shape"] == obj["shape"]
+        if parsed["background"] is None:
+            assert s.attributes["background"] == "grey"  # only the default background goes unsaid
+        else:
+            named_background += 1
+    assert 0 < named_background < 40
+    assert world_named("v2", short_captions=0.0).short_captions == 0.0
+    with pytest.raises(ValueError, match="unknown synthetic world"):
+        world_named("v9")

@@ -1,0 +1,130 @@
+"""The built-in model's next design (issue 28), staged so that a fresh machine resumes from the repository.
+
+    python -m factory.next init                 # runs/builtin-v2/model from assets/builtin + assets/builtin-next
+    nice -n 5 python -m training.finetune --config configs/builtin/v2/vae.yaml     # a stage (see its header)
+    python -m factory.next save vae             # its weights -> assets/builtin-next/vae (model weights only)
+
+A stage's weights are committed under ``assets/builtin-next/`` (the VAE, the transformer and its EMA, in the
+model directory's own format; no optimizer state, no latents), replaced in place; ``init`` lays them over
+the shipped model directory, so a later stage on a fresh machine starts from them (with a fresh AdamW and a
+short warm-up). ``assets/builtin/`` changes only when the whole new model beats what ships on the committed
+evaluation, and then ``assets/builtin-next/`` goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from pipelines.builtin import BUILTIN_DIR, VARIANTS_SUBDIR
+
+NEXT_DIR = BUILTIN_DIR.parent / "builtin-next"
+WORK = Path("runs/builtin-v2")
+MODEL = WORK / "model"
+# what a stage may leave in assets/builtin-next/: model weights and their configs, nothing else
+PARTS = ("vae", "transformer", "transformer-ema")
+WEIGHT_FILES = ("config.json", "diffusion_pytorch_model.safetensors", "trained.json")
+MAX_MB = 30
+
+
+def init(
+    model: Path = MODEL, next_dir: Path = NEXT_DIR, base: Path = BUILTIN_DIR, fresh_transformer: bool = False
+) -> Path:
+    """Writes ``model``: the shipped model directory (without its variants) with the committed stage weights of
+    ``next_dir`` laid over it (``vae`` replaces the VAE, ``transformer`` the transformer). An existing
+    ``model`` is replaced whole (it is rebuilt from the repository alone). ``fresh_transformer``: a randomly
+    initialised transformer of the built-in architecture where ``next_dir`` has none yet (the base stage
+    trains from scratch; once a stage has saved one, later runs continue from it)."""
+    if not (base / "model_index.json").is_file():
+        raise FileNotFoundError(f"{base} is not a model directory (no model_index.json)")
+    tmp = model.with_name(model.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    shutil.copytree(base, tmp, ignore=shutil.ignore_patterns(VARIANTS_SUBDIR))
+    laid = []
+    for part in ("vae", "transformer"):
+        src = next_dir / part
+        if (src / "config.json").is_file():
+            shutil.rmtree(tmp / part)
+            shutil.copytree(src, tmp / part)
+            laid.append(part)
+    if fresh_transformer and "transformer" not in laid:
+        import torch
+        from diffusers import WanTransformer3DModel
+
+        from factory.build import TRANSFORMER
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(2)
+            WanTransformer3DModel(**TRANSFORMER).save_pretrained(str(tmp / "transformer"), safe_serialization=True)
+        laid.append("a fresh transformer")
+    if model.exists():
+        shutil.rmtree(model)
+    os.replace(tmp, model)
+    print(f"wrote {model} from {base}" + (f" with {', '.join(laid)}" if laid else ""))
+    return model
+
+
+def save(part: str, src: Path, next_dir: Path = NEXT_DIR) -> Path:
+    """Copies a trained component folder ``src`` (config.json + safetensors) into ``next_dir/part``, atomically,
+    refusing anything but weights and configs and a total over :data:`MAX_MB`."""
+    if part not in PARTS:
+        raise ValueError(f"part must be one of {PARTS}, got {part!r}")
+    if not (src / "config.json").is_file() or not (src / "diffusion_pytorch_model.safetensors").is_file():
+        raise FileNotFoundError(f"{src} is not a model folder (config.json + diffusion_pytorch_model.safetensors)")
+    dst = next_dir / part
+    staged = dst.with_name("." + part + ".new")
+    if staged.exists():
+        shutil.rmtree(staged)
+    staged.mkdir(parents=True)
+    for name in WEIGHT_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, staged / name)
+    others = sum(f.stat().st_size for f in next_dir.rglob("*") if f.is_file() and dst not in f.parents)
+    total = (others + sum(f.stat().st_size for f in staged.iterdir())) / 2**20
+    if total > MAX_MB:
+        shutil.rmtree(staged)
+        raise ValueError(f"assets/builtin-next would hold {total:.1f} MB, over its {MAX_MB} MB budget")
+    old = dst.with_name("." + part + ".old")
+    if dst.exists():
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(dst, old)
+    os.replace(staged, dst)
+    if old.exists():
+        shutil.rmtree(old)
+    print(f"wrote {dst} ({total:.1f} MB in {next_dir})")
+    return dst
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m factory.next", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    i = sub.add_parser("init", help="the working model directory from assets/builtin + assets/builtin-next")
+    i.add_argument("--out", default=str(MODEL))
+    i.add_argument(
+        "--fresh-transformer",
+        action="store_true",
+        help="a random transformer where assets/builtin-next has none (the base stage trains from scratch)",
+    )
+    s = sub.add_parser("save", help="a stage's weights into assets/builtin-next/PART")
+    s.add_argument("part", choices=PARTS)
+    s.add_argument("--from", dest="src", default=None, help="the folder to save (default: the model directory's)")
+    args = p.parse_args(argv)
+    try:
+        if args.cmd == "init":
+            init(Path(args.out), fresh_transformer=args.fresh_transformer)
+        else:
+            default = MODEL / ("transformer" if args.part.startswith("transformer") else args.part)
+            save(args.part, Path(args.src) if args.src else default)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

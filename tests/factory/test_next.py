@@ -1,0 +1,97 @@
+"""The next design's stages resume from the repository: init lays committed stage weights over the shipped
+model directory; save keeps only weights and configs, atomically, within the size budget."""
+
+import json
+
+import pytest
+
+from factory import next as nxt
+
+
+def _model_dir(root, vae_tag="shipped"):
+    (root / "vae").mkdir(parents=True)
+    (root / "vae" / "config.json").write_text(json.dumps({"tag": vae_tag}))
+    (root / "transformer").mkdir()
+    (root / "transformer" / "config.json").write_text(json.dumps({"tag": "shipped"}))
+    (root / "variants" / "mhla").mkdir(parents=True)
+    (root / "model_index.json").write_text("{}")
+    return root
+
+
+def test_init_lays_stage_weights_over_the_shipped_model(tmp_path):
+    base = _model_dir(tmp_path / "builtin")
+    nxt_dir = tmp_path / "builtin-next"
+    (nxt_dir / "vae").mkdir(parents=True)
+    (nxt_dir / "vae" / "config.json").write_text(json.dumps({"tag": "stage"}))
+    out = nxt.init(tmp_path / "runs" / "model", next_dir=nxt_dir, base=base)
+    assert json.loads((out / "vae" / "config.json").read_text())["tag"] == "stage"
+    assert json.loads((out / "transformer" / "config.json").read_text())["tag"] == "shipped"
+    assert not (out / "variants").exists()
+    assert not (out.with_name("model.tmp")).exists()
+
+
+def test_save_keeps_weights_only_and_replaces_in_place(tmp_path):
+    src = tmp_path / "vae"
+    src.mkdir()
+    (src / "config.json").write_text("{}")
+    (src / "diffusion_pytorch_model.safetensors").write_bytes(b"x" * 1000)
+    (src / "optimizer.pt").write_bytes(b"y" * 10)
+    dst = nxt.save("vae", src, next_dir=tmp_path / "next")
+    assert sorted(p.name for p in dst.iterdir()) == ["config.json", "diffusion_pytorch_model.safetensors"]
+    (src / "diffusion_pytorch_model.safetensors").write_bytes(b"z" * 10)
+    nxt.save("vae", src, next_dir=tmp_path / "next")
+    assert (dst / "diffusion_pytorch_model.safetensors").read_bytes() == b"z" * 10
+    assert sorted(p.name for p in (tmp_path / "next").iterdir()) == ["vae"]  # no staging folders left
+
+
+def test_save_refuses_bad_input(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="part"):
+        nxt.save("optimizer", tmp_path, next_dir=tmp_path / "next")
+    with pytest.raises(FileNotFoundError, match="not a model folder"):
+        nxt.save("vae", tmp_path / "missing", next_dir=tmp_path / "next")
+    src = tmp_path / "big"
+    src.mkdir()
+    (src / "config.json").write_text("{}")
+    (src / "diffusion_pytorch_model.safetensors").write_bytes(b"x" * 3000)
+    monkeypatch.setattr(nxt, "MAX_MB", 1000 / 2**20)
+    with pytest.raises(ValueError, match="budget"):
+        nxt.save("vae", src, next_dir=tmp_path / "next")
+    assert not (tmp_path / "next" / "vae").exists()
+    with pytest.raises(FileNotFoundError, match="model_index"):
+        nxt.init(tmp_path / "out", next_dir=tmp_path / "next", base=tmp_path / "nothing")
+
+
+def test_a_fresh_transformer_only_where_no_stage_has_saved_one(tmp_path):
+    import torch
+    from diffusers import WanTransformer3DModel
+    from safetensors.torch import load_file
+
+    base = _model_dir(tmp_path / "builtin")
+    out = nxt.init(tmp_path / "model", next_dir=tmp_path / "none", base=base, fresh_transformer=True)
+    fresh = WanTransformer3DModel.from_pretrained(str(out / "transformer"))
+    assert fresh.config.num_layers == 6 and fresh.config.num_attention_heads * fresh.config.attention_head_dim == 128
+    again = nxt.init(tmp_path / "model2", next_dir=tmp_path / "none", base=base, fresh_transformer=True)
+    a = load_file(str(out / "transformer" / "diffusion_pytorch_model.safetensors"))
+    b = load_file(str(again / "transformer" / "diffusion_pytorch_model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)  # seeded: the same start on any machine
+    staged = tmp_path / "next" / "transformer"
+    staged.mkdir(parents=True)
+    (staged / "config.json").write_text(json.dumps({"tag": "stage"}))
+    kept = nxt.init(tmp_path / "model3", next_dir=tmp_path / "next", base=base, fresh_transformer=True)
+    assert json.loads((kept / "transformer" / "config.json").read_text())["tag"] == "stage"
+
+
+def test_the_second_designs_configs_are_valid(tmp_path):
+    from training.config import load_config
+
+    model = _model_dir(tmp_path / "model")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    for name, extra in (("vae", []), ("base", [f"data.path={cache}"])):
+        cfg = load_config(f"configs/builtin/v2/{name}.yaml", [f"model.path={model}", *extra])
+        assert cfg.data.world == "v2"
+    assert load_config("configs/builtin/v2/base.yaml", [f"model.path={model}", f"data.path={cache}"]).train.ema_decay
+    with pytest.raises(ValueError, match="data.world"):
+        load_config("configs/builtin/v2/vae.yaml", [f"model.path={model}", "data.world=v7"])
+    with pytest.raises(ValueError, match="default_background"):
+        load_config("configs/builtin/v2/vae.yaml", [f"model.path={model}", "data.default_background=striped"])
