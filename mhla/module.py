@@ -87,6 +87,23 @@ class MHLA(nn.Module):
         """q, k ``(B, N, H, D)``, v ``(B, N, H, E)``, ``grid`` = ``(F, H, W)`` with ``F*H*W == N``;
         ``out_dtype`` as :func:`mhla.mhla_attention`. A grid with fewer cells on an axis than the module
         has blocks shrinks the layout (see :meth:`layout`, :meth:`mixing_for`)."""
+        if torch.compiler.is_compiling():  # one opaque op in the graph (see mhla.compiled); same numbers
+            from .compiled import attention_op
+
+            return attention_op(
+                q,
+                k,
+                v,
+                self.mixing(),
+                grid,
+                self.blocks,
+                self.feature_map,
+                self.normalize,
+                rotary_emb,
+                self.eps,
+                self.mixing.constrain,
+                out_dtype or q.dtype,
+            )
         layout = self.layout(grid)
         return mhla_attention(
             q,

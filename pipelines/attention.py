@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mhla
+from mhla.compiled import attention_op
 from mhla.layout import Grid, cached_layout
 from mhla.rope import Rotary
 
@@ -161,6 +162,16 @@ def parse_layers(spec: str, num_layers: int | None = None) -> list[int]:
     return sorted(set(out))
 
 
+class HeadRMSNorm(nn.RMSNorm):
+    """``nn.RMSNorm`` over each head's channels that casts its weight to the input's dtype (float16 inputs are
+    normalised in float32, see :meth:`LinearSelfAttention.forward`). Called as a module, so diffusers' offload
+    and casting hooks on it run (the weight is on the right device and dtype when it is read)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = None if self.weight is None else self.weight.to(x.dtype)
+        return F.rms_norm(x, self.normalized_shape, weight, self.eps)
+
+
 class LinearSelfAttention(nn.Module):
     """The new parameters and the attention core of one converted self-attention layer.
 
@@ -188,7 +199,7 @@ class LinearSelfAttention(nn.Module):
                 num_heads=num_heads,
                 constrain_mixing=options.constrain_mixing,
             )
-        self.norm_out = nn.RMSNorm(head_dim, eps=1e-6) if options.output_norm == "rms_head" else None
+        self.norm_out = HeadRMSNorm(head_dim, eps=1e-6) if options.output_norm == "rms_head" else None
         self.gate = None
         if options.output_gate:
             self.gate = nn.Linear(dim, num_heads * head_dim)
@@ -220,9 +231,13 @@ class LinearSelfAttention(nn.Module):
         # float32's range and keeps its own dtype (a float32 output cost ~0.5 ms per layer on the GPU path).
         compute = q.dtype if q.dtype == torch.bfloat16 else torch.promote_types(q.dtype, torch.float32)
         if self.mhla is None:
-            out = mhla.linear_attention(
-                q, k, v, self.options.feature_map, self.options.normalize, rope, self.options.eps, out_dtype=compute
-            )
+            o = self.options
+            if torch.compiler.is_compiling():  # one opaque op in the graph (see mhla.compiled); same numbers
+                out = attention_op(
+                    q, k, v, None, (1, 1, 1), (1, 1, 1), o.feature_map, o.normalize, rope, o.eps, True, compute
+                )
+            else:
+                out = mhla.linear_attention(q, k, v, o.feature_map, o.normalize, rope, o.eps, out_dtype=compute)
         else:
             if grid is None:
                 raise RuntimeError(
@@ -231,8 +246,7 @@ class LinearSelfAttention(nn.Module):
                 )
             out = self.mhla(q, k, v, grid, rope, out_dtype=compute)  # shrinks its layout to a small grid itself
         if self.norm_out is not None:
-            norm = self.norm_out
-            out = F.rms_norm(out, (out.shape[-1],), norm.weight.to(out.dtype), norm.eps)
+            out = self.norm_out(out)  # the module, not its weight: offload hooks must see the call
         if self.gate is not None:
             out = out * (2.0 * torch.sigmoid(self.gate(x))).unflatten(-1, (out.shape[2], -1)).to(out.dtype)
         return out.to(out_dtype)
@@ -290,10 +304,18 @@ class SelfAttentionProcessor:
         query = attn.norm_q(query).unflatten(2, (attn.heads, -1))
         key = attn.norm_k(key).unflatten(2, (attn.heads, -1))
         value = value.unflatten(2, (attn.heads, -1))
-        with self.context.timer.measure(query.device):
+        if torch.compiler.is_compiling() or not self.context.timer.enabled:
             out = self.attend(attn, query, key, value, rotary_emb, hidden_states)
+        else:  # timing asked for, in eager mode only: a compiled graph has no per-call clock
+            with self.context.timer.measure(query.device):
+                out = self.attend(attn, query, key, value, rotary_emb, hidden_states)
+        if not torch.compiler.is_compiling():  # bookkeeping for timing tables; never traced
+            self.note(attn)
         out = out.flatten(2, 3).type_as(query)
         return attn.to_out[1](attn.to_out[0](out))
+
+    def note(self, attn: Any) -> None:
+        """Records what this layer ran (backend, layout) in the shared context; eager calls only."""
 
     def attend(
         self,
@@ -310,14 +332,48 @@ class SelfAttentionProcessor:
         return f"{type(self).__name__}(layer={self.layer})"
 
 
+# the project's softmax backend names (AttentionOptions.softmax_backend) as diffusers' attention backends
+DIFFUSERS_BACKENDS = {
+    "sdpa": "native",
+    "sdpa_cudnn": "_native_cudnn",
+    "sdpa_flash": "_native_flash",
+    "sdpa_efficient": "_native_efficient",
+    "sdpa_math": "_native_math",
+    "flash_attn": "flash",
+    "flash_attn_3": "_flash_3",
+    "xformers": "xformers",
+}
+_PROJECT_NAMES = {v: k for k, v in DIFFUSERS_BACKENDS.items()}
+
+
+def diffusers_backend(name: str) -> Any:
+    """The diffusers ``AttentionBackendName`` for a project backend name (``None`` for ``"auto"``: diffusers'
+    active backend, torch's SDPA unless ``set_attention_backend`` / ``attention_backend(...)`` chose another)."""
+    from diffusers.models.attention_dispatch import AttentionBackendName
+
+    if name == "auto":
+        return None
+    if name not in DIFFUSERS_BACKENDS:
+        raise ValueError(f"softmax_backend must be one of {mhla.SOFTMAX_BACKENDS}, got {name!r}")
+    return AttentionBackendName(DIFFUSERS_BACKENDS[name])
+
+
 class SoftmaxSelfAttnProcessor(SelfAttentionProcessor):
-    """Softmax self-attention (the ``flash`` variant) through :func:`mhla.softmax_attention`."""
+    """Softmax self-attention (the ``flash`` variant, and the hybrid's softmax layers) through diffusers'
+    ``dispatch_attention_fn``, as diffusers' own ``WanAttnProcessor``.
+
+    The backend: ``_attention_backend`` when diffusers' ``set_attention_backend`` has set it, else the
+    options' ``softmax_backend`` (``"auto"``: diffusers' active backend, which ``attention_backend(...)``
+    switches; torch's SDPA by default).
+    """
 
     variant = "flash"
+    _attention_backend: Any = None  # set by diffusers' ModelMixin.set_attention_backend / reset_attention_backend
 
     def __init__(self, context: SelfAttentionContext, layer: int, backend: str = "auto"):
         super().__init__(context, layer)
         self.backend = backend
+        self._options_backend = diffusers_backend(backend)
 
     def attend(
         self,
@@ -328,13 +384,27 @@ class SoftmaxSelfAttnProcessor(SelfAttentionProcessor):
         rotary_emb: Rotary | None,
         hidden_states: torch.Tensor,
     ) -> torch.Tensor:
+        from diffusers.models.attention_dispatch import dispatch_attention_fn
+
         if rotary_emb is not None:
             # same rotation as diffusers' WanAttnProcessor, computed in float32, back to the input dtype
             q = mhla.apply_rotary(q, rotary_emb).type_as(v)
             k = mhla.apply_rotary(k, rotary_emb).type_as(v)
-        out = mhla.softmax_attention(q, k, v, backend=self.backend)
-        self.context.softmax_backend = mhla.last_softmax_backend()
-        return out
+        backend = self._attention_backend if self._attention_backend is not None else self._options_backend
+        return dispatch_attention_fn(q, k, v, backend=backend)
+
+    def backend_name(self) -> str:
+        """The backend this layer runs now, in the project's names (``"sdpa"`` for diffusers' ``native``)."""
+        from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+        backend = self._attention_backend if self._attention_backend is not None else self._options_backend
+        if backend is None:
+            backend = _AttentionBackendRegistry.get_active_backend()[0]  # what dispatch_attention_fn does
+        name = str(getattr(backend, "value", backend))
+        return _PROJECT_NAMES.get(name, name)
+
+    def note(self, attn: Any) -> None:
+        self.context.softmax_backend = self.backend_name()
 
 
 class LinearSelfAttnProcessor(SelfAttentionProcessor):
@@ -355,8 +425,11 @@ class LinearSelfAttnProcessor(SelfAttentionProcessor):
         hidden_states: torch.Tensor,
     ) -> torch.Tensor:
         module: LinearSelfAttention = getattr(attn, PARAM_ATTRS[self.kind])
+        return module(q, k, v, self.context.grid, rotary_emb, hidden_states)
+
+    def note(self, attn: Any) -> None:
+        module: LinearSelfAttention = getattr(attn, PARAM_ATTRS[self.kind])
         if module.mhla is not None and self.context.grid is not None:
             layout, shrunk = module.layout_for(self.context.grid)
             note = f" (shrunk from {'x'.join(map(str, module.options.blocks))})" if shrunk else ""
             self.context.layouts.add(f"{layout}{note}")
-        return module(q, k, v, self.context.grid, rotary_emb, hidden_states)
