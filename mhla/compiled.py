@@ -38,11 +38,7 @@ def _eager(
     rope = None if cos is None or sin is None else (cos, sin)
     if mixing is None:
         return linear_attention(q, k, v, feature_map, normalize, rope, eps, out_dtype=out_dtype)
-    g = cast(Grid, tuple(grid))
-    model_blocks = cast(Grid, tuple(blocks))
-    layout = cached_layout(g, fit_blocks(model_blocks, g))
-    if layout.blocks != model_blocks:  # a grid with fewer cells than blocks on an axis: as MHLA.mixing_for
-        mixing = resample_mixing(mixing, model_blocks, layout.blocks, renormalize=renormalize)
+    layout = cached_layout(cast(Grid, tuple(grid)), cast(Grid, tuple(blocks)))
     return mhla_attention(q, k, v, layout, mixing, feature_map, normalize, rope, eps, out_dtype=out_dtype)
 
 
@@ -102,7 +98,9 @@ def _attention_backward(
     out_dtype: torch.dtype,
 ) -> list[torch.Tensor]:
     """Gradients for q, k, v and the mixing matrix (an empty tensor without mixing): the forward recomputed
-    with autograd, through the eager operator's hand-written backward."""
+    through the eager operator's autograd Function (its hand-written backward). Inside a custom op plain
+    tensor ops record no autograd graph, so every input here must reach that Function directly: the
+    mixing is resampled for a shrunk layout before the op (see :func:`attention_op`), not in it."""
     with torch.enable_grad():
         q1, k1, v1 = (t.detach().requires_grad_(True) for t in (q, k, v))
         m = None if mixing is None else mixing.detach().requires_grad_(True)
@@ -173,6 +171,11 @@ def attention_op(
     q, k ``(B, N, H, D)``, v ``(B, N, H, E)``; returns ``(B, N, H, E)`` in ``out_dtype``. The same numbers as
     the eager operator. RoPE tables get no gradient (Wan's are constants)."""
     cos, sin = (None, None) if rotary_emb is None else rotary_emb
+    if mixing is not None:
+        used = fit_blocks(blocks, grid)
+        if used != tuple(blocks):  # traced tensor ops (differentiable), as MHLA.mixing_for
+            mixing = resample_mixing(mixing, blocks, used, renormalize=renormalize)
+        blocks = used
     return _attention(
         q, k, v, mixing, cos, sin, list(grid), list(blocks), feature_map, normalize, eps, renormalize, out_dtype
     )

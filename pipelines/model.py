@@ -31,7 +31,7 @@ from .convert import CONFIG_KEY, add_attention_parameters, convert_self_attentio
 
 # diffusers resolves a model_index.json entry ["pipelines.model", "MHLAWanTransformer3DModel"] by importing this
 # module and finding its loading method through the base classes it names here: ModelMixin must be one of them
-__all__ = ["MHLAWanTransformer3DModel", "ModelMixin", "check_state"]
+__all__ = ["MHLAWanTransformer3DModel", "ModelMixin", "check_state", "model_index_entry"]
 
 
 class MHLAWanTransformer3DModel(WanTransformer3DModel):  # type: ignore[misc]  # diffusers is untyped here
@@ -121,3 +121,9 @@ def check_state(state: Any, num_layers: int) -> dict[str, Any] | None:
                 f"config {CONFIG_KEY!r}.parameters[{kind!r}] names layers {bad} outside 0 ... {num_layers - 1}"
             )
     return dict(state)
+
+
+def model_index_entry() -> list[str]:
+    """How a pipeline's ``model_index.json`` names this class: ``["pipelines.model", "MHLAWanTransformer3DModel"]``
+    (what diffusers' ``save_pretrained`` writes for it; its ``from_pretrained`` imports the module)."""
+    return [MHLAWanTransformer3DModel.__module__, MHLAWanTransformer3DModel.__name__]
