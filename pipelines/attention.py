@@ -2,7 +2,8 @@
 
 Four variants (``VARIANTS``):
 
-- ``flash``: softmax attention through the fastest backend present (:func:`mhla.softmax_attention`).
+- ``flash``: softmax attention through diffusers' ``dispatch_attention_fn`` (its backends: torch SDPA by default,
+  FlashAttention, xformers, ... chosen with ``set_attention_backend`` or ``AttentionOptions.softmax_backend``).
 - ``linear``: vanilla linear attention in every self-attention layer.
 - ``mhla``: 3D spatiotemporal multi-head linear attention in every self-attention layer.
 - ``mhla-hybrid``: MHLA in the layers of :func:`hybrid_layers` (default: all but 0, 3, 6, ...), softmax elsewhere.
@@ -11,6 +12,10 @@ A processor reuses the layer's ``to_q / to_k / to_v / to_out`` and ``norm_q / no
 parameters of a linear-attention layer live in a :class:`LinearSelfAttention` submodule added to that
 layer's ``attn1`` (``attn1.mhla`` or ``attn1.linear_attn``), so they train, save and load with the model.
 Cross-attention (``attn2``) is never touched.
+
+Nothing in a processor's traced path has a Python side effect: the per-call timer and the notes of what ran
+(layout, backend) run in eager mode only, and MHLA / linear attention enter a compiled graph as custom ops
+(:mod:`mhla.compiled`), so ``torch.compile(fullgraph=True)`` sees no graph break.
 
 Processors do not receive the latent-token grid ``(F, H, W)``; a forward pre-hook on the transformer
 records it from ``hidden_states`` ``(B, C, T, H, W)`` into a :class:`SelfAttentionContext` that every
@@ -60,7 +65,9 @@ class AttentionOptions:
         constrain_mixing: clamp the mixing matrix to [0, 1] and renormalise its rows on every use (the
             paper's rule). ``False`` uses the stored matrix as it is, as the MHLA authors' code does: only for
             their published checkpoints (see :mod:`pipelines.import_official`), never for our conversions.
-        softmax_backend: backend for softmax layers, one of :data:`mhla.SOFTMAX_BACKENDS`.
+        softmax_backend: backend for softmax layers, one of :data:`mhla.SOFTMAX_BACKENDS`, run as the diffusers
+            attention backend of :data:`DIFFUSERS_BACKENDS` (``"auto"``: diffusers' active backend, torch's SDPA
+            unless ``attention_backend(...)`` says otherwise); ``set_attention_backend`` on the model wins.
     """
 
     blocks: Grid = mhla.parse_blocks("7x3x5")
@@ -349,13 +356,18 @@ _PROJECT_NAMES = {v: k for k, v in DIFFUSERS_BACKENDS.items()}
 def diffusers_backend(name: str) -> Any:
     """The diffusers ``AttentionBackendName`` for a project backend name (``None`` for ``"auto"``: diffusers'
     active backend, torch's SDPA unless ``set_attention_backend`` / ``attention_backend(...)`` chose another)."""
-    from diffusers.models.attention_dispatch import AttentionBackendName
+    from diffusers.models.attention_dispatch import AttentionBackendName, _check_attention_backend_requirements
 
     if name == "auto":
         return None
     if name not in DIFFUSERS_BACKENDS:
         raise ValueError(f"softmax_backend must be one of {mhla.SOFTMAX_BACKENDS}, got {name!r}")
-    return AttentionBackendName(DIFFUSERS_BACKENDS[name])
+    backend = AttentionBackendName(DIFFUSERS_BACKENDS[name])
+    try:  # a package that is missing (flash-attn, xformers) is named now, not at the first forward
+        _check_attention_backend_requirements(backend)
+    except RuntimeError as e:
+        raise ValueError(f"softmax backend {name!r} (diffusers' {backend.value!r}) cannot run here: {e}") from None
+    return backend
 
 
 class SoftmaxSelfAttnProcessor(SelfAttentionProcessor):

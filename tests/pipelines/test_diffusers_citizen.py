@@ -440,3 +440,15 @@ def test_attention_backend_context_reaches_the_flash_variant(counted_math_backen
     assert counted_math_backend.calls == 2 * LAYERS  # self- and cross-attention of every layer
     _run(model)  # the context is over: back to the default backend
     assert counted_math_backend.calls == 2 * LAYERS
+
+
+def test_the_options_backend_is_a_diffusers_backend(counted_math_backend):
+    model = build_tiny_transformer(0, num_layers=LAYERS)
+    convert_self_attention(model, "flash", options=AttentionOptions(softmax_backend="sdpa_math"))
+    _run(model)
+    assert counted_math_backend.calls == LAYERS  # the self-attention layers; cross-attention keeps the default
+    import importlib.util
+
+    if importlib.util.find_spec("flash_attn") is None:  # a missing package is named at conversion
+        with pytest.raises(ValueError, match="'flash_attn' .*cannot run here"):
+            convert_self_attention(model, "flash", options=AttentionOptions(softmax_backend="flash_attn"))
