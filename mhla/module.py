@@ -91,6 +91,23 @@ class MHLA(nn.Module):
         module's :meth:`resolve` of it when the caller already has it (then the rule is not applied again);
         ``out_dtype`` as :func:`mhla.mhla_attention`. A grid with fewer cells on an axis than the module
         has blocks shrinks the layout (see :meth:`resolve`, :meth:`mixing_for`)."""
+        if torch.compiler.is_compiling():  # one opaque op in the graph (see mhla.compiled); same numbers
+            from .compiled import attention_op
+
+            return attention_op(
+                q,
+                k,
+                v,
+                self.mixing(),
+                grid.layout.grid if isinstance(grid, ResolvedBlocks) else grid,
+                self.blocks,
+                self.feature_map,
+                self.normalize,
+                rotary_emb,
+                self.eps,
+                self.mixing.constrain,
+                out_dtype or q.dtype,
+            )
         resolved = grid if isinstance(grid, ResolvedBlocks) else self.resolve(grid)
         if resolved.blocks != self.blocks:
             theirs, ours = ("x".join(map(str, b)) for b in (resolved.blocks, self.blocks))

@@ -2,7 +2,8 @@
 
 Four variants (``VARIANTS``):
 
-- ``flash``: softmax attention through the fastest backend present (:func:`mhla.softmax_attention`).
+- ``flash``: softmax attention through diffusers' ``dispatch_attention_fn`` (its backends: torch SDPA by default,
+  FlashAttention, xformers, ... chosen with ``set_attention_backend`` or ``AttentionOptions.softmax_backend``).
 - ``linear``: vanilla linear attention in every self-attention layer.
 - ``mhla``: 3D spatiotemporal multi-head linear attention in every self-attention layer.
 - ``mhla-hybrid``: MHLA in the layers of :func:`hybrid_layers` (default: all but 0, 3, 6, ...), softmax elsewhere.
@@ -11,6 +12,10 @@ A processor reuses the layer's ``to_q / to_k / to_v / to_out`` and ``norm_q / no
 parameters of a linear-attention layer live in a :class:`LinearSelfAttention` submodule added to that
 layer's ``attn1`` (``attn1.mhla`` or ``attn1.linear_attn``), so they train, save and load with the model.
 Cross-attention (``attn2``) is never touched.
+
+Nothing in a processor's traced path has a Python side effect: the per-call timer and the notes of what ran
+(layout, backend) run in eager mode only, and MHLA / linear attention enter a compiled graph as custom ops
+(:mod:`mhla.compiled`), so ``torch.compile(fullgraph=True)`` sees no graph break.
 
 Processors do not receive the latent-token grid ``(F, H, W)``; a forward pre-hook on the transformer
 records it from ``hidden_states`` ``(B, C, T, H, W)`` into a :class:`SelfAttentionContext` that every
@@ -28,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mhla
+from mhla.compiled import attention_op
 from mhla.layout import Grid
 from mhla.rope import Rotary
 
@@ -59,7 +65,9 @@ class AttentionOptions:
         constrain_mixing: clamp the mixing matrix to [0, 1] and renormalise its rows on every use (the
             paper's rule). ``False`` uses the stored matrix as it is, as the MHLA authors' code does: only for
             their published checkpoints (see :mod:`pipelines.import_official`), never for our conversions.
-        softmax_backend: backend for softmax layers, one of :data:`mhla.SOFTMAX_BACKENDS`.
+        softmax_backend: backend for softmax layers, one of :data:`mhla.SOFTMAX_BACKENDS`, run as the diffusers
+            attention backend of :data:`DIFFUSERS_BACKENDS` (``"auto"``: diffusers' active backend, torch's SDPA
+            unless ``attention_backend(...)`` says otherwise); ``set_attention_backend`` on the model wins.
     """
 
     blocks: Grid = mhla.parse_blocks("7x3x5")
@@ -170,6 +178,16 @@ def parse_layers(spec: str, num_layers: int | None = None) -> list[int]:
     return sorted(set(out))
 
 
+class HeadRMSNorm(nn.RMSNorm):
+    """``nn.RMSNorm`` over each head's channels that casts its weight to the input's dtype (float16 inputs are
+    normalised in float32, see :meth:`LinearSelfAttention.forward`). Called as a module, so diffusers' offload
+    and casting hooks on it run (the weight is on the right device and dtype when it is read)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = None if self.weight is None else self.weight.to(x.dtype)
+        return F.rms_norm(x, self.normalized_shape, weight, self.eps)
+
+
 class LinearSelfAttention(nn.Module):
     """The new parameters and the attention core of one converted self-attention layer.
 
@@ -197,7 +215,7 @@ class LinearSelfAttention(nn.Module):
                 num_heads=num_heads,
                 constrain_mixing=options.constrain_mixing,
             )
-        self.norm_out = nn.RMSNorm(head_dim, eps=1e-6) if options.output_norm == "rms_head" else None
+        self.norm_out = HeadRMSNorm(head_dim, eps=1e-6) if options.output_norm == "rms_head" else None
         self.gate = None
         if options.output_gate:
             self.gate = nn.Linear(dim, num_heads * head_dim)
@@ -224,9 +242,13 @@ class LinearSelfAttention(nn.Module):
         # float32's range and keeps its own dtype (a float32 output cost ~0.5 ms per layer on the GPU path).
         compute = q.dtype if q.dtype == torch.bfloat16 else torch.promote_types(q.dtype, torch.float32)
         if self.mhla is None:
-            out = mhla.linear_attention(
-                q, k, v, self.options.feature_map, self.options.normalize, rope, self.options.eps, out_dtype=compute
-            )
+            o = self.options
+            if torch.compiler.is_compiling():  # one opaque op in the graph (see mhla.compiled); same numbers
+                out = attention_op(
+                    q, k, v, None, (1, 1, 1), (1, 1, 1), o.feature_map, o.normalize, rope, o.eps, True, compute
+                )
+            else:
+                out = mhla.linear_attention(q, k, v, o.feature_map, o.normalize, rope, o.eps, out_dtype=compute)
         else:
             if grid is None:
                 raise RuntimeError(
@@ -235,8 +257,7 @@ class LinearSelfAttention(nn.Module):
                 )
             out = self.mhla(q, k, v, grid, rope, out_dtype=compute)  # shrinks its layout to a small grid itself
         if self.norm_out is not None:
-            norm = self.norm_out
-            out = F.rms_norm(out, (out.shape[-1],), norm.weight.to(out.dtype), norm.eps)
+            out = self.norm_out(out)  # the module, not its weight: offload hooks must see the call
         if self.gate is not None:
             out = out * (2.0 * torch.sigmoid(self.gate(x))).unflatten(-1, (out.shape[2], -1)).to(out.dtype)
         return out.to(out_dtype)
@@ -294,10 +315,18 @@ class SelfAttentionProcessor:
         query = attn.norm_q(query).unflatten(2, (attn.heads, -1))
         key = attn.norm_k(key).unflatten(2, (attn.heads, -1))
         value = value.unflatten(2, (attn.heads, -1))
-        with self.context.timer.measure(query.device):
+        if torch.compiler.is_compiling() or not self.context.timer.enabled:
             out = self.attend(attn, query, key, value, rotary_emb, hidden_states)
+        else:  # timing asked for, in eager mode only: a compiled graph has no per-call clock
+            with self.context.timer.measure(query.device):
+                out = self.attend(attn, query, key, value, rotary_emb, hidden_states)
+        if not torch.compiler.is_compiling():  # bookkeeping for timing tables; never traced
+            self.note(attn)
         out = out.flatten(2, 3).type_as(query)
         return attn.to_out[1](attn.to_out[0](out))
+
+    def note(self, attn: Any) -> None:
+        """Records what this layer ran (backend, layout) in the shared context; eager calls only."""
 
     def attend(
         self,
@@ -314,14 +343,53 @@ class SelfAttentionProcessor:
         return f"{type(self).__name__}(layer={self.layer})"
 
 
+# the project's softmax backend names (AttentionOptions.softmax_backend) as diffusers' attention backends
+DIFFUSERS_BACKENDS = {
+    "sdpa": "native",
+    "sdpa_cudnn": "_native_cudnn",
+    "sdpa_flash": "_native_flash",
+    "sdpa_efficient": "_native_efficient",
+    "sdpa_math": "_native_math",
+    "flash_attn": "flash",
+    "flash_attn_3": "_flash_3",
+    "xformers": "xformers",
+}
+_PROJECT_NAMES = {v: k for k, v in DIFFUSERS_BACKENDS.items()}
+
+
+def diffusers_backend(name: str) -> Any:
+    """The diffusers ``AttentionBackendName`` for a project backend name (``None`` for ``"auto"``: diffusers'
+    active backend, torch's SDPA unless ``set_attention_backend`` / ``attention_backend(...)`` chose another)."""
+    from diffusers.models.attention_dispatch import AttentionBackendName, _check_attention_backend_requirements
+
+    if name == "auto":
+        return None
+    if name not in DIFFUSERS_BACKENDS:
+        raise ValueError(f"softmax_backend must be one of {mhla.SOFTMAX_BACKENDS}, got {name!r}")
+    backend = AttentionBackendName(DIFFUSERS_BACKENDS[name])
+    try:  # a package that is missing (flash-attn, xformers) is named now, not at the first forward
+        _check_attention_backend_requirements(backend)
+    except RuntimeError as e:
+        raise ValueError(f"softmax backend {name!r} (diffusers' {backend.value!r}) cannot run here: {e}") from None
+    return backend
+
+
 class SoftmaxSelfAttnProcessor(SelfAttentionProcessor):
-    """Softmax self-attention (the ``flash`` variant) through :func:`mhla.softmax_attention`."""
+    """Softmax self-attention (the ``flash`` variant, and the hybrid's softmax layers) through diffusers'
+    ``dispatch_attention_fn``, as diffusers' own ``WanAttnProcessor``.
+
+    The backend: ``_attention_backend`` when diffusers' ``set_attention_backend`` has set it, else the
+    options' ``softmax_backend`` (``"auto"``: diffusers' active backend, which ``attention_backend(...)``
+    switches; torch's SDPA by default).
+    """
 
     variant = "flash"
+    _attention_backend: Any = None  # set by diffusers' ModelMixin.set_attention_backend / reset_attention_backend
 
     def __init__(self, context: SelfAttentionContext, layer: int, backend: str = "auto"):
         super().__init__(context, layer)
         self.backend = backend
+        self._options_backend = diffusers_backend(backend)
 
     def attend(
         self,
@@ -332,13 +400,27 @@ class SoftmaxSelfAttnProcessor(SelfAttentionProcessor):
         rotary_emb: Rotary | None,
         hidden_states: torch.Tensor,
     ) -> torch.Tensor:
+        from diffusers.models.attention_dispatch import dispatch_attention_fn
+
         if rotary_emb is not None:
             # same rotation as diffusers' WanAttnProcessor, computed in float32, back to the input dtype
             q = mhla.apply_rotary(q, rotary_emb).type_as(v)
             k = mhla.apply_rotary(k, rotary_emb).type_as(v)
-        out = mhla.softmax_attention(q, k, v, backend=self.backend)
-        self.context.softmax_backend = mhla.last_softmax_backend()
-        return out
+        backend = self._attention_backend if self._attention_backend is not None else self._options_backend
+        return dispatch_attention_fn(q, k, v, backend=backend)
+
+    def backend_name(self) -> str:
+        """The backend this layer runs now, in the project's names (``"sdpa"`` for diffusers' ``native``)."""
+        from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+        backend = self._attention_backend if self._attention_backend is not None else self._options_backend
+        if backend is None:
+            backend = _AttentionBackendRegistry.get_active_backend()[0]  # what dispatch_attention_fn does
+        name = str(getattr(backend, "value", backend))
+        return _PROJECT_NAMES.get(name, name)
+
+    def note(self, attn: Any) -> None:
+        self.context.softmax_backend = self.backend_name()
 
 
 class LinearSelfAttnProcessor(SelfAttentionProcessor):
@@ -348,6 +430,7 @@ class LinearSelfAttnProcessor(SelfAttentionProcessor):
         super().__init__(context, layer)
         self.variant = variant
         self.param_kind = parameter_kind(variant)
+        self._resolved: mhla.ResolvedBlocks | None = None  # the last eager call's layout, for its note
 
     def attend(
         self,
@@ -360,8 +443,13 @@ class LinearSelfAttnProcessor(SelfAttentionProcessor):
     ) -> torch.Tensor:
         module: LinearSelfAttention = getattr(attn, PARAM_ATTRS[self.param_kind])
         grid = self.context.grid
-        if module.mhla is None or grid is None:
+        if module.mhla is None or grid is None or torch.compiler.is_compiling():
             return module(q, k, v, grid, rotary_emb, hidden_states)
-        resolved = module.mhla.resolve(grid)  # the block rule, once per call: the note and the run share it
-        self.context.layouts.add(str(resolved))
-        return module(q, k, v, resolved, rotary_emb, hidden_states)
+        # the block rule, once per call: the run and the note (eager only) share this answer
+        self._resolved = module.mhla.resolve(grid)
+        return module(q, k, v, self._resolved, rotary_emb, hidden_states)
+
+    def note(self, attn: Any) -> None:
+        if self._resolved is not None:
+            self.context.layouts.add(str(self._resolved))
+            self._resolved = None

@@ -169,6 +169,10 @@ def convert_self_attention(
     Existing new-parameter modules are reused, never re-initialised, so ``flash -> mhla -> flash -> mhla``
     keeps trained mixing matrices. Only ``attn1`` processors change; ``attn2`` keeps its processor and
     nothing else in the model is touched.
+
+    A plain ``WanTransformer3DModel`` becomes a :class:`pipelines.model.MHLAWanTransformer3DModel` (its class
+    is switched in place; that subclass adds no state of its own), so ``save_pretrained`` names the class that
+    restores the conversion and diffusers' ``from_pretrained`` loads it back as it was saved.
     """
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; expected one of {VARIANTS}")
@@ -219,6 +223,7 @@ def convert_self_attention(
                     )
                     mod.mhla.mixing.constrain = options.constrain_mixing
 
+    _own_class(transformer)
     transformer.register_to_config(
         **{
             CONFIG_KEY: {
@@ -230,6 +235,15 @@ def convert_self_attention(
         }
     )
     return transformer
+
+
+def _own_class(transformer: WanTransformer3DModel) -> None:
+    from diffusers import WanTransformer3DModel
+
+    from .model import MHLAWanTransformer3DModel
+
+    if type(transformer) is WanTransformer3DModel:
+        transformer.__class__ = MHLAWanTransformer3DModel
 
 
 def clone_transformer(transformer: WanTransformer3DModel) -> WanTransformer3DModel:

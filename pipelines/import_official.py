@@ -5,10 +5,12 @@
 
 ``--out`` becomes a complete diffusers-format Wan2.1 directory: ``transformer/`` holds the imported weights
 (a ``mhla`` or ``mhla-hybrid`` model, see :mod:`pipelines.convert`), and ``scheduler/``, ``tokenizer/``,
-``text_encoder/``, ``vae/`` and ``model_index.json`` come from ``--base`` (symlinked by default, copied with
-``--components copy``). ``python -m pipelines.generate --model OUT`` and
-``pipelines.load_components(OUT)`` load it like any other model; ``OUT/transformer`` alone loads with
-``pipelines.load_transformer``. ``OUT/import_official.json`` records where it came from.
+``text_encoder/``, ``vae/`` come from ``--base`` (symlinked by default, copied with ``--components copy``), and
+``model_index.json`` is the base's with the transformer entry naming
+:class:`pipelines.model.MHLAWanTransformer3DModel`. ``python -m pipelines.generate --model OUT``,
+``pipelines.load_components(OUT)`` and diffusers' own ``WanPipeline.from_pretrained(OUT)`` load it like any other
+model; ``OUT/transformer`` alone loads with ``MHLAWanTransformer3DModel.from_pretrained`` (or
+``pipelines.load_transformer``). ``OUT/import_official.json`` records where it came from.
 
 What the published checkpoints are (issue 8, PAPER_NOTES "The authors' code"):
 
@@ -58,7 +60,7 @@ from .attention import AttentionOptions, hybrid_layers
 from .convert import convert_self_attention
 from .errors import run_cli
 from .loading import save_transformer
-from .model_dir import check_finite, check_model_dir, check_weight_files
+from .model_dir import check_finite, check_model_dir, check_weight_files, read_json
 from .outputs import write_text_atomic
 
 if TYPE_CHECKING:
@@ -502,6 +504,10 @@ def _check_out(out: Path, base: Path) -> None:
         raise ValueError(f"--out {str(out)!r} already exists and is not empty; expected a new or empty directory")
 
 
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
 def import_official(
     checkpoint: str | Path,
     base: str | Path,
@@ -557,7 +563,12 @@ def import_official(
                 shutil.copytree(src, out / part)
             else:
                 os.symlink(src, out / part, target_is_directory=True)
-        shutil.copy2(base / "model_index.json", out / "model_index.json")
+        # the base's index, naming the class that restores the conversion (diffusers' loaders then load it as saved)
+        from .model import model_index_entry
+
+        index = read_json(base / "model_index.json", "model_index.json")
+        index["transformer"] = model_index_entry()
+        write_json(out / "model_index.json", index)
         _write_record(out, checkpoint, found, base, components, plan)
     except BaseException:
         _remove_contents(out, remove_dir=created)  # no half-written directory that loads as something it is not

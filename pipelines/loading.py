@@ -8,18 +8,14 @@ switched between variants) are loaded with :func:`load_transformer`, which rebui
 from __future__ import annotations
 
 import json
-import logging as _logging
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from .attention import PARAM_ATTRS, AttentionOptions
 from .builtin import BUILTIN_DIR, TINY_RANDOM, builtin_available, builtin_variant_dirs
-from .convert import CONFIG_KEY, add_attention_parameters, convert_self_attention
+from .convert import CONFIG_KEY, convert_self_attention
 from .model_dir import (
     check_finite,
     check_model_dir,
@@ -152,33 +148,18 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return DTYPES[dtype]
 
 
-@contextmanager
-def _quiet_diffusers() -> Iterator[None]:
-    # from_pretrained warns about the config key and weights it does not know (ours); we load both ourselves.
-    import diffusers
-
-    logger = diffusers.utils.logging.get_logger("diffusers")
-    level = logger.level
-    logger.setLevel(_logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-
-
 def load_transformer(
     path: str | Path, dtype: str | torch.dtype | None = "auto", device: str | torch.device | None = "auto"
 ) -> WanTransformer3DModel:
-    """Loads a ``WanTransformer3DModel`` saved with ``save_pretrained``, as the variant it was saved as.
+    """Loads a transformer folder written by ``save_pretrained``, as the variant it was saved as.
 
-    A plain Wan transformer loads as ``flash``. A converted one has a ``self_attention`` entry in its
-    ``config.json``: the base weights load through diffusers' ``from_pretrained``, then the variant's
-    parameters are rebuilt and their saved values loaded from the safetensors files. Every parameter
-    the saved config promises must be found, or ``ValueError`` names the missing keys.
+    A thin caller of diffusers' own loader: the files are checked first (a missing key or a bad file is named
+    before anything loads), then :class:`pipelines.model.MHLAWanTransformer3DModel` ``.from_pretrained`` builds
+    the saved variant from ``config.json`` (its ``self_attention`` entry; a plain Wan folder loads as
+    ``flash``) and loads every weight, refusing a checkpoint that lacks one the config promises.
     ``dtype``/``device``: as :func:`load_components` (default bfloat16 on GPU, float32 on CPU).
     """
-    from diffusers import WanTransformer3DModel
-    from safetensors import safe_open
+    from .model import MHLAWanTransformer3DModel, check_state
 
     folder = Path(path)
     config_file = folder / "config.json"
@@ -187,56 +168,43 @@ def load_transformer(
     config = read_json(config_file, "transformer config")
     for key in ("patch_size", "num_layers", "num_attention_heads", "attention_head_dim"):
         require_key(config, key, config_file)
-    state = config.get(CONFIG_KEY)
+    check_state(config.get(CONFIG_KEY), int(config["num_layers"]))
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     check_weight_files(weight_files(folder))  # before diffusers reads them: names a bad file
-    _check_weights_against_config(folder, config)
-    with _quiet_diffusers():
-        model = WanTransformer3DModel.from_pretrained(folder, dtype=dtype).to(device).eval()
-    if not state:
-        check_finite(model.state_dict().items(), f"transformer {str(folder)!r}")
-        return convert_self_attention(model, "flash")
-    # diffusers passes unknown config keys through today; set ours explicitly so that never matters
-    model.register_to_config(**{CONFIG_KEY: state})
-
-    options = AttentionOptions.from_dict(state["options"])
-    # rebuild every parameter holder the checkpoint has (possibly more than the active variant uses)
-    for kind, layers in state["parameters"].items():
-        add_attention_parameters(model, kind, layers, options)
-    wanted = {k for k in model.state_dict() if any(f".attn1.{a}." in k for a in PARAM_ATTRS.values())}
-    found = {}
-    for file in weight_files(folder):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for key in wanted.intersection(f.keys()):
-                found[key] = f.get_tensor(key)
-    missing = sorted(wanted - set(found))
+    _check_weights_against_config(folder, config)  # missing, unexpected, twice-stored: named (issue 30)
+    model, info = MHLAWanTransformer3DModel.from_pretrained(folder, dtype=dtype, output_loading_info=True)
+    # diffusers only warns about a missing weight (and leaves it on the meta device): refuse the checkpoint
+    missing = sorted(info["missing_keys"])
     if missing:
-        raise ValueError(f"checkpoint {str(folder)!r} lacks {len(missing)} attention parameters, e.g. {missing[:4]}")
-    model.load_state_dict(found, strict=False)
+        kind = "attention parameters" if all(".attn1." in k for k in missing) else "weights"
+        raise ValueError(f"checkpoint {str(folder)!r} lacks {len(missing)} {kind}, e.g. {missing[:4]}")
+    model = model.to(device).eval()
     check_finite(model.state_dict().items(), f"transformer {str(folder)!r}")
-    layers = state["linear_layers"] if state["variant"] == "mhla-hybrid" else None
-    return convert_self_attention(model, state["variant"], layers, options, allow_new_parameters=False)
+    return model
 
 
 def _check_weights_against_config(folder: Path, config: dict[str, Any]) -> None:
-    """Missing, unexpected or twice-stored weights are errors naming the keys (issue 30): diffusers' own
-    warnings about them are muted above. Reads only the safetensors headers."""
+    """Missing, unexpected or twice-stored weights are errors naming the keys (issue 30): diffusers only warns
+    about unexpected ones (a config saying fewer layers than the weights would load with layers dropped). Reads
+    only the safetensors headers; the variant's own parameters (``.attn1.<mhla|linear>.``) are the loader's."""
+    from .attention import PARAM_ATTRS
     from .model_dir import check_transformer_config, check_transformer_weights
 
     check_transformer_config(config, folder / "config.json")
     check_transformer_weights(folder, config, lambda key: any(f".attn1.{a}." in key for a in PARAM_ATTRS.values()))
 
 
-def save_transformer(transformer: WanTransformer3DModel, path: str | Path) -> None:
-    """``save_pretrained`` in safetensors; the variant travels in ``config.json`` (see :mod:`pipelines.convert`).
+def save_transformer(transformer: WanTransformer3DModel, path: str | Path, **kwargs: Any) -> None:
+    """``save_pretrained`` in safetensors (``kwargs``: its others, e.g. ``max_shard_size``, ``variant``); the
+    variant travels in ``config.json`` under the class that restores it (see :mod:`pipelines.model`).
     Atomic: written to a temporary folder beside ``path`` and renamed into place when complete, so an earlier
     save there is replaced only by a whole one (a folder holding anything else is refused, never deleted)."""
     from .outputs import atomic_dir, check_replaceable
 
     check_replaceable(path, MODEL_FILE_PATTERNS)
     with atomic_dir(path) as tmp:
-        transformer.save_pretrained(str(tmp), safe_serialization=True)
+        transformer.save_pretrained(str(tmp), safe_serialization=True, **kwargs)
 
 
 def _load_scheduler(folder: Path) -> SchedulerMixin:

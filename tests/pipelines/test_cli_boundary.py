@@ -94,7 +94,7 @@ def saved_tiny(tmp_path_factory):
     from pipelines.tiny import build_tiny_transformer
 
     folder = tmp_path_factory.mktemp("tiny") / "transformer"
-    save_transformer(convert_self_attention(build_tiny_transformer(num_layers=2), "mhla"), folder)
+    save_transformer(convert_self_attention(build_tiny_transformer(num_layers=2), "flash"), folder)
     return folder
 
 

@@ -594,7 +594,7 @@ def test_failed_write_leaves_no_half_model(tmp_path, monkeypatch):
     def disk_full(*a, **k):
         raise OSError("No space left on device")
 
-    monkeypatch.setattr(imp.shutil, "copy2", disk_full)  # fails after the transformer and components are written
+    monkeypatch.setattr(imp, "write_json", disk_full)  # fails after the transformer and components are written
     with pytest.raises(OSError, match="No space left"):
         imp.import_official(path, base, tmp_path / "out", grid=(3, 4, 6))
     assert not (tmp_path / "out").exists()
