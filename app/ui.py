@@ -466,7 +466,13 @@ def build_demo(
                 )
             summary = gr.Markdown(label="summary", elem_id="summary")
             with gr.Accordion("All measurements", open=False, elem_id="details"):
-                details = gr.Dataframe(headers=compare.DETAIL_HEADERS, elem_id="details-table", wrap=True)
+                details = gr.Dataframe(
+                    headers=compare.DETAIL_HEADERS,
+                    label="All measurements by variant",
+                    show_label=False,
+                    elem_id="details-table",
+                    wrap=True,
+                )
             gr.Examples(
                 models.example_prompts,
                 inputs=[prompt],

@@ -378,10 +378,13 @@ def test_page_api_has_named_outputs_and_an_optional_negative_prompt(models, tmp_
     names = [r["label"] for r in api["/compare"]["returns"]]
     assert names == [
         "status",
+        "headline",
         *(f"{v} {what}" for v in VARIANTS for what in ("video", "details")),
         "summary",
-        "Latency and quality by variant",
+        "By variant, best against the prompt first",
+        "All measurements by variant",
         "denoising step latency",
+        "Side-by-side video (every variant, labelled)",
     ]
     assert not any(n.startswith("value_") for n in names)
 
