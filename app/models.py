@@ -198,7 +198,9 @@ def load_app_models(
         )
     vae_dtype = decode_dtype_for(components.device, components.dtype, decode_dtype)
     if vae_dtype != components.vae.dtype:
-        components.vae.to(vae_dtype)  # WanPipeline casts the latents to the VAE's dtype before decoding
+        # WanPipeline casts the latents to the VAE's dtype before decoding. torch's own .to(): diffusers' override
+        # only adds a warning about modules to keep in float32, and the Wan VAE lists none
+        torch.nn.Module.to(components.vae, vae_dtype)
     variant_dirs = {**components.variant_dirs, **(variant_dirs or {})}
     variants = {}
     random_weights = components.random_weights
