@@ -485,8 +485,8 @@ def build_demo(
             )
             outputs = [status, headline, *columns, summary, table, details, chart, side_by_side]
 
-            prompt.input(prompt_note, prompt, note, queue=False, api_visibility="private", trigger_mode="always_last")
-            prompt.change(prompt_note, prompt, note, queue=False, api_visibility="private")
+            # typing, an example or a permalink: the count and the vocabulary note follow
+            prompt.change(prompt_note, prompt, note, queue=False, api_visibility="private", trigger_mode="always_last")
             dice.click(lambda: random.randrange(2**31), None, seed, queue=False, api_visibility="private")
             started = run_button.click(
                 lambda: (gr.Button(interactive=False), line.join()),

@@ -40,8 +40,43 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--decode-dtype", default="auto", help="the VAE's dtype: auto, float32, bfloat16")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--levers", action="store_true", help="also time the VAE decode settings against each other")
     p.add_argument("--out", default=str(RESULTS / "app_compare_cpu"), help="output path without extension")
     return p.parse_args(argv)
+
+
+def decode_levers(models, rounds: int = 3) -> dict:
+    """The VAE decode of one video at the model's default size, its settings timed in turn (round-robin, so
+    load drift hits all alike): float32, float32 channels-last, bfloat16; and bfloat16's PSNR against float32."""
+    import copy
+    import math
+
+    d = models.components.defaults
+    vae32 = copy.deepcopy(models.components.vae).float()
+    cl = copy.deepcopy(vae32).to(memory_format=torch.channels_last_3d)
+    bf = torch.nn.Module.to(copy.deepcopy(vae32), torch.bfloat16)
+    stride = vae32.config.scale_factor_temporal, vae32.config.scale_factor_spatial
+    f = (d["num_frames"] - 1) // stride[0] + 1
+    z = torch.randn(1, vae32.config.z_dim, f, d["height"] // stride[1], d["width"] // stride[1])
+    settings = {"float32": (vae32, z), "float32 channels-last": (cl, z), "bfloat16": (bf, z.bfloat16())}
+    times: dict[str, list[float]] = {k: [] for k in settings}
+    outs = {}
+    with torch.no_grad():
+        for name, (vae, x) in settings.items():  # one untimed call each
+            outs[name] = vae.decode(x, return_dict=False)[0].float().clamp(-1, 1)
+        for _ in range(rounds):
+            for name, (vae, x) in settings.items():
+                t0 = time.perf_counter()
+                vae.decode(x, return_dict=False)
+                times[name].append(time.perf_counter() - t0)
+    mse = float(((outs["bfloat16"] - outs["float32"]) / 2).pow(2).mean())
+    return {
+        "rounds": rounds,
+        "seconds_median": {k: round(sorted(v)[len(v) // 2], 3) for k, v in times.items()},
+        "seconds": {k: [round(t, 3) for t in v] for k, v in times.items()},
+        "bf16_psnr_vs_fp32_db": round(10 * math.log10(1 / mse), 1) if mse > 0 else None,
+        "load_after": round(load(), 2),
+    }
 
 
 def load() -> float:
@@ -72,17 +107,22 @@ def main(argv=None) -> int:
     out_root = Path(tempfile.mkdtemp(prefix="app-compare-"))
     for i in range(args.requests):
         before = load()
+        cpu = time.process_time()
         start = time.perf_counter()
         first, snap = None, None
         for snap in compare.iter_compare(models, req, out_root):  # noqa: B007 - the last snapshot is the result
             first = first if first is not None else time.perf_counter() - start
         assert snap is not None
         wall = time.perf_counter() - start
+        cpu = time.process_time() - cpu  # this process's CPU seconds, all threads: about what it needs alone
         row = {
             "request": i + 1,
             "load_before": round(before, 2),
             "first_video_s": round(first or wall, 2),
             "wall_s": round(wall, 2),
+            "cpu_s": round(cpu, 2),
+            # an idle machine would run about these CPU seconds on all its threads at once
+            "idle_estimate_s": round(cpu / torch.get_num_threads(), 1),
             "interleaved": snap.interleaved,
             "variants": {},
         }
@@ -103,7 +143,11 @@ def main(argv=None) -> int:
                 "degenerate": r.degenerate,
             }
         rows.append(row)
-        print(f"request {i + 1}: {wall:.1f} s (first video {row['first_video_s']:.1f} s), load before {before:.1f}")
+        print(
+            f"request {i + 1}: {wall:.1f} s (first video {row['first_video_s']:.1f} s), load before {before:.1f}, "
+            f"{cpu:.1f} CPU s (idle estimate {row['idle_estimate_s']} s)"
+        )
+    levers = decode_levers(models) if args.levers else None
     record = {
         "what": "app Compare end to end (app.compare.iter_compare), identical requests in a row",
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -119,6 +163,7 @@ def main(argv=None) -> int:
         "load_s": round(loaded, 2),
         "warm_up_s": round(warm, 2),
         "requests": rows,
+        "decode_levers": levers,
     }
     md = markdown(record)
     print(md)
@@ -138,9 +183,23 @@ def markdown(record: dict) -> str:
         f"variant; VAE in {record['decode_dtype']}; {record['threads']} torch threads. Loading {record['load_s']} s "
         f"and one warm-up {record['warm_up_s']} s at start (the app does both before serving).",
         "",
-        "| request | load before | first video s | whole s | variant | step ms | denoise s | decode s | own s | "
-        "speedup/step (95%) | end-to-end | e2e/den share | verdict |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "Per request: the 1-minute load average before it, the wall time to the first video and to the end, and "
+        "this process's CPU seconds over its torch threads: roughly what the request would take alone on an idle "
+        "machine (perfect parallelism would make it less; contention, which inflates CPU time, more).",
+        "",
+        "| request | load before | first video s | whole s | CPU s / threads |",
+        "|---|---|---|---|---|",
+    ]
+    for row in record["requests"]:
+        lines.append(
+            f"| {row['request']} | {row['load_before']} | {row['first_video_s']} | {row['wall_s']} | "
+            f"{row.get('idle_estimate_s', '-')} |"
+        )
+    lines += [
+        "",
+        "| request | variant | step ms | denoise s | decode s | own s | speedup/step (95%) | end-to-end | "
+        "e2e/den | verdict |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in record["requests"]:
         for name, v in row["variants"].items():
@@ -150,10 +209,17 @@ def markdown(record: dict) -> str:
             if v["noisy"]:
                 sp += " noisy"
             lines.append(
-                f"| {row['request']} | {row['load_before']} | {row['first_video_s']} | {row['wall_s']} | {name} | "
-                f"{v['step_ms']} | {v['denoising_s']} | {v['decode_s']} | {v['own_total_s']} | {sp} | "
-                f"{e2e} | {share} | {v['verdict']} |"
+                f"| {row['request']} | {name} | {v['step_ms']} | {v['denoising_s']} | {v['decode_s']} | "
+                f"{v['own_total_s']} | {sp} | {e2e} | {share} | {v['verdict']} |"
             )
+    levers = record.get("decode_levers")
+    if levers:
+        lines += [
+            "",
+            f"VAE decode of one video, settings in turn over {levers['rounds']} rounds (median s): "
+            + ", ".join(f"{k} {v}" for k, v in levers["seconds_median"].items())
+            + f"; bfloat16 against float32: {levers['bf16_psnr_vs_fp32_db']} dB PSNR.",
+        ]
     return "\n".join(lines)
 
 
