@@ -879,18 +879,31 @@ def table_rows(result: CompareResult) -> list[list]:
     return rows
 
 
+def table_markdown(result: CompareResult) -> str:
+    """:func:`table_rows` as a Markdown table: a real HTML table on the page, whose less important columns a
+    phone's narrow screen hides (end-to-end seconds, agreement with flash)."""
+    lines = ["| " + " | ".join(TABLE_HEADERS) + " |", "|" + "---|" * len(TABLE_HEADERS)]
+    lines += ["| " + " | ".join(str(c).replace("|", "/") for c in row) + " |" for row in table_rows(result)]
+    return "\n".join(lines)
+
+
+ALL_HEADERS = TABLE_HEADERS + DETAIL_HEADERS[1:]
+
+
 def detail_rows(result: CompareResult) -> list[list]:
-    """Everything measured, one row per finished variant."""
+    """Everything measured (:data:`ALL_HEADERS`: the table's columns, then the details), one row per variant,
+    in the table's order."""
     rows = []
-    for r in result.runs:
+    compact = {row[0]: row for row in table_rows(result)}
+    for r in [*result.ranking(), *(r for r in result.runs if r.error)]:
         if r.error:
-            rows.append([r.variant] + [""] * (len(DETAIL_HEADERS) - 1))
+            rows.append(compact[r.variant] + [""] * (len(DETAIL_HEADERS) - 1))
             continue
         t, s = r.timing, r.steps
         den, _ = result.speedups(r)
         rows.append(
-            [
-                r.variant,
+            compact[r.variant]
+            + [
                 round(s.median * 1e3, 2),
                 f"±{s.relative:.0%} (n={s.n})",
                 len(r.paired_steps),
@@ -957,10 +970,7 @@ def headline_markdown(result: CompareResult) -> str:
 def summary_markdown(result: CompareResult) -> str:
     req = result.request
     tokens = next((r.timing.num_tokens for r in result.runs if r.timing), None)
-    lines = [headline_markdown(result)]
-    warning = noise_warning(result)
-    if warning:
-        lines.append(warning)
+    lines = []  # the headline and the noise warning are the page's first lines (headline_markdown, noise_warning)
     if result.measured:
         lines.append(f"**Precomputed result** ({result.measured}); press Generate for a fresh run on this machine.")
     how = (

@@ -40,9 +40,10 @@ CSS = (
 /* a failed variant's block reads as an error */
 .variant-info blockquote {border-left: 4px solid #d62728; background: #fff3f3; padding: 4px 10px; margin: 0}
 /* the compact table fits 1400 px; on a phone it keeps variant, verdict, speedup and end-to-end speedup */
+#table table {width: 100%}
 @media (max-width: 700px) {
   #table th:nth-child(4), #table td:nth-child(4), #table th:nth-child(6), #table td:nth-child(6) {display: none}
-  #table {font-size: 0.8rem}
+  #table table {font-size: 0.8rem}
 }
 #prompt-note {min-height: 1.2em; font-size: 0.85rem}
 """
@@ -194,7 +195,7 @@ def build_demo(
             ]
         outs += [
             compare.summary_markdown(result),
-            compare.table_rows(result),
+            compare.table_markdown(result),
             compare.detail_rows(result),
             compare.speedup_figure(result),
             str(result.side_by_side) if result.side_by_side else None,
@@ -373,7 +374,7 @@ def build_demo(
             gr.Markdown(f"**{models.random_note}.**", elem_classes="random-note", elem_id="random-note")
         with gr.Tab("Compare"):
             with gr.Row():
-                with gr.Column(scale=3):
+                with gr.Column(scale=3) as prompt_column:
                     prompt = gr.Textbox(
                         label="Prompt",
                         lines=2,
@@ -453,12 +454,7 @@ def build_demo(
                             elem_classes="variant-info",
                         )
                     columns += [col, video, md]
-            table = gr.Dataframe(
-                headers=compare.TABLE_HEADERS,
-                label="By variant, best against the prompt first",
-                elem_id="table",
-                wrap=True,
-            )
+            table = gr.Markdown(label="By variant, best against the prompt first", elem_id="table")
             with gr.Row():
                 chart = gr.Plot(label="denoising step latency", show_label=False, elem_id="chart")
                 side_by_side = gr.File(
@@ -467,22 +463,23 @@ def build_demo(
             summary = gr.Markdown(label="summary", elem_id="summary")
             with gr.Accordion("All measurements", open=False, elem_id="details"):
                 details = gr.Dataframe(
-                    headers=compare.DETAIL_HEADERS,
+                    headers=compare.ALL_HEADERS,
                     label="All measurements by variant",
                     show_label=False,
                     elem_id="details-table",
                     wrap=True,
                 )
-            gr.Examples(
-                models.example_prompts,
-                inputs=[prompt],
-                outputs=[status, headline, *columns, summary, table, details, chart, side_by_side],
-                fn=show_stored,
-                run_on_click=True,
-                cache_examples=False,
-                label="Example prompts (open with their stored results; Generate runs them afresh)",
-                api_visibility="private",
-            )
+            with prompt_column:  # under the prompt box (made here: it fills the outputs defined above)
+                gr.Examples(
+                    models.example_prompts,
+                    inputs=[prompt],
+                    outputs=[status, headline, *columns, summary, table, details, chart, side_by_side],
+                    fn=show_stored,
+                    run_on_click=True,
+                    cache_examples=False,
+                    label="Example prompts (open with their stored results; Generate runs them afresh)",
+                    api_visibility="private",
+                )
             outputs = [status, headline, *columns, summary, table, details, chart, side_by_side]
 
             # typing, an example or a permalink: the count and the vocabulary note follow

@@ -143,7 +143,11 @@ def test_compare_streams_every_variant_with_consistent_latency_and_quality(model
     assert by["mhla"][col["end-to-end speedup"]] == f"{e2e:.2f}x"
     psnr = result.run("mhla").psnr
     assert by["mhla"][col["agreement with flash (PSNR / SSIM)"]].startswith(f"{psnr:.1f} dB / ")
-    assert [row[0] for row in compare.detail_rows(result)] == list(VARIANTS)
+    details = compare.detail_rows(result)
+    assert [row[0] for row in details] == [row[0] for row in rows] and len(details[0]) == len(compare.ALL_HEADERS)
+    assert details[0][: len(compare.TABLE_HEADERS)] == rows[0]  # the table's columns first, then the details
+    md = compare.table_markdown(result).splitlines()
+    assert md[0] == "| " + " | ".join(compare.TABLE_HEADERS) + " |" and len(md) == 2 + len(rows)
     summary = compare.summary_markdown(result)
     assert "RANDOM weights" in summary and result.device in summary and "sdpa" in result.softmax_backend
     assert "seed used: 0" in summary and "ran one after another" in summary
