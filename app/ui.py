@@ -339,10 +339,22 @@ def build_demo(
             fields.get("preset", gr.skip()),
             fields.get("variants", gr.skip()),
         ]
-        shown = show_stored(prompt_value) if prompt_value else [gr.skip()] * (n_outputs + 1)
+        result = stored.get(prompt_value or "")
+        if result is not None:  # a stored result only for the very request the link names
+            req = result.request
+            same = {
+                "seed": req.seed,
+                "steps": req.num_inference_steps,
+                "guidance": req.guidance_scale,
+                "preset": compare.preset_key(req.preset),
+                "variants": req.variants,
+            }
+            if any(fields[k] != v for k, v in same.items() if k in fields):
+                result = None
+        shown = show_stored(prompt_value) if result is not None else [gr.skip()] * (n_outputs + 1)
         if problems:
             shown[0] = f"⚠ The link's {', '.join(problems)} could not be used (left at the defaults)."
-        elif fields and prompt_value not in stored:
+        elif fields and result is None:
             shown[0] = "Restored from the link: press **Generate** to run it."
         return values + shown + [prompt_note(prompt_value or "")]
 
