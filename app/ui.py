@@ -43,7 +43,8 @@ CSS = (
 #table table {width: 100%}
 @media (max-width: 700px) {
   #table th:nth-child(4), #table td:nth-child(4), #table th:nth-child(6), #table td:nth-child(6) {display: none}
-  #table table {font-size: 0.8rem}
+  #table table {font-size: 0.75rem}
+  #table th, #table td {padding: 4px !important; overflow-wrap: anywhere}
 }
 #prompt-note {min-height: 1.2em; font-size: 0.85rem}
 """
