@@ -2,7 +2,8 @@
 measured against flash.
 
 Plain functions over :mod:`pipelines`' public API (``generate``, ``write_mp4``, ``Timing``, ``spread``);
-the UI calls :func:`iter_compare` (one snapshot per finished variant) and shows what it yields.
+the UI calls :func:`iter_compare` (one snapshot per finished variant) and shows what it yields. ``generate``
+is called in one place, :func:`_generate`.
 """
 
 from __future__ import annotations

@@ -198,3 +198,20 @@ def test_words_outside_the_builtin_vocabulary_are_named():
     note = compare.vocabulary_note(models, ["fox"])
     assert "**fox**" in note and "built-in model knows only" in note
     assert compare.vocabulary_note(models, []) == ""
+
+
+def test_a_queued_request_sees_its_position_and_wait(monkeypatch):
+    from app import ui
+
+    now = [100.0]
+    monkeypatch.setattr(ui.time, "monotonic", lambda: now[0])
+    line = ui._Queue()
+    assert line.join() == "Starting…"
+    line.start()  # the first run starts
+    assert line.join() == "**Queued:** position 1 in line"  # no run has finished yet: no wait to promise
+    now[0] = 130.0
+    line.end()  # it took 30 s
+    line.start()  # the second starts at 130 s
+    now[0] = 140.0
+    assert line.join() == "**Queued:** position 1 in line, expected wait about 20 s"
+    assert line.join() == "**Queued:** position 2 in line, expected wait about 50 s"
