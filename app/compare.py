@@ -976,8 +976,8 @@ def summary_markdown(result: CompareResult) -> str:
         lines.append(f"**Precomputed result** ({result.measured}); press Generate for a fresh run on this machine.")
     how = (
         "the variants took turns, one denoising step each (round-robin), so a change of machine load hits all "
-        "alike; each speedup is the geometric mean of the paired per-step ratios flash/variant with a 95% "
-        "t-interval (each run's first step is a warm-up, not counted)"
+        "alike; each speedup is the median of the paired per-step ratios flash/variant with a distribution-free "
+        "95% interval (each run's first step is a warm-up, not counted)"
         if result.interleaved
         else "the variants ran one after another (they share one transformer); speedups pair step k of each run"
     )

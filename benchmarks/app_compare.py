@@ -143,6 +143,7 @@ def main(argv=None) -> int:
                 "noisy": None if den is None else den.noisy,
                 "e2e_speedup": None if e2e is None else round(e2e, 3),
                 "e2e_share": None if den is None or e2e is None else round(e2e / den.estimate, 3),
+                "paired_steps_ms": [round(x * 1e3, 1) for x in r.paired_steps],
                 "verdict": r.verdict,
                 "degenerate": r.degenerate,
             }

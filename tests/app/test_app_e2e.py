@@ -299,6 +299,9 @@ def test_browser_permalink_stored_examples_and_labels(server):
                 page.locator("#video-flash video").wait_for(state="attached")
                 table = page.locator("#table").inner_text()
                 assert all(r["variant"] in table for r in stored["runs"])
+                # on a phone the table keeps 4 of its 6 columns: variant, verdict, speedup, end-to-end speedup
+                heads = page.locator("#table th")
+                assert [heads.nth(i).is_visible() for i in range(6)] == [True, True, True, False, True, False]
                 assert "Speedup per denoising step" in page.locator("#headline").inner_text()
                 assert "Precomputed result (measured on" in page.locator("#summary").inner_text()
                 # an example whose stored result has a degenerate video (the hybrid's all-but-black one):

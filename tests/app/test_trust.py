@@ -1,7 +1,6 @@
 """What makes a comparison trustworthy, on planted data: paired speedups with intervals, turn-taking, a
 countdown that never rises, degenerate videos, the permalink, the vocabulary warning."""
 
-import math
 import random
 import threading
 from pathlib import Path
@@ -12,7 +11,7 @@ import numpy as np
 import pytest
 
 from app import compare, quality
-from app.interleave import NOISY, Countdown, Turns, paired_speedup, t95
+from app.interleave import NOISY, Countdown, Turns, median_rank, paired_speedup
 from pipelines.builtin import BUILTIN_DIR, builtin_available
 
 # ---- paired speedups --------------------------------------------------------------------------------------
@@ -33,17 +32,21 @@ def test_paired_speedup_cancels_load_drift_that_hits_both_sides():
 
 
 def test_paired_speedup_interval_by_hand():
-    # log ratios: log 2, log 4 -> mean log(2 sqrt 2), stdev log 2 / sqrt 2; t(1) = 12.706; n = 2
-    s = paired_speedup([2.0, 4.0], [1.0, 1.0])
-    half = 12.706 * (math.log(2) / math.sqrt(2)) / math.sqrt(2)
-    assert s.estimate == pytest.approx(2 * math.sqrt(2))
-    assert s.low == pytest.approx(2 * math.sqrt(2) * math.exp(-half))
-    assert s.high == pytest.approx(2 * math.sqrt(2) * math.exp(half))
-    assert s.noisy and s.text().startswith("2.83x (")
+    # ratios 1..9 (9 pairs): median 5; below the median lie Binomial(9, 1/2) of them, and P(B <= 1) = 10/512
+    # <= 0.025 < P(B <= 2) = 46/512, so the 95% interval is [x_(2), x_(8)] = [2, 8] (coverage 1 - 20/512)
+    s = paired_speedup([float(r) for r in range(1, 10)], [1.0] * 9)
+    assert (s.estimate, s.low, s.high, s.n) == (5.0, 2.0, 8.0, 9)
+    assert s.noisy and s.text() == "5.00x (2.00-8.00)" and s.ratio_spread == pytest.approx((7 - 3) / 2 / 5)
+    # a burst of load that hits one variant's step of a round moves the median by one rank, not the estimate
+    steady = paired_speedup([2.0] * 18 + [2.0, 2.0], [1.0] * 18 + [0.2, 5.0])
+    assert steady.estimate == 2.0 and steady.low == steady.high == 2.0 and not steady.noisy
     one = paired_speedup([3.0], [1.0])
-    assert one.estimate == one.low == one.high == pytest.approx(3.0) and one.n == 1 and one.noisy
+    assert one.estimate == one.low == one.high == 3.0 and one.n == 1 and one.noisy
     assert "no interval" in one.text()
-    assert t95(1) == 12.706 and t95(30) == 2.042 and t95(200) == 1.96
+    # five pairs cannot make a 95% interval for a median (2 / 2^5 > 5%): min-max, and called noisy
+    assert median_rank(5) == 0 and median_rank(6) == 1 and median_rank(9) == 2 and median_rank(19) == 5
+    five = paired_speedup([2.0] * 5, [1.0] * 5)
+    assert five.low == five.high == 2.0 and five.noisy
 
 
 @pytest.mark.parametrize(
