@@ -312,7 +312,7 @@ def test_browser_permalink_stored_examples_and_labels(server):
                     record, bad = with_bad[0]
                     page.get_by_text(record["request"]["prompt"], exact=True).last.click()
                     page.wait_for_function(
-                        "p => document.querySelector('#prompt textarea').value === p", arg=record["request"]["prompt"]
+                        "p => document.querySelector('#prompt textarea')?.value === p", arg=record["request"]["prompt"]
                     )
                     page.locator("#table").filter(has_text=f"⚠ {bad['degenerate']} video").wait_for()
                     first_row = page.locator("#table tbody tr").first.inner_text()
@@ -323,7 +323,7 @@ def test_browser_permalink_stored_examples_and_labels(server):
                     )
             # the permalink restores prompt, seed, steps and variants
             page.goto(server + "?prompt=a+green+square+moves+up&seed=7&steps=3&variants=flash,mhla")
-            page.wait_for_function("document.querySelector('#prompt textarea').value === 'a green square moves up'")
+            page.wait_for_function("document.querySelector('#prompt textarea')?.value === 'a green square moves up'")
             assert page.locator("#seed input[type=number]").input_value() == "7"
             assert page.locator("#steps input[type=number]").input_value() == "3"
             checked = {
