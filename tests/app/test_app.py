@@ -469,3 +469,23 @@ def test_random_wan_architectures_have_one_config_table():
     from pipelines.loading import WAN_CONFIGS
 
     assert {k: CONFIGS[k] for k in WAN_CONFIGS} == WAN_CONFIGS and set(CONFIGS) == {"1.3b", "14b", "tiny", "builtin"}
+
+
+def test_stored_example_results_round_trip(models, tmp_path):
+    """What ``run_app.py --store-examples`` writes, the page reads back: the same table, small videos."""
+    folder = tmp_path / "examples"
+    path = compare.store_examples(models, folder, ["a red fox"])
+    stored = compare.load_stored(folder)
+    assert list(stored) == ["a red fox"] and path == folder / compare.STORED_FILE
+    result = stored["a red fox"]
+    assert result.measured.startswith("measured on ") and "UTC" in result.measured
+    assert [r.variant for r in result.runs] == list(VARIANTS) and result.side_by_side is None
+    for run in result.runs:
+        assert run.video.parent == folder and read_video(run.video).shape[0] == result.request.num_frames
+    again = compare.result_from_dict(compare.result_to_dict(result), folder)
+    assert compare.table_rows(again) == compare.table_rows(result)
+    assert "**Precomputed result** (measured on" in compare.summary_markdown(result)
+    # a stored video that went missing: that result is not offered (the page would show an empty column)
+    result.runs[0].video.unlink()
+    assert compare.load_stored(folder) == {}
+    assert compare.load_stored(None) == {} and compare.load_stored(tmp_path / "nothing") == {}
