@@ -184,7 +184,9 @@ def build_demo(
     # details table, chart, side-by-side file
     n_outputs = 3 * len(VARIANTS) + 6
 
-    def outputs_for(result: compare.CompareResult, status: str) -> list:
+    def outputs_for(result: compare.CompareResult, status: str, chart: bool = True) -> list:
+        """The page for ``result``; ``chart=False`` while variants still run (matplotlib in this thread would
+        slow the VAE decode of the variant whose turn it is: the chart is drawn once, at the end)."""
         outs = [status, compare.headline_markdown(result) + _warning(result)]
         for name in VARIANTS:
             run = result.run(name)
@@ -198,7 +200,7 @@ def build_demo(
             compare.summary_markdown(result),
             compare.table_markdown(result),
             compare.detail_rows(result),
-            compare.speedup_figure(result),
+            compare.speedup_figure(result) if chart else gr.skip(),
             str(result.side_by_side) if result.side_by_side else None,
         ]
         return outs
@@ -271,7 +273,7 @@ def build_demo(
                     text, fraction = payload
                 elif kind == "result":
                     last, shown = payload, time.monotonic()
-                    yield outputs_for(last, _status(text, started, fraction, countdown))
+                    yield outputs_for(last, _status(text, started, fraction, countdown), chart=False)
                     continue
                 elif kind == "failed":
                     compare.log.error("compare run failed", exc_info=payload)

@@ -230,8 +230,15 @@ def markdown(record: dict) -> str:
             "",
             f"VAE decode of one video, settings in turn over {levers['rounds']} rounds (median s): "
             + ", ".join(f"{k} {v}" for k, v in levers["seconds_median"].items())
-            + f"; bfloat16 against float32: {levers['bf16_psnr_vs_fp32_db']} dB PSNR.",
+            + f"; bfloat16 against float32: {levers['bf16_psnr_vs_fp32_db']} dB PSNR"
+            + (f" ({record['decode_levers_note']})." if record.get("decode_levers_note") else "."),
         ]
+    for earlier in record.get("earlier_runs", []):
+        lines += ["", f"Earlier run, {earlier['date']} ({earlier['note']}):", ""]
+        for r in earlier["requests"]:
+            sp = ", ".join(f"{k} {v}x" for k, v in r["speedup"].items() if v is not None)
+            dec = ", ".join(f"{k} {v} s" for k, v in r["decode_s"].items())
+            lines.append(f"- request {r['request']} (load {r['load_before']}): {r['wall_s']} s; {sp}; decode {dec}")
     return "\n".join(lines)
 
 
