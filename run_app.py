@@ -4,6 +4,7 @@
     python run_app.py --model tiny-random               # the tiny random-weight model (fastest; videos are noise)
     python run_app.py --model /models/Wan2.1-T2V-1.3B-Diffusers --variant mhla=ckpt/wan-mhla
     python run_app.py --random-weights 1.3b             # true-size latency, videos are noise
+    python run_app.py --store-examples                  # precompute the example prompts' results (stored with the model)
 
 Serves on 127.0.0.1 unless --host says otherwise; a public share link only with --share.
 """
@@ -45,6 +46,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, float32 on CPU), float32, bfloat16, float16")
     p.add_argument(
+        "--decode-dtype",
+        default="auto",
+        help="the VAE's dtype: auto (bfloat16 on a CPU, where it decodes 2-3x faster; else the model's), float32, "
+        "bfloat16, float16",
+    )
+    p.add_argument(
+        "--store-examples",
+        action="store_true",
+        help="run each example prompt through every variant at the model's defaults, store the results with the "
+        "model (<model>/examples/: small videos and results.json, with machine and date) and exit; the page opens "
+        "with them",
+    )
+    p.add_argument(
         "--max-tokens",
         type=int,
         default=None,
@@ -59,16 +73,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def compose(model, variant_dirs, random_weights, device, dtype):
+def compose(model, variant_dirs, random_weights, device, dtype, decode_dtype="auto"):
     """The app's models, with the analyser of the built-in model's world as their ``judge`` when that model is
     served (its verdict column). The composition happens here so that ``app/`` imports nothing beside it."""
     from app.models import load_app_models
 
-    models = load_app_models(model, variant_dirs, random_weights, device, dtype)
+    models = load_app_models(model, variant_dirs, random_weights, device, dtype, decode_dtype)
     if models.builtin:
-        from world.analyse import attribute_verdict
+        from world.analyse import prompt_verdicts
 
-        models.judge = attribute_verdict
+        models.judge = prompt_verdicts
     return models
 
 
@@ -100,12 +114,24 @@ def _main(argv) -> int:
         from pipelines import check_model_dir
 
         check_model_dir(args.model)
-    models = compose(args.model, variant_dirs, args.random_weights, args.device, args.dtype)
+    models = compose(args.model, variant_dirs, args.random_weights, args.device, args.dtype, args.decode_dtype)
     cpu = models.device.type == "cpu"
     max_tokens = args.max_tokens if args.max_tokens is not None else (CPU_MAX_TOKENS if cpu else None)
     max_bench = args.max_bench_tokens if args.max_bench_tokens is not None else (16384 if cpu else None)
 
+    from app.compare import store_examples, warm_up
     from app.ui import CSS, QUEUE_SIZE, THEME, build_demo
+
+    # once, before serving: no request pays for cold caches (the text encoder, VAE and each variant's first step)
+    print(f"warm-up: {warm_up(models):.1f} s")
+    if args.store_examples:
+        if models.stored_dir is None:
+            print("error: --store-examples needs a model folder (not random weights)", file=sys.stderr)
+            return 2
+        path = store_examples(models, models.stored_dir, models.example_prompts, progress=print)
+        size = sum(f.stat().st_size for f in path.parent.iterdir())
+        print(f"wrote {path} and its videos ({size / 1024:.0f} KB in all)")
+        return 0
 
     demo = build_demo(models, max_tokens=max_tokens, max_bench_tokens=max_bench)
     print(f"model: {models.components.source} on {models.device}")

@@ -26,6 +26,7 @@ from pipelines.outputs import write_text_atomic
 from pipelines.timing import device_name, time_call
 
 from . import inputs
+from .compare import VARIANT_COLOURS
 from .models import AppModels
 
 OPERATORS = ("softmax", "linear", "mhla")
@@ -241,8 +242,9 @@ def figure(result: dict):
         rows = [r for r in result["rows"] if r["level"] == level]
         for name in dict.fromkeys(r["variant"] for r in rows):
             pts = [(r["tokens"], r["ms"]) for r in rows if r["variant"] == name and "ms" in r]
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=name)
+            if pts:  # one colour per variant, as on the Compare tab (the softmax operator is flash's)
+                colour = VARIANT_COLOURS.get("flash" if name == "softmax" else name)
+                ax.plot(*zip(*pts), marker="o", label=name, color=colour)
         done = [r for r in rows if "ms" in r]
         if done:
             ns = sorted({r["tokens"] for r in rows})

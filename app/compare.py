@@ -2,16 +2,22 @@
 measured against flash.
 
 Plain functions over :mod:`pipelines`' public API (``generate``, ``write_mp4``, ``Timing``, ``spread``);
-the UI calls :func:`iter_compare` (one snapshot per finished variant) and shows what it yields.
+the UI calls :func:`iter_compare` (one snapshot per finished variant) and shows what it yields. ``generate``
+is called in one place, :func:`_generate`.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import os
+import queue
 import re
 import shutil
+import tempfile
 import threading
+import time
 import uuid
 import warnings
 from collections.abc import Callable, Iterator
@@ -24,8 +30,10 @@ import torch
 from pipelines import VARIANTS, GenerationRequest, Timing, model_request, write_mp4
 from pipelines.pipeline import generate
 from pipelines.timing import Spread, device_name, spread
+from pipelines.video import to_uint8
 
 from . import inputs, quality
+from .interleave import NOISY, PairedSpeedup, Turns, paired_speedup
 from .models import AppModels
 
 log = logging.getLogger(__name__)
@@ -49,9 +57,6 @@ MAX_GUIDANCE = 30.0
 MAX_REPEATS = 10
 MAX_PROMPT_CHARS = 2000  # the text encoder reads at most a few hundred tokens; more is a mistake or abuse
 KEEP_RUNS = 20  # run folders kept on disk (videos the page may still show)
-# above this relative spread (half the interquartile range over the median) of the denoising steps the page
-# says that the machine is too noisy for the speedups to mean much
-NOISY = 0.15
 
 
 def preset_key(preset: tuple[int, int, int]) -> str:
@@ -118,6 +123,7 @@ class CompareRequest:
     preset: tuple[int, int, int]
     variants: list[str]
     repeats: int = 1
+    unknown_words: list[str] = field(default_factory=list)  # words of the prompt the model does not know
 
     @property
     def num_frames(self) -> int:
@@ -176,6 +182,7 @@ def check_request(
             f"{tokens:,} tokens, this app allows at most {max_tokens:,} here (start it with --max-tokens to change)"
         )
     return CompareRequest(
+        unknown_words=unknown_words(models, prompt),
         prompt=prompt.strip(),
         negative_prompt=(negative_prompt or "").strip(),
         seed=seed,
@@ -187,10 +194,98 @@ def check_request(
     )
 
 
+def unknown_words(models: AppModels, prompt: str) -> list[str]:
+    """The words of ``prompt`` that the model's tokenizer reads as its unknown token (each once, in order):
+    the built-in model knows only the few dozen words of its world; a large model's tokenizer knows nearly
+    every word, and this is then empty."""
+    tokenizer = models.components.tokenizer
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is None or not isinstance(prompt, str):
+        return []
+    out: list[str] = []
+    for word in re.findall(r"\w+", prompt.lower()):
+        if word not in out and unk in tokenizer(word, add_special_tokens=False).input_ids:
+            out.append(word)
+    return out
+
+
+def vocabulary_note(models: AppModels, words: list[str]) -> str:
+    """The warning for a prompt with words outside the model's vocabulary ('' when there are none)."""
+    if not words:
+        return ""
+    what = (
+        "the built-in model knows only its world's words (colours, shapes, sizes, motions, backgrounds)"
+        if models.builtin
+        else "the model's tokenizer does not know them"
+    )
+    return f"⚠ Not in the model's vocabulary: **{', '.join(words)}**; {what}, so these are ignored."
+
+
+# ---- a link that reproduces a request --------------------------------------------------------------------
+PERMALINK_KEYS = ("prompt", "seed", "steps", "variants", "guidance", "preset")
+
+
+def permalink_query(request: CompareRequest) -> str:
+    """The URL query that restores ``request`` on the page: ``?prompt=...&seed=0&steps=20&variants=flash,mhla``
+    (guidance and preset too)."""
+    from urllib.parse import urlencode
+
+    return "?" + urlencode(
+        {
+            "prompt": request.prompt,
+            "seed": request.seed,
+            "steps": request.num_inference_steps,
+            "variants": ",".join(request.variants),
+            "guidance": f"{request.guidance_scale:g}",
+            "preset": preset_key(request.preset),
+        }
+    )
+
+
+def parse_permalink(params) -> tuple[dict, list[str]]:
+    """The page's fields from a URL query (a mapping of str to str, from the browser: not trusted):
+    ``({"prompt": ..., "seed": int, "steps": int, "variants": [...], "guidance": float, "preset": key},
+    problems)``; a bad value is left out and named in ``problems``, never passed on."""
+    out: dict = {}
+    problems = []
+    get = {k: params.get(k) for k in PERMALINK_KEYS if isinstance(params.get(k), str)}
+    if "prompt" in get:
+        if len(get["prompt"]) <= MAX_PROMPT_CHARS and get["prompt"].strip():
+            out["prompt"] = get["prompt"]
+        else:
+            problems.append("prompt")
+    for key, lo, hi in (("seed", 0, 2**63 - 1), ("steps", 1, MAX_STEPS)):
+        if key in get:
+            try:
+                out[key] = _as_int(key, int(get[key]), lo, hi)
+            except ValueError:
+                problems.append(key)
+    if "guidance" in get:
+        try:
+            g = float(get["guidance"])
+            if not (math.isfinite(g) and 0 <= g <= MAX_GUIDANCE):
+                raise ValueError(g)
+            out["guidance"] = g
+        except ValueError:
+            problems.append("guidance")
+    if "variants" in get:
+        chosen = [v for v in get["variants"].split(",") if v]
+        if chosen and all(v in VARIANTS for v in chosen):
+            out["variants"] = [v for v in VARIANTS if v in chosen]
+        else:
+            problems.append("variants")
+    if "preset" in get:
+        try:
+            out["preset"] = preset_key(parse_preset(get["preset"]))
+        except ValueError:
+            problems.append("preset")
+    return out, problems
+
+
 @dataclass
 class VariantRun:
-    """One variant's outcome: a video, its timings (one per repeat) and its quality against flash, or the
-    error that stopped it."""
+    """One variant's outcome: a video, its timings (one per repeat), its verdict against the prompt and its
+    agreement with flash, or the error that stopped it."""
 
     variant: str
     note: str
@@ -200,7 +295,9 @@ class VariantRun:
     error: str | None = None
     psnr: float | None = None  # dB against flash's video (None: flash not run, or this is flash)
     ssim: float | None = None
-    attributes: tuple[int, int] | None = None  # (right, named) by the model's analyser (AppModels.judge)
+    # the model's analyser (AppModels.judge): {attribute: shown?} for the attributes the prompt names
+    attributes: dict[str, bool] | None = None
+    degenerate: str | None = None  # "blank", "frozen", "saturated" (quality.degenerate), None: a video
 
     @property
     def timing(self) -> Timing | None:
@@ -211,10 +308,23 @@ class VariantRun:
         """Denoising step seconds over every step of every repeat."""
         return spread(s for t in self.timings for s in t.steps)
 
+    @property
+    def paired_steps(self) -> list[float]:
+        """The steps that enter the paired speedups: each run's first step is a warm-up (new shapes, cold
+        caches) and is left out, unless it is the only one."""
+        return [s for t in self.timings for s in (t.steps[1:] if len(t.steps) > 1 else t.steps)]
+
     def stage(self, name: str) -> Spread:
         """A stage's seconds over the repeats: ``total``, ``text_encoding``, ``denoising``, ``vae_decode``,
         ``self_attention``."""
         return spread(getattr(t, name) for t in self.timings)
+
+    @property
+    def verdict(self) -> str:
+        """What the video is worth at a glance: the degenerate label, else the analyser's verdict per attribute."""
+        if self.degenerate:
+            return f"⚠ {self.degenerate} video"
+        return quality.verdict_text(self.attributes)
 
 
 @dataclass
@@ -225,6 +335,10 @@ class CompareResult:
     random_note: str | None = None
     notes: list[str] = field(default_factory=list)
     stopped: bool = False  # the user pressed Stop: ``runs`` holds the variants that finished
+    interleaved: bool = True  # variants took turns step by step (False: one after another, shared transformer)
+    load: str = ""  # the machine's load when the run started, e.g. "load 1.9 on 2 cores"
+    side_by_side: Path | None = None  # every variant's video in one labelled mp4
+    measured: str = ""  # for a stored result: where and when it was measured
 
     def run(self, variant: str) -> VariantRun | None:
         return next((r for r in self.runs if r.variant == variant), None)
@@ -234,36 +348,62 @@ class CompareResult:
         names = sorted({r.timing.softmax_backend for r in self.runs if r.timing and r.timing.softmax_backend})
         return ", ".join(names) or "- (no softmax layer ran)"
 
-    def speedups(self, run: VariantRun) -> tuple[float | None, float | None, bool]:
-        """``(denoising, end_to_end, within_noise)``: flash's median over the variant's (denoising step and
-        whole generation); ``within_noise`` when the two step ranges overlap or a side has one sample."""
+    def speedups(self, run: VariantRun) -> tuple[PairedSpeedup | None, float | None]:
+        """``(denoising, end_to_end)`` of ``run`` over flash: per denoising step from the paired steps
+        (:func:`app.interleave.paired_speedup`), and flash's median end-to-end time over the variant's."""
         flash = self.run("flash")
-        if not (flash and flash.timings and run.timings):
-            return None, None, False
-        a, b = flash.steps, run.steps
-        total_a, total_b = flash.stage("total"), run.stage("total")
-        noise = run is not flash and (a.n < 2 or b.n < 2 or a.overlaps(b))
-        return a.median / b.median, total_a.median / total_b.median, noise
+        if not (flash and flash.timings and run.timings) or run is flash:
+            return None, None
+        a, b = flash.paired_steps, run.paired_steps
+        n = min(len(a), len(b))
+        den = paired_speedup(a[:n], b[:n]) if n else None
+        return den, flash.stage("total").median / run.stage("total").median
+
+    def ranking(self) -> list[VariantRun]:
+        """Finished variants, best against the prompt first: by the share of the prompt's attributes shown;
+        a degenerate video always last (ties keep the variants' order)."""
+        done = [r for r in self.runs if not r.error]
+
+        def key(r: VariantRun):
+            shown = sum(r.attributes.values()) / len(r.attributes) if r.attributes else 0.0
+            return (r.degenerate is not None, -shown)
+
+        return sorted(done, key=key)
+
+
+def machine_load() -> str:
+    """The 1-minute load average against the cores, e.g. ``load 1.9 on 2 cores`` ('' where unknown)."""
+    try:
+        return f"load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+    except (OSError, AttributeError):
+        return ""
 
 
 class RunCancelled(Exception):
     """The user pressed Stop: the run ends before the next transformer call."""
 
 
-class _Stages:
-    """Readable stages from the transformer's calls ("mhla: denoising step 7/20", "mhla: decoding video"),
-    and the place where a Stop takes effect: before any transformer call.
+class _StepClock:
+    """Times one variant's denoising steps from the transformer's calls, and takes turns with the other
+    variants between steps (:class:`app.interleave.Turns`).
 
     Forward hooks on the transformer (public torch API): generate() runs diffusers' pipeline, which calls the
-    transformer once per step, twice with classifier-free guidance.
+    transformer once per step, twice with classifier-free guidance. A step is timed from its first call's
+    start to its last call's end, so waiting for the turn is never counted. Hooks count only calls from the
+    thread that made them (variants sharing one transformer run one after another, each in its thread).
     """
 
-    def __init__(self, transformer, report: Callable[[str], None], cancel: threading.Event | None):
-        self.transformer, self.report, self.cancel = transformer, report, cancel
-        self.calls, self.steps, self.per_step, self.label, self.decode = 0, 1, 1, "", True
-        self.span = (0.0, 1.0)  # the part of the variant's work this generation is, for the time-left estimate
+    def __init__(self, name, transformer, turns: Turns, per_step: int, interleaved: bool, cancel, on_step):
+        self.name, self.transformer, self.turns = name, transformer, turns
+        self.per_step, self.interleaved, self.cancel, self.on_step = per_step, interleaved, cancel, on_step
+        self.thread = threading.get_ident()
+        self.begin()
+
+    def begin(self):
+        self.calls, self.steps, self.first, self.last, self._t = 0, [], 0.0, 0.0, 0.0
 
     def __enter__(self):
+        self.thread = threading.get_ident()
         self._hooks = [
             self.transformer.register_forward_pre_hook(self._before),
             self.transformer.register_forward_hook(self._after),
@@ -278,27 +418,39 @@ class _Stages:
         if self.cancel is not None and self.cancel.is_set():
             raise RunCancelled
 
-    def start(self, label: str, steps: int, guidance: float, decode: bool, span=(0.0, 1.0)):
-        self.check()
-        self.label, self.steps, self.decode, self.calls, self.span = label, steps, decode, 0, span
-        self.per_step = 2 if guidance > 1.0 else 1  # WanPipeline: conditional and unconditional calls
-        self.show(f"{label}: encoding the prompt", 0.0)
-
-    def show(self, text: str, fraction: float):
-        """Reports ``text`` with ``fraction`` of this variant's span of the progress bar."""
-        lo, hi = self.span
-        self.report(text, lo + (hi - lo) * fraction)
-
     def _before(self, _module, _args):
-        self.check()
+        if threading.get_ident() != self.thread:
+            return
         if self.calls % self.per_step == 0:
-            step = self.calls // self.per_step + 1
-            self.show(f"{self.label}: denoising step {step}/{self.steps}", (step - 1) / self.steps)
+            if self.calls and self.interleaved:  # a step is done: the next variant's turn
+                self.turns.done(self.name)
+                self.turns.wait(self.name)
+            self.check()
+            self._t = time.perf_counter()
+            if not self.calls:
+                self.first = self._t
+            self.on_step(self.name, len(self.steps), False)
+        else:
+            self.check()
 
     def _after(self, _module, _args, _out):
+        if threading.get_ident() != self.thread:
+            return
         self.calls += 1
-        if self.decode and self.calls == self.steps * self.per_step:
-            self.show(f"{self.label}: decoding video", 1.0)
+        if self.calls % self.per_step == 0:
+            self.last = time.perf_counter()
+            self.steps.append(self.last - self._t)
+            self.on_step(self.name, len(self.steps), True)
+
+    def timing(self, t: Timing, start: float, end: float) -> Timing:
+        """generate()'s timing with the stages as this variant's own compute: its steps as timed here, text
+        encoding up to its first step, VAE decoding after its last (no time spent waiting for its turn)."""
+        t = replace(t, steps=list(self.steps))
+        t.denoising = sum(self.steps)
+        t.text_encoding = self.first - start
+        t.vae_decode = end - self.last
+        t.total = t.text_encoding + t.denoising + t.vae_decode
+        return t
 
 
 def _error_text(e: BaseException, models: AppModels, request: CompareRequest) -> str:
@@ -333,6 +485,67 @@ def new_run_dir(out_root: Path) -> Path:
     return run_dir
 
 
+def _generate(models: AppModels, request: CompareRequest, variant: str, steps: int, output_type: str = "np"):
+    """The app's one call of :func:`pipelines.pipeline.generate`: the page's request as a
+    :class:`~pipelines.GenerationRequest`, checked once against the model (:func:`pipelines.model_request`)."""
+    vm = models.variants[variant]
+    checked = model_request(
+        models.components,
+        GenerationRequest(
+            prompt=request.prompt,
+            negative_prompt=request.negative_prompt,
+            height=request.height,
+            width=request.width,
+            num_frames=request.num_frames,
+            num_inference_steps=steps,
+            guidance_scale=request.guidance_scale,
+            seed=request.seed,
+            variant=variant,
+            output_type=output_type,
+        ),
+        vm.transformer,
+    )
+    return generate(models.components, checked, transformer=vm.transformer, show_progress=False)
+
+
+# "untrained attention parameters": each converted variant's column already says "converted, not fine-tuned"
+_UNTRAINED = r"variant '.*' added freshly initialised"
+
+
+def warm_up(models: AppModels) -> float:
+    """One short untimed generation per variant at the model's default size (one step; the first also
+    decodes, warming the shared text encoder and VAE), done once when the app starts so that no request pays
+    for it. Returns the seconds it took."""
+    d = models.components.defaults
+    preset = (d["num_frames"], d["height"], d["width"])
+    request = CompareRequest(models.example_prompt, "", 0, 1, float(d["guidance_scale"]), preset, list(VARIANTS))
+    start = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_UNTRAINED, category=UserWarning)
+        for i, name in enumerate(VARIANTS):
+            _generate(models, request, name, 1, "np" if i == 0 else "latent")
+    return time.perf_counter() - start
+
+
+def side_by_side_frames(videos: dict[str, np.ndarray], label_height: int = 16) -> np.ndarray:
+    """Every variant's frames ``(T, H, W, 3)`` in one row, each under a strip with its name: ``(T, H +
+    label_height, W * n + 2 * (n - 1), 3)`` uint8 (2-pixel grey gaps between videos)."""
+    from PIL import Image, ImageDraw
+
+    tiles = []
+    for name, frames in videos.items():
+        x = to_uint8(frames)
+        strip = Image.new("RGB", (x.shape[2], label_height), (24, 24, 24))
+        ImageDraw.Draw(strip).text((4, 2), name, fill=VARIANT_COLOURS.get(name, "#ffffff"))
+        label = np.broadcast_to(np.asarray(strip), (x.shape[0], label_height, x.shape[2], 3))
+        tiles.append(np.concatenate([label, x], axis=1))
+    gap = np.full((*tiles[0].shape[:2], 2, 3), 96, np.uint8)
+    row = [tiles[0]]
+    for t in tiles[1:]:
+        row += [gap, t]
+    return np.concatenate(row, axis=2)
+
+
 def iter_compare(
     models: AppModels,
     request: CompareRequest,
@@ -341,89 +554,144 @@ def iter_compare(
     cancel: threading.Event | None = None,
     fps: int = 16,
 ) -> Iterator[CompareResult]:
-    """Runs each chosen variant with the same seed, one after the other, and yields a snapshot of the result
-    after each one (the page fills that variant's column at once); writes one mp4 per variant.
+    """Runs the chosen variants with the same seed and yields a snapshot of the result each time one is
+    done (the page fills its column at once); writes one mp4 per variant and one side by side.
 
-    Per variant: one untimed warm-up generation (one step; the first variant also decodes, to warm the
-    shared VAE), then ``request.repeats`` timed generations. ``progress(text, fraction)`` gets readable
-    stages ("mhla: denoising step 7/20") and the fraction of the run done. Setting ``cancel`` stops the run
-    before the next transformer call; the last snapshot then has ``stopped`` set. A variant that fails (out
-    of memory, anything raised inside generation) gets its error in its :class:`VariantRun`; the others run.
+    The variants take turns, one denoising step each, round-robin (:class:`app.interleave.Turns`), so a
+    change of machine load hits all of them alike and step ``k`` of each variant pairs with flash's step
+    ``k`` for the speedup's interval. Variants that share one transformer (converted in place at each run)
+    cannot interleave: they run one after another (``CompareResult.interleaved`` is then False). No warm-up
+    generation per request (:func:`warm_up` runs once when the app starts); each run's first step is left
+    out of the paired speedups instead. ``progress(text, fraction)`` gets readable stages. Setting
+    ``cancel`` stops the run before the next transformer call; the last snapshot then has ``stopped`` set.
+    A variant that fails (out of memory, anything raised inside generation) gets its error in its
+    :class:`VariantRun`; the others run.
     """
     run_dir = new_run_dir(out_root)
-    result = CompareResult(request, [], device_name(models.device), models.random_note, list(models.notes))
-    n = len(request.variants)
-    reference = None  # flash's frames: what PSNR and SSIM compare against
+    names = list(request.variants)
+    interleaved = len({id(models.variants[n].transformer) for n in names}) == len(names)
+    result = CompareResult(
+        request,
+        [],
+        device_name(models.device),
+        models.random_note,
+        list(models.notes),
+        interleaved=interleaved,
+        load=machine_load(),
+    )
+    turns = Turns(names)
+    events: queue.Queue = queue.Queue()
+    per_step = 2 if request.guidance_scale > 1.0 else 1  # WanPipeline: conditional and unconditional calls
+    steps = request.num_inference_steps
+    total = len(names) * request.repeats * steps
+    done = dict.fromkeys(names, 0)  # steps finished per variant (over repeats)
+    videos: dict[str, np.ndarray] = {}  # uint8 frames by variant: PSNR/SSIM reference, side-by-side video
 
-    def snapshot() -> CompareResult:
-        return replace(result, runs=list(result.runs))
+    def report(text: str) -> None:
+        if progress is not None:
+            progress(text, sum(done.values()) / total)
 
-    for i, name in enumerate(request.variants):
+    def on_step(name: str, k: int, finished: bool, repeat: int = 0) -> None:
+        if finished:
+            done[name] += 1
+            if k == steps:
+                report(f"{name}: decoding video")
+            return
+        where = f" · round {k + 1}/{steps}" if interleaved else f" · variant {names.index(name) + 1}/{len(names)}"
+        again = f" (repeat {repeat + 1}/{request.repeats})" if request.repeats > 1 else ""
+        report(f"{name}{again}: denoising step {k + 1}/{steps}{where}")
+
+    def work(name: str) -> None:
         vm = models.variants[name]
         run = VariantRun(name, vm.note, vm.kind)
-
-        def report(text, fraction, i=i):
-            if progress is not None:
-                progress(f"{text} · variant {i + 1}/{n}", (i + fraction) / n)
-
+        outcome = "done"
         try:
-            # built and checked once per variant; the warm-up is the same request with one step
-            timed = model_request(
-                models.components,
-                GenerationRequest(
-                    prompt=request.prompt,
-                    negative_prompt=request.negative_prompt,
-                    height=request.height,
-                    width=request.width,
-                    num_frames=request.num_frames,
-                    num_inference_steps=request.num_inference_steps,
-                    guidance_scale=request.guidance_scale,
-                    seed=request.seed,
-                    variant=name,
-                ),
+            turns.wait(name)
+            repeat = [0]
+            clock = _StepClock(
+                name,
                 vm.transformer,
+                turns,
+                per_step,
+                interleaved,
+                cancel,
+                lambda n, k, f: on_step(n, k, f, repeat[0]),
             )
-            warm_up = replace(timed, num_inference_steps=1, output_type="np" if i == 0 else "latent")
-            with _Stages(vm.transformer, report, cancel) as stages, warnings.catch_warnings():
-                # "untrained attention parameters": the column already says "converted, not fine-tuned"
-                warnings.simplefilter("ignore", UserWarning)
-                # spans of the variant's work by denoising steps: the warm-up is one step, each repeat all of them
-                work = 1 + request.repeats * request.num_inference_steps
-                stages.start(f"{name}: warm-up (not timed)", 1, request.guidance_scale, i == 0, (0, 1 / work))
-                generate(models.components, warm_up, transformer=vm.transformer, show_progress=False)
+            with clock:
                 for r in range(request.repeats):
-                    label = name if request.repeats == 1 else f"{name} (repeat {r + 1}/{request.repeats})"
-                    span = (
-                        (1 + r * request.num_inference_steps) / work,
-                        (1 + (r + 1) * request.num_inference_steps) / work,
-                    )
-                    stages.start(label, request.num_inference_steps, request.guidance_scale, True, span)
-                    out = generate(models.components, timed, transformer=vm.transformer, show_progress=False)
-                    run.timings.append(out.timing)
-            stages.check()
-            report(f"{name}: writing video", 1.0)
+                    clock.check()
+                    repeat[0] = r
+                    clock.begin()
+                    start = time.perf_counter()
+                    out = _generate(models, request, name, steps)
+                    run.timings.append(clock.timing(out.timing, start, time.perf_counter()))
+            clock.check()
+            report(f"{name}: writing video")
+            frames = to_uint8(out.frames)
             comment = f"{name} | seed {request.seed} | {request.prompt}"
             if models.random_note:
                 comment = f"{models.random_note} | {comment}"
-            run.video = write_mp4(run_dir / f"{name}.mp4", out.frames, fps=fps, comment=comment)
-            frames = np.asarray(out.frames)
-            if name == "flash":
-                reference = frames
-            elif reference is not None:
-                run.psnr, run.ssim = quality.psnr(frames, reference), quality.ssim(frames, reference)
+            run.video = write_mp4(run_dir / f"{name}.mp4", frames, fps=fps, comment=comment)
+            run.degenerate = quality.degenerate(frames)
             if models.judge is not None:
                 run.attributes = models.judge(frames, request.prompt)
+            videos[name] = frames
+            # here, in this variant's turn, not in the consumer's thread: there it would slow the next
+            # variant's VAE decode (measured: the later a variant decoded, the slower)
+            if name != "flash" and "flash" in videos:
+                run.psnr, run.ssim = quality.psnr(frames, videos["flash"]), quality.ssim(frames, videos["flash"])
         except RunCancelled:
-            result.stopped = True
-            yield snapshot()
-            return
+            outcome = "cancelled"
         except Exception as e:  # noqa: BLE001 - one variant's failure must not lose the others' results
             run.error = _error_text(e, models, request)
             run.timings = []
             if models.device.type == "cuda":
                 torch.cuda.empty_cache()  # give the next variant (and request) the memory back
-        result.runs.append(run)
-        yield snapshot()
+        finally:
+            turns.leave(name)
+            events.put((outcome, run))
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_UNTRAINED, category=UserWarning)
+        threads = [threading.Thread(target=work, args=(n,), name=f"compare-{n}", daemon=True) for n in names]
+        for t in threads:
+            t.start()
+        try:
+            for _ in names:
+                outcome, run = events.get()
+                if outcome == "cancelled":
+                    result.stopped = True
+                    continue
+                result.runs = sorted([*result.runs, run], key=lambda r: names.index(r.variant))
+                if not result.stopped:
+                    _agreement(result, videos)
+                    yield replace(result, runs=list(result.runs))
+        finally:
+            if cancel is not None and any(t.is_alive() for t in threads):
+                cancel.set()  # the consumer went away: end the variants' threads too
+            for t in threads:
+                t.join()
+    _agreement(result, videos)
+    if len(videos) > 1 and not result.stopped:
+        report("writing the side-by-side video")
+        result.side_by_side = write_mp4(
+            run_dir / "side_by_side.mp4",
+            side_by_side_frames({n: videos[n] for n in names if n in videos}),
+            fps=fps,
+            comment=f"{', '.join(videos)} | seed {request.seed} | {request.prompt}",
+        )
+    yield replace(result, runs=list(result.runs))
+
+
+def _agreement(result: CompareResult, videos: dict[str, np.ndarray]) -> None:
+    """PSNR and SSIM of each finished video against flash's, where both exist and it is not yet computed."""
+    reference = videos.get("flash")
+    if reference is None:
+        return
+    for run in result.runs:
+        if run.variant != "flash" and run.psnr is None and run.variant in videos:
+            run.psnr = quality.psnr(videos[run.variant], reference)
+            run.ssim = quality.ssim(videos[run.variant], reference)
 
 
 def run_compare(models: AppModels, request: CompareRequest, out_root: Path, **kwargs) -> CompareResult:
@@ -432,7 +700,66 @@ def run_compare(models: AppModels, request: CompareRequest, out_root: Path, **kw
     return results[-1]
 
 
+# ---- a result stored and read back (the example prompts' precomputed results) --------------------------
+
+
+def result_to_dict(result: CompareResult) -> dict:
+    """A JSON-ready record of ``result``; videos by file name (they lie beside the record)."""
+    req = result.request
+    return {
+        "request": {**req.__dict__, "preset": list(req.preset)},
+        "device": result.device,
+        "random_note": result.random_note,
+        "notes": result.notes,
+        "interleaved": result.interleaved,
+        "load": result.load,
+        "measured": result.measured,
+        "side_by_side": result.side_by_side.name if result.side_by_side else None,
+        "runs": [
+            {
+                **{k: v for k, v in r.__dict__.items() if k not in ("video", "timings")},
+                "video": r.video.name if r.video else None,
+                "timings": [t.as_dict() for t in r.timings],
+            }
+            for r in result.runs
+        ],
+    }
+
+
+def result_from_dict(record: dict, folder: Path) -> CompareResult:
+    """The result :func:`result_to_dict` wrote, its videos looked up in ``folder`` by their bare names."""
+
+    def path(name):
+        return None if not name else folder / Path(name).name
+
+    def timing(d: dict) -> Timing:
+        d = {k: v for k, v in d.items() if k != "per_step"}
+        return Timing(**{**d, "grid": tuple(d["grid"])})
+
+    req = dict(record["request"])
+    request = CompareRequest(**{**req, "preset": tuple(req["preset"])})
+    runs = [
+        VariantRun(**{**r, "video": path(r["video"]), "timings": [timing(t) for t in r["timings"]]})
+        for r in record["runs"]
+    ]
+    return CompareResult(
+        request,
+        runs,
+        record["device"],
+        record.get("random_note"),
+        list(record.get("notes", [])),
+        interleaved=record.get("interleaved", True),
+        load=record.get("load", ""),
+        side_by_side=path(record.get("side_by_side")),
+        measured=record.get("measured", ""),
+    )
+
+
 # ---- presenting a result ------------------------------------------------------------------------------
+
+# one colour per variant everywhere: columns, charts (the Benchmark tab's too), the side-by-side labels
+# (Tableau 10: distinct for colour-blind readers, readable on light and dark backgrounds)
+VARIANT_COLOURS = {"flash": "#4c78a8", "linear": "#f58518", "mhla": "#54a24b", "mhla-hybrid": "#e45756"}
 
 
 def _peak(t: Timing) -> str:
@@ -448,41 +775,52 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:,.0f} ms" if seconds >= 0.1 else f"{seconds * 1e3:.1f} ms"
 
 
-def _speedup(x: float | None, noise: bool) -> str:
+def _speedup(x: PairedSpeedup | None) -> str:
     if x is None:
         return "-"
-    return f"{x:.2f}x" + (" (noise)" if noise else "")
+    return x.text() + (" noisy" if x.noisy else "")
 
 
-def quality_text(run: VariantRun) -> str:
-    parts = []
-    if run.psnr is not None:
-        parts.append("PSNR identical" if math.isinf(run.psnr) else f"PSNR {run.psnr:.1f} dB")
-        parts.append(f"SSIM {run.ssim:.3f} vs flash")
-    if run.attributes is not None:
-        parts.append(f"attributes {run.attributes[0]}/{run.attributes[1]}")
-    return ", ".join(parts)
+def agreement_text(run: VariantRun) -> str:
+    """PSNR and SSIM against flash's video ('' without one)."""
+    if run.psnr is None:
+        return ""
+    psnr = "identical" if math.isinf(run.psnr) else f"{run.psnr:.1f} dB"
+    return f"{psnr} / {run.ssim:.3f}"
+
+
+AGREEMENT_NOTE = (
+    "Agreement with flash (PSNR, SSIM) says how close a video is to flash's for the same seed, not whether it "
+    "shows the prompt: a blank video can agree well with a dark one."
+)
 
 
 def variant_markdown(run: VariantRun, result: CompareResult | None = None) -> str:
-    """The block under a variant's video: speed, quality against flash, where the time went."""
+    """The block under a variant's video: what it shows, speed, agreement with flash, where the time went."""
     head = f"### {run.variant}\n_{run.note}_\n\n"
     if run.error:
         return head + f"> **⛔ {run.variant} failed:** {run.error}"
     t, s = run.timing, run.steps
-    lines = [f"- denoising step: **{_ms(s.median)}** median, ±{s.relative:.0%} ({s.n} steps)"]
+    lines = []
+    if run.degenerate:
+        lines.append(f"- **⚠ degenerate: {run.degenerate} video** (ranked last whatever its agreement with flash)")
+    if run.attributes is not None:
+        lines.append(f"- against the prompt: **{quality.verdict_text(run.attributes)}**")
+    lines.append(f"- denoising step: **{_ms(s.median)}** median, ±{s.relative:.0%} ({s.n} steps)")
     if result is not None and run.variant != "flash":
-        den, e2e, noise = result.speedups(run)
+        den, e2e = result.speedups(run)
         if den is not None:
             lines.append(
-                f"- vs flash: **{_speedup(den, noise)}** denoising, {_speedup(e2e, noise)} end-to-end"
-                + (" · _within the timing noise_" if noise else "")
+                f"- vs flash: **{den.estimate:.2f}x** per denoising step (95% interval "
+                f"{den.low:.2f}-{den.high:.2f}, {den.n} paired steps)"
+                + (" · _noisy_" if den.noisy else "")
+                + (f", {e2e:.2f}x end to end" if e2e is not None else "")
             )
-    q = quality_text(run)
-    if q:
-        lines.append(f"- quality: **{q}**")
+    agreement = agreement_text(run)
+    if agreement:
+        lines.append(f"- agreement with flash (PSNR / SSIM): {agreement}")
     lines += [
-        f"- end-to-end: {run.stage('total').median:.2f} s = text encoding {run.stage('text_encoding').median:.2f} s"
+        f"- own time: {run.stage('total').median:.2f} s = text encoding {run.stage('text_encoding').median:.2f} s"
         f" + denoising {run.stage('denoising').median:.2f} s + VAE decoding {run.stage('vae_decode').median:.2f} s",
         f"- self-attention: {attention_share(t):.0%} of denoising; peak memory: {_peak(t)}",
         f"- tokens: {t.num_tokens:,}; layout: {t.layout}",
@@ -490,19 +828,25 @@ def variant_markdown(run: VariantRun, result: CompareResult | None = None) -> st
     return head + "\n".join(lines)
 
 
-TABLE_HEADERS = [  # speed and quality first: what a person reads at a glance
+# the table a person reads at a glance (the page shows fewer of these on a phone); details on demand below
+TABLE_HEADERS = [
     "variant",
-    "tokens",
-    "M",
-    "step ms (median)",
-    "step spread",
-    "denoising speedup",
+    "against the prompt",
+    "speedup per step vs flash (95% interval)",
     "end-to-end s",
     "end-to-end speedup",
-    "PSNR dB vs flash",
-    "SSIM vs flash",
-    "attributes",
+    "agreement with flash (PSNR / SSIM)",
+]
+DETAIL_HEADERS = [
+    "variant",
+    "step ms (median)",
+    "step spread",
+    "paired steps",
+    "ratio spread",
+    "tokens",
+    "M",
     "text encoding s",
+    "denoising s",
     "VAE decoding s",
     "self-attention share",
     "weights",
@@ -512,29 +856,59 @@ TABLE_HEADERS = [  # speed and quality first: what a person reads at a glance
 
 
 def table_rows(result: CompareResult) -> list[list]:
-    """One row per finished variant (failed ones say why); speedups are flash's median over the variant's."""
+    """One row per finished variant, best against the prompt first (failed ones last, saying why)."""
     rows = []
-    for r in result.runs:
+    for r in [*result.ranking(), *(r for r in result.runs if r.error)]:
         if r.error:
-            rows.append([r.variant] + [""] * (len(TABLE_HEADERS) - 2) + [f"error: {r.error}"])
+            rows.append([r.variant, f"error: {r.error}"] + [""] * (len(TABLE_HEADERS) - 2))
             continue
-        t, s = r.timing, r.steps
-        den, e2e, noise = result.speedups(r)
-        psnr = "" if r.psnr is None else ("inf" if math.isinf(r.psnr) else round(r.psnr, 2))
+        den, e2e = result.speedups(r)
         rows.append(
             [
                 r.variant,
-                t.num_tokens,
-                "-" if t.num_blocks is None else t.num_blocks,
+                r.verdict or "video (no analyser for this model)",
+                "reference" if r.variant == "flash" else _speedup(den),
+                round(r.stage("total").median, 2),
+                "reference" if r.variant == "flash" else ("-" if e2e is None else f"{e2e:.2f}x"),
+                agreement_text(r) or ("reference" if r.variant == "flash" else "-"),
+            ]
+        )
+    return rows
+
+
+def table_markdown(result: CompareResult) -> str:
+    """:func:`table_rows` as a Markdown table: a real HTML table on the page, whose less important columns a
+    phone's narrow screen hides (end-to-end seconds, agreement with flash)."""
+    lines = ["| " + " | ".join(TABLE_HEADERS) + " |", "|" + "---|" * len(TABLE_HEADERS)]
+    lines += ["| " + " | ".join(str(c).replace("|", "/") for c in row) + " |" for row in table_rows(result)]
+    return "\n".join(lines)
+
+
+ALL_HEADERS = TABLE_HEADERS + DETAIL_HEADERS[1:]
+
+
+def detail_rows(result: CompareResult) -> list[list]:
+    """Everything measured (:data:`ALL_HEADERS`: the table's columns, then the details), one row per variant,
+    in the table's order."""
+    rows = []
+    compact = {row[0]: row for row in table_rows(result)}
+    for r in [*result.ranking(), *(r for r in result.runs if r.error)]:
+        if r.error:
+            rows.append(compact[r.variant] + [""] * (len(DETAIL_HEADERS) - 1))
+            continue
+        t, s = r.timing, r.steps
+        den, _ = result.speedups(r)
+        rows.append(
+            compact[r.variant]
+            + [
                 round(s.median * 1e3, 2),
                 f"±{s.relative:.0%} (n={s.n})",
-                _speedup(den, noise),
-                round(r.stage("total").median, 3),
-                _speedup(e2e, noise),
-                psnr,
-                "" if r.ssim is None else round(r.ssim, 4),
-                "" if r.attributes is None else f"{r.attributes[0]}/{r.attributes[1]}",
+                len(r.paired_steps),
+                "-" if den is None else f"±{den.ratio_spread:.0%}",
+                t.num_tokens,
+                "-" if t.num_blocks is None else t.num_blocks,
                 round(r.stage("text_encoding").median, 3),
+                round(r.stage("denoising").median, 3),
                 round(r.stage("vae_decode").median, 3),
                 f"{attention_share(t):.0%}",
                 r.kind,
@@ -546,41 +920,74 @@ def table_rows(result: CompareResult) -> list[list]:
 
 
 def noise_warning(result: CompareResult) -> str | None:
-    """A warning when the step times vary too much for the speedups to mean anything, else None."""
-    timed = [r for r in result.runs if r.timings]
-    noisy = [r.variant for r in timed if r.steps.relative > NOISY]
-    within = [r.variant for r in timed if r.variant != "flash" and result.speedups(r)[2]]
-    if not noisy and not within:
-        return None
+    """A warning when a speedup's interval is wider than ±10% (or the variants could not interleave)."""
+    noisy = []
+    for r in result.runs:
+        den, _ = result.speedups(r)
+        if den is not None and den.noisy:
+            noisy.append(f"{r.variant} (±{den.half_width:.0%})" if den.n > 1 else f"{r.variant} (one pair)")
     parts = []
     if noisy:
-        parts.append(f"the denoising steps of {', '.join(noisy)} vary by more than ±{NOISY:.0%}")
-    if within:
-        parts.append(f"the speedups of {', '.join(within)} are within the timing noise (marked 'noise')")
+        parts.append(f"the 95% intervals of {', '.join(noisy)} are wider than ±{NOISY:.0%}")
+    if not result.interleaved and len(result.runs) > 1:
+        parts.append(
+            "the variants share one transformer (converted in place), so they ran one after another and a change "
+            "of machine load between them shows up as a speedup"
+        )
+    if not parts:
+        return None
     return (
-        "⚠ **Timings are not reliable here:** "
+        "⚠ **Noisy timings:** "
         + "; ".join(parts)
-        + ". The machine is shared or busy: raise **Repeats**, use more steps, or run on a quiet machine."
+        + ". Raise **Repeats**, use more steps, or run on a quieter machine"
+        + (f" ({result.load})." if result.load else ".")
     )
+
+
+def headline_markdown(result: CompareResult) -> str:
+    """The two lines a person takes away: the speedups with their intervals (flagged when noisy), and which
+    video shows the prompt (a degenerate one labelled, never first)."""
+    speed = []
+    for r in result.runs:
+        den, _ = result.speedups(r)
+        if den is not None:
+            flag = " ⚠ noisy" if den.noisy else ""
+            speed.append(f"**{r.variant} {den.estimate:.2f}x**" + (f" ({den.low:.2f}-{den.high:.2f}){flag}"))
+    lines = []
+    if speed:
+        lines.append("### Speedup per denoising step vs flash (95% interval): " + " · ".join(speed))
+    ranked = result.ranking()
+    if ranked:
+        shown = [f"{r.variant}: {r.verdict}" for r in ranked if r.verdict]
+        if shown:
+            lines.append("**Against the prompt** (best first): " + " · ".join(shown))
+    return "\n\n".join(lines)
 
 
 def summary_markdown(result: CompareResult) -> str:
     req = result.request
     tokens = next((r.timing.num_tokens for r in result.runs if r.timing), None)
-    lines = [
-        f"**Device:** {result.device} · **softmax backend that ran:** {result.softmax_backend}",
+    lines = []  # the headline and the noise warning are the page's first lines (headline_markdown, noise_warning)
+    if result.measured:
+        lines.append(f"**Precomputed result** ({result.measured}); press Generate for a fresh run on this machine.")
+    how = (
+        "the variants took turns, one denoising step each (round-robin), so a change of machine load hits all "
+        "alike; each speedup is the median of the paired per-step ratios flash/variant with a distribution-free "
+        "95% interval (each run's first step is a warm-up, not counted)"
+        if result.interleaved
+        else "the variants ran one after another (they share one transformer); speedups pair step k of each run"
+    )
+    lines += [
+        f"**Device:** {result.device}"
+        + (f" ({result.load} at the start)" if result.load else "")
+        + f" · **softmax backend that ran:** {result.softmax_backend}",
         f"**Request:** {req.num_frames} frames at {req.height}x{req.width}"
         + (f" ({tokens:,} tokens)" if tokens else "")
         + f", {req.num_inference_steps} steps, guidance {req.guidance_scale:g}, **seed used: {req.seed}** "
-        "(same noise for every variant)",
-        f"**Timing:** each variant warmed up once (not counted), then {req.repeats} timed run(s); step times are "
-        "the median over every denoising step, ± half the interquartile range. Speedups are flash's median over "
-        "the variant's: per denoising step, and end to end (text encoding + denoising + VAE decoding). "
-        "PSNR and SSIM compare each video with flash's (same prompt and seed).",
+        f"(same noise for every variant), {req.repeats} timed run(s) per variant",
+        f"**Timing:** {how}. End to end is each variant's own time: text encoding + denoising + VAE decoding. "
+        + AGREEMENT_NOTE,
     ]
-    warning = noise_warning(result)
-    if warning:
-        lines.append(warning)
     failed = [r.variant for r in result.runs if r.error]
     if failed:
         lines.append(f"**Failed:** {', '.join(failed)} (see their columns); the app is still serving.")
@@ -589,45 +996,103 @@ def summary_markdown(result: CompareResult) -> str:
         lines.append(f"**Stopped** by the user after {', '.join(done) or 'no variant'}.")
     if result.random_note:
         lines.append(f"**{result.random_note}.**")
-    return "\n\n".join(lines)
+    return "\n\n".join(x for x in lines if x)
+
+
+# mid grey reads on a white page and on a dark one: the chart has no background of its own
+CHART_INK = "#8a8a8a"
 
 
 def speedup_figure(result: CompareResult):
-    """Median denoising-step latency by variant with interquartile error bars, each bar labelled with its
-    speedup over flash."""
+    """Median denoising-step latency by variant (one colour per variant, interquartile bars), each bar
+    labelled with its paired speedup over flash; transparent, with mid-grey ink for light and dark pages."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     done = [r for r in result.runs if r.timings]
-    fig, ax = plt.subplots(figsize=(6.5, 3.4))
+    fig, ax = plt.subplots(figsize=(5.2, 3.4))
+    fig.patch.set_alpha(0.0)
+    ax.set_facecolor("none")
     names = [r.variant for r in done]
     stats = [r.steps for r in done]
     med = [s.median * 1e3 for s in stats]
     err = [[(s.median - s.low) * 1e3 for s in stats], [(s.high - s.median) * 1e3 for s in stats]]
-    attn = [s.median * attention_share(r.timing) * 1e3 for r, s in zip(done, stats, strict=True)]
-    ax.bar(names, med, color="#4c78a8", label="denoising step (median, bars: interquartile range)")
-    ax.errorbar(names, med, yerr=err, fmt="none", ecolor="black", capsize=6, lw=1.2)
-    ax.bar(names, attn, color="#f58518", width=0.5, label="of which self-attention")
+    ax.bar(names, med, color=[VARIANT_COLOURS.get(n, "#888888") for n in names])
+    ax.errorbar(names, med, yerr=err, fmt="none", ecolor=CHART_INK, capsize=6, lw=1.2)
     for x, (r, s) in enumerate(zip(done, stats, strict=True)):
-        den, _, noise = result.speedups(r)
-        if den is not None:
-            ax.annotate(
-                _speedup(den, noise),
-                (x, s.high * 1e3),
-                xytext=(0, 3),
-                textcoords="offset points",
-                ha="center",
-                va="bottom",
-                fontsize=9,
-            )
-    tokens = done[0].timing.num_tokens if done else 0
-    ax.set(ylabel="ms per denoising step", title=f"Denoising step latency at {tokens:,} tokens (label: vs flash)")
-    ax.title.set_fontsize(10)
-    ax.margins(y=0.2)
-    # below the axes: a legend inside would cover a bar
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2, frameon=False)
+        den, _ = result.speedups(r)
+        label = "flash" if r.variant == "flash" else (f"{den.estimate:.2f}x" if den else "")
+        if den is not None and den.noisy:
+            label += "?"
+        ax.annotate(
+            label, (x, s.high * 1e3), xytext=(0, 3), textcoords="offset points", ha="center", va="bottom",
+            fontsize=12, color=CHART_INK, fontweight="bold",
+        )  # fmt: skip
+    ax.set_ylabel("ms per denoising step", fontsize=11, color=CHART_INK)
+    ax.set_title("step latency (median; label: speedup vs flash)", fontsize=11, color=CHART_INK)
+    ax.tick_params(colors=CHART_INK, labelsize=11)
+    for spine in ax.spines.values():
+        spine.set_color(CHART_INK)
+    ax.margins(y=0.25)
     fig.tight_layout()
     plt.close(fig)  # gradio renders the figure object; keep pyplot's registry from growing per request
     return fig
+
+
+# ---- precomputed results of the example prompts, stored with the model ---------------------------------
+STORED_FILE = "results.json"
+STORED_QUALITY = 4  # imageio's 0-10 scale: the stored videos stay small (a few hundred KB for all of them)
+
+
+def store_examples(
+    models: AppModels, folder: Path, prompts: list[str], progress: Callable[[str], None] | None = None
+) -> Path:
+    """Runs a 4-variant compare at the model's defaults for each prompt and stores the results in ``folder``
+    (``results.json`` and small mp4s named ``<example>-<variant>.mp4``), with the machine, load and date they
+    were measured on. The page opens with them (:func:`load_stored`)."""
+    import datetime as dt
+
+    from pipelines import read_video
+
+    d = models.components.defaults
+    preset = (d["num_frames"], d["height"], d["width"])
+    folder.mkdir(parents=True, exist_ok=True)
+    for old in folder.glob("*.mp4"):
+        old.unlink()
+    records = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, prompt in enumerate(prompts):
+            request = check_request(
+                models, prompt, "", 0, d["num_inference_steps"], d["guidance_scale"], preset_key(preset), VARIANTS
+            )
+            if progress is not None:
+                progress(f"example {i + 1}/{len(prompts)}: {prompt}")
+            result = run_compare(models, request, Path(tmp))
+            date = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+            result.measured = f"measured on {result.device}, {result.load}, {date}"
+            for run in result.runs:
+                if run.video is not None:
+                    small = folder / f"{i}-{run.variant}.mp4"
+                    write_mp4(small, read_video(run.video), quality=STORED_QUALITY, comment=f"{run.variant} | {prompt}")
+                    run.video = small
+            result.side_by_side = None  # a fresh run makes it; stored, it would double the size
+            records.append(result_to_dict(result))
+    path = folder / STORED_FILE
+    path.write_text(json.dumps({"results": records}, indent=1) + "\n")
+    return path
+
+
+def load_stored(folder: Path | None) -> dict[str, CompareResult]:
+    """The stored results by prompt ({} when there are none, or they cannot be read)."""
+    path = None if folder is None else folder / STORED_FILE
+    if path is None or not path.is_file():
+        return {}
+    try:
+        records = json.loads(path.read_text())["results"]
+        results = [result_from_dict(r, folder) for r in records]
+    except (ValueError, KeyError, TypeError) as e:
+        log.warning("stored example results in %s cannot be read: %s", folder, e)
+        return {}
+    return {r.request.prompt: r for r in results if all(x.video is None or x.video.is_file() for x in r.runs)}

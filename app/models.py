@@ -28,6 +28,7 @@ from pipelines.builtin import BUILTIN_DIR, builtin_examples
 from pipelines.convert import attention_options
 from pipelines.loading import WAN_CONFIGS, build_random_wan
 
+STORED_SUBDIR = "examples"  # beside the model's components: the example prompts' precomputed results
 CONVERTED_NOTE = "converted, not fine-tuned: latency is real, quality is not"
 RANDOM_SIZES = tuple(WAN_CONFIGS)
 # prompts a model can draw: the built-in model knows coloured shapes moving on plain or textured backgrounds
@@ -71,11 +72,14 @@ class AppModels:
     variants: dict[str, VariantModel]
     random_note: str | None = None  # set when every video is noise (tiny model, --random-weights)
     notes: list[str] = field(default_factory=list)
-    # reads a video back into the prompt's attributes: (right, named), or None when the prompt names nothing
-    # it knows; set by whoever composes the app for a model with an analyser (run_app.py, the built-in model)
-    judge: Callable[[np.ndarray, str], tuple[int, int] | None] | None = None
+    # reads a video back into the prompt's attributes: {attribute: shown?} for each attribute the prompt names,
+    # or None when it names nothing the analyser knows; set by whoever composes the app for a model with an
+    # analyser (run_app.py, the built-in model)
+    judge: Callable[[np.ndarray, str], dict[str, bool] | None] | None = None
     # prompts the model is known to draw (the built-in model's, chosen from its evaluation); [] = the defaults below
     examples: list[str] = field(default_factory=list)
+    # where the example prompts' precomputed results are stored with the model (app.compare.store_examples)
+    stored_dir: Path | None = None
 
     @property
     def device(self) -> torch.device:
@@ -108,6 +112,20 @@ class AppModels:
     def example_prompt(self) -> str:
         """A prompt this model can draw, for messages."""
         return self.example_prompts[0]
+
+
+DECODE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def decode_dtype_for(device: torch.device, dtype: torch.dtype, choice: str = "auto") -> torch.dtype:
+    """The VAE's dtype: ``choice`` by name, or for ``auto`` bfloat16 on a CPU (the Wan VAE's float32 3D
+    convolutions take PyTorch's slow path there, its bfloat16 ones oneDNN's: 2-3x faster decoding, 59 dB PSNR
+    against float32 on the built-in model; benchmarks/app_compare.py measures it), else the model's dtype."""
+    if choice == "auto":
+        return torch.bfloat16 if device.type == "cpu" else dtype
+    if choice not in DECODE_DTYPES:
+        raise ValueError(f"decode dtype must be auto or one of {', '.join(DECODE_DTYPES)}, got {choice!r}")
+    return DECODE_DTYPES[choice]
 
 
 def parse_variant_dirs(specs: list[str] | None) -> dict[str, Path]:
@@ -155,11 +173,13 @@ def load_app_models(
     random_weights: str | None = None,
     device="auto",
     dtype="auto",
+    decode_dtype: str = "auto",
 ) -> AppModels:
     """Loads once what every request shares. ``model``: a local Wan2.1 T2V diffusers dir (None: the built-in
     model, ``"tiny-random"``: the tiny random-weight one); ``variant_dirs``: fine-tuned transformers by
     variant (default: those the model ships, e.g. the built-in model's); ``random_weights``:
-    ``1.3b``/``14b`` (excludes ``model``)."""
+    ``1.3b``/``14b`` (excludes ``model``); ``decode_dtype``: the VAE's dtype (``auto``: bfloat16 on a CPU, see
+    :func:`decode_dtype_for`)."""
     if model is not None and random_weights is not None:
         raise ValueError("--model and --random-weights exclude each other: random weights replace the model's")
     if random_weights is not None:
@@ -175,6 +195,11 @@ def load_app_models(
             if components.random_weights
             else None
         )
+    vae_dtype = decode_dtype_for(components.device, components.dtype, decode_dtype)
+    if vae_dtype != components.vae.dtype:
+        # WanPipeline casts the latents to the VAE's dtype before decoding. torch's own .to(): diffusers' override
+        # only adds a warning about modules to keep in float32, and the Wan VAE lists none
+        torch.nn.Module.to(components.vae, vae_dtype)
     variant_dirs = {**components.variant_dirs, **(variant_dirs or {})}
     variants = {}
     random_weights = components.random_weights
@@ -202,4 +227,6 @@ def load_app_models(
             "(conversion adds only small attention parameters)"
         )
     examples = [] if components.random_weights else builtin_examples(BUILTIN_DIR if model is None else model)
-    return AppModels(components, variants, random_note, notes, examples=examples)
+    model_dir = BUILTIN_DIR if model is None else Path(model)
+    stored_dir = None if components.random_weights or not model_dir.is_dir() else model_dir / STORED_SUBDIR
+    return AppModels(components, variants, random_note, notes, examples=examples, stored_dir=stored_dir)

@@ -76,3 +76,44 @@ def ssim(video, reference) -> float:
         (mu_a**2 + mu_b**2 + SSIM_C1) * (var_a + var_b + SSIM_C2)
     )
     return float(s.mean())
+
+
+# ---- is there a video at all? ---------------------------------------------------------------------------
+# A video can agree well with flash's and still be nothing (an all-black video scores a good PSNR against a
+# mostly black one). These checks need no model: they look at the pixels alone.
+# every frame's spread (standard deviation over its pixels of each colour channel, the largest of the three)
+# below this, of 1.0: nothing drawn. The world's smallest shape (a small triangle, about 0.4% of the frame) at
+# full intensity on black or white spreads about 0.06; the all-but-black hybrid video of issue 31 about 0.02.
+BLANK_STD = 0.03
+FROZEN_DIFF = 0.5 / 255  # every frame within this mean absolute difference of the first: a still image
+SATURATED_SHARE = 0.5  # more than this share of pixels clipped to full-intensity colour
+
+
+def degenerate(frames) -> str | None:
+    """``"blank"``, ``"frozen"`` or ``"saturated"`` when a video ``(T, H, W, 3)`` (uint8, or float in [0, 1])
+    is not a usable video, else None.
+
+    - blank: every frame is about one flat colour (the standard deviation of each channel over its pixels
+      below :data:`BLANK_STD`);
+    - frozen: several frames, all identical to the first to within :data:`FROZEN_DIFF` (a still object drawn
+      by a diffusion model still varies by a few levels from frame to frame);
+    - saturated: more than :data:`SATURATED_SHARE` of the pixels are clipped colour, one channel at full
+      intensity and another at zero (white and black, the world's backgrounds, do not count).
+    """
+    x = _as_float(frames)
+    if np.all(x.reshape(len(x), -1, 3).std(axis=1).max(axis=1) < BLANK_STD):
+        return "blank"
+    if len(x) > 1 and np.all(np.abs(x[1:] - x[:1]).mean(axis=(1, 2, 3)) < FROZEN_DIFF):
+        return "frozen"
+    high = (x >= 254 / 255).any(axis=-1)
+    low = (x <= 1 / 255).any(axis=-1)
+    if float(np.mean(high & low)) > SATURATED_SHARE:
+        return "saturated"
+    return None
+
+
+def verdict_text(attributes: dict[str, bool] | None) -> str:
+    """The analyser's per-attribute verdict, e.g. ``colour ✓ shape ✗ count ✓ motion ✗`` ('' for None)."""
+    if not attributes:
+        return ""
+    return " ".join(f"{name} {'✓' if ok else '✗'}" for name, ok in attributes.items())

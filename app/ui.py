@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import queue
 import random
+import shutil
 import tempfile
 import threading
 import time
@@ -23,18 +24,43 @@ from pipelines import VARIANTS
 from pipelines.timing import device_name
 
 from . import bench, compare, inputs
+from .compare import VARIANT_COLOURS
+from .interleave import Countdown
 from .models import AppModels
 
 # System fonts: the default theme pulls Google Fonts, and the app must work with no network at all.
 THEME = gr.themes.Default(
     font=[gr.themes.Font("system-ui"), "sans-serif"], font_mono=[gr.themes.Font("ui-monospace"), "monospace"]
 )
-CSS = """
+CSS = (
+    """
 .random-note {border: 2px solid #d62728; border-radius: 6px; padding: 4px 10px; background: #fff3f3}
 /* table headers wrap between words, never inside one ("varian/t") */
 #table th, #table th * {word-break: normal !important; overflow-wrap: normal !important; hyphens: none}
 /* a failed variant's block reads as an error */
 .variant-info blockquote {border-left: 4px solid #d62728; background: #fff3f3; padding: 4px 10px; margin: 0}
+/* the compact table fits 1400 px; on a phone it keeps variant, verdict, speedup and end-to-end speedup */
+#table table {width: 100%}
+@media (max-width: 700px) {
+  #table th:nth-child(4), #table td:nth-child(4), #table th:nth-child(6), #table td:nth-child(6) {display: none}
+  #table table {font-size: 0.75rem}
+  #table th, #table td {padding: 4px !important; overflow-wrap: anywhere}
+}
+#prompt-note {min-height: 1.2em; font-size: 0.85rem}
+"""
+    # one colour per variant everywhere: a bar over each column, as in the chart and the side-by-side video
+    + "".join(
+        f"#col-{name} {{border-top: 5px solid {colour}; padding-top: 4px}}\n"
+        for name, colour in VARIANT_COLOURS.items()
+    )
+)
+# the URL query of the request just run, written into the address bar without a reload (see compare.parse_permalink)
+PERMALINK_JS = """
+(prompt, seed, steps, guidance, preset, variants) => {
+  const q = new URLSearchParams({prompt: prompt, seed: String(seed), steps: String(steps),
+    variants: (variants || []).join(","), guidance: String(guidance), preset: String(preset)});
+  window.history.replaceState(null, "", window.location.pathname + "?" + q.toString());
+}
 """
 QUEUE_SIZE = 16  # requests waiting at most; more are refused with gradio's "queue is full"
 POLL_SECONDS = 0.5  # how often the status line is refreshed while a run is going
@@ -85,13 +111,63 @@ class _Runs:
                 del self._flags[session]
 
 
-def _status(text: str, started: float, fraction: float, first_done: bool) -> str:
+def _status(text: str, started: float, fraction: float, countdown: Countdown) -> str:
     elapsed = time.monotonic() - started
     line = f"**Running:** {text} · {elapsed:.0f} s elapsed"
-    # an estimate only once a whole variant has been measured: before that it would be a guess
-    if first_done and 0 < fraction < 1:
-        line += f", about {elapsed * (1 - fraction) / fraction:.0f} s left"
+    # an estimate once a few steps of every variant are measured (before that it is a guess); shown through a
+    # Countdown, so it never rises while a video decodes (no step finishes then)
+    estimate = elapsed * (1 - fraction) / fraction if fraction >= 0.1 else None
+    left = countdown.update(estimate)
+    if left is not None:
+        line += f", about {left:.0f} s left" if left >= 1 else ", finishing"
     return line
+
+
+class _Queue:
+    """Where a new request stands: runs waiting before it, and the wait they imply from the last run's time."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.waiting = 0
+        self.running_since: float | None = None
+        self.last_seconds: float | None = None
+
+    def join(self) -> str:
+        """Counts a new request in and says where it stands."""
+        with self._lock:
+            ahead, running = self.waiting, self.running_since is not None
+            self.waiting += 1
+            if not ahead and not running:
+                return "Starting…"
+            wait = ""
+            if self.last_seconds is not None:
+                left = max(0.0, self.last_seconds - (time.monotonic() - self.running_since)) if running else 0.0
+                wait = f", expected wait about {left + ahead * self.last_seconds:.0f} s"
+            return f"**Queued:** position {ahead + running} in line{wait}"
+
+    def start(self) -> None:
+        with self._lock:
+            self.waiting = max(0, self.waiting - 1)
+            self.running_since = time.monotonic()
+
+    def end(self) -> None:
+        with self._lock:
+            if self.running_since is not None:
+                self.last_seconds = time.monotonic() - self.running_since
+            self.running_since = None
+
+
+def _stored_copies(models: AppModels, folder: Path) -> dict[str, compare.CompareResult]:
+    """The stored example results, their videos copied into the app's own output folder (gradio serves files
+    from there; the model's folder may lie anywhere)."""
+    stored = compare.load_stored(models.stored_dir)
+    for result in stored.values():
+        target = folder / uuid.uuid4().hex[:8]
+        target.mkdir(parents=True, exist_ok=True)
+        for run in result.runs:
+            if run.video is not None:
+                run.video = Path(shutil.copy2(run.video, target / run.video.name))
+    return stored
 
 
 def build_demo(
@@ -102,11 +178,16 @@ def build_demo(
     out_root = Path(out_root or tempfile.mkdtemp(prefix="mhla-app-"))
     defaults = models.components.defaults
     runs = _Runs()
-    # the outputs after the status line: (column, video, details) per variant, summary, table, chart
-    n_outputs = 3 * len(VARIANTS) + 3
+    line = _Queue()
+    stored = _stored_copies(models, out_root / "stored")
+    # the outputs after the status line: headline, (column, video, details) per variant, summary, table,
+    # details table, chart, side-by-side file
+    n_outputs = 3 * len(VARIANTS) + 6
 
-    def outputs_for(result: compare.CompareResult, status: str) -> list:
-        outs = [status]
+    def outputs_for(result: compare.CompareResult, status: str, chart: bool = True) -> list:
+        """The page for ``result``; ``chart=False`` while variants still run (matplotlib in this thread would
+        slow the VAE decode of the variant whose turn it is: the chart is drawn once, at the end)."""
+        outs = [status, compare.headline_markdown(result) + _warning(result)]
         for name in VARIANTS:
             run = result.run(name)
             chosen = name in result.request.variants
@@ -115,8 +196,18 @@ def build_demo(
                 str(run.video) if run and run.video else None,
                 compare.variant_markdown(run, result) if run else f"### {name}\n_{models.variants[name].note}_\n\n…",
             ]
-        outs += [compare.summary_markdown(result), compare.table_rows(result), compare.speedup_figure(result)]
+        outs += [
+            compare.summary_markdown(result),
+            compare.table_markdown(result),
+            compare.detail_rows(result),
+            compare.speedup_figure(result) if chart else gr.skip(),
+            str(result.side_by_side) if result.side_by_side else None,
+        ]
         return outs
+
+    def _warning(result: compare.CompareResult) -> str:
+        note = compare.noise_warning(result)
+        return f"\n\n{note}" if note else ""
 
     def on_compare(
         prompt,
@@ -129,7 +220,7 @@ def build_demo(
         repeats,
         request: gr.Request,
     ):
-        """Generates the prompt with each chosen variant (same seed) and yields the page after each one."""
+        """Generates the prompt with each chosen variant (same seed) and yields the page as each one is done."""
         try:
             req = compare.check_request(
                 models,
@@ -149,6 +240,7 @@ def build_demo(
             raise inputs.refused(str(e)) from None  # one line in the server's log, no traceback
         session = getattr(request, "session_hash", None) or uuid.uuid4().hex
         stop = runs.start(session)
+        line.start()
         events: queue.Queue = queue.Queue()
 
         def work():
@@ -167,6 +259,7 @@ def build_demo(
                 events.put(("end", None))
 
         started = time.monotonic()
+        countdown = Countdown()
         worker = threading.Thread(target=work, name="compare", daemon=True)
         worker.start()
         text, fraction, last, shown = "starting", 0.0, None, 0.0
@@ -180,7 +273,7 @@ def build_demo(
                     text, fraction = payload
                 elif kind == "result":
                     last, shown = payload, time.monotonic()
-                    yield outputs_for(last, _status(text, started, fraction, True))
+                    yield outputs_for(last, _status(text, started, fraction, countdown), chart=False)
                     continue
                 elif kind == "failed":
                     compare.log.error("compare run failed", exc_info=payload)
@@ -192,11 +285,12 @@ def build_demo(
                     break
                 if time.monotonic() - shown >= POLL_SECONDS:  # the stage line, at most twice a second
                     shown = time.monotonic()
-                    yield [_status(text, started, fraction, bool(last and last.runs))] + [gr.skip()] * n_outputs
+                    yield [_status(text, started, fraction, countdown)] + [gr.skip()] * n_outputs
         finally:
             stop.set()  # the page went away or Stop cancelled this generator: end the worker's run too
             worker.join()
             runs.end(session, stop)
+            line.end()
         if last is None:
             raise gr.Error("the run was stopped before any variant finished", title="Stopped", print_exception=False)
         failed = [r.variant for r in last.runs if r.error]
@@ -206,7 +300,12 @@ def build_demo(
         elif failed:
             status = f"⛔ **Error** in {', '.join(failed)}: see the column(s) below; the app is still serving."
         else:
-            status = f"Done: {len(last.runs)} variant(s) in {seconds:.0f} s, seed used {req.seed}."
+            status = (
+                f"Done: {len(last.runs)} variant(s) in {seconds:.0f} s, seed used {req.seed}. "
+                f"[Link to this request]({compare.permalink_query(req)})"
+            )
+        if req.unknown_words:
+            status += " " + compare.vocabulary_note(models, req.unknown_words)
         yield outputs_for(last, status)
 
     def on_stop(request: gr.Request):
@@ -215,6 +314,55 @@ def build_demo(
             return gr.Button(interactive=True), gr.skip()  # nothing running (or still queued: cancelled)
         status = "**Stopped** by you: the variants that finished are shown; the others did not run."
         return gr.Button(interactive=True), status
+
+    def show_stored(prompt):
+        """The stored result of an example prompt (computed by ``python run_app.py --store-examples``)."""
+        result = stored.get(prompt.strip() if isinstance(prompt, str) else "")
+        if result is None:
+            return ["Press **Generate** to run this prompt."] + [gr.skip()] * n_outputs
+        return outputs_for(result, f"Showing the stored result of this example ({result.measured}).")
+
+    def prompt_note(prompt):
+        """Under the prompt box while typing: characters used of the limit, and words the model does not know."""
+        text = prompt if isinstance(prompt, str) else ""
+        note = f"{len(text):,} / {compare.MAX_PROMPT_CHARS:,} characters"
+        if len(text) > compare.MAX_PROMPT_CHARS:
+            note = f"⛔ {note}: too long"
+        vocab = compare.vocabulary_note(models, compare.unknown_words(models, text[: compare.MAX_PROMPT_CHARS]))
+        return note + (f" · {vocab}" if vocab else "")
+
+    def on_load(request: gr.Request):
+        """Restores a permalink's fields (``?prompt=...&seed=...&steps=...&variants=...``), and shows the
+        stored result of its prompt, or of the first example when the link names no prompt."""
+        params = dict(getattr(request, "query_params", None) or {})
+        fields, problems = compare.parse_permalink(params)
+        prompt_value = fields.get("prompt") or (models.example_prompts[0] if stored else None)
+        values = [
+            prompt_value if prompt_value is not None else gr.skip(),
+            fields.get("seed", gr.skip()),
+            fields.get("steps", gr.skip()),
+            fields.get("guidance", gr.skip()),
+            fields.get("preset", gr.skip()),
+            fields.get("variants", gr.skip()),
+        ]
+        result = stored.get(prompt_value or "")
+        if result is not None:  # a stored result only for the very request the link names
+            req = result.request
+            same = {
+                "seed": req.seed,
+                "steps": req.num_inference_steps,
+                "guidance": req.guidance_scale,
+                "preset": compare.preset_key(req.preset),
+                "variants": req.variants,
+            }
+            if any(fields[k] != v for k, v in same.items() if k in fields):
+                result = None
+        shown = show_stored(prompt_value) if result is not None else [gr.skip()] * (n_outputs + 1)
+        if problems:
+            shown[0] = f"⚠ The link's {', '.join(problems)} could not be used (left at the defaults)."
+        elif fields and result is None:
+            shown[0] = "Restored from the link: press **Generate** to run it."
+        return values + shown + [prompt_note(prompt_value or "")]
 
     def on_bench(grids, levels, variants, repeats, progress=gr.Progress()):  # noqa: B008
         try:
@@ -244,13 +392,15 @@ def build_demo(
             gr.Markdown(f"**{models.random_note}.**", elem_classes="random-note", elem_id="random-note")
         with gr.Tab("Compare"):
             with gr.Row():
-                with gr.Column(scale=3):
+                with gr.Column(scale=3) as prompt_column:
                     prompt = gr.Textbox(
                         label="Prompt",
                         lines=2,
                         elem_id="prompt",
                         placeholder="Describe the video to generate (or pick an example below)",
+                        info=f"at most {compare.MAX_PROMPT_CHARS:,} characters",
                     )
+                    note = gr.Markdown(prompt_note(""), elem_id="prompt-note")
                     negative = gr.Textbox(
                         "",
                         label="Negative prompt (optional)",
@@ -258,7 +408,6 @@ def build_demo(
                         elem_id="negative",
                         placeholder="what the video should not show",
                     )
-                    gr.Examples(models.example_prompts, inputs=[prompt], label="Example prompts")
                 with gr.Column(scale=2):
                     preset = gr.Dropdown(
                         compare.preset_choices(models, max_tokens),
@@ -297,12 +446,13 @@ def build_demo(
                             precision=None,
                             elem_id="repeats",
                             label="Repeats",
-                            info=f"timed runs per variant after a warm-up, 1 to {compare.MAX_REPEATS}",
+                            info=f"timed runs per variant, 1 to {compare.MAX_REPEATS}",
                         )
             with gr.Row():
                 run_button = gr.Button("Generate with each variant", variant="primary", elem_id="generate", scale=3)
                 stop_button = gr.Button("Stop", variant="stop", elem_id="stop", scale=1)
             status = gr.Markdown(label="status", elem_id="status", min_height=50, container=True, padding=True)
+            headline = gr.Markdown(label="headline", elem_id="headline")
             columns = []
             with gr.Row(equal_height=False):
                 for name in VARIANTS:
@@ -322,15 +472,39 @@ def build_demo(
                             elem_classes="variant-info",
                         )
                     columns += [col, video, md]
+            table = gr.Markdown(label="By variant, best against the prompt first", elem_id="table")
+            with gr.Row():
+                chart = gr.Plot(label="denoising step latency", show_label=False, elem_id="chart")
+                side_by_side = gr.File(
+                    label="Side-by-side video (every variant, labelled)", interactive=False, elem_id="side-by-side"
+                )
             summary = gr.Markdown(label="summary", elem_id="summary")
-            table = gr.Dataframe(
-                headers=compare.TABLE_HEADERS, label="Latency and quality by variant", elem_id="table", wrap=True
-            )
-            chart = gr.Plot(label="denoising step latency", show_label=False, elem_id="chart")
+            with gr.Accordion("All measurements", open=False, elem_id="details"):
+                details = gr.Dataframe(
+                    headers=compare.ALL_HEADERS,
+                    label="All measurements by variant",
+                    show_label=False,
+                    elem_id="details-table",
+                    wrap=True,
+                )
+            with prompt_column:  # under the prompt box (made here: it fills the outputs defined above)
+                gr.Examples(
+                    models.example_prompts,
+                    inputs=[prompt],
+                    outputs=[status, headline, *columns, summary, table, details, chart, side_by_side],
+                    fn=show_stored,
+                    run_on_click=True,
+                    cache_examples=False,
+                    label="Example prompts (open with their stored results; Generate runs them afresh)",
+                    api_visibility="private",
+                )
+            outputs = [status, headline, *columns, summary, table, details, chart, side_by_side]
 
+            # typing, an example or a permalink: the count and the vocabulary note follow
+            prompt.change(prompt_note, prompt, note, queue=False, api_visibility="private", trigger_mode="always_last")
             dice.click(lambda: random.randrange(2**31), None, seed, queue=False, api_visibility="private")
             started = run_button.click(
-                lambda: (gr.Button(interactive=False), "Queued: waiting for the device…"),
+                lambda: (gr.Button(interactive=False), line.join()),
                 None,
                 [run_button, status],
                 queue=False,
@@ -339,7 +513,7 @@ def build_demo(
             run = started.then(
                 on_compare,
                 [prompt, negative, seed, steps, guidance, preset, variants, repeats],
-                [status, *columns, summary, table, chart],
+                outputs,
                 concurrency_id="device",  # one run at a time: compare and benchmark share the device
                 concurrency_limit=1,
                 show_progress="hidden",  # the status line says the stage and the time left (gradio's ETA was wrong)
@@ -348,7 +522,23 @@ def build_demo(
             )
             for after in (run.then, run.failure):  # gradio 6 skips .then after an error: enable on both
                 after(lambda: gr.Button(interactive=True), None, run_button, queue=False, api_visibility="private")
+            # the address bar becomes the permalink of the request just run (restored by on_load)
+            run.then(
+                None,
+                [prompt, seed, steps, guidance, preset, variants],
+                None,
+                js=PERMALINK_JS,
+                queue=False,
+                api_visibility="private",
+            )
             stop_button.click(on_stop, None, [run_button, status], cancels=[run], queue=False, api_visibility="private")
+            demo.load(
+                on_load,
+                None,
+                [prompt, seed, steps, guidance, preset, variants, *outputs, note],
+                queue=False,
+                api_visibility="private",
+            )
         with gr.Tab("Benchmark"):
             gr.Markdown(
                 "Latency against sequence length, measured live here: the attention operator alone (softmax "

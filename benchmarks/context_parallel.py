@@ -96,6 +96,33 @@ def measure(procs: int, args: dict) -> dict:
     }
 
 
+# (name, token grid, M, heads, head_dim) for the communication volumes of --volumes
+WAN_SETTINGS = (
+    ("Wan2.1-1.3B 81x480x832", (21, 30, 52), 105, 12, 128),
+    ("Wan2.1-14B 81x480x832", (21, 30, 52), 105, 40, 128),
+    ("Wan2.1-14B 81x720x1280", (21, 45, 80), 168, 40, 128),
+)
+
+
+def volumes(grid: tuple[int, int, int], m: int, heads: int, head_dim: int, procs: int) -> dict:
+    """MB each process sends per self-attention layer: ring (one all-reduce of the M x H x d x (d + 1) summaries and
+    normalizer sums in float32: 2 (p - 1) / p of it) and Ulysses (q, k, v out and the output back in bfloat16:
+    4 tensors of this process's N / p tokens x H x d, of which (p - 1) / p leave)."""
+    n = math.prod(grid)
+    ring = 2 * (procs - 1) / procs * m * heads * head_dim * (head_dim + 1) * 4
+    ulysses = 4 * (n / procs) * heads * head_dim * 2 * (procs - 1) / procs
+    return {"ring_mb": round(ring / 1e6, 1), "ulysses_mb": round(ulysses / 1e6, 1)}
+
+
+def print_volumes() -> None:
+    print("| setting | M | processes | ring MB sent per process | Ulysses MB sent per process |")
+    print("|---|---:|---:|---:|---:|")
+    for name, grid, m, heads, d in WAN_SETTINGS:
+        for procs in (2, 4, 8):
+            v = volumes(grid, m, heads, d, procs)
+            print(f"| {name} | {m} | {procs} | {v['ring_mb']} | {v['ulysses_mb']} |")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.context_parallel", description=__doc__.split("\n\n")[0])
     p.add_argument("--grid", default="5x16x20", help="token grid FxHxW (default: the built-in model's 1,600 tokens)")
@@ -110,7 +137,13 @@ def main(argv=None) -> int:
     p.add_argument(
         "--out", default=None, help="writes OUT.json (default: benchmarks/results/context_parallel_<device>)"
     )
+    p.add_argument(
+        "--volumes", action="store_true", help="print the bytes per layer at Wan's sizes (computed) and stop"
+    )
     a = p.parse_args(argv)
+    if a.volumes:
+        print_volumes()
+        return 0
     try:  # a grid or layout that does not fit stops here, before any process starts
         grid, blocks = parse_grid(a.grid), parse_blocks(a.blocks)
         BlockLayout(grid, blocks)

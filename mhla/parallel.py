@@ -7,11 +7,10 @@ processes. The block summaries add over tokens, ``S_b = sum_{s in b} phi(k_s)^T 
 ``all_reduce(SUM)`` makes every summary exact everywhere, and each process mixes them and produces its
 own queries' outputs. Autograd-aware: the reduction's backward is the same reduction of the gradients.
 
-Communication per layer and process: the ``B x M x H x D x E`` summaries plus the ``B x M x H x D``
-normalizer sums, in the compute dtype (float32), whatever the sequence length. For Wan2.1-1.3B at 81x480x832
-(M = 105, H = 12, D = E = 128, batch 1): 20.8 M numbers = 83 MB in float32, which a ring all-reduce moves as
-``2 (p - 1) / p`` of it per process. Ulysses' all-to-alls move q, k, v and the output, ``4 x N x 1536`` numbers
-(32,760 tokens: 201 M = 403 MB in bfloat16) times ``(p - 1) / p``. README's "Several GPUs" section has the table.
+Communication per layer and process: one all-reduce of the ``B x M x H x D x E`` summaries and the
+``B x M x H x D`` normalizer sums in the compute dtype (float32), whatever the sequence length; a ring all-reduce
+sends ``2 (p - 1) / p`` of it from each process. Ulysses instead sends ``(p - 1) / p`` of each process's q, k, v
+and output. ``python -m benchmarks.context_parallel --volumes`` computes both at Wan's sizes (README's table).
 
 Torch only: ``torch.distributed`` with any backend (gloo on CPU, NCCL on GPUs); nothing here knows Wan.
 """

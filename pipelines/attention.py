@@ -230,10 +230,13 @@ class LinearSelfAttention(nn.Module):
         grid: Grid | mhla.ResolvedBlocks | None,
         rotary_emb: Rotary | None = None,
         x: torch.Tensor | None = None,
+        parallel: Any = None,
     ) -> torch.Tensor:
         """q, k, v ``(B, N, H, D)``; ``grid`` ``(F, H, W)`` with ``F*H*W == N``, or the MHLA's
         :meth:`mhla.MHLA.resolve` of it (MHLA only);
-        ``x`` the layer input ``(B, N, dim)`` (gate only). Returns ``(B, N, H, D)``."""
+        ``x`` the layer input ``(B, N, dim)`` (gate only). Returns ``(B, N, H, D)``.
+        ``parallel``: diffusers' ``ContextParallelConfig`` when q, k, v are this process's slice of a sequence
+        split across processes (``grid`` is then the whole sequence's; see :mod:`pipelines.context_parallel`)."""
         rope = rotary_emb if self.options.rope else None
         out_dtype = q.dtype
         # q, k, v go in as they are (the operator accumulates in float32 and the fused kernels read
@@ -241,7 +244,9 @@ class LinearSelfAttention(nn.Module):
         # overflow float16 before the RMSNorm, so float16 asks for a float32 output; bfloat16 has
         # float32's range and keeps its own dtype (a float32 output cost ~0.5 ms per layer on the GPU path).
         compute = q.dtype if q.dtype == torch.bfloat16 else torch.promote_types(q.dtype, torch.float32)
-        if self.mhla is None:
+        if parallel is not None:
+            out = self._sequence_parallel(q, k, v, grid, rope, compute, parallel)
+        elif self.mhla is None:
             o = self.options
             if torch.compiler.is_compiling():  # one opaque op in the graph (see mhla.compiled); same numbers
                 out = attention_op(
@@ -261,6 +266,52 @@ class LinearSelfAttention(nn.Module):
         if self.gate is not None:
             out = out * (2.0 * torch.sigmoid(self.gate(x))).unflatten(-1, (out.shape[2], -1)).to(out.dtype)
         return out.to(out_dtype)
+
+    def _sequence_parallel(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        grid: Grid | mhla.ResolvedBlocks | None,
+        rope: Rotary | None,
+        compute: torch.dtype,
+        config: Any,
+    ) -> torch.Tensor:
+        """The attention core on this process's slice (Ulysses or ring, as ``config`` says); exact."""
+        from mhla.parallel import mhla_attention_sharded
+
+        from .context_parallel import gather_sequence, parallel_kind, ring_start, ulysses
+
+        if grid is None:
+            raise RuntimeError("context parallelism needs the latent-token grid; convert the model first")
+        kind = parallel_kind(config)
+        if kind is None:
+            raise RuntimeError("a context-parallel call without ring_degree or ulysses_degree above 1")
+        how, group = kind
+        whole: Grid = (
+            grid.layout.grid if isinstance(grid, mhla.ResolvedBlocks) else (int(grid[0]), int(grid[1]), int(grid[2]))
+        )
+        o = self.options
+        if self.mhla is None:  # linear attention: one block over the whole grid, mixing 1
+            layout = mhla.BlockLayout(whole, (1, 1, 1))
+            mixing = torch.ones(1, 1, device=q.device)
+        else:
+            layout = (grid if isinstance(grid, mhla.ResolvedBlocks) else self.mhla.resolve(whole)).layout
+            mixing = self.mhla.mixing_for(layout)
+        n = layout.num_tokens
+        if how == "ring":
+            return mhla_attention_sharded(
+                q, k, v, layout, mixing, ring_start(n, group), o.feature_map, o.normalize, rope, o.eps, group, compute
+            )
+        full_rope = None if rope is None else (gather_sequence(rope[0], n, group), gather_sequence(rope[1], n, group))
+
+        def attend(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, heads: slice) -> torch.Tensor:
+            m = mixing[heads] if mixing.dim() == 3 else mixing
+            return mhla.mhla_attention(
+                qh, kh, vh, layout, m, o.feature_map, o.normalize, full_rope, o.eps, out_dtype=compute
+            )
+
+        return ulysses(q, k, v, n, group, attend)
 
     def extra_repr(self) -> str:
         return f"kind={self.kind!r}"
@@ -290,6 +341,9 @@ class SelfAttentionProcessor:
     """
 
     variant = ""
+    # diffusers' enable_parallelism sets this (a ParallelConfig) on processors that have the attribute: set the
+    # processors (convert) before enabling parallelism
+    _parallel_config: Any = None
 
     def __init__(self, context: SelfAttentionContext, layer: int):
         self.context = context
@@ -407,7 +461,7 @@ class SoftmaxSelfAttnProcessor(SelfAttentionProcessor):
             q = mhla.apply_rotary(q, rotary_emb).type_as(v)
             k = mhla.apply_rotary(k, rotary_emb).type_as(v)
         backend = self._attention_backend if self._attention_backend is not None else self._options_backend
-        return dispatch_attention_fn(q, k, v, backend=backend)
+        return dispatch_attention_fn(q, k, v, backend=backend, parallel_config=self._parallel_config)
 
     def backend_name(self) -> str:
         """The backend this layer runs now, in the project's names (``"sdpa"`` for diffusers' ``native``)."""
@@ -443,6 +497,9 @@ class LinearSelfAttnProcessor(SelfAttentionProcessor):
     ) -> torch.Tensor:
         module: LinearSelfAttention = getattr(attn, PARAM_ATTRS[self.param_kind])
         grid = self.context.grid
+        cp = getattr(self._parallel_config, "context_parallel_config", None)
+        if cp is not None:  # this process holds a slice of the sequence: pipelines.context_parallel
+            return module(q, k, v, grid, rotary_emb, hidden_states, parallel=cp)
         if module.mhla is None or grid is None or torch.compiler.is_compiling():
             return module(q, k, v, grid, rotary_emb, hidden_states)
         # the block rule, once per call: the run and the note (eager only) share this answer

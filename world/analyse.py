@@ -288,16 +288,23 @@ def analyse(
     }
 
 
-def attribute_verdict(frames, prompt: str) -> tuple[int, int] | None:
-    """``(right, named)``: how many of the attributes the prompt names (count, colour, shape, motion) the
-    video shows; None when the prompt names nothing this world knows (no colour of its world). The app's
-    verdict column for the built-in model (``run_app.py`` hands it to the app as ``AppModels.judge``)."""
+def prompt_verdicts(frames, prompt: str) -> dict[str, bool] | None:
+    """The verdict on each attribute the prompt names, in :data:`ATTRIBUTES` order (e.g. ``{"count": True,
+    "colour": True, "shape": False, "motion": True}``); None when the prompt names nothing this world knows
+    (no colour of its world). The app's verdict column for the built-in model (``run_app.py`` hands it to
+    the app as ``AppModels.judge``)."""
     caption = parse_caption(prompt)
     if not any("colour" in o for o in caption["objects"]):
         return None
     verdict = analyse(np.asarray(frames), caption)
-    named = [verdict[a] for a in ("count", "colour", "shape", "motion") if verdict[a] is not None]
-    return sum(bool(v) for v in named), len(named)
+    return {a: bool(verdict[a]) for a in ATTRIBUTES if verdict[a] is not None}
+
+
+def attribute_verdict(frames, prompt: str) -> tuple[int, int] | None:
+    """``(right, named)``: how many of the attributes the prompt names (count, colour, shape, motion) the
+    video shows; None when the prompt names nothing this world knows (no colour of its world)."""
+    verdicts = prompt_verdicts(frames, prompt)
+    return None if verdicts is None else (sum(verdicts.values()), len(verdicts))
 
 
 def score(verdicts: list[dict]) -> dict:

@@ -369,3 +369,27 @@ def test_attention_min_bytes_counts_the_tensors_once():
     assert attention_min_bytes(x, 2, 2, backward=False) == 4 * x * 2  # 387 MB: q, k, v, out
     assert attention_min_bytes(x, 2, 2, backward=True) == 11 * x * 2  # 1,065 MB: + q, k, v, dO, dq, dk, dv
     assert attention_min_bytes(x, 2, 4, backward=True) == x * (9 * 2 + 2 * 4)  # float32 out and dO
+
+
+def test_app_compare_smoke(tmp_path):
+    """The app's Compare end to end through app.compare, on the tiny random model: a table and a JSON record."""
+    from benchmarks import app_compare
+
+    out = tmp_path / "app_compare"
+    assert (
+        app_compare.main(["--model", "tiny-random", "--requests", "2", "--steps", "2", "--levers", "--out", str(out)])
+        == 0
+    )
+    record = json.loads(out.with_suffix(".json").read_text())
+    assert [r["request"] for r in record["requests"]] == [1, 2]
+    for row in record["requests"]:
+        assert set(row["variants"]) == {"flash", "linear", "mhla", "mhla-hybrid"}
+        assert row["first_video_s"] <= row["wall_s"] and row["cpu_s"] > 0
+        assert not row["interleaved"]  # the tiny model's variants share one transformer
+        mhla = row["variants"]["mhla"]
+        assert mhla["speedup"] > 0 and mhla["ci"][0] <= mhla["speedup"] <= mhla["ci"][1]
+        assert row["variants"]["flash"]["speedup"] is None
+    levers = record["decode_levers"]
+    assert set(levers["seconds_median"]) == {"float32", "float32 channels-last", "bfloat16"}
+    md = out.with_suffix(".md").read_text()
+    assert "| 2 | mhla |" in md and "VAE decode of one video" in md

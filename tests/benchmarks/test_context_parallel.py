@@ -27,3 +27,15 @@ def test_bad_settings_stop_before_any_process_starts(capsys):
     assert "blocks along frames" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         context_parallel.main(["--grid", "1x1x2", "--blocks", "1x1x1", "--procs", "3"])
+
+
+def test_volumes_at_wan_size():
+    # ring: 2 (p-1)/p x 105 blocks x 12 heads x 128 x 129 float32; Ulysses: 4 x (32,760 / 2) x 1536 bf16 x 1/2
+    v = context_parallel.volumes((21, 30, 52), 105, 12, 128, 2)
+    assert v == {"ring_mb": 83.2, "ulysses_mb": 100.6}
+    # the ring's volume does not depend on the tokens; Ulysses' falls as the processes grow
+    assert (
+        context_parallel.volumes((21, 45, 80), 105, 12, 128, 4)["ring_mb"]
+        == context_parallel.volumes((21, 30, 52), 105, 12, 128, 4)["ring_mb"]
+    )
+    assert context_parallel.volumes((21, 30, 52), 105, 12, 128, 8)["ulysses_mb"] < v["ulysses_mb"]

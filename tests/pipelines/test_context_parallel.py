@@ -74,3 +74,53 @@ def test_ulysses_and_ring_equal_one_process(tmp_path, world, per_head):
         for kind in ("ulysses", "ring", "linear"):
             assert out[f"{kind}{rank}"] < 1e-10, (kind, rank, out[f"{kind}{rank}"])
     assert out["grads"] < 1e-10
+
+
+def _model_worker(rank: int, world: int, init: str, variant: str, mode: str, out: dict):
+    from unittest import mock
+
+    from diffusers import ContextParallelConfig
+
+    from pipelines.attention import AttentionOptions
+    from pipelines.convert import convert_self_attention
+    from pipelines.tiny import build_tiny_transformer
+
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    try:
+        # 2 heads (Ulysses over 2 processes); a 3x4x5 token grid = 60 tokens, 30 per process: the split falls
+        # mid-frame, through blocks (uneven slices are tested above: diffusers' gather of uneven slices needs
+        # all_gather of unequal sizes, which gloo lacks)
+        model = build_tiny_transformer(0, num_layers=3).double()
+        # an uneven 2x2x2 layout (blocks of 2 and 1 frames, 2 and 1 rows, 3 and 2 columns), per-head mixing
+        convert_self_attention(model, variant, options=AttentionOptions(blocks=(2, 2, 2), per_head_mixing=True))
+        torch.manual_seed(3)  # the same on every process
+        with torch.no_grad():  # mixing away from its initial value, so a wrong head or block would show
+            for p in model.parameters():
+                if p.ndim == 3 and p.shape[-1] == p.shape[-2] == 8:
+                    p.copy_(torch.rand_like(p))
+        torch.manual_seed(1)
+        x = torch.randn(1, 16, 3, 8, 10, dtype=torch.float64)
+        t = torch.tensor([500.0])
+        text = torch.randn(1, 8, 32, dtype=torch.float64)
+        whole = model(hidden_states=x, timestep=t, encoder_hidden_states=text, return_dict=False)[0]
+        config = (
+            ContextParallelConfig(ring_degree=world) if mode == "ring" else ContextParallelConfig(ulysses_degree=world)
+        )
+        # diffusers places each process on an accelerator (rank % device_count): one "device", the CPU
+        with mock.patch("torch.accelerator.device_count", return_value=1):
+            model.enable_parallelism(config=config)
+        got = model(hidden_states=x, timestep=t, encoder_hidden_states=text, return_dict=False)[0]
+        out[rank] = (got - whole).abs().max().item()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "variant,mode",
+    [("mhla", "ring"), ("linear", "ring"), ("mhla", "ulysses"), ("mhla-hybrid", "ulysses"), ("linear", "ulysses")],
+)
+def test_a_converted_transformer_under_enable_parallelism_equals_one_process(tmp_path, variant, mode):
+    out = mp.Manager().dict()
+    mp.spawn(_model_worker, args=(2, str(tmp_path / "init"), variant, mode, out), nprocs=2, join=True)
+    assert out[0] < 1e-9 and out[1] < 1e-9, dict(out)
