@@ -190,6 +190,15 @@ def _browser():
     return sync_playwright
 
 
+def _settle(page) -> None:
+    """Waits for the page's load event to finish: with stored example results it fills the prompt box with the
+    first example, which would otherwise overwrite what a test types first (a race seen under load)."""
+    try:
+        page.wait_for_function("() => document.querySelector('#prompt textarea').value !== ''", timeout=15_000)
+    except Exception:  # no stored results: the box stays empty
+        pass
+
+
 def _set_number(page, elem_id: str, value) -> None:
     box = page.locator(f"#{elem_id} input[type=number]")
     box.fill(str(value))
@@ -213,6 +222,7 @@ def test_browser_streams_stops_and_shows_errors(server, tmp_path):
             assert page.locator("#random-note").count() == (0 if TRAINED else 1)
             # the placeholder does not read as a filled-in prompt
             assert page.locator("#prompt textarea").get_attribute("placeholder").startswith("Describe the video")
+            _settle(page)
             page.locator("#prompt textarea").fill("a red square moves to the right")
             page.locator("#preset input").click()
             page.get_by_role("option", name=SMALLEST_LABEL).click()
