@@ -361,6 +361,16 @@ def train(cfg) -> int:
     if at.step == 0:
         metrics.write({"step": 0, "eval_loss": start_loss})
     print_main(f"eval flow loss at step {at.step}: {start_loss:.4f}")
+    # the conditioning probe (training/probe.py): does the model read each caption word? beside the eval loss
+    probe = None
+    if cfg.validation.probe_every and main_proc:
+        from training.probe import describe, log_probe, probe_from_config
+
+        probe = probe_from_config(cfg, components)
+        if at.step == 0:
+            row = log_probe(probe, evaluate, transformer, ema, 0)
+            metrics.write(row)
+            print_main(f"probe at step 0: {describe(row['probe'])}")
 
     # ---- stages: optional attention transfer, then end-to-end flow matching
     total_steps = cfg.transfer.steps + cfg.train.steps
@@ -462,6 +472,10 @@ def train(cfg) -> int:
                     unwrapped = accelerator.unwrap_model(model)
                     with ema.swapped_in(unwrapped) if ema is not None else contextlib.nullcontext():
                         validation_videos(cfg, components, unwrapped, run_dir, at.step)
+                if probe is not None and (at.step % cfg.validation.probe_every == 0 or at.step == total_steps):
+                    row = log_probe(probe, evaluate, accelerator.unwrap_model(model), ema, at.step)
+                    metrics.write(row)
+                    print_main(f"probe at step {at.step}: {describe(row['probe'])}, eval loss {row['eval_loss']:.4f}")
             if transfer is not None:
                 transfer.remove()
             stage_start = stage_end

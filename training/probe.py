@@ -106,3 +106,39 @@ class SwapProbe:
 def describe(result: dict) -> str:
     """One line: ``swap ratios colour 1.52 shape 1.01 motion 1.00 background 1.10``."""
     return "swap ratios " + " ".join(f"{a} {r:.3f}" for a, r in result["mean_ratio"].items())
+
+
+def probe_from_config(cfg, components) -> SwapProbe:
+    """The probe of a run: ``validation.probe_clips`` validation clips of ``data.world`` at the run's clip size,
+    encoded with the model's own VAE and text encoder."""
+    from training.data import synthetic_world
+    from training.encoding import Encoder
+
+    d = cfg.data
+    return SwapProbe(
+        Encoder(components, d.max_sequence_length),
+        synthetic_world(cfg),
+        d.num_frames,
+        d.height,
+        d.width,
+        num_clips=cfg.validation.probe_clips,
+        seed=cfg.train.seed,
+    )
+
+
+def log_probe(probe: SwapProbe, evaluate, model, ema, step: int) -> dict:
+    """One ``metrics.jsonl`` row: the held-out loss and the probe on the raw weights, and on the EMA's when
+    there is one (``*_ema``)."""
+    import contextlib
+
+    was = model.training
+    model.eval()
+    try:
+        row: dict = {"step": step, "eval_loss": evaluate(model), "probe": probe(model)}
+        if ema is not None:
+            with ema.swapped_in(model) if ema is not None else contextlib.nullcontext():
+                row["eval_loss_ema"] = evaluate(model)
+                row["probe_ema"] = probe(model)
+    finally:
+        model.train(was)
+    return row

@@ -4,6 +4,7 @@ processes, keeps the mixing valid, stops cleanly on bad losses and rejects bad c
 import contextlib
 import io
 import json
+import math
 import os
 import re
 import signal
@@ -470,3 +471,16 @@ def test_ema_checkpoints_hold_the_averages_and_resume_exactly(tmp_path):
 def test_ema_and_lora_exclude_each_other():
     with pytest.raises(ValueError, match=r"train.ema_decay=0.99: expected 0 with train.trainable=lora"):
         load_config(TINY, ["train.ema_decay=0.99", "train.trainable=lora"])
+
+
+@pytest.mark.slow
+def test_the_probe_is_logged_beside_the_eval_loss(tmp_path):
+    run = tmp_path / "probe"
+    proc = finetune(run, "train.steps=4", "validation.probe_every=2", "validation.probe_clips=2", "train.ema_decay=0.9")
+    assert "probe at step 2: swap ratios colour" in proc.stdout + proc.stderr
+    rows = [r for r in metrics(run) if "probe" in r]
+    assert [r["step"] for r in rows] == [0, 2, 4]
+    for r in rows:
+        assert set(r["probe"]["mean_ratio"]) == {"colour", "shape", "motion", "background"}
+        assert all(math.isfinite(v) and v > 0 for v in r["probe"]["mean_ratio"].values())
+        assert "probe_ema" in r and math.isfinite(r["eval_loss_ema"])
