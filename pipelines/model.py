@@ -27,7 +27,7 @@ from diffusers import ModelMixin, WanTransformer3DModel
 from diffusers.configuration_utils import register_to_config
 
 from .attention import AttentionOptions
-from .convert import CONFIG_KEY, add_attention_parameters, convert_self_attention
+from .conversion import CONFIG_KEY, add_attention_parameters, convert_layers
 
 # diffusers resolves a model_index.json entry ["pipelines.model", "MHLAWanTransformer3DModel"] by importing this
 # module and finding its loading method through the base classes it names here: ModelMixin must be one of them
@@ -87,14 +87,14 @@ class MHLAWanTransformer3DModel(WanTransformer3DModel):  # type: ignore[misc]  #
         )
         state = check_state(self_attention, num_layers)
         if state is None:
-            convert_self_attention(self, "flash")
+            convert_layers(self, "flash")
             return
         options = AttentionOptions.from_dict(state["options"])
         # every parameter holder the record names (a model switched back to flash keeps its mixing matrices)
         for kind, layers in state["parameters"].items():
             add_attention_parameters(self, kind, layers, options)
         layers = state["linear_layers"] if state["variant"] == "mhla-hybrid" else None
-        convert_self_attention(self, state["variant"], layers, options, allow_new_parameters=False)
+        convert_layers(self, state["variant"], layers, options, allow_new_parameters=False)
 
 
 _STATE_KEYS = ("variant", "linear_layers", "parameters", "options")
