@@ -4,7 +4,6 @@ the gathered gradients equal the paper's formula on the whole sequence, for slic
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
@@ -91,7 +90,6 @@ def _worker(rank: int, world: int, init_file: str, normalize: bool, rope: bool, 
 )
 def test_sharded_mhla_equals_the_whole_sequence(tmp_path, world, normalize, rope, per_head):
     out = mp.Manager().dict()
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     mp.spawn(_worker, args=(world, str(tmp_path / "init"), normalize, rope, per_head, out), nprocs=world, join=True)
     assert out["forward"] < 1e-9
     assert out["grads"] < 1e-9
