@@ -5,18 +5,7 @@ config; :mod:`pipelines.convert` (the public API) adds the class switch to
 :class:`pipelines.model.MHLAWanTransformer3DModel`, which itself rebuilds through this module. Split so that
 the model class and the public conversion do not import each other.
 
-The conversion travels in the model's config under :data:`CONFIG_KEY` (so ``save_pretrained`` writes it
-to ``config.json``)::
-
-    "self_attention": {
-        "variant": "mhla-hybrid",                 # what runs now
-        "linear_layers": [1, 2, 4, 5, ...],       # layers running linear attention now
-        "parameters": {"mhla": [...], "linear": [...]},  # layers owning new parameters, by kind
-        "options": {...}                          # AttentionOptions.to_dict()
-    }
-
-``parameters`` can be wider than ``linear_layers``: a model converted to ``mhla`` and switched back to
-``flash`` keeps its mixing matrices, so it can switch again without reloading weights.
+The config record it writes (``self_attention``) is described in :mod:`pipelines.convert`.
 """
 
 from __future__ import annotations
