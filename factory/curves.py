@@ -1,0 +1,144 @@
+"""A training run's curves from its ``metrics.jsonl``: the loss, the held-out loss and the conditioning probe.
+
+    python -m factory.curves runs/builtin-v2/base/metrics.jsonl --out assets/builtin-next/curves/base.png
+
+Three panels: the training loss (a running mean over ``--window`` steps), the held-out loss (raw weights and
+EMA), and the probe's swap ratio per attribute (mean over its sigmas; EMA dashed). A ratio near 1 means the
+model ignores that word (issue 28's gate). ``--summary`` also writes the probe rows as a small JSON beside the
+plot (step, held-out losses, ratios), the record a later session can read without the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from pipelines.errors import run_cli
+from pipelines.outputs import atomic_write, write_text_atomic
+from pipelines.video import check_output_path
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """The rows of a ``metrics.jsonl``, in order; a line that is not JSON is named with its number."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{str(path)!r} does not exist; expected a run's metrics.jsonl")
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            raise ValueError(f"{path}:{n} is not a JSON row: {line[:60]!r}") from None
+    if not rows:
+        raise ValueError(f"{str(path)!r} has no rows")
+    return rows
+
+
+def probe_rows(rows: Sequence[dict]) -> list[dict]:
+    """The rows with a probe: ``{"step", "eval_loss", "eval_loss_ema", "ratio", "ratio_ema"}`` (ratios: mean
+    over sigmas per attribute; the EMA entries None when the run has no EMA)."""
+    out = []
+    for r in rows:
+        if "probe" not in r:
+            continue
+        out.append(
+            {
+                "step": r["step"],
+                "eval_loss": r.get("eval_loss"),
+                "eval_loss_ema": r.get("eval_loss_ema"),
+                "ratio": r["probe"]["mean_ratio"],
+                "ratio_ema": r["probe_ema"]["mean_ratio"] if "probe_ema" in r else None,
+            }
+        )
+    return out
+
+
+def running_mean(values: Sequence[float], window: int) -> list[float]:
+    """The mean of the last ``window`` values at each position (fewer at the start)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def plot(rows: Sequence[dict], out: str | Path, title: str = "", window: int = 50) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = check_output_path(out, (".png",))
+    train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
+    probes = probe_rows(rows)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    ax = axes[0]
+    if train:
+        steps, losses = zip(*train, strict=True)
+        ax.plot(steps, losses, color="0.8", lw=0.5, label="loss")
+        ax.plot(steps, running_mean(losses, window), color="C0", label=f"mean of {window}")
+    ax.set(title="training loss", xlabel="step")
+    ax.legend()
+    ax = axes[1]
+    for key, style in (("eval_loss", "-"), ("eval_loss_ema", "--")):
+        pts = [(p["step"], p[key]) for p in probes if p[key] is not None]
+        if pts:
+            ax.plot(*zip(*pts, strict=True), style, marker="o", ms=3, label=key.replace("eval_loss", "held-out"))
+    ax.set(title="held-out loss", xlabel="step")
+    if probes:
+        ax.legend()
+    ax = axes[2]
+    attributes = sorted({a for p in probes for a in p["ratio"]})
+    for i, a in enumerate(attributes):
+        ax.plot([p["step"] for p in probes], [p["ratio"][a] for p in probes], color=f"C{i}", marker="o", ms=3, label=a)
+        ema = [(p["step"], p["ratio_ema"][a]) for p in probes if p["ratio_ema"]]
+        if ema:
+            ax.plot(*zip(*ema, strict=True), "--", color=f"C{i}")
+    ax.axhline(1.0, color="0.5", lw=0.8)
+    ax.set(title="swap ratio (1 = word ignored; EMA dashed)", xlabel="step")
+    if attributes:
+        ax.legend()
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    with atomic_write(out) as tmp:
+        fig.savefig(tmp, format="png", dpi=90)
+    plt.close(fig)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_cli(_main, argv, prog="factory.curves")
+
+
+def _main(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m factory.curves", description=__doc__.split("\n\n")[0])
+    p.add_argument("metrics", help="a run's metrics.jsonl")
+    p.add_argument("--out", required=True, help="PNG to write")
+    p.add_argument("--title", default="")
+    p.add_argument("--window", type=int, default=50, help="steps in the training loss's running mean")
+    p.add_argument("--summary", default=None, help="also write the probe rows here (JSON)")
+    args = p.parse_args(argv)
+    if args.window < 1:
+        raise ValueError(f"--window must be >= 1, got {args.window}")
+    summary = check_output_path(args.summary, (".json",)) if args.summary else None
+    rows = read_metrics(args.metrics)
+    print(f"wrote {plot(rows, args.out, args.title, args.window)}")
+    if summary is not None:
+        write_text_atomic(summary, json.dumps(probe_rows(rows), indent=1) + "\n")
+        print(f"wrote {summary}")
+    for r in probe_rows(rows)[-3:]:
+        ratios = " ".join(f"{a} {v:.3f}" for a, v in r["ratio"].items())
+        print(f"step {r['step']}: held-out {r['eval_loss']:.4f}  swap ratios {ratios}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
