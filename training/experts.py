@@ -175,7 +175,7 @@ def load_expert_components(cfg: DictConfig, target: TrainingTarget, device: torc
 
     root = check_model_dir(cfg.model.path)
     dtype = resolve_dtype(cfg.model.dtype, device)
-    text_encoder = UMT5EncoderModel.from_pretrained(root / "text_encoder", dtype=dtype).to(device).eval()  # type: ignore[arg-type]
+    text_encoder = UMT5EncoderModel.from_pretrained(root / "text_encoder", dtype=dtype).to(device).eval()
     defaults, block_shape, variant_dirs = model_settings(root)
     return WanComponents(
         tokenizer=AutoTokenizer.from_pretrained(root / "tokenizer"),
@@ -183,7 +183,7 @@ def load_expert_components(cfg: DictConfig, target: TrainingTarget, device: torc
         vae=AutoencoderKLWan.from_pretrained(root / "vae", dtype=torch.float32).to(device).eval(),
         scheduler=_load_scheduler(root / "scheduler"),
         # model.transformer, when set, replaces it in finetune.build_model: then this one is not read at all
-        transformer=None if cfg.model.transformer else load_transformer(root / target.expert, dtype, device),  # type: ignore[arg-type]
+        transformer=None if cfg.model.transformer else load_transformer(root / target.expert, dtype, device),
         source=f"{root} ({target.expert})",
         random_weights=False,
         device=device,

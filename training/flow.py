@@ -62,7 +62,9 @@ class FlowMatching:
                     math.inf if x >= 1 else -math.inf if x <= 0 else (math.log(x / (1 - x)) - self.logit_mean)
                     for x in (u_low, u_high)
                 ]
-                c_low, c_high = (torch.special.ndtr(torch.tensor(e / self.logit_std, dtype=torch.float64)) for e in ends)
+                c_low, c_high = (
+                    torch.special.ndtr(torch.tensor(e / self.logit_std, dtype=torch.float64)) for e in ends
+                )
                 p = (c_low + r * (c_high - c_low)).clamp(1e-12, 1 - 1e-12)
                 u = torch.sigmoid(self.logit_mean + self.logit_std * torch.special.ndtri(p))
         sigma = self.shift * u / (1 + (self.shift - 1) * u)

@@ -13,9 +13,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 import mhla
 from pipelines import AttentionOptions, latent_grid
 from pipelines.attention import linear_layers_for
-from pipelines.builtin import BUILTIN_DIR, TINY_RANDOM, builtin_available
 from pipelines.loading import model_num_layers, model_patch_size, model_settings, saved_transformer_config
-from pipelines.model_dir import check_transformer_config
+from pipelines.model_dir import check_transformer_config, read_json
 from training.experts import TrainingTarget, expert_folder, read_target
 
 # the keys that decide the converted transformer's parameters: a resume must keep them
@@ -127,6 +126,35 @@ def check_model_plan(cfg: DictConfig) -> None:
     except ValueError as e:
         size = f"{cfg.data.num_frames} frames at {cfg.data.height}x{cfg.data.width}"
         raise ValueError(f"model.blocks={cfg.model.blocks!r} for the training grid of {size}: {e}") from None
+    check_cache_fits(cfg, target)
+
+
+def check_cache_fits(cfg: DictConfig, target: TrainingTarget) -> None:
+    """A latent cache (``data.source=cache``) holds latents of the model's VAE at the clip size: a cache written
+    with another VAE (Wan2.1's 16 channels at 8x for Wan2.2-TI2V's 48 at 16x) is refused naming both shapes.
+    Reads the first sample's safetensors header only."""
+    if cfg.data.source != "cache":
+        return
+    root = Path(cfg.data.path)
+    index = root / "index.json"
+    items = (read_json(index, "cache index").get("items") or []) if index.is_file() else []
+    if not items:
+        return  # training.data.CachedLatents names what is missing
+    from safetensors import safe_open
+
+    with safe_open(str(root / items[0]["file"]), framework="pt") as f:
+        shape = tuple(f.get_slice("latents").get_shape())
+    folder = expert_folder(cfg, target)
+    config = (saved_transformer_config(folder) if folder is not None else None) or {}
+    channels = int(config.get("in_channels", 16))
+    d = cfg.data
+    expected = (channels, *latent_grid(d.height, d.width, d.num_frames, (1, 1, 1), target.vae_stride))
+    if shape != expected:
+        raise ValueError(
+            f"data.path={str(root)!r}: its latents are {shape} (channels, frames, height, width), but "
+            f"{target.architecture} at {d.num_frames} frames, {d.height}x{d.width} trains on {expected}; expected a "
+            "cache written with this model's VAE (python -m training.precompute with the same model.path)"
+        )
 
 
 def check_resume_matches(cfg: DictConfig, checkpoint: Path) -> None:
