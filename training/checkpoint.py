@@ -4,6 +4,8 @@ A checkpoint is a folder ``<run>/checkpoints/step-0000100/`` holding
 
 - ``transformer/``: the model in the pipeline's save format (safetensors + the attention variant in
   ``config.json``), loadable by ``pipelines.load_transformer`` and ``python -m pipelines.generate --transformer``;
+  ``transformer_2/`` instead for a Wan2.2-A14B run of the low-noise expert (``model.expert``: the folder the
+  trained expert has in the model directory);
 - ``training_state.pt``: optimizer, LR schedule and step; ``rank<r>.pt``: each process's random
   generator and data position (plain tensors and numbers, read back with ``torch.load(weights_only=True)``);
 - ``config.yaml``: the resolved run configuration.
@@ -195,9 +197,12 @@ def load_state(path: str | Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def restore_run(path: Path, transformer, lora: bool, world: int, rank: int) -> tuple[dict, dict]:
-    """Loads a checkpoint's transformer weights into ``transformer`` (in place; with ``lora`` its
-    ``trainable.safetensors``: adapters and new parameters) and returns ``(training_state, rank_state)``.
+def restore_run(
+    path: Path, transformer, lora: bool, world: int, rank: int, folder: str = "transformer"
+) -> tuple[dict, dict]:
+    """Loads a checkpoint's transformer weights (its ``folder``: ``transformer``, or ``transformer_2`` for an
+    A14B low-noise expert) into ``transformer`` (in place; with ``lora`` its ``trainable.safetensors``: adapters
+    and new parameters) and returns ``(training_state, rank_state)``.
     Raises ValueError when the checkpoint was written by another number of processes or for another model."""
     from safetensors.torch import load_file
 
@@ -208,7 +213,10 @@ def restore_run(path: Path, transformer, lora: bool, world: int, rank: int) -> t
         weights = load_file(path / "trainable.safetensors")
     else:
         weights = {}
-        for f in sorted((path / "transformer").glob("*.safetensors")):
+        files = sorted((path / folder).glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"checkpoint {path} has no {folder}/ weights (was it written for another model.expert?)")
+        for f in files:
             weights.update(load_file(f))
     try:
         missing, unexpected = transformer.load_state_dict(weights, strict=False)

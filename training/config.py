@@ -17,7 +17,12 @@ DEFAULTS: dict = {
     "resume": None,  # null | latest | path to a checkpoint folder
     "overwrite": False,  # true: a new run may replace an earlier run's files in run_dir (never mixed with them)
     "model": {
-        "path": None,  # local diffusers Wan2.1 T2V directory; null = the built-in model; tiny-random = random tiny
+        # local diffusers Wan directory (Wan2.1-T2V, Wan2.2-TI2V-5B, Wan2.2-T2V-A14B); null = the built-in model;
+        # tiny-random = random tiny
+        "path": None,
+        # Wan2.2-A14B (two experts): the one this run converts and trains, transformer (high noise, t >= boundary)
+        # | transformer_2 (low noise, t < boundary); required there, null for a one-transformer model
+        "expert": None,
         "transformer": None,  # optional: start from this transformer folder (e.g. a previous run's checkpoint)
         "seed": 0,  # weights of the tiny model
         "variant": "mhla",  # flash | linear | mhla | mhla-hybrid
@@ -98,6 +103,7 @@ SOURCES = ("synthetic", "folder", "cache")
 TRAINABLE = ("all", "attention", "new", "lora")
 PRECISIONS = ("no", "bf16", "fp16")
 LR_SCHEDULES = ("constant", "cosine")
+EXPERTS = ("transformer", "transformer_2")  # training.experts.EXPERTS (that module imports pipelines)
 
 
 def lr_multiplier(schedule: str, warmup: int, total: int, min_ratio: float):
@@ -169,6 +175,7 @@ _NUM = (int, float)
 NULLABLE_TYPES: dict[str, tuple] = {
     "resume": (str,),
     "model.path": (str,),
+    "model.expert": (str,),
     "model.transformer": (str,),
     "model.layers": (list,),
     "model.blocks": (str,),
@@ -330,6 +337,11 @@ def validate(cfg: DictConfig) -> None:
 
     need(cfg.model.variant in VARIANTS, "model.variant", f"one of {VARIANTS}")
     need(cfg.model.dtype in MODEL_DTYPES, "model.dtype", f"one of {MODEL_DTYPES}")
+    need(
+        cfg.model.expert in (None, *EXPERTS),
+        "model.expert",
+        f"null or one of {EXPERTS} (the Wan2.2-A14B expert to train: transformer = high noise, transformer_2 = low)",
+    )
     need(cfg.flow.weighting in ("logit_normal", "uniform"), "flow.weighting", "'logit_normal' or 'uniform'")
     need(len(cfg.train.betas) == 2 and all(0 <= b < 1 for b in cfg.train.betas), "train.betas", "two numbers in [0, 1)")
     need(cfg.resume in (None, "latest") or Path(cfg.resume).is_dir(), "resume", "null, 'latest' or a checkpoint folder")
@@ -348,7 +360,11 @@ def validate(cfg: DictConfig) -> None:
     if cfg.data.path and cfg.data.source != "synthetic":
         need(Path(cfg.data.path).exists(), "data.path", "an existing folder or manifest")
     if cfg.model.path and cfg.model.path != "tiny-random":
-        need(Path(cfg.model.path).is_dir(), "model.path", "a local diffusers-format Wan2.1 T2V directory")
+        need(
+            Path(cfg.model.path).is_dir(),
+            "model.path",
+            "a local diffusers-format Wan directory (Wan2.1-T2V, Wan2.2-TI2V-5B or Wan2.2-T2V-A14B)",
+        )
     if cfg.transfer.steps:
         need(
             cfg.model.variant != "flash",

@@ -34,7 +34,10 @@ class Encoder:
 
     @torch.no_grad()
     def latents(self, video: torch.Tensor) -> torch.Tensor:
-        """``video`` ``(B, 3, T, H, W)`` in [-1, 1] -> normalised latents ``(B, 16, (T-1)/4+1, H/8, W/8)`` float32."""
+        """``video`` ``(B, 3, T, H, W)`` in [-1, 1] -> normalised latents ``(B, z_dim, (T-1)/4+1, H/s, W/s)`` float32:
+        Wan2.1's VAE gives 16 channels at ``s = 8``; Wan2.2-TI2V's gives 48 at ``s = 16`` (it folds 2x2 pixels into
+        channels before its 8x strides, inside ``encode``). Normalised per channel with its ``latents_mean`` /
+        ``latents_std``, as ``WanPipeline`` undoes it before decoding."""
         p = next(self.vae.parameters())
         posterior = self.vae.encode(video.to(p.device, p.dtype)).latent_dist
         z = posterior.mean.float()

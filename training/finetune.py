@@ -1,4 +1,5 @@
-"""Fine-tune a Wan2.1 transformer converted to MHLA, linear or hybrid MHLA self-attention.
+"""Fine-tune a Wan transformer converted to MHLA, linear or hybrid MHLA self-attention: Wan2.1-T2V, Wan2.2-TI2V-5B,
+or one expert of Wan2.2-T2V-A14B at a time (``model.expert``, :mod:`training.experts`).
 
     python -m training.finetune --config configs/finetune/tiny.yaml                  # CPU smoke test
     python -m training.finetune --config configs/finetune/wan2.1-1.3b-mhla.yaml model.path=... data.path=...
@@ -39,7 +40,6 @@ from pipelines import (
     GenerationRequest,
     convert_self_attention,
     latent_grid,
-    load_components,
     load_transformer,
     resolve_model_blocks,
     save_transformer,
@@ -54,6 +54,7 @@ from training.config import load_config, lr_multiplier
 from training.data import BatchEncoder, ResumableSampler, build_dataset, build_validation_dataset, collate
 from training.ema import EMA
 from training.encoding import Encoder
+from training.experts import TrainingTarget, load_expert_components, model_timestep, read_target
 from training.flow import FlowMatching
 from training.lock import hold_run_dir, is_main_launch
 from training.preflight import check_model_plan, check_resume_matches
@@ -61,9 +62,11 @@ from training.preflight import check_model_plan, check_resume_matches
 # --------------------------------------------------------------------------- model
 
 
-def build_model(cfg, device: torch.device):
-    """Components (tokenizer, text encoder, VAE frozen) and the converted transformer in float32."""
-    components = load_components(cfg.model.path, dtype=cfg.model.dtype, device=device, seed=cfg.model.seed)
+def build_model(cfg, device: torch.device, target: TrainingTarget | None = None):
+    """Components (tokenizer, text encoder, VAE frozen) and the converted transformer in float32: the model's
+    ``transformer/``, or the expert ``target`` names (``model.expert``; the other one is not loaded)."""
+    target = read_target(cfg) if target is None else target
+    components = load_expert_components(cfg, target, device)
     transformer = components.transformer
     if cfg.model.transformer:
         transformer = load_transformer(cfg.model.transformer, dtype=torch.float32, device=device)
@@ -71,7 +74,8 @@ def build_model(cfg, device: torch.device):
     for part in (components.text_encoder, components.vae):
         part.requires_grad_(False)
 
-    grid = latent_grid(cfg.data.height, cfg.data.width, cfg.data.num_frames, tuple(transformer.config.patch_size))
+    patch = tuple(transformer.config.patch_size)
+    grid = latent_grid(cfg.data.height, cfg.data.width, cfg.data.num_frames, patch, target.vae_stride)
     # the block rule: the config's blocks (they must fit the training grid: a ValueError names the axis), else
     # the transformer's own (a fine-tuned MHLA checkpoint's), else the default for the model's block shape
     blocks = resolve_model_blocks(transformer, grid, cfg.model.blocks or None, components.block_shape).blocks
@@ -146,6 +150,19 @@ def save_model_for_pipeline(transformer, folder: Path, lora: bool) -> None:
         transformer.fuse_lora()
         transformer.unload_lora()
     save_transformer(transformer, folder)
+
+
+@dataclass(frozen=True)
+class ModelCall:
+    """The transformer called as diffusers' ``WanPipeline`` calls it: with ``expand_timesteps`` (Wan2.2-TI2V) the
+    timestep per token (:func:`training.experts.model_timestep`), else per sample. Returns the prediction."""
+
+    expand_timesteps: bool = False
+    patch_size: tuple[int, ...] = (1, 2, 2)
+
+    def __call__(self, model, x_t: torch.Tensor, t: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+        timestep = model_timestep(t, x_t, self.patch_size, self.expand_timesteps)
+        return model(hidden_states=x_t, timestep=timestep, encoder_hidden_states=text, return_dict=False)[0]
 
 
 # --------------------------------------------------------------------------- attention transfer
@@ -299,7 +316,8 @@ def train(cfg) -> int:
     torch.manual_seed(cfg.train.seed)
 
     # ---- model
-    components, transformer, grid = build_model(cfg, device)
+    target = read_target(cfg)  # which transformer trains, on which noise levels, called how
+    components, transformer, grid = build_model(cfg, device, target)
     trainable = select_trainable(transformer, cfg)
     state = transformer.config["self_attention"]
     converted = state["linear_layers"]
@@ -308,7 +326,7 @@ def train(cfg) -> int:
     transformer.train()
     n_train = sum(p.numel() for n, p in transformer.named_parameters() if n in set(trainable))
     print_main(
-        f"model: {components.source}; variant {state['variant']} ({len(converted)} of {len(transformer.blocks)} "
+        f"model: {components.source} [{target.describe()}]; variant {state['variant']} ({len(converted)} of {len(transformer.blocks)} "
         f"self-attention layers converted), grid {'x'.join(map(str, grid))} = {math.prod(grid)} tokens, "
         f"{n_train / 1e6:.2f}M trainable parameters ({cfg.train.trainable})"
     )
@@ -319,7 +337,12 @@ def train(cfg) -> int:
 
     # ---- data (the dataset was built and checked before the model)
     sampler = ResumableSampler(len(dataset), seed=cfg.train.seed, rank=rank, world_size=world)
-    flow = FlowMatching(**OmegaConf.to_container(cfg.flow))
+    flow = FlowMatching(
+        **OmegaConf.to_container(cfg.flow),
+        sigma_range=target.sigma_range,  # an A14B expert's share of the noise levels
+        num_train_timesteps=target.num_train_timesteps,
+    )
+    call = ModelCall(target.expand_timesteps, tuple(transformer.config.patch_size))
     cached = cfg.data.source == "cache"
     batches = BatchEncoder(
         None if cached else Encoder(components, cfg.data.max_sequence_length),
@@ -335,7 +358,7 @@ def train(cfg) -> int:
     if resume_from is not None:
         print_main(f"resuming from {resume_from} (its files match its manifest)")
         resume_state, rank_state = ckpt.restore_run(
-            resume_from, transformer, cfg.train.trainable == "lora", world, rank
+            resume_from, transformer, cfg.train.trainable == "lora", world, rank, folder=target.expert
         )
         if cfg.train.trainable != "lora" and resume_state.get("ema_updates") is not None and cfg.train.ema_decay:
             # transformer/ holds the averages: they are the shadows; the raw weights train on
@@ -349,7 +372,7 @@ def train(cfg) -> int:
     if cfg.train.ema_decay and ema is None:  # a new run, or EMA switched on for a resumed one
         ema = EMA(transformer, trainable, cfg.train.ema_decay)
 
-    evaluate = EvalLoss(cfg, dataset, batches, flow, accelerator)
+    evaluate = EvalLoss(cfg, dataset, batches, flow, accelerator, call)
     metrics = Metrics(run_dir / "metrics.jsonl", main_proc)
     if main_proc:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -412,9 +435,7 @@ def train(cfg) -> int:
                         if transfer is not None:
                             transfer.losses.clear()  # drop losses a checkpointed layer's recompute appended
                         with accelerator.autocast():
-                            pred = model(hidden_states=x_t, timestep=t, encoder_hidden_states=text, return_dict=False)[
-                                0
-                            ]
+                            pred = call(model, x_t, t, text)
                         loss = (
                             transfer.take_loss() if transfer is not None else F.mse_loss(pred.float(), target.float())
                         )
@@ -496,7 +517,7 @@ class EvalLoss:
     """Evaluation loss on fixed batches with fixed noise, to compare start and end: the synthetic validation
     split (unseen captions and held-out attribute combinations), else the first training videos."""
 
-    def __init__(self, cfg, dataset, batches: BatchEncoder, flow: FlowMatching, accelerator):
+    def __init__(self, cfg, dataset, batches: BatchEncoder, flow: FlowMatching, accelerator, call=None):
         eval_set = build_validation_dataset(cfg, max(1, cfg.validation.loss_batches * cfg.train.batch_size))
         if eval_set is None:
             eval_set = dataset
@@ -506,6 +527,7 @@ class EvalLoss:
             for i in range(cfg.validation.loss_batches)
         ]
         self.encode, self.flow, self.accelerator = batches, flow, accelerator
+        self.call = call or ModelCall()
 
     def __call__(self, model) -> float:
         g = torch.Generator(device=self.accelerator.device).manual_seed(12345)
@@ -514,7 +536,7 @@ class EvalLoss:
             for b in self.batches:
                 latents, text = self.encode(b, None)
                 x_t, t, target = self.flow.noisy_input(latents, g)
-                pred = model(hidden_states=x_t, timestep=t, encoder_hidden_states=text, return_dict=False)[0]
+                pred = self.call(model, x_t, t, text)
                 losses.append(F.mse_loss(pred.float(), target.float()).item())
         return sum(losses) / len(losses)
 
@@ -625,7 +647,8 @@ def save(
         unwrapped = accelerator.unwrap_model(model)
         lora = cfg.train.trainable == "lora"
         with ema.swapped_in(unwrapped) if ema is not None else contextlib.nullcontext():
-            save_model_for_pipeline(unwrapped, tmp / "transformer", lora)
+            # the expert's own folder name (transformer_2 for A14B's low-noise expert): it drops into the model dir
+            save_model_for_pipeline(unwrapped, tmp / (cfg.model.expert or "transformer"), lora)
         if ema is not None:
             from safetensors.torch import save_file
 

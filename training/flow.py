@@ -4,10 +4,15 @@
 timestep ``1000 * sigma``. Sigmas come from a logit-normal density (diffusers'
 ``compute_density_for_timestep_sampling``) and are shifted towards noise with Wan's flow shift
 (3.0), the same shift its inference scheduler uses.
+
+``sigma_range`` restricts the sampled noise levels to ``[low, high]`` (a Wan2.2-A14B expert's share of the
+timesteps, see :mod:`training.experts`): the same logit-normal density, shifted, truncated to the range by
+inverse transform sampling (one uniform draw per sample, so a resumed run draws the same sigmas).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -20,19 +25,60 @@ class FlowMatching:
     weighting: str = "logit_normal"  # or "uniform"
     logit_mean: float = 0.0
     logit_std: float = 1.0
+    sigma_range: tuple[float, float] = (0.0, 1.0)  # [low, high]: an expert's noise levels (high = 1: inclusive)
+    num_train_timesteps: int = 1000  # timestep = sigma * num_train_timesteps, as diffusers' flow schedulers
 
     def __post_init__(self):
         if self.weighting not in ("logit_normal", "uniform"):
             raise ValueError(f"flow.weighting must be 'logit_normal' or 'uniform', got {self.weighting!r}")
         if self.shift <= 0:
             raise ValueError(f"flow.shift must be > 0, got {self.shift}")
+        low, high = self.sigma_range
+        if not 0 <= low < high <= 1:
+            raise ValueError(f"sigma_range must satisfy 0 <= low < high <= 1, got {self.sigma_range}")
+
+    @property
+    def restricted(self) -> bool:
+        return tuple(self.sigma_range) != (0.0, 1.0)
+
+    def _unshift(self, sigma: float) -> float:
+        """The inverse of the shift: the u in [0, 1] that :meth:`sample_sigmas` maps to ``sigma``."""
+        return sigma / (self.shift - (self.shift - 1) * sigma)
 
     def sample_sigmas(self, batch: int, generator: torch.Generator) -> torch.Tensor:
-        """``(batch,)`` shifted sigmas in (0, 1), on the generator's device."""
-        u = compute_density_for_timestep_sampling(
-            self.weighting, batch, self.logit_mean, self.logit_std, device=generator.device, generator=generator
-        )
-        return self.shift * u / (1 + (self.shift - 1) * u)
+        """``(batch,)`` shifted sigmas in (0, 1) (in :attr:`sigma_range` when restricted: ``low <= sigma < high``,
+        ``sigma <= 1`` at the top), on the generator's device."""
+        if not self.restricted:
+            u = compute_density_for_timestep_sampling(
+                self.weighting, batch, self.logit_mean, self.logit_std, device=generator.device, generator=generator
+            )
+        else:  # the density truncated to the u-interval that the shift maps onto sigma_range
+            u_low, u_high = (self._unshift(s) for s in self.sigma_range)
+            r = torch.rand(batch, generator=generator, device=generator.device, dtype=torch.float64)
+            if self.weighting == "uniform":
+                u = u_low + r * (u_high - u_low)
+            else:  # u = sigmoid(n), n ~ N(mean, std): invert the normal's CDF between the ends' quantiles
+                ends = [
+                    math.inf if x >= 1 else -math.inf if x <= 0 else (math.log(x / (1 - x)) - self.logit_mean)
+                    for x in (u_low, u_high)
+                ]
+                c_low, c_high = (
+                    torch.special.ndtr(torch.tensor(e / self.logit_std, dtype=torch.float64)) for e in ends
+                )
+                p = (c_low + r * (c_high - c_low)).clamp(1e-12, 1 - 1e-12)
+                u = torch.sigmoid(self.logit_mean + self.logit_std * torch.special.ndtri(p))
+        sigma = self.shift * u / (1 + (self.shift - 1) * u)
+        if self.restricted:  # float32 rounding must not carry a sample over a boundary into the other expert's range
+            low, high = self.sigma_range
+            sigma = sigma.float()
+            floor = torch.tensor(low, dtype=torch.float32)
+            if floor.item() < low:
+                floor = torch.nextafter(floor, torch.tensor(math.inf))
+            ceiling = torch.tensor(high, dtype=torch.float32)
+            if high < 1 and ceiling.item() >= high:
+                ceiling = torch.nextafter(ceiling, torch.tensor(-math.inf))
+            sigma = torch.minimum(torch.maximum(sigma, floor.to(sigma.device)), ceiling.to(sigma.device))
+        return sigma
 
     def noisy_input(self, latents: torch.Tensor, generator: torch.Generator):
         """Returns ``(x_t, timesteps, target)`` for clean ``latents`` ``(B, C, F, H, W)``."""
@@ -41,4 +87,4 @@ class FlowMatching:
         sigmas = self.sample_sigmas(b, generator).to(latents.device)
         s = sigmas.view(b, 1, 1, 1, 1).to(latents.dtype)
         x_t = (1 - s) * latents + s * noise
-        return x_t, sigmas * 1000.0, noise - latents
+        return x_t, sigmas * float(self.num_train_timesteps), noise - latents

@@ -1,6 +1,7 @@
 """What a fine-tuning run can check before its model loads: every ``model.*`` key against the model's config
-files (layer indices, the block layout against the training grid, attention options, the transformer folder),
-and a resume's architecture against the checkpoint's. Each check raises ValueError naming the key, the value
+files (``model.expert`` against the model's transformers, layer indices, the clip size against the VAE's
+compression and the patch, the block layout against the training grid, attention options, the transformer
+folder), and a resume's architecture against the checkpoint's. Each check raises ValueError naming the key, the value
 and what was expected (exit 2 through the error boundary)."""
 
 from __future__ import annotations
@@ -12,21 +13,26 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 import mhla
 from pipelines import AttentionOptions, latent_grid
 from pipelines.attention import linear_layers_for
-from pipelines.builtin import BUILTIN_DIR, TINY_RANDOM, builtin_available
 from pipelines.loading import model_num_layers, model_patch_size, model_settings, saved_transformer_config
-from pipelines.model_dir import check_transformer_config
+from pipelines.model_dir import check_transformer_config, read_json
+from training.experts import TrainingTarget, expert_folder, read_target
 
 # the keys that decide the converted transformer's parameters: a resume must keep them
-ARCHITECTURE_KEYS = ("model.variant", "model.layers", "model.attention", "train.trainable", "train.lora")
+ARCHITECTURE_KEYS = (
+    "model.expert",
+    "model.variant",
+    "model.layers",
+    "model.attention",
+    "train.trainable",
+    "train.lora",
+)
 
 
-def _own_blocks(cfg: DictConfig) -> tuple[int, int, int] | None:
+def _own_blocks(cfg: DictConfig, target: TrainingTarget) -> tuple[int, int, int] | None:
     """The starting transformer's own MHLA blocks, from its config.json (as ``pipelines.convert.model_blocks``
-    reads them from a loaded one): ``model.transformer``'s, else ``model.path``'s; None for a softmax one."""
-    folder = cfg.model.transformer
-    if not folder:
-        path = cfg.model.path if cfg.model.path is not None else (BUILTIN_DIR if builtin_available() else TINY_RANDOM)
-        folder = None if str(path) == TINY_RANDOM else Path(path) / "transformer"
+    reads them from a loaded one): ``model.transformer``'s, else the expert's in ``model.path``; None for a
+    softmax one."""
+    folder = expert_folder(cfg, target)
     config = saved_transformer_config(folder) if folder is not None and Path(folder).is_dir() else None
     state = (config or {}).get("self_attention") or {}
     if not (state.get("parameters") or {}).get("mhla"):
@@ -34,15 +40,53 @@ def _own_blocks(cfg: DictConfig) -> tuple[int, int, int] | None:
     return mhla.parse_blocks(state["options"]["blocks"])
 
 
-def planned_blocks(cfg: DictConfig) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+def planned_blocks(
+    cfg: DictConfig, target: TrainingTarget | None = None
+) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
     """``(grid, blocks)`` the run will train with, from config files only, by the block rule
     ``finetune.build_model`` applies (:func:`mhla.resolve_blocks`: ``model.blocks``, which must fit the grid, else
-    the starting transformer's own, else the default for the model's block shape)."""
-    patch = model_patch_size(cfg.model.path, cfg.model.transformer)
-    grid = latent_grid(cfg.data.height, cfg.data.width, cfg.data.num_frames, tuple(patch))
+    the starting transformer's own, else the default for the model's block shape). The grid comes from the clip
+    size, the VAE's strides (16x for Wan2.2-TI2V's) and the expert's patch."""
+    target = read_target(cfg) if target is None else target
+    patch = model_patch_size(cfg.model.path, expert_folder(cfg, target))
+    grid = latent_grid(cfg.data.height, cfg.data.width, cfg.data.num_frames, tuple(patch), target.vae_stride)
     block_shape = model_settings(cfg.model.path)[1]
-    resolved = mhla.resolve_blocks(grid, cfg.model.blocks or None, _own_blocks(cfg), block_shape)
+    resolved = mhla.resolve_blocks(grid, cfg.model.blocks or None, _own_blocks(cfg, target), block_shape)
     return grid, tuple(resolved.blocks)
+
+
+def check_clip_size(cfg: DictConfig, target: TrainingTarget, patch: tuple[int, int, int]) -> None:
+    """``data.height`` / ``data.width`` divisible by the VAE's spatial stride times the patch (32 for Wan2.2-TI2V's
+    16x VAE, 16 for Wan2.1's 8x), ``data.num_frames - 1`` by the temporal stride."""
+    st, sh, sw = target.vae_stride
+    for key, stride, p in (("data.height", sh, patch[1]), ("data.width", sw, patch[2])):
+        value, multiple = OmegaConf.select(cfg, key), stride * p
+        if value % multiple:
+            raise ValueError(
+                f"{key}={value}: expected a multiple of {multiple} for {target.architecture} (the VAE's {stride}x "
+                f"spatial compression x the transformer's patch {p}), e.g. {max(multiple, value // multiple * multiple)}"
+            )
+    frames = cfg.data.num_frames
+    if (frames - 1) % st:
+        raise ValueError(f"data.num_frames={frames}: expected {st}k+1 for the VAE's {st}x temporal compression")
+
+
+def check_expert_run(cfg: DictConfig, target: TrainingTarget) -> None:
+    """What one expert of a two-expert model cannot do alone: make validation videos (the pipeline runs both
+    experts) or the conditioning probe (its noise levels span both experts' ranges)."""
+    if not target.two_experts:
+        return
+    if cfg.validation.every:
+        raise ValueError(
+            f"validation.every={cfg.validation.every}: model.expert={target.expert!r} is one of two experts and "
+            "cannot make a video alone; expected validation.every=0 (generate from a checkpoint with the other "
+            "expert of the model directory instead)"
+        )
+    if cfg.validation.probe_every:
+        raise ValueError(
+            f"validation.probe_every={cfg.validation.probe_every}: the conditioning probe needs a model that covers "
+            f"every noise level, and model.expert={target.expert!r} covers {target.sigma_range}; expected 0"
+        )
 
 
 def check_model_plan(cfg: DictConfig) -> None:
@@ -67,17 +111,50 @@ def check_model_plan(cfg: DictConfig) -> None:
         raise ValueError(f"model.attention: unknown option(s) {bad}; expected some of {known}") from None
     except ValueError as e:
         raise ValueError(f"model.attention: {e}") from None
-    num_layers = model_num_layers(cfg.model.path, cfg.model.transformer)
+    target = read_target(cfg)  # model.expert against the model's transformers
+    check_expert_run(cfg, target)
+    folder = expert_folder(cfg, target)
+    num_layers = model_num_layers(cfg.model.path, folder)
+    check_clip_size(cfg, target, model_patch_size(cfg.model.path, folder))
     layers = list(cfg.model.layers) if cfg.model.layers is not None else None
     try:
         linear_layers_for(cfg.model.variant, num_layers, layers)
     except ValueError as e:
         raise ValueError(f"model.layers={layers}: {e}") from None
     try:
-        planned_blocks(cfg)  # a model.blocks that does not fit the training grid raises, naming the axis
+        planned_blocks(cfg, target)  # a model.blocks that does not fit the training grid raises, naming the axis
     except ValueError as e:
         size = f"{cfg.data.num_frames} frames at {cfg.data.height}x{cfg.data.width}"
         raise ValueError(f"model.blocks={cfg.model.blocks!r} for the training grid of {size}: {e}") from None
+    check_cache_fits(cfg, target)
+
+
+def check_cache_fits(cfg: DictConfig, target: TrainingTarget) -> None:
+    """A latent cache (``data.source=cache``) holds latents of the model's VAE at the clip size: a cache written
+    with another VAE (Wan2.1's 16 channels at 8x for Wan2.2-TI2V's 48 at 16x) is refused naming both shapes.
+    Reads the first sample's safetensors header only."""
+    if cfg.data.source != "cache":
+        return
+    root = Path(cfg.data.path)
+    index = root / "index.json"
+    items = (read_json(index, "cache index").get("items") or []) if index.is_file() else []
+    if not items:
+        return  # training.data.CachedLatents names what is missing
+    from safetensors import safe_open
+
+    with safe_open(str(root / items[0]["file"]), framework="pt") as f:
+        shape = tuple(f.get_slice("latents").get_shape())
+    folder = expert_folder(cfg, target)
+    config = (saved_transformer_config(folder) if folder is not None else None) or {}
+    channels = int(config.get("in_channels", 16))
+    d = cfg.data
+    expected = (channels, *latent_grid(d.height, d.width, d.num_frames, (1, 1, 1), target.vae_stride))
+    if shape != expected:
+        raise ValueError(
+            f"data.path={str(root)!r}: its latents are {shape} (channels, frames, height, width), but "
+            f"{target.architecture} at {d.num_frames} frames, {d.height}x{d.width} trains on {expected}; expected a "
+            "cache written with this model's VAE (python -m training.precompute with the same model.path)"
+        )
 
 
 def check_resume_matches(cfg: DictConfig, checkpoint: Path) -> None:
@@ -95,7 +172,8 @@ def check_resume_matches(cfg: DictConfig, checkpoint: Path) -> None:
         now = OmegaConf.to_container(now) if isinstance(now, DictConfig | ListConfig) else now
         if was != now:
             changed.append(f"{key} was {was!r}, now {now!r}")
-    state = (saved_transformer_config(checkpoint / "transformer") or {}).get("self_attention") or {}
+    folder = checkpoint / (OmegaConf.select(saved, "model.expert", default=None) or "transformer")
+    state = (saved_transformer_config(folder) or {}).get("self_attention") or {}
     trained = (state.get("options") or {}).get("blocks")
     if trained is not None and state.get("parameters", {}).get("mhla"):
         _, blocks = planned_blocks(cfg)
