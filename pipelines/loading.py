@@ -436,7 +436,7 @@ def _load_image_encoder(root: Path, device: torch.device) -> tuple[torch.nn.Modu
         if library is None:
             loaded[part] = None
             continue
-        cls = getattr(transformers, name, None) if library == "transformers" else None
+        cls = getattr(transformers, str(name), None) if library == "transformers" else None
         if cls is None or not hasattr(cls, "from_pretrained"):
             raise ValueError(
                 f"{str(root / 'model_index.json')!r} names {part} {[library, name]!r}; expected a transformers "

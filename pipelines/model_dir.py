@@ -162,7 +162,7 @@ def read_model_index(model_dir: str | Path) -> ModelIndex:
     return ModelIndex(
         pipeline_class=name,
         transformer_2="transformer_2" in named,
-        boundary_ratio=float(ratio) if "transformer_2" in named else None,
+        boundary_ratio=float(ratio) if "transformer_2" in named and ratio is not None else None,
         expand_timesteps=bool(index.get("expand_timesteps", False)),
         image_encoder="image_encoder" in named,
     )
