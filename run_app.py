@@ -27,8 +27,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--model",
         default=None,
-        help="local diffusers-format Wan2.1 T2V directory (default: the built-in model; tiny-random: the tiny "
-        "random-weight model)",
+        help="local diffusers-format Wan directory, Wan2.1 or Wan2.2, text- or image-to-video (the page then asks for "
+        "the first frame) (default: the built-in model; tiny-random: the tiny random-weight model)",
     )
     p.add_argument(
         "--variant",
@@ -114,6 +114,13 @@ def _main(argv) -> int:
         from pipelines import check_model_dir
 
         check_model_dir(args.model)
+        from pipelines.loading import model_architecture
+
+        if args.store_examples and model_architecture(args.model).image_to_video:
+            raise ValueError(
+                f"--store-examples: model {args.model!r} is image-to-video; its runs need an uploaded first frame, "
+                "so it has no stored example results"
+            )
     models = compose(args.model, variant_dirs, args.random_weights, args.device, args.dtype, args.decode_dtype)
     cpu = models.device.type == "cpu"
     max_tokens = args.max_tokens if args.max_tokens is not None else (CPU_MAX_TOKENS if cpu else None)

@@ -23,6 +23,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -82,7 +83,7 @@ def preset_choices(models: AppModels, max_tokens: int | None = None) -> list[tup
     return [
         (preset_label(models, p), preset_key(p))
         for p in PRESETS
-        if max_tokens is None or preset_tokens(models, p) <= max_tokens
+        if models.fits(p[1], p[2]) and (max_tokens is None or preset_tokens(models, p) <= max_tokens)
     ]
 
 
@@ -124,6 +125,7 @@ class CompareRequest:
     variants: list[str]
     repeats: int = 1
     unknown_words: list[str] = field(default_factory=list)  # words of the prompt the model does not know
+    image: Any = None  # the first frame (a PIL image) for a model that takes one; never stored with a result
 
     @property
     def num_frames(self) -> int:
@@ -149,9 +151,13 @@ def check_request(
     variants,
     max_tokens: int | None = None,
     repeats=1,
+    image=None,
+    upload_dirs: list[Path] | None = None,
 ) -> CompareRequest:
     """Validates everything the page sends before any model work; ``ValueError`` names the bad value.
-    Out-of-range values are refused, never clamped or rounded."""
+    Out-of-range values are refused, never clamped or rounded. ``image``: the uploaded first frame (gradio's
+    file data, checked to lie in ``upload_dirs``, or a PIL image), required by an image-to-video model and
+    refused by a model that takes none."""
     # types first (a list is not a prompt), then control characters (a NUL would fail every variant's write)
     prompt = inputs.text("prompt", prompt, MAX_PROMPT_CHARS)
     negative_prompt = inputs.text("negative prompt", negative_prompt, MAX_PROMPT_CHARS)
@@ -175,6 +181,16 @@ def check_request(
     if not chosen:
         raise ValueError(f"no variant chosen: tick at least one of {', '.join(VARIANTS)}")
     preset = parse_preset(preset)
+    if not models.fits(preset[1], preset[2]):
+        raise ValueError(
+            f"preset {preset_key(preset)} does not divide into this model's tokens (height and width must be "
+            f"multiples of {models.vae_stride[1] * models.patch[1]}); pick another size"
+        )
+    first_frame = inputs.image("image", image, upload_dirs or [])
+    if models.needs_image and first_frame is None:
+        raise ValueError("this model makes a video from an image: upload the first frame (PNG, JPEG or WebP)")
+    if first_frame is not None and not models.takes_image:
+        raise ValueError("this model is text-to-video: it takes no image (remove the upload)")
     tokens = preset_tokens(models, preset)
     if max_tokens is not None and tokens > max_tokens:
         raise ValueError(
@@ -191,6 +207,7 @@ def check_request(
         preset=preset,
         variants=[v for v in VARIANTS if v in chosen],  # canonical order (flash first), no duplicates
         repeats=repeats,
+        image=first_frame,
     )
 
 
@@ -502,6 +519,7 @@ def _generate(models: AppModels, request: CompareRequest, variant: str, steps: i
             seed=request.seed,
             variant=variant,
             output_type=output_type,
+            image=request.image,
         ),
         vm.transformer,
     )
@@ -519,6 +537,10 @@ def warm_up(models: AppModels) -> float:
     d = models.components.defaults
     preset = (d["num_frames"], d["height"], d["width"])
     request = CompareRequest(models.example_prompt, "", 0, 1, float(d["guidance_scale"]), preset, list(VARIANTS))
+    if models.needs_image:  # an image-to-video model warms up on a plain grey first frame
+        from PIL import Image
+
+        request.image = Image.new("RGB", (preset[2], preset[1]), (128, 128, 128))
     start = time.perf_counter()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_UNTRAINED, category=UserWarning)
@@ -707,7 +729,7 @@ def result_to_dict(result: CompareResult) -> dict:
     """A JSON-ready record of ``result``; videos by file name (they lie beside the record)."""
     req = result.request
     return {
-        "request": {**req.__dict__, "preset": list(req.preset)},
+        "request": {**{k: v for k, v in req.__dict__.items() if k != "image"}, "preset": list(req.preset)},
         "device": result.device,
         "random_note": result.random_note,
         "notes": result.notes,

@@ -89,8 +89,29 @@ class AppModels:
     def patch(self) -> tuple[int, int, int]:
         return tuple(self.components.transformer.config.patch_size)
 
+    @property
+    def vae_stride(self) -> tuple[int, int, int]:
+        """The VAE's strides (time, height, width): 4 x 8 x 8 for Wan2.1's, 4 x 16 x 16 for Wan2.2-TI2V's."""
+        vae = self.components.vae.config
+        return (vae.scale_factor_temporal, vae.scale_factor_spatial, vae.scale_factor_spatial)
+
     def grid(self, height: int, width: int, num_frames: int) -> tuple[int, int, int]:
-        return latent_grid(height, width, num_frames, self.patch)
+        return latent_grid(height, width, num_frames, self.patch, self.vae_stride)
+
+    def fits(self, height: int, width: int) -> bool:
+        """Whether a video size divides into this model's tokens (VAE stride x patch on each side)."""
+        _, sh, sw = self.vae_stride
+        return height % (sh * self.patch[1]) == 0 and width % (sw * self.patch[2]) == 0
+
+    @property
+    def needs_image(self) -> bool:
+        """An image-to-video model: every run starts from an uploaded first frame."""
+        return self.components.index.image_to_video
+
+    @property
+    def takes_image(self) -> bool:
+        """The page shows the image input: an image-to-video model, or Wan2.2-TI2V (optional there)."""
+        return self.components.index.takes_image
 
     def num_blocks(self, grid, variant: str = "mhla") -> int:
         """The M that ``generate()`` runs ``variant`` (an MHLA variant) with on ``grid``, by the same rule
@@ -158,13 +179,17 @@ def prepare_converted(components: WanComponents, names: list[str]) -> None:
     from pipelines import convert_self_attention
 
     d = components.defaults
-    transformer = components.transformer
-    grid = latent_grid(d["height"], d["width"], d["num_frames"], tuple(transformer.config.patch_size))
-    blocks = resolve_model_blocks(transformer, grid, block_shape=components.block_shape).blocks
-    options = attention_options(transformer).replace(blocks=blocks)
-    for name in names:
-        convert_self_attention(transformer, "linear" if name == "linear" else "mhla", options=options)
-    convert_self_attention(transformer, "flash", options=options)
+    vae = components.vae.config
+    stride = (vae.scale_factor_temporal, vae.scale_factor_spatial, vae.scale_factor_spatial)
+    # a two-expert model's second transformer runs every variant too (generate() converts both)
+    for transformer in (t for t in (components.transformer, components.transformer_2) if t is not None):
+        patch = tuple(transformer.config.patch_size)
+        grid = latent_grid(d["height"], d["width"], d["num_frames"], patch, stride)
+        blocks = resolve_model_blocks(transformer, grid, block_shape=components.block_shape).blocks
+        options = attention_options(transformer).replace(blocks=blocks)
+        for name in names:
+            convert_self_attention(transformer, "linear" if name == "linear" else "mhla", options=options)
+        convert_self_attention(transformer, "flash", options=options)
 
 
 def load_app_models(

@@ -176,6 +176,8 @@ def build_demo(
     """The app's page. ``max_tokens``/``max_bench_tokens``: largest request accepted (None: no limit).
     ``out_root``: where videos and benchmark files are written (a fresh temporary folder by default)."""
     out_root = Path(out_root or tempfile.mkdtemp(prefix="mhla-app-"))
+    # where gradio's upload route puts files: the only place an uploaded first frame may be read from
+    upload_dirs = [Path(gr.utils.get_upload_folder())]
     defaults = models.components.defaults
     runs = _Runs()
     line = _Queue()
@@ -218,9 +220,11 @@ def build_demo(
         preset,
         variants,
         repeats,
-        request: gr.Request,
+        image=None,
+        request: gr.Request = None,
     ):
-        """Generates the prompt with each chosen variant (same seed) and yields the page as each one is done."""
+        """Generates the prompt with each chosen variant (same seed) and yields the page as each one is done.
+        ``image``: the first frame, an input only for a model that takes one (gradio's upload, not trusted)."""
         try:
             req = compare.check_request(
                 models,
@@ -233,6 +237,8 @@ def build_demo(
                 variants,
                 max_tokens,
                 repeats,
+                image=image,
+                upload_dirs=upload_dirs,
             )
         except ValueError as e:
             # the status line keeps the message after the alert is closed; the API gets an error, not a value
@@ -408,6 +414,16 @@ def build_demo(
                         elem_id="negative",
                         placeholder="what the video should not show",
                     )
+                    # only for a model that takes a first frame (image-to-video, Wan2.2-TI2V); gradio's own
+                    # upload (no URL or server path), checked again in compare.check_request
+                    image = gr.Image(
+                        type="filepath",
+                        sources=["upload"],
+                        label="First frame" + (" (required)" if models.needs_image else " (optional)"),
+                        elem_id="image",
+                        height=200,
+                        visible=models.takes_image,
+                    )
                 with gr.Column(scale=2):
                     preset = gr.Dropdown(
                         compare.preset_choices(models, max_tokens),
@@ -512,7 +528,8 @@ def build_demo(
             )
             run = started.then(
                 on_compare,
-                [prompt, negative, seed, steps, guidance, preset, variants, repeats],
+                [prompt, negative, seed, steps, guidance, preset, variants, repeats]
+                + ([image] if models.takes_image else []),  # the API's inputs stay as they were for other models
                 outputs,
                 concurrency_id="device",  # one run at a time: compare and benchmark share the device
                 concurrency_limit=1,

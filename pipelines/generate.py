@@ -3,7 +3,10 @@
     python -m pipelines.generate --prompt "a red square moves to the right" --variant mhla --out square.mp4
 
 Without ``--model`` the built-in model runs (``assets/builtin``); ``--model tiny-random`` is the tiny
-random-weight model (its video is noise, and says so). Everything cheap is checked before a model loads.
+random-weight model (its video is noise, and says so). ``--model DIR`` runs the pipeline its ``model_index.json``
+names: Wan2.1 / Wan2.2 text-to-video (``WanPipeline``: two experts for Wan2.2-A14B, ``--layers-2`` for the
+second one's hybrid split), or image-to-video (``WanImageToVideoPipeline``, which needs ``--image``).
+Everything cheap is checked before a model loads.
 """
 
 from __future__ import annotations
@@ -30,7 +33,13 @@ from .pipeline import (  # noqa: F401
     initial_noise,
     model_request,
 )
-from .request import MHLA_VARIANTS, GenerationRequest, latent_grid, validate_request  # noqa: F401
+from .request import (  # noqa: F401
+    MHLA_VARIANTS,
+    GenerationRequest,
+    check_model_inputs,
+    latent_grid,
+    validate_request,
+)
 from .timing import format_comparison, format_timing
 
 if TYPE_CHECKING:
@@ -56,8 +65,14 @@ def _parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--model",
         default=None,
-        help="local diffusers-format Wan2.1 T2V directory (default: the built-in model; "
+        help="local diffusers-format Wan directory: Wan2.1 / Wan2.2 T2V, TI2V or I2V (default: the built-in model; "
         "tiny-random: the tiny random-weight model)",
+    )
+    p.add_argument(
+        "--image",
+        default=None,
+        help="the first frame (PNG, JPEG, ...): required by an image-to-video model, also taken by Wan2.2-TI2V; "
+        "scaled and centre-cropped to the video's size",
     )
     p.add_argument(
         "--transformer",
@@ -80,6 +95,12 @@ def _parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--blocks", default=None, help="MHLA block count FxHxW, e.g. 7x3x5 (default: fitted to the grid)")
     p.add_argument("--layers", default=None, help="MHLA layers of mhla-hybrid, e.g. '1,2,4-5'")
+    p.add_argument(
+        "--layers-2",
+        default=None,
+        help="MHLA layers of mhla-hybrid in the second expert of a two-expert model (Wan2.2-A14B's transformer_2); "
+        "default: its own split, else all but 0,3,6,...",
+    )
     p.add_argument(
         "--normalizer", choices=("on", "off"), default=None, help="linear-attention normalizer (default off)"
     )
@@ -152,6 +173,7 @@ def _preflight(args: argparse.Namespace) -> _Plan:
     FileNotFoundError naming the bad value."""
     from .builtin import TINY_RANDOM
     from .loading import (
+        model_architecture,
         model_num_layers,
         model_patch_size,
         model_settings,
@@ -188,7 +210,23 @@ def _preflight(args: argparse.Namespace) -> _Plan:
         raise ValueError(f"--blocks applies to the mhla and mhla-hybrid variants only, got --variant {args.variant}")
     if args.layers is not None and variants != ["mhla-hybrid"]:
         raise ValueError(f"--layers applies to --variant mhla-hybrid only, got --variant {args.variant}")
+    index = model_architecture(args.model)  # the pipeline class, experts and image input, from model_index.json
+    model_name = f"model {args.model!r}" if args.model else "the built-in model"
+    names = dict(image="--image", layers_2="--layers-2")
+    # --image and --layers-2 against the model, before the image file is read (the request is checked again below)
+    check_model_inputs(
+        GenerationRequest(args.prompt, image=args.image, layers_2=args.layers_2), index, model_name, **names
+    )
+    if args.layers_2 is not None and variants != ["mhla-hybrid"]:
+        raise ValueError(f"--layers-2 applies to --variant mhla-hybrid only, got --variant {args.variant}")
     layers = None if args.layers is None else parse_layers(args.layers, model_num_layers(args.model, args.transformer))
+    layers_2 = None
+    if args.layers_2 is not None:
+        try:
+            layers_2 = parse_layers(args.layers_2, model_num_layers(args.model, part="transformer_2"))
+        except ValueError as e:
+            raise ValueError(f"--layers-2 {args.layers_2!r} (the second expert's): {e}") from None
+    image = _read_image(args.image) if args.image is not None else None
     geometry = model_patch_size(args.model, args.transformer), model_vae_stride(args.model)
     requests = []
     for v in variants:
@@ -205,8 +243,11 @@ def _preflight(args: argparse.Namespace) -> _Plan:
             variant=v,
             blocks=_blocks_for(v, args.blocks),
             layers=layers,
+            layers_2=layers_2,
+            image=image,
         ).with_defaults(defaults)
         request = request.check(*geometry)
+        check_model_inputs(request, index, model_name, **names)
         _check_trained_blocks(request, args.transformer or variant_dirs.get(v))
         requests.append(request)
     overrides = dict(
@@ -228,6 +269,36 @@ def _preflight(args: argparse.Namespace) -> _Plan:
         outputs.append((mp4, gif, png))
     device = resolve_device(args.device)
     return _Plan(requests, outputs, overrides, device, resolve_dtype(args.dtype, device))
+
+
+# decoded images larger than this are refused (PIL's own limit warns at 89 MP and fails at twice that)
+MAX_IMAGE_PIXELS = 64_000_000
+
+
+def _read_image(path: str) -> Any:
+    """The ``--image`` file as an RGB PIL image, read before any model loads; FileNotFoundError or ValueError
+    naming the file when it is missing, not a picture, truncated or too large."""
+    from PIL import Image, UnidentifiedImageError
+
+    file = Path(path)
+    if not file.is_file():
+        what = "is a folder" if file.is_dir() else "does not exist"
+        raise FileNotFoundError(f"--image {path!r} {what}; expected an image file (PNG, JPEG, WebP, ...)")
+    try:
+        with Image.open(file) as probe:
+            size = probe.size
+            if size[0] * size[1] > MAX_IMAGE_PIXELS:
+                raise ValueError(
+                    f"--image {path!r} is {size[0]}x{size[1]} pixels; expected at most {MAX_IMAGE_PIXELS:,} (it is "
+                    "scaled to the video's size anyway)"
+                )
+            probe.verify()  # structure and checksums, without decoding
+        with Image.open(file) as img:
+            return img.convert("RGB")  # decodes every pixel: a truncated file fails here
+    except (UnidentifiedImageError, OSError, SyntaxError, Image.DecompressionBombError) as e:
+        raise ValueError(
+            f"--image {path!r} is not a readable image ({type(e).__name__}: {e}); expected a PNG, JPEG, WebP, ..."
+        ) from None
 
 
 def _load(args: argparse.Namespace, plan: _Plan) -> WanComponents:
@@ -263,7 +334,7 @@ def _main(argv: Sequence[str]) -> int:
     args = _parse_args(argv)
     plan = _preflight(args)  # bad input: named before any model loads
     components = _load(args, plan)
-    print(f"model: {components.source}")
+    print(f"model: {components.source} ({components.index.describe()})")
     if components.random_weights:
         print(f"NOTE: {RANDOM_WEIGHTS_NOTE}")
     timings = []
@@ -292,7 +363,10 @@ def _main(argv: Sequence[str]) -> int:
             written.append(str(write_gif(gif, result.frames, fps=args.fps, comment=comment)))
         if png:
             written.append(str(write_frame_grid(png, result.frames, comment=comment)))
-        print(f"\nwrote {', '.join(written)}  ({len(result.frames)} frames, {request.height}x{request.width})")
+        print(
+            f"\nwrote {', '.join(written)}  ({len(result.frames)} frames, {request.height}x{request.width}, "
+            f"{result.pipeline_class})"
+        )
         print(format_timing(result.timing))
         timings.append(result.timing)
     if len(timings) > 1:

@@ -1,4 +1,8 @@
-"""Loading Wan2.1 T2V components from a local diffusers-format directory, the built-in model, or the tiny random-weight one.
+"""Loading Wan components from a local diffusers-format directory, the built-in model, or the tiny random-weight one.
+
+A directory's ``model_index.json`` says which pipeline it is (:class:`pipelines.model_dir.ModelIndex`): Wan2.1 /
+Wan2.2 text-to-video (``WanPipeline``, with a second expert for Wan2.2-A14B and per-token timesteps for
+Wan2.2-TI2V) or image-to-video (``WanImageToVideoPipeline``); :func:`load_components` loads every part it names.
 
 Nothing is ever fetched from a hub: a path that is missing or incomplete raises an error that lists the
 files expected. Text encoder and VAE are loaded once and shared; transformers (one per variant, or one
@@ -17,14 +21,16 @@ import torch
 from .builtin import BUILTIN_DIR, TINY_RANDOM, builtin_available, builtin_variant_dirs
 from .convert import CONFIG_KEY, convert_self_attention
 from .model_dir import (
+    ModelIndex,
     check_finite,
     check_model_dir,
     check_weight_files,
     read_json,
+    read_model_index,
     require_key,
     weight_files,
 )
-from .tiny import TINY_BLOCK_SHAPE, TINY_DEFAULTS, TINY_TRANSFORMER, WAN_DEFAULTS, build_tiny_components
+from .tiny import TINY_BLOCK_SHAPE, TINY_DEFAULTS, TINY_INFO, TINY_TRANSFORMER, WAN_DEFAULTS, build_tiny_components
 
 if TYPE_CHECKING:
     from diffusers import AutoencoderKLWan, SchedulerMixin, WanTransformer3DModel
@@ -39,6 +45,9 @@ class WanComponents:
     ``defaults``: height, width, num_frames, num_inference_steps, guidance_scale suited to the model.
     ``block_shape``: target block shape in tokens for the default MHLA layout (paper: 3x10x10).
     ``variant_dirs``: fine-tuned transformer folders by variant that ship with the model (the built-in one's).
+    ``index``: the architecture (:class:`pipelines.model_dir.ModelIndex`: pipeline class, second expert and its
+    ``boundary_ratio``, ``expand_timesteps``); ``transformer_2``: Wan2.2-A14B's low-noise expert (else None);
+    ``image_encoder``/``image_processor``: Wan2.1-I2V's CLIP encoder (None for Wan2.2-I2V and text-to-video).
     """
 
     tokenizer: object
@@ -53,6 +62,30 @@ class WanComponents:
     defaults: dict[str, Any] = field(default_factory=dict)
     block_shape: tuple[int, int, int] = (3, 10, 10)
     variant_dirs: dict[str, Path] = field(default_factory=dict)
+    index: ModelIndex = field(default_factory=ModelIndex)
+    transformer_2: WanTransformer3DModel | None = None
+    image_encoder: torch.nn.Module | None = None
+    image_processor: object | None = None
+
+    @property
+    def pipeline_class(self) -> str:
+        """The diffusers pipeline class the model directory names (``WanPipeline``, ``WanImageToVideoPipeline``)."""
+        return self.index.pipeline_class
+
+    @property
+    def latent_channels(self) -> int:
+        """Channels of the denoised latents: the VAE's ``z_dim`` (an image-to-video transformer takes more, the
+        first-frame condition and its mask concatenated to them)."""
+        return int(self.vae.config.z_dim)
+
+
+def model_architecture(model_dir: str | Path | None) -> ModelIndex:
+    """The architecture a model directory's ``model_index.json`` names, read without loading anything
+    (``None`` and ``"tiny-random"``: Wan2.1 text-to-video); ValueError for a pipeline class this product does
+    not run, naming it and the supported ones."""
+    if model_dir is None or str(model_dir) == TINY_RANDOM:
+        return ModelIndex()
+    return read_model_index(model_dir)
 
 
 def model_settings(model_dir: str | Path | None) -> tuple[dict[str, Any], tuple[int, int, int], dict[str, Path]]:
@@ -65,7 +98,7 @@ def model_settings(model_dir: str | Path | None) -> tuple[dict[str, Any], tuple[
     """
     if model_dir is None:
         model_dir = BUILTIN_DIR if builtin_available() else TINY_RANDOM
-    if str(model_dir) == TINY_RANDOM:
+    if str(model_dir) == TINY_RANDOM or (Path(model_dir) / TINY_INFO).is_file():
         return dict(TINY_DEFAULTS), TINY_BLOCK_SHAPE, {}
     info = Path(model_dir) / "builtin.json"
     if info.is_file():
@@ -99,12 +132,15 @@ def model_patch_size(model_dir: str | Path | None, transformer_dir: str | Path |
     return tuple(TINY_TRANSFORMER["patch_size"]) if tiny else (1, 2, 2)
 
 
-def model_num_layers(model_dir: str | Path | None, transformer_dir: str | Path | None = None) -> int:
-    """The transformer's number of layers, read from config files as :func:`model_patch_size` reads the patch."""
+def model_num_layers(
+    model_dir: str | Path | None, transformer_dir: str | Path | None = None, part: str = "transformer"
+) -> int:
+    """The transformer's number of layers, read from config files as :func:`model_patch_size` reads the patch
+    (``part="transformer_2"``: the second expert's, in ``model_dir``)."""
     if model_dir is None:
         model_dir = BUILTIN_DIR if builtin_available() else TINY_RANDOM
     tiny = str(model_dir) == TINY_RANDOM
-    where = Path(transformer_dir) if transformer_dir else (None if tiny else Path(model_dir) / "transformer")
+    where = Path(transformer_dir) if transformer_dir else (None if tiny else Path(model_dir) / part)
     config = saved_transformer_config(where)
     if where is not None and config is not None:  # no folder, no config
         return int(require_key(config, "num_layers", where / "config.json"))
@@ -311,8 +347,13 @@ def load_components(
     device: str | torch.device | None = "auto",
     seed: int = 0,
 ) -> WanComponents:
-    """Loads a local Wan2.1 T2V directory; ``None`` loads the built-in model (``assets/builtin``: trained
+    """Loads a local Wan directory; ``None`` loads the built-in model (``assets/builtin``: trained
     on synthetic moving shapes); ``"tiny-random"`` builds the tiny random-weight model (tests, smoke runs).
+
+    A directory is read as its ``model_index.json`` says (:func:`model_architecture`, checked before anything
+    loads): ``WanPipeline`` or ``WanImageToVideoPipeline``, each transformer (``transformer``, and
+    ``transformer_2`` when named) through :func:`load_transformer` (a converted one comes back as its variant),
+    the image encoder and processor when named.
 
     The transformer and text encoder get ``dtype`` (default bfloat16 on GPU, float32 on CPU); the VAE
     stays float32, as in diffusers' Wan examples, because its decode is sensitive to precision.
@@ -341,6 +382,7 @@ def load_components(
         )
 
     root = check_model_dir(model_dir)
+    index = read_model_index(root)  # an unsupported pipeline class is named here, before any weights load
     from diffusers import AutoencoderKLWan
     from transformers import AutoTokenizer, UMT5EncoderModel
 
@@ -350,10 +392,18 @@ def load_components(
     vae = AutoencoderKLWan.from_pretrained(root / "vae", dtype=torch.float32).to(device).eval()
     scheduler = _load_scheduler(root / "scheduler")
     transformer = load_transformer(root / "transformer", dtype=dtype, device=device)
+    transformer_2 = (
+        load_transformer(root / "transformer_2", dtype=dtype, device=device) if index.transformer_2 else None
+    )
+    image_encoder, image_processor = _load_image_encoder(root, device) if index.image_encoder else (None, None)
     defaults, block_shape, variant_dirs = model_settings(root)
     source = str(root)
+    random_weights = (root / TINY_INFO).is_file()
     if (root / "builtin.json").is_file():
         source = f"built-in model ({root.name}: trained on synthetic moving shapes)"
+    elif random_weights:
+        architecture = read_json(root / TINY_INFO, "tiny model description").get("architecture", "Wan")
+        source = f"tiny random-weight {architecture} {str(root)!r} (RANDOM weights)"
     return WanComponents(
         tokenizer=tokenizer,
         text_encoder=text_encoder,
@@ -361,10 +411,37 @@ def load_components(
         scheduler=scheduler,
         transformer=transformer,
         source=source,
-        random_weights=False,
+        random_weights=random_weights,
         device=device,
         dtype=dtype,
         defaults=defaults,
         block_shape=block_shape,
         variant_dirs=variant_dirs,
+        index=index,
+        transformer_2=transformer_2,
+        image_encoder=image_encoder,
+        image_processor=image_processor,
     )
+
+
+def _load_image_encoder(root: Path, device: torch.device) -> tuple[torch.nn.Module | None, object | None]:
+    """Wan2.1-I2V's image encoder and processor, the ``transformers`` classes its ``model_index.json`` names
+    (CLIPVisionModel, CLIPImageProcessor); float32 like the VAE, as diffusers' Wan2.1-I2V example keeps it."""
+    import transformers
+
+    index = read_json(root / "model_index.json", "model_index.json")
+    loaded: dict[str, Any] = {}
+    for part in ("image_encoder", "image_processor"):
+        library, name = index.get(part) or (None, None)
+        if library is None:
+            loaded[part] = None
+            continue
+        cls = getattr(transformers, str(name), None) if library == "transformers" else None
+        if cls is None or not hasattr(cls, "from_pretrained"):
+            raise ValueError(
+                f"{str(root / 'model_index.json')!r} names {part} {[library, name]!r}; expected a transformers "
+                "class (CLIPVisionModel, CLIPImageProcessor)"
+            )
+        loaded[part] = cls.from_pretrained(root / part)
+    encoder = loaded["image_encoder"]
+    return (None if encoder is None else encoder.to(device).eval()), loaded["image_processor"]

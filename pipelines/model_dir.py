@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 WEIGHTS = ("diffusion_pytorch_model.safetensors", "model.safetensors")
-# What a diffusers-format Wan2.1 T2V directory must contain (weights: a single file or a sharded index).
+# What a diffusers-format Wan directory must contain (a Wan2.2-A14B's transformer_2 and a Wan2.1-I2V's image
+# encoder too, when its model_index.json names them: OPTIONAL_EXPECTED) (weights: a single file or a sharded index).
 EXPECTED = {
     "model_index.json": "model_index.json",
     "scheduler": "scheduler/scheduler_config.json",
@@ -50,7 +52,7 @@ def _has_weights(folder: Path, name: str) -> bool:
 
 
 def missing_model_files(model_dir: str | Path) -> list[str]:
-    """The expected files of a diffusers-format Wan2.1 T2V directory that ``model_dir`` lacks."""
+    """The expected files of a diffusers-format Wan directory that ``model_dir`` lacks."""
     root = Path(model_dir)
     missing = []
     if not (root / "model_index.json").is_file():
@@ -64,22 +66,124 @@ def missing_model_files(model_dir: str | Path) -> list[str]:
         folder = root / part
         if not (folder / "config.json").is_file() or not _has_weights(folder, weights):
             missing.append(EXPECTED[part])
+    # the optional parts the model index names (Wan2.2-A14B's second expert, Wan2.1-I2V's image encoder)
+    named = _named_parts(root / "model_index.json")
+    if "transformer_2" in named:
+        folder = root / "transformer_2"
+        if not (folder / "config.json").is_file() or not _has_weights(folder, WEIGHTS[0]):
+            missing.append(OPTIONAL_EXPECTED["transformer_2"])
+    if "image_encoder" in named:
+        folder = root / "image_encoder"
+        if not (folder / "config.json").is_file() or not _has_weights(folder, WEIGHTS[1]):
+            missing.append(OPTIONAL_EXPECTED["image_encoder"])
+    if "image_processor" in named and not (root / "image_processor" / "preprocessor_config.json").is_file():
+        missing.append(OPTIONAL_EXPECTED["image_processor"])
     return missing
 
 
+# the parts a model index may name besides the required ones, and their files
+OPTIONAL_EXPECTED = {
+    "transformer_2": "transformer_2/config.json + diffusion_pytorch_model.safetensors (or .safetensors.index.json)",
+    "image_encoder": "image_encoder/config.json + model.safetensors (or model.safetensors.index.json)",
+    "image_processor": "image_processor/preprocessor_config.json",
+}
+# the diffusers pipeline classes this product runs (model_index.json's "_class_name")
+SUPPORTED_PIPELINES = ("WanPipeline", "WanImageToVideoPipeline")
+IMAGE_TO_VIDEO = "WanImageToVideoPipeline"
+
+
+def _named_parts(index_file: Path) -> set[str]:
+    """The components ``model_index.json`` names with a class (``[library, class]``, not ``[null, null]``);
+    an unreadable index names none (:func:`read_model_index` reports it)."""
+    try:
+        index = json.loads(index_file.read_text())
+    except (OSError, ValueError):
+        return set()
+    if not isinstance(index, dict):
+        return set()
+    return {k for k, v in index.items() if isinstance(v, list) and len(v) == 2 and v[0] is not None}
+
+
+@dataclass(frozen=True)
+class ModelIndex:
+    """What a model directory's ``model_index.json`` says about its architecture (read without loading):
+
+    ``pipeline_class``: one of :data:`SUPPORTED_PIPELINES`; ``transformer_2``: a second expert (Wan2.2-A14B)
+    switched to below ``boundary_ratio * 1000``; ``expand_timesteps``: per-token timesteps (Wan2.2-TI2V);
+    ``image_encoder``: a CLIP image encoder and its processor (Wan2.1-I2V; Wan2.2-I2V has none)."""
+
+    pipeline_class: str = "WanPipeline"
+    transformer_2: bool = False
+    boundary_ratio: float | None = None
+    expand_timesteps: bool = False
+    image_encoder: bool = False
+
+    @property
+    def image_to_video(self) -> bool:
+        """The model generates from an image (an image is required)."""
+        return self.pipeline_class == IMAGE_TO_VIDEO
+
+    @property
+    def takes_image(self) -> bool:
+        """The model can start from an image: an image-to-video model, or Wan2.2-TI2V (``expand_timesteps``),
+        whose image mode is diffusers' ``WanImageToVideoPipeline`` on the same parts."""
+        return self.image_to_video or self.expand_timesteps
+
+    def describe(self) -> str:
+        parts = [self.pipeline_class]
+        if self.transformer_2:
+            parts.append(f"two experts, boundary_ratio {self.boundary_ratio}")
+        if self.expand_timesteps:
+            parts.append("expand_timesteps")
+        return ", ".join(parts)
+
+
+def read_model_index(model_dir: str | Path) -> ModelIndex:
+    """The architecture of a model directory from its ``model_index.json``; ValueError naming the class when
+    it is not a pipeline this product runs (before anything loads)."""
+    index_file = Path(model_dir) / "model_index.json"
+    index = read_json(index_file, "model_index.json")
+    name = index.get("_class_name", "WanPipeline")
+    if name not in SUPPORTED_PIPELINES:
+        raise ValueError(
+            f"model {str(model_dir)!r} is a {name!r} (its model_index.json's _class_name); supported: "
+            f"{', '.join(SUPPORTED_PIPELINES)} (Wan2.1 / Wan2.2 text-to-video, text-image-to-video and "
+            "image-to-video)"
+        )
+    named = _named_parts(index_file)
+    ratio = index.get("boundary_ratio")
+    if "transformer_2" in named and (
+        isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio < 1
+    ):
+        raise ValueError(
+            f"{str(index_file)!r} names a transformer_2 with boundary_ratio {ratio!r}; expected a number in (0, 1) "
+            "(the noise level below which the second expert denoises, e.g. 0.875)"
+        )
+    return ModelIndex(
+        pipeline_class=name,
+        transformer_2="transformer_2" in named,
+        boundary_ratio=float(ratio) if "transformer_2" in named and ratio is not None else None,
+        expand_timesteps=bool(index.get("expand_timesteps", False)),
+        image_encoder="image_encoder" in named,
+    )
+
+
 def check_model_dir(model_dir: str | Path) -> Path:
-    """Raises ``FileNotFoundError`` naming what is missing unless ``model_dir`` is a complete Wan2.1 T2V dir."""
+    """Raises ``FileNotFoundError`` naming what is missing unless ``model_dir`` is a complete Wan model dir
+    (``ValueError`` naming the class when its ``model_index.json`` names a pipeline this product does not run)."""
     root = Path(model_dir)
     if root.is_file():
         raise FileNotFoundError(
-            f"model directory {str(root)!r} is a file; expected a local diffusers-format Wan2.1 T2V directory "
+            f"model directory {str(root)!r} is a file; expected a local diffusers-format Wan (2.1 or 2.2) directory "
             "(the folder holding model_index.json, transformer/, vae/, ...)"
         )
     if not root.is_dir():
         raise FileNotFoundError(
-            f"model directory {str(root)!r} does not exist; expected a local diffusers-format Wan2.1 T2V directory "
+            f"model directory {str(root)!r} does not exist; expected a local diffusers-format Wan (2.1 or 2.2) directory "
             f"({', '.join(EXPECTED.values())}), or no --model for the built-in model"
         )
+    if (root / "model_index.json").is_file():
+        read_model_index(root)  # a pipeline this product does not run is named first, not by its missing files
     missing = missing_model_files(root)
     if missing:
         raise FileNotFoundError(

@@ -24,7 +24,7 @@ from .convert import (
     resolve_model_blocks,
     self_attention_state,
 )
-from .request import GenerationRequest
+from .request import GenerationRequest, check_model_inputs
 from .timing import Timing, sync
 
 if TYPE_CHECKING:
@@ -47,7 +47,9 @@ class GenerationResult:
 
     ``frames``: for ``output_type="np"`` a float32 array ``(num_frames, height, width, 3)`` in [0, 1];
     ``"pil"`` a list of images; ``"pt"`` a tensor ``(num_frames, 3, height, width)``; ``"latent"`` the latents
-    ``(1, 16, F, height/8, width/8)``. ``initial_noise`` is the starting latent (same seed -> same noise).
+    ``(1, C, F, height/s, width/s)`` (C: the VAE's latent channels, 16 or 48; s: its spatial stride, 8 or 16).
+    ``initial_noise`` is the starting latent (same seed -> same noise). ``pipeline_class``: the diffusers
+    pipeline that ran (``WanPipeline`` or ``WanImageToVideoPipeline``).
     """
 
     frames: Any  # by output_type, as above
@@ -56,6 +58,7 @@ class GenerationResult:
     seed: int
     initial_noise: torch.Tensor
     random_weights: bool
+    pipeline_class: str = "WanPipeline"
 
 
 def initial_noise(seed: int, shape: tuple[int, ...], device: torch.device | str) -> torch.Tensor:
@@ -70,11 +73,14 @@ def model_request(
 ) -> GenerationRequest:
     """``request`` checked for this model: unset (None) sizes, steps and guidance take the model's defaults
     (``components.defaults``), then :meth:`GenerationRequest.check` against its patch (``transformer``'s, default
-    ``components.transformer``) and VAE strides."""
+    ``components.transformer``) and VAE strides, and :func:`check_model_inputs` against its architecture (an
+    image for an image-to-video model, none for a text-to-video one; ``layers_2`` for a second expert)."""
     transformer = components.transformer if transformer is None else transformer
     vae = components.vae
     stride = (vae.config.scale_factor_temporal, vae.config.scale_factor_spatial, vae.config.scale_factor_spatial)
-    return request.with_defaults(components.defaults).check(tuple(transformer.config.patch_size), stride)
+    checked = request.with_defaults(components.defaults).check(tuple(transformer.config.patch_size), stride)
+    check_model_inputs(checked, components.index, f"model {components.source!r}")
+    return checked
 
 
 def _attention_options(
@@ -95,11 +101,13 @@ def _attention_options(
     return options.replace(blocks=resolved.blocks), resolved
 
 
-def _hybrid_layers(transformer: WanTransformer3DModel, request: GenerationRequest) -> list[int] | None:
-    """The MHLA layers of mhla-hybrid: the request's, else the model's own split (from its checkpoint, kept
-    across switches to other variants), else None (the default split)."""
-    if request.variant != "mhla-hybrid" or request.layers is not None:
-        return request.layers
+def _hybrid_layers(
+    transformer: WanTransformer3DModel, request: GenerationRequest, layers: list[int] | None
+) -> list[int] | None:
+    """The MHLA layers of mhla-hybrid: ``layers`` (the request's for this expert), else the model's own split
+    (from its checkpoint, kept across switches to other variants), else None (the default split)."""
+    if request.variant != "mhla-hybrid" or layers is not None:
+        return layers
     state = self_attention_state(transformer)
     if state["variant"] == "mhla-hybrid":
         return state["linear_layers"]
@@ -113,17 +121,21 @@ def _convert(
     transformer: WanTransformer3DModel,
     request: GenerationRequest,
     overrides: dict[str, Any] | None,
+    layers: list[int] | None = None,
+    name: str = "transformer",
 ) -> mhla.ResolvedBlocks | None:
-    """Converts ``transformer`` in place to the request's variant; warns when that adds untrained parameters
-    to a real (non-random) model. Returns the MHLA blocks it runs with (None for other variants)."""
+    """Converts ``transformer`` in place to the request's variant (``layers``: mhla-hybrid's MHLA layers for
+    this transformer); warns when that adds untrained parameters to a real (non-random) model. Returns the
+    MHLA blocks it runs with (None for other variants)."""
     options, resolved = _attention_options(transformer, request, components.block_shape, overrides)
     before = self_attention_state(transformer)["parameters"]
-    convert_self_attention(transformer, request.variant, _hybrid_layers(transformer, request), options)
+    convert_self_attention(transformer, request.variant, _hybrid_layers(transformer, request, layers), options)
     added = {k: sorted(set(v) - set(before[k])) for k, v in self_attention_state(transformer)["parameters"].items()}
     if any(added.values()) and not components.random_weights:
         where = ", ".join(f"{kind} in layers {v}" for kind, v in added.items() if v)
         warnings.warn(
-            f"variant {request.variant!r} added freshly initialised (untrained) attention parameters ({where}); "
+            f"variant {request.variant!r} added freshly initialised (untrained) attention parameters to {name} "
+            f"({where}); "
             "a softmax-trained checkpoint needs fine-tuning before those layers make good videos",
             stacklevel=4,  # the caller of generate(), past torch.no_grad's wrapper
         )
@@ -141,12 +153,51 @@ def _guided_steps(scheduler: Any, request: GenerationRequest) -> list[bool]:
     return [float(s) <= request.guidance_max_sigma for s in probe.sigmas[:steps]]
 
 
+def fit_image(image: Any, width: int, height: int) -> Any:
+    """``image`` (a PIL image) as the RGB first frame of a ``width x height`` video: scaled to cover it and
+    centre-cropped, so its aspect ratio is kept (diffusers' own preprocessing would stretch it)."""
+    from PIL import Image, ImageOps
+
+    return ImageOps.fit(image.convert("RGB"), (width, height), Image.Resampling.LANCZOS)
+
+
+def _build_pipeline(
+    components: WanComponents,
+    scheduler: Any,
+    transformer: WanTransformer3DModel,
+    transformer_2: WanTransformer3DModel | None,
+    image: bool,
+) -> Any:
+    """The model's diffusers pipeline over the shared parts: ``WanImageToVideoPipeline`` for an image (an
+    image-to-video model, or Wan2.2-TI2V's image mode), else ``WanPipeline``; both with the model's second
+    expert, ``boundary_ratio`` and ``expand_timesteps``."""
+    from diffusers import WanImageToVideoPipeline, WanPipeline
+
+    index = components.index
+    parts: dict[str, Any] = dict(
+        tokenizer=components.tokenizer,
+        text_encoder=components.text_encoder,
+        vae=components.vae,
+        scheduler=scheduler,
+        transformer=transformer,
+        transformer_2=transformer_2,
+        boundary_ratio=index.boundary_ratio if transformer_2 is not None else None,
+        expand_timesteps=index.expand_timesteps,
+    )
+    if image:
+        return WanImageToVideoPipeline(
+            **parts, image_encoder=components.image_encoder, image_processor=components.image_processor
+        )
+    return WanPipeline(**parts)
+
+
 @torch.no_grad()
 def generate(
     components: WanComponents,
     request: GenerationRequest,
     *,
     transformer: WanTransformer3DModel | None = None,
+    transformer_2: WanTransformer3DModel | None = None,
     attention_options: dict[str, Any] | None = None,
     max_sequence_length: int | None = None,
     show_progress: bool = True,
@@ -165,46 +216,52 @@ def generate(
             its ``layers`` (mhla-hybrid) to the model's own split, else all but 0, 3, 6, ...
         transformer: the transformer to run (default ``components.transformer``); it is converted in place,
             reusing its variant parameters where it has them.
+        transformer_2: a two-expert model's low-noise expert (default ``components.transformer_2``), converted
+            the same way with the request's ``layers_2``; it keeps its own fine-tuned parameters.
         attention_options: overrides of :class:`pipelines.attention.AttentionOptions` (e.g. ``{"normalize": True}``).
         max_sequence_length: text tokens (default: the model's own, else 512).
         show_progress: a progress bar over the denoising steps.
+    The pipeline is the model's (:attr:`WanComponents.pipeline_class`): ``WanPipeline`` (with ``transformer_2``
+    and ``boundary_ratio`` for Wan2.2-A14B, ``expand_timesteps`` for Wan2.2-TI2V) or, when the request has an
+    ``image``, ``WanImageToVideoPipeline`` (the image fitted to the video's size, centre-cropped to its aspect).
+
     Raises:
         ValueError: a bad request, before any model work. :class:`NonFiniteLatentsError`: the latents became
             NaN or inf (checked after every denoising step; nothing is decoded).
     """
-    from diffusers import WanPipeline
-
     if not isinstance(request, GenerationRequest):
         raise TypeError(
             "generate() takes a GenerationRequest, e.g. generate(components, GenerationRequest(prompt='a red "
             f"square moves to the right', variant='mhla')); got {type(request).__name__}"
         )
     transformer = components.transformer if transformer is None else transformer
+    transformer_2 = components.transformer_2 if transformer_2 is None else transformer_2
     if request.grid is None:
         request = model_request(components, request, transformer)
+    else:  # checked without the model (the CLI's preflight): its image and experts are checked here
+        check_model_inputs(request, components.index, f"model {components.source!r}")
     grid = cast(tuple[int, int, int], request.grid)  # a checked request has its grid, sizes, steps and guidance
     height, width, num_frames = cast(int, request.height), cast(int, request.width), cast(int, request.num_frames)
     do_guidance = cast(float, request.guidance_scale) > 1.0
     # text embeddings are padded to this length and not masked in cross-attention: use the model's own
     if max_sequence_length is None:
         max_sequence_length = components.defaults.get("max_sequence_length", 512)
-    resolved = _convert(components, transformer, request, attention_options)
+    resolved = _convert(components, transformer, request, attention_options, request.layers)
+    experts = [transformer]
+    if transformer_2 is not None:  # each expert keeps its own parameters, blocks and hybrid split
+        _convert(components, transformer_2, request, attention_options, request.layers_2, "transformer_2")
+        experts.append(transformer_2)
 
     device = components.device
-    # WanPipeline is only a container of the shared parts: built per call for this variant's transformer
+    # the pipeline is only a container of the shared parts: built per call for this variant's transformer(s)
     # and a fresh scheduler state
     scheduler = type(components.scheduler).from_config(components.scheduler.config)
-    pipe = WanPipeline(
-        tokenizer=components.tokenizer,
-        text_encoder=components.text_encoder,
-        vae=components.vae,
-        scheduler=scheduler,
-        transformer=transformer,
-    )
+    pipe = _build_pipeline(components, scheduler, transformer, transformer_2, image=request.image is not None)
     pipe.set_progress_bar_config(disable=not show_progress, desc=f"denoising [{request.variant}]", leave=False)
-    ctx = attention_context(transformer)
-    ctx.layouts.clear()
-    ctx.softmax_backend = None
+    contexts = [attention_context(t) for t in experts]
+    for ctx in contexts:
+        ctx.layouts.clear()
+        ctx.softmax_backend = None
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
@@ -222,8 +279,12 @@ def generate(
 
     stride = components.vae.config.scale_factor_temporal, components.vae.config.scale_factor_spatial
     latent_frames = (num_frames - 1) // stride[0] + 1
-    shape = (1, transformer.config.in_channels, latent_frames, height // stride[1], width // stride[1])
+    # the latents the pipeline denoises: WanPipeline's have the transformer's input channels; an
+    # image-to-video transformer takes more (the image's latents and a mask concatenated), so there the VAE's
+    channels = components.latent_channels if request.image is not None else transformer.config.in_channels
+    shape = (1, channels, latent_frames, height // stride[1], width // stride[1])
     noise = initial_noise(request.seed, shape, device)
+    image_input = {} if request.image is None else {"image": fit_image(request.image, width, height)}
     step_ends: list[float] = []
     guided = _guided_steps(scheduler, request)
 
@@ -247,10 +308,12 @@ def generate(
             return {"negative_prompt_embeds": embeds_for(i + 1)}
         return {}
 
-    ctx.timer.reset(enabled=True)
+    for ctx in contexts:
+        ctx.timer.reset(enabled=True)
     try:
         # the pipeline denoises and decodes; the last step's end splits denoising from VAE decoding
         frames = pipe(
+            **image_input,
             prompt_embeds=prompt_embeds,
             negative_prompt_embeds=negative_embeds if all(guided) else embeds_for(0),
             height=request.height,
@@ -270,7 +333,8 @@ def generate(
         sync(device)
         t_end = time.perf_counter()
     finally:
-        ctx.timer.enabled = False
+        for ctx in contexts:
+            ctx.timer.enabled = False
     t_denoise = step_ends[-1]
 
     timing = Timing(
@@ -284,18 +348,18 @@ def generate(
     timing.denoising = t_denoise - t_text
     timing.steps = [b - a for a, b in zip([t_text, *step_ends[:-1]], step_ends, strict=True)]
     timing.vae_decode = t_end - t_denoise
-    timing.self_attention = ctx.timer.seconds()
-    timing.self_attention_calls = ctx.timer.calls
+    timing.self_attention = sum(ctx.timer.seconds() for ctx in contexts)
+    timing.self_attention_calls = sum(ctx.timer.calls for ctx in contexts)
     timing.peak_memory_bytes = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     timing.grid = grid
     timing.num_tokens = math.prod(grid)
     if resolved is not None:
-        timing.layout = "; ".join(sorted(ctx.layouts)) or "-"
+        timing.layout = "; ".join(sorted(set().union(*(ctx.layouts for ctx in contexts)))) or "-"
         timing.num_blocks = resolved.layout.num_blocks
     elif request.variant == "linear":
         timing.layout = "one global summary (M=1)"
         timing.num_blocks = 1
-    timing.softmax_backend = ctx.softmax_backend
+    timing.softmax_backend = next((ctx.softmax_backend for ctx in contexts if ctx.softmax_backend), None)
     return GenerationResult(
         frames=frames,
         timing=timing,
@@ -303,4 +367,5 @@ def generate(
         seed=request.seed,
         initial_noise=noise.cpu(),
         random_weights=components.random_weights,
+        pipeline_class=type(pipe).__name__,
     )

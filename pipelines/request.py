@@ -9,11 +9,14 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import mhla
 
 from .attention import VARIANTS
+
+if TYPE_CHECKING:
+    from .model_dir import ModelIndex
 
 # Wan2.1's VAE strides (4 in time, 8 in space); with the transformer's patch they fix the token grid.
 VAE_STRIDE = (4, 8, 8)
@@ -60,6 +63,11 @@ class GenerationRequest:
     seed: int = 0
     blocks: str | tuple[int, int, int] | None = None
     layers: list[int] | None = None
+    # mhla-hybrid's MHLA layers in the second expert (Wan2.2-A14B's transformer_2); None: its own, else the default
+    layers_2: list[int] | None = None
+    # the first frame of an image-to-video model (a PIL image; resized to height x width): required by
+    # WanImageToVideoPipeline, refused by a text-to-video model (generate() checks it against the model)
+    image: Any = None
     output_type: str = "np"
     grid: tuple[int, int, int] | None = None  # set by check()
 
@@ -113,6 +121,11 @@ class GenerationRequest:
             raise ValueError(f"output_type must be one of {OUTPUT_TYPES}, got {self.output_type!r}")
         if self.layers is not None and self.variant != "mhla-hybrid":
             raise ValueError(f"layers apply to 'mhla-hybrid' only, got layers={self.layers!r} for {self.variant!r}")
+        if self.layers_2 is not None and self.variant != "mhla-hybrid":
+            raise ValueError(
+                f"layers_2 apply to 'mhla-hybrid' only, got layers_2={self.layers_2!r} for {self.variant!r}"
+            )
+        check_image(self.image)
         height, width = cast(int, self.height), cast(int, self.width)  # checked above
         grid = latent_grid(height, width, frames, patch_size, vae_stride)
         blocks = self.blocks
@@ -130,6 +143,42 @@ class GenerationRequest:
                     "Use fewer blocks on that axis, or leave blocks unset for the default layout"
                 ) from None
         return replace(self, negative_prompt=negative or "", blocks=blocks, grid=grid)
+
+
+def check_model_inputs(
+    request: GenerationRequest, index: ModelIndex, model: str, image: str = "image", layers_2: str = "layers_2"
+) -> None:
+    """``request``'s image and second-expert layers against the model's architecture (``index``, read from its
+    ``model_index.json``): an image-to-video model needs an image, a text-to-video one (other than Wan2.2-TI2V)
+    takes none, ``layers_2`` needs a second expert. ValueError naming the model and what it takes.
+    ``model`` names it (e.g. ``model '/models/wan'``); ``image``, ``layers_2``: the arguments' names in messages (``--image``, ``--layers-2`` on the command line)."""
+    if index.image_to_video and request.image is None:
+        raise ValueError(
+            f"{model} is image-to-video ({index.pipeline_class}): it needs {image} (the first frame), "
+            "e.g. a PNG or JPEG"
+        )
+    if request.image is not None and not index.takes_image:
+        raise ValueError(
+            f"{image} was given, but {model} is text-to-video ({index.describe()}); an image is taken by "
+            "image-to-video models (WanImageToVideoPipeline) and Wan2.2-TI2V (expand_timesteps)"
+        )
+    if request.layers_2 is not None and not index.transformer_2:
+        raise ValueError(
+            f"{layers_2} {request.layers_2!r}: {model} has one transformer ({index.describe()}); the second "
+            "expert's layers apply to two-expert models (Wan2.2-A14B: transformer_2, boundary_ratio)"
+        )
+
+
+def check_image(image: Any, name: str = "image") -> None:
+    """``image`` is None or a PIL image with pixels; ValueError naming what it is otherwise."""
+    if image is None:
+        return
+    from PIL import Image
+
+    if not isinstance(image, Image.Image):
+        raise ValueError(f"{name} must be a PIL image (the first frame), got {type(image).__name__}")
+    if image.width < 1 or image.height < 1:
+        raise ValueError(f"{name} is {image.width}x{image.height} pixels; expected a non-empty picture")
 
 
 def validate_request(

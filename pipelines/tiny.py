@@ -11,10 +11,19 @@ Parts, all built deterministically from ``seed``:
 - ``UMT5EncoderModel`` from a small ``UMT5Config`` (d_model 32, 2 layers).
 - ``ByT5Tokenizer``: byte-level, needs no vocabulary file.
 - ``UniPCMultistepScheduler`` with Wan's flow settings (shift 3.0).
+
+The other Wan architectures (Wan2.2-TI2V, Wan2.2-A14B, Wan2.2-I2V) are tiny diffusers pipelines
+(:func:`build_tiny_pipeline`); ``python -m pipelines.tiny --architecture wan2.2-i2v --out DIR`` writes one as a
+model directory (``save_pretrained``) that ``--model DIR`` and ``DiffusionPipeline.from_pretrained`` load.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -138,3 +147,58 @@ def build_tiny_pipeline(architecture: str = "wan2.1-t2v", seed: int = 0, num_lay
         return WanPipeline(**parts, transformer_2=expert, boundary_ratio=0.875)
     parts["transformer"] = build_tiny_transformer(seed + 2, num_layers, in_channels=36)
     return WanImageToVideoPipeline(**parts, image_encoder=None, image_processor=None)
+
+
+# a tiny model written as a folder holds this file: its architecture and seed, and so the note that its weights are
+# random (pipelines.loading labels its videos as noise and gives it the tiny model's sizes and block shape)
+TINY_INFO = "tiny_random.json"
+
+
+def save_tiny_model(architecture: str, out: str | Path, seed: int = 0, num_layers: int = 6) -> Path:
+    """Writes the tiny ``architecture`` pipeline (:func:`build_tiny_pipeline`) as a diffusers model directory at
+    ``out`` (``save_pretrained``, safetensors, written atomically; an earlier tiny model there is replaced) with
+    :data:`TINY_INFO` beside ``model_index.json``. Returns ``out``."""
+    from .errors import BadInputError
+    from .outputs import atomic_dir
+
+    if architecture not in TINY_ARCHITECTURES:
+        raise BadInputError(f"--architecture must be one of {', '.join(TINY_ARCHITECTURES)}, got {architecture!r}")
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+        raise BadInputError(f"--layers {num_layers!r}: expected a number of transformer layers >= 1")
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / TINY_INFO).is_file())):
+        raise BadInputError(
+            f"--out {str(out)!r} exists and is not an earlier tiny model; expected a new or empty folder"
+        )
+    pipe = build_tiny_pipeline(architecture, seed=seed, num_layers=num_layers)
+    with atomic_dir(out) as tmp:
+        pipe.save_pretrained(str(tmp), safe_serialization=True)
+        info = {"architecture": architecture, "seed": seed, "num_layers": num_layers, "random_weights": True}
+        (tmp / TINY_INFO).write_text(json.dumps(info, indent=2) + "\n")
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m pipelines.tiny --architecture ARCH --out DIR``: a tiny random-weight model directory."""
+    from .errors import run_cli
+
+    return run_cli(_main, argv, prog="pipelines.tiny")
+
+
+def _main(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m pipelines.tiny",
+        description="Write a tiny random-weight Wan model directory (its videos are noise): for tests and smoke runs.",
+    )
+    p.add_argument("--architecture", required=True, choices=TINY_ARCHITECTURES)
+    p.add_argument("--out", required=True, help="the model directory to write")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layers", type=int, default=6, help="transformer layers (each expert)")
+    args = p.parse_args(argv)
+    out = save_tiny_model(args.architecture, args.out, args.seed, args.layers)
+    print(f"wrote {out} (tiny random-weight {args.architecture}: RANDOM weights)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

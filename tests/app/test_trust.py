@@ -136,7 +136,13 @@ def test_degenerate_videos_are_found_and_a_normal_one_is_not():
 
 
 def test_permalink_round_trip(monkeypatch):
-    models = SimpleNamespace(example_prompt="a red square", components=SimpleNamespace(tokenizer=None))
+    models = SimpleNamespace(
+        example_prompt="a red square",
+        components=SimpleNamespace(tokenizer=None),
+        fits=lambda height, width: True,  # a text-to-video model whose tokens divide every preset
+        needs_image=False,
+        takes_image=False,
+    )
     monkeypatch.setattr(compare, "preset_tokens", lambda m, p: 1600)
     req = compare.CompareRequest(
         "a small red triangle moves down & left?", "", 123, 17, 4.5, (17, 128, 160), ["flash", "mhla"]
