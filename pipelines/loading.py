@@ -346,6 +346,7 @@ def load_components(
     dtype: str | torch.dtype | None = "auto",
     device: str | torch.device | None = "auto",
     seed: int = 0,
+    expert: str | None = None,
 ) -> WanComponents:
     """Loads a local Wan directory; ``None`` loads the built-in model (``assets/builtin``: trained
     on synthetic moving shapes); ``"tiny-random"`` builds the tiny random-weight model (tests, smoke runs).
@@ -357,14 +358,20 @@ def load_components(
 
     The transformer and text encoder get ``dtype`` (default bfloat16 on GPU, float32 on CPU); the VAE
     stays float32, as in diffusers' Wan examples, because its decode is sensitive to precision.
-    ``seed`` only affects the tiny model's random weights.
+    ``seed`` only affects the tiny model's random weights. ``expert`` (``"transformer"`` or ``"transformer_2"``)
+    loads that expert alone, as ``components.transformer`` (fine-tuning one Wan2.2-A14B expert never loads the
+    other); None loads every transformer the index names.
     """
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
+    if expert not in (None, "transformer", "transformer_2"):
+        raise ValueError(f"expert must be 'transformer', 'transformer_2' or None, got {expert!r}")
     builtin = model_dir is None and builtin_available()
     if model_dir is None:
         model_dir = BUILTIN_DIR if builtin else TINY_RANDOM
     if str(model_dir) == TINY_RANDOM:
+        if expert == "transformer_2":
+            raise ValueError("expert 'transformer_2': the tiny random model has one transformer")
         parts = build_tiny_components(seed)
         transformer = convert_self_attention(_cast(parts["transformer"], device, dtype), "flash")
         return WanComponents(
@@ -391,9 +398,15 @@ def load_components(
     text_encoder = UMT5EncoderModel.from_pretrained(root / "text_encoder", dtype=dtype).to(device).eval()  # type: ignore[arg-type]
     vae = AutoencoderKLWan.from_pretrained(root / "vae", dtype=torch.float32).to(device).eval()
     scheduler = _load_scheduler(root / "scheduler")
-    transformer = load_transformer(root / "transformer", dtype=dtype, device=device)
+    if expert == "transformer_2" and not index.transformer_2:
+        raise ValueError(
+            f"expert 'transformer_2': {str(root)!r} has one transformer (its model_index.json names no transformer_2)"
+        )
+    transformer = load_transformer(root / (expert or "transformer"), dtype=dtype, device=device)
     transformer_2 = (
-        load_transformer(root / "transformer_2", dtype=dtype, device=device) if index.transformer_2 else None
+        load_transformer(root / "transformer_2", dtype=dtype, device=device)
+        if index.transformer_2 and expert is None
+        else None
     )
     image_encoder, image_processor = _load_image_encoder(root, device) if index.image_encoder else (None, None)
     defaults, block_shape, variant_dirs = model_settings(root)

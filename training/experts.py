@@ -23,8 +23,7 @@ from omegaconf import DictConfig
 
 from pipelines.builtin import BUILTIN_DIR, TINY_RANDOM, builtin_available
 from pipelines.loading import model_vae_stride
-from pipelines.model_dir import read_json
-from training.config import EXPERTS
+from pipelines.model_dir import read_json, read_model_index
 
 ROLE = {"transformer": "the high-noise expert", "transformer_2": "the low-noise expert"}
 
@@ -81,24 +80,17 @@ def read_target(cfg: DictConfig) -> TrainingTarget:
     transformer takes none. Raises ValueError naming the key, its value and what was expected."""
     expert = cfg.model.get("expert")
     root = _model_root(cfg)
-    index_file = root / "model_index.json" if root is not None else None
-    index = read_json(index_file, "model index") if index_file is not None and index_file.is_file() else {}
-
-    def listed(name: str) -> bool:  # save_pretrained writes [null, null] for a component the pipeline lacks
-        entry = index.get(name, [None] if name == "transformer_2" else ["diffusers"])
-        return isinstance(entry, list) and bool(entry) and entry[0] is not None
-
-    present = tuple(name for name in EXPERTS if listed(name))
-    boundary = index.get("boundary_ratio")
-    expand = bool(index.get("expand_timesteps", False))
+    # the model directory's architecture, as generation reads it (pipelines.model_dir; a bad index is named there)
+    index = read_model_index(root) if root is not None and (root / "model_index.json").is_file() else None
+    present = ("transformer", "transformer_2") if index is not None and index.transformer_2 else ("transformer",)
+    boundary = index.boundary_ratio if index is not None else None
+    expand = bool(index is not None and index.expand_timesteps)
     where = f"model.path={str(cfg.model.path)!r}"
-    if len(present) == 2 and boundary is None:
+    if index is not None and index.pipeline_class != "WanPipeline":
         raise ValueError(
-            f"{where}: its model_index.json lists transformer and transformer_2 but no boundary_ratio; expected a "
-            "Wan2.2-A14B directory (boundary_ratio: the fraction of timesteps above which transformer runs)"
+            f"{where} is a {index.pipeline_class} (its model_index.json); the recipe fine-tunes text-to-video "
+            "models (WanPipeline: Wan2.1-T2V, Wan2.2-TI2V-5B, Wan2.2-T2V-A14B); image-to-video is not built"
         )
-    if boundary is not None and not (isinstance(boundary, int | float) and 0 < boundary < 1):
-        raise ValueError(f"{where}: boundary_ratio={boundary!r} in its model_index.json; expected a number in (0, 1)")
     if len(present) == 2:
         if expert is None:
             raise ValueError(
@@ -114,8 +106,6 @@ def read_target(cfg: DictConfig) -> TrainingTarget:
                 f"model.expert={expert!r}: {what} has a single transformer; expected model.expert=null "
                 "(model.expert chooses one of the two experts of a Wan2.2-A14B directory)"
             )
-        if present != ("transformer",):
-            raise ValueError(f"{where}: its model_index.json lists no transformer; expected a Wan text-to-video model")
         architecture = "wan2.2-ti2v" if expand else "wan2.1-t2v"
     expert = expert or "transformer"
     if root is not None and root.is_dir():
@@ -165,30 +155,7 @@ def model_timestep(t: torch.Tensor, latents: torch.Tensor, patch_size, expand_ti
 def load_expert_components(cfg: DictConfig, target: TrainingTarget, device: torch.device):
     """:func:`pipelines.load_components` for a run's expert: the model's tokenizer, text encoder, VAE and scheduler,
     and only ``target.expert`` as the transformer (an A14B run never loads the other expert)."""
-    from pipelines import WanComponents, check_model_dir, load_components, load_transformer
-    from pipelines.loading import _load_scheduler, model_settings, resolve_dtype
+    from pipelines import load_components
 
-    if target.expert == "transformer":  # Wan2.1, TI2V, A14B's high-noise expert: the model's own transformer/
-        return load_components(cfg.model.path, dtype=cfg.model.dtype, device=device, seed=cfg.model.seed)
-    from diffusers import AutoencoderKLWan
-    from transformers import AutoTokenizer, UMT5EncoderModel
-
-    root = check_model_dir(cfg.model.path)
-    dtype = resolve_dtype(cfg.model.dtype, device)
-    text_encoder = UMT5EncoderModel.from_pretrained(root / "text_encoder", dtype=dtype).to(device).eval()
-    defaults, block_shape, variant_dirs = model_settings(root)
-    return WanComponents(
-        tokenizer=AutoTokenizer.from_pretrained(root / "tokenizer"),
-        text_encoder=text_encoder,
-        vae=AutoencoderKLWan.from_pretrained(root / "vae", dtype=torch.float32).to(device).eval(),
-        scheduler=_load_scheduler(root / "scheduler"),
-        # model.transformer, when set, replaces it in finetune.build_model: then this one is not read at all
-        transformer=None if cfg.model.transformer else load_transformer(root / target.expert, dtype, device),
-        source=f"{root} ({target.expert})",
-        random_weights=False,
-        device=device,
-        dtype=dtype,
-        defaults=defaults,
-        block_shape=block_shape,
-        variant_dirs=variant_dirs,
-    )
+    expert = target.expert if target.two_experts else None
+    return load_components(cfg.model.path, dtype=cfg.model.dtype, device=device, seed=cfg.model.seed, expert=expert)

@@ -18,7 +18,7 @@ from training import finetune
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "finetune" / "tiny.yaml")
-ARCHITECTURES = ("wan2.1-t2v", "wan2.2-ti2v", "wan2.2-t2v-a14b")
+ARCHITECTURES = ("wan2.1-t2v", "wan2.2-ti2v", "wan2.2-t2v-a14b", "wan2.2-i2v")
 LAYERS = 3  # per expert: mhla-hybrid converts 1 and 2, layer 0 stays softmax
 
 
@@ -164,6 +164,7 @@ REFUSED = [
     ("wan2.2-t2v-a14b", ["model.expert=transformer", "validation.every=5"], ["validation.every=5", "alone"]),
     ("wan2.2-t2v-a14b", ["model.expert=transformer_2", "validation.probe_every=5"], ["validation.probe_every=5"]),
     ("wan2.2-t2v-a14b", ["model.expert=transformer_3"], ["model.expert='transformer_3'", "transformer_2"]),
+    ("wan2.2-i2v", [], ["WanImageToVideoPipeline", "image-to-video is not built"]),
 ]
 
 
