@@ -59,16 +59,31 @@ def parameter_names(module: torch.nn.Module) -> frozenset[str]:
     return frozenset(name for name, _ in module.named_parameters())
 
 
-class _OffloadAll:
-    """Stands where accelerate expects the previous component's hook (``prev_module_hook``): offloads every
-    transformer, so the VAE's turn offloads whichever one ran last."""
+def _offload_all(hooks: list[Any]) -> Any:
+    """A hook to stand where accelerate expects the previous component's (``prev_module_hook``) that offloads every
+    transformer, so the VAE's turn offloads whichever one ran last. accelerate honours only a
+    ``UserCpuOffloadHook`` there, and offloads it only when its ``model`` is off the CPU: ``model`` is the
+    transformer that is on the device, if any."""
+    from accelerate.hooks import UserCpuOffloadHook
 
-    def __init__(self, hooks: list[Any]) -> None:
-        self.hooks = hooks
+    class OffloadAll(UserCpuOffloadHook):  # type: ignore[misc]
+        def __init__(self) -> None:  # no single model: see the property
+            self.hooks = hooks
 
-    def offload(self) -> None:
-        for hook in self.hooks:
-            hook.offload()
+        @property
+        def model(self) -> torch.nn.Module:
+            on_device = [h.model for h in self.hooks if next(h.model.parameters()).device.type != "cpu"]
+            return on_device[0] if on_device else self.hooks[0].model
+
+        def offload(self) -> None:
+            for hook in self.hooks:
+                hook.offload()
+
+        def remove(self) -> None:
+            for hook in self.hooks:
+                hook.remove()
+
+    return OffloadAll()
 
 
 @dataclass
@@ -178,11 +193,11 @@ class Offload:
             _, hooks[id(t)] = cpu_offload_with_hook(t, self.device, prev_module_hook=text_hook)
         self._model_hooks = hooks
         transformer_hooks = [hooks[id(t)] for t in transformers]
-        vae_hook.hook.prev_module_hook = _OffloadAll(transformer_hooks)
+        vae_hook.hook.prev_module_hook = _offload_all(transformer_hooks)
         if len(transformers) > 1:
             for t in transformers:
                 others = [hooks[id(o)] for o in transformers if o is not t]
-                self._pre_hooks[id(t)] = t.register_forward_pre_hook(lambda *_, o=others: _OffloadAll(o).offload())
+                self._pre_hooks[id(t)] = t.register_forward_pre_hook(lambda *_, o=others: _offload_all(o).offload())
 
     def attach(self, components: WanComponents, transformers: Iterable[torch.nn.Module] = ()) -> Offload:
         """Hooks the text encoder, the VAE, ``components.transformer`` and ``transformers`` (once)."""
