@@ -165,9 +165,9 @@ class Offload:
 
     def _hook_model_chain(self) -> None:
         """Model offload: diffusers' ``enable_model_cpu_offload`` on a pipeline of the shared components and the
-        first transformer (text encoder -> transformer -> VAE); further transformers (the app's fine-tuned
-        variants) join with the text encoder as their predecessor, each offloads the others when it runs, and the
-        VAE's turn offloads them all."""
+        first transformer (text encoder -> transformer -> VAE, each turn offloading the one before); further
+        transformers (the app's fine-tuned variants) join with the text encoder as their predecessor, each offloads
+        the others when it runs, the VAE's turn offloads them all, and the text encoder's turn the VAE."""
         from accelerate import cpu_offload_with_hook
         from diffusers import WanPipeline
 
@@ -194,6 +194,8 @@ class Offload:
         self._model_hooks = hooks
         transformer_hooks = [hooks[id(t)] for t in transformers]
         vae_hook.hook.prev_module_hook = _offload_all(transformer_hooks)
+        # and round again: the text encoder's turn (the next run) offloads the VAE, which nothing else would
+        text_hook.hook.prev_module_hook = vae_hook
         if len(transformers) > 1:
             for t in transformers:
                 others = [hooks[id(o)] for o in transformers if o is not t]
