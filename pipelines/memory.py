@@ -64,7 +64,7 @@ def _offload_all(hooks: list[Any]) -> Any:
     transformer, so the VAE's turn offloads whichever one ran last. accelerate honours only a
     ``UserCpuOffloadHook`` there, and offloads it only when its ``model`` is off the CPU: ``model`` is the
     transformer that is on the device, if any."""
-    from accelerate.hooks import UserCpuOffloadHook
+    from accelerate.hooks import UserCpuOffloadHook  # type: ignore[import-untyped]
 
     class OffloadAll(UserCpuOffloadHook):  # type: ignore[misc]
         def __init__(self) -> None:  # no single model: see the property
@@ -159,7 +159,7 @@ class Offload:
                 registry.remove_hook(name, recurse=True)
             module.to(torch.device("cpu"))
         elif self.mode in ("sequential", "model"):
-            from accelerate.hooks import remove_hook_from_module  # type: ignore[import-untyped]
+            from accelerate.hooks import remove_hook_from_module
 
             remove_hook_from_module(module, recurse=True)  # sequential: the weights come back from the offload map
 
