@@ -59,6 +59,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         "with them",
     )
     p.add_argument(
+        "--offload",
+        choices=("none", "model", "group", "sequential"),
+        default="none",
+        help="diffusers' offload hooks, applied once after loading: model (one component on the device at a time), "
+        "group (block-level group offloading), sequential (one layer's weights at a time); default none",
+    )
+    p.add_argument("--vae-tiling", action="store_true", help="decode videos in overlapping 256 px tiles")
+    p.add_argument(
         "--max-tokens",
         type=int,
         default=None,
@@ -73,12 +81,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def compose(model, variant_dirs, random_weights, device, dtype, decode_dtype="auto"):
+def compose(model, variant_dirs, random_weights, device, dtype, decode_dtype="auto", offload="none", vae_tiling=False):
     """The app's models, with the analyser of the built-in model's world as their ``judge`` when that model is
     served (its verdict column). The composition happens here so that ``app/`` imports nothing beside it."""
     from app.models import load_app_models
 
-    models = load_app_models(model, variant_dirs, random_weights, device, dtype, decode_dtype)
+    models = load_app_models(model, variant_dirs, random_weights, device, dtype, decode_dtype, offload, vae_tiling)
     if models.builtin:
         from world.analyse import prompt_verdicts
 
@@ -107,8 +115,10 @@ def _main(argv) -> int:
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} {value}: expected a positive number of tokens")
     from pipelines.loading import resolve_device, resolve_dtype
+    from pipelines.memory import check_offload
 
     resolve_dtype(args.dtype, resolve_device(args.device))  # named before any model loads
+    check_offload(args.offload, resolve_device(args.device))
     variant_dirs = parse_variant_dirs(args.variant)
     if args.model is not None and args.model != "tiny-random":
         from pipelines import check_model_dir
@@ -121,7 +131,16 @@ def _main(argv) -> int:
                 f"--store-examples: model {args.model!r} is image-to-video; its runs need an uploaded first frame, "
                 "so it has no stored example results"
             )
-    models = compose(args.model, variant_dirs, args.random_weights, args.device, args.dtype, args.decode_dtype)
+    models = compose(
+        args.model,
+        variant_dirs,
+        args.random_weights,
+        args.device,
+        args.dtype,
+        args.decode_dtype,
+        args.offload,
+        args.vae_tiling,
+    )
     cpu = models.device.type == "cpu"
     max_tokens = args.max_tokens if args.max_tokens is not None else (CPU_MAX_TOKENS if cpu else None)
     max_bench = args.max_bench_tokens if args.max_bench_tokens is not None else (16384 if cpu else None)
@@ -141,7 +160,7 @@ def _main(argv) -> int:
         return 0
 
     demo = build_demo(models, max_tokens=max_tokens, max_bench_tokens=max_bench)
-    print(f"model: {models.components.source} on {models.device}")
+    print(f"model: {models.components.source} on {models.device}" + (f" ({models.memory})" if models.memory else ""))
     if models.random_note:
         print(f"NOTE: {models.random_note}")
     demo.queue(default_concurrency_limit=1, max_size=QUEUE_SIZE).launch(

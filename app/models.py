@@ -80,6 +80,8 @@ class AppModels:
     examples: list[str] = field(default_factory=list)
     # where the example prompts' precomputed results are stored with the model (app.compare.store_examples)
     stored_dir: Path | None = None
+    # offload hooks and VAE tiling applied at start (pipelines.memory), as the page's model line shows them
+    memory: str = ""
 
     @property
     def device(self) -> torch.device:
@@ -199,12 +201,22 @@ def load_app_models(
     device="auto",
     dtype="auto",
     decode_dtype: str = "auto",
+    offload: str = "none",
+    vae_tiling: bool = False,
 ) -> AppModels:
     """Loads once what every request shares. ``model``: a local Wan2.1 T2V diffusers dir (None: the built-in
     model, ``"tiny-random"``: the tiny random-weight one); ``variant_dirs``: fine-tuned transformers by
     variant (default: those the model ships, e.g. the built-in model's); ``random_weights``:
     ``1.3b``/``14b`` (excludes ``model``); ``decode_dtype``: the VAE's dtype (``auto``: bfloat16 on a CPU, see
-    :func:`decode_dtype_for`)."""
+    :func:`decode_dtype_for`); ``offload``, ``vae_tiling``: :func:`pipelines.memory.apply_offload`, applied once
+    after loading (the components load on the CPU when offloaded)."""
+    from pipelines.loading import resolve_device, resolve_dtype
+    from pipelines.memory import apply_offload, check_offload
+
+    run_device = resolve_device(device)
+    check_offload(offload, run_device)
+    dtype = resolve_dtype(dtype, run_device)  # the execution device's (auto: bf16 on a GPU), wherever they load
+    device = torch.device("cpu") if offload != "none" else run_device
     if model is not None and random_weights is not None:
         raise ValueError("--model and --random-weights exclude each other: random weights replace the model's")
     if random_weights is not None:
@@ -220,7 +232,7 @@ def load_app_models(
             if components.random_weights
             else None
         )
-    vae_dtype = decode_dtype_for(components.device, components.dtype, decode_dtype)
+    vae_dtype = decode_dtype_for(run_device, components.dtype, decode_dtype)
     if vae_dtype != components.vae.dtype:
         # WanPipeline casts the latents to the VAE's dtype before decoding. torch's own .to(): diffusers' override
         # only adds a warning about modules to keep in float32, and the Wan VAE lists none
@@ -251,7 +263,11 @@ def load_app_models(
             "variants without a fine-tuned checkpoint share the base transformer, switched in place at each run "
             "(conversion adds only small attention parameters)"
         )
+    memory = ""
+    if offload != "none" or vae_tiling:
+        transformers = [v.transformer for v in variants.values()]
+        memory = apply_offload(components, offload, run_device, vae_tiling, transformers).describe()
     examples = [] if components.random_weights else builtin_examples(BUILTIN_DIR if model is None else model)
     model_dir = BUILTIN_DIR if model is None else Path(model)
     stored_dir = None if components.random_weights or not model_dir.is_dir() else model_dir / STORED_SUBDIR
-    return AppModels(components, variants, random_note, notes, examples=examples, stored_dir=stored_dir)
+    return AppModels(components, variants, random_note, notes, examples=examples, stored_dir=stored_dir, memory=memory)

@@ -79,7 +79,8 @@ def header_markdown(models: AppModels) -> str:
     c = models.components
     lines = [
         "# Wan2.1 text-to-video: FlashAttention vs linear attention vs MHLA",
-        f"Model: **{c.source}** · device: **{device_name(models.device)}** · dtype: {str(c.dtype).replace('torch.', '')}",
+        f"Model: **{c.source}** · device: **{device_name(models.device)}** · dtype: {str(c.dtype).replace('torch.', '')}"
+        + (f" · memory: {models.memory}" if models.memory else ""),
     ]
     lines += [f"_{n}_" for n in models.notes]
     return "\n\n".join(lines)

@@ -19,6 +19,7 @@ import json
 import math
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,6 +31,33 @@ import torch.multiprocessing as mp
 from benchmarks.common import RESULTS
 from mhla.layout import BlockLayout, parse_blocks, parse_grid
 from mhla.parallel import mhla_attention_sharded, shard_bounds
+
+_LOAD: list[tuple[float, float, float]] = []
+
+
+def _machine(device: str) -> dict:
+    """Where the numbers were taken: the CPU (or GPU), its cores, the load around the run, the date."""
+    import datetime
+    import platform
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    what = f"{cpu}, {os.cpu_count()} cores"
+    if device == "cuda" and torch.cuda.is_available():
+        what = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}; host {what}"
+    return {
+        "description": what,
+        "load_avg_start": [round(x, 2) for x in _LOAD[0]] if _LOAD else None,
+        "load_avg_end": [round(x, 2) for x in _LOAD[1]] if len(_LOAD) > 1 else None,
+        "torch": torch.__version__,
+        "date": datetime.date.today().isoformat(),
+    }
 
 
 def _sync(device: torch.device) -> None:
@@ -163,7 +191,9 @@ def main(argv=None) -> int:
         warmup=a.warmup,
         repeats=a.repeats,
     )
+    load_start = os.getloadavg()
     rows = [measure(n, args) for n in a.procs]
+    _LOAD.extend([load_start, os.getloadavg()])
     print(
         f"ring MHLA, {a.grid} tokens ({math.prod(grid)}), {a.blocks} blocks, {a.heads} heads x {a.head_dim}, "
         f"{a.device}, {a.threads} threads shared"
@@ -179,9 +209,30 @@ def main(argv=None) -> int:
     out = out.with_name(out.name.removesuffix(".json") + ".json")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps({"settings": {**vars(a)}, "rows": rows}, indent=1) + "\n")
+    machine = _machine(a.device)
+    tmp.write_text(json.dumps({"settings": {**vars(a)}, "machine": machine, "rows": rows}, indent=1) + "\n")
     tmp.replace(out)
-    print(f"wrote {out}")
+    md = out.with_suffix(".md")
+    lines = [
+        f"# Ring MHLA over processes ({a.device}): communication share",
+        "",
+        f"`python -m benchmarks.context_parallel {' '.join(argv if argv is not None else sys.argv[1:])}`. "
+        f"{a.grid} tokens ({math.prod(grid)}), {a.blocks} blocks, {a.heads} heads x {a.head_dim}, float32. "
+        f"Machine: {machine['description']}; load average at the start {machine['load_avg_start']}, at the end "
+        f"{machine['load_avg_end']}; {machine['date']}. Processes share {a.threads} CPU threads.",
+        "",
+        "| processes | tokens each | layer ms | all-reduce ms | comm share | MB sent per process |",
+        "|---:|---:|---:|---:|---:|---:|",
+        *(
+            f"| {r['processes']} | {r['tokens_per_process']} | {r['layer_ms']} | {r['allreduce_ms']} | "
+            f"{r['comm_share']:.0%} | {r['sent_mb_per_process']} |"
+            for r in rows
+        ),
+    ]
+    tmp = md.with_name(md.name + ".tmp")
+    tmp.write_text("\n".join(lines) + "\n")
+    tmp.replace(md)
+    print(f"wrote {out} and {md}")
     return 0
 
 

@@ -20,7 +20,8 @@ causal chunk, ``C x 6 frames x H x W x 2 bytes x 4`` live tensors, plus the deco
 Offload modes (diffusers' hooks): ``none`` keeps every component on the GPU; ``model``
 (``enable_model_cpu_offload``) one component at a time; ``group`` (block-level group offloading with prefetch:
 two transformer blocks resident, the text encoder two layers); ``sequential`` (leaf-level: the largest single
-layer). A fit leaves 10% of the card and 1 GiB for the CUDA context and fragmentation.
+layer with its ancestors' own parameters, :func:`largest_chain`). ``tests/pipelines/test_memory.py`` checks the
+transformer's resident parameters per mode (:func:`transformer_resident`) against the hooks on a tiny model (CPU). A fit leaves 10% of the card and 1 GiB for the CUDA context and fragmentation.
 """
 
 from __future__ import annotations
@@ -100,15 +101,38 @@ def _on_meta(build):
         return build()
 
 
+def largest_chain(module: torch.nn.Module) -> int:
+    """The most parameters sequential offloading holds at once: accelerate's hook on each module brings in that
+    module's own parameters for its whole forward, so a leaf layer runs with its ancestors' own parameters resident
+    too (Wan's ``scale_shift_table`` of the model and of the block); the largest such chain, root to leaf."""
+    own = sum(p.numel() for p in module.parameters(recurse=False))
+    return own + max((largest_chain(child) for child in module.children()), default=0)
+
+
+def model_counts(model: torch.nn.Module) -> dict:
+    """Parameter counts of a Wan transformer (any device, converted or not): total, the largest block, the rest
+    (outside the blocks), the largest chain of modules' own parameters (:func:`largest_chain`)."""
+    total = sum(p.numel() for p in model.parameters())
+    blocks = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
+    return {"total": total, "block": max(blocks), "rest": total - sum(blocks), "leaf": largest_chain(model)}
+
+
 def transformer_counts(config: dict) -> dict:
-    """Parameter counts of a WanTransformer3DModel built on ``meta``: total, per block, the rest, largest layer."""
+    """Parameter counts of a WanTransformer3DModel built on ``meta``: total, per block, the rest, largest chain."""
     from diffusers import WanTransformer3DModel
 
-    model = _on_meta(lambda: WanTransformer3DModel(**config))
-    total = sum(p.numel() for p in model.parameters())
-    block = sum(p.numel() for p in model.blocks[0].parameters())
-    leaf = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
-    return {"total": total, "block": block, "rest": total - block * len(model.blocks), "leaf": leaf}
+    return model_counts(_on_meta(lambda: WanTransformer3DModel(**config)))
+
+
+def transformer_resident(counts: dict, mode: str, prefetch: bool = True) -> int:
+    """Transformer parameters on the GPU during its forward under offload ``mode``: all of them (none, model);
+    the blocks outside any group plus one block, and the next one with ``prefetch`` (group: block level, with
+    CUDA streams); the largest chain (sequential)."""
+    if mode in ("none", "model"):
+        return counts["total"]
+    if mode == "group":
+        return counts["rest"] + (2 if prefetch else 1) * counts["block"]
+    return counts["leaf"]
 
 
 def text_encoder_counts() -> dict:
@@ -117,8 +141,7 @@ def text_encoder_counts() -> dict:
     model = _on_meta(lambda: UMT5EncoderModel(UMT5Config(**UMT5_XXL)))
     total = sum(p.numel() for p in model.parameters())
     layer = sum(p.numel() for p in model.encoder.block[0].parameters())
-    leaf = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
-    return {"total": total, "layer": layer, "leaf": leaf}
+    return {"total": total, "layer": layer, "leaf": largest_chain(model)}
 
 
 def vae_counts(config: dict) -> dict:
@@ -183,12 +206,14 @@ def estimate(model: Model, resolution: str, variant: str, mode: str, tiled: bool
     elif mode == "group":
         peak = max(
             2 * te["layer"] * BF16 + te_act,
-            max(e["rest"] + 2 * e["block"] for e in experts) * BF16 + act,
+            max(transformer_resident(e, "group") for e in experts) * BF16 + act,
             vae["total"] * BF16 + decode,
         )
     else:  # sequential: one leaf module's weights at a time
         peak = max(
-            te["leaf"] * BF16 + te_act, max(e["leaf"] for e in experts) * BF16 + act, vae["total"] * BF16 + decode
+            te["leaf"] * BF16 + te_act,
+            max(transformer_resident(e, "sequential") for e in experts) * BF16 + act,
+            vae["total"] * BF16 + decode,
         )
     host = (te["total"] + sum(e["total"] for e in experts) + vae["total"]) * BF16 if mode != "none" else 0
     fits = {str(gb): bool(peak * 1.1 + GIB <= gb * 1e9) for gb in CARDS_GB}

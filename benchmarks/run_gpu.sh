@@ -11,7 +11,10 @@
 #        4. benchmarks.profile_mhla: the fused op's time per kernel at 21x30x50 (v2 and v1, fwd and fwd+bwd)
 #        5. benchmarks.attention: the op, bf16, 12 heads x 128, 1k..128k tokens, fwd + fwd+bwd, every softmax
 #           backend, kernels v2 and v1
-# (no argument: all five, as far as BUDGET_S allows). The timing stages (wan, profile, attention) first run
+#   bash benchmarks/run_gpu.sh cp
+#        6. benchmarks.context_parallel: ring MHLA at 21x30x52 tokens over 1, 2, 4, 8 processes (as many as there
+#           are GPUs, one each, NCCL): layer time, all-reduce time, communication share (the scaling, issue 32)
+# (no argument: all six, as far as BUDGET_S allows). The timing stages (wan, profile, attention) first run
 # benchmarks.check_fused: if impl="auto" would not run the fused kernels (no Triton, kernels that fail to
 # build), they are skipped and the script says FUSED PATH NOT TAKEN and exits 3, instead of timing the
 # PyTorch path under the kernels' name; PYTHONWARNINGS turns the fallback warning into an error, so a
@@ -25,7 +28,7 @@
 #       --platform manylinux2014_x86_64 -d .whl diffusers==0.42.1
 # and call the device with carry [".whl"] and command `bash benchmarks/run_gpu.sh wan` (and the others).
 # Stage time limits (seconds) can be overridden: BUDGET_S (whole call), KERNELS_S, TESTS_S, WAN_S,
-# PROFILE_S, ATTENTION_S; each is cut to what is left of BUDGET_S.
+# PROFILE_S, ATTENTION_S, CP_S; each is cut to what is left of BUDGET_S.
 set -u
 cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/results/gpu_run}"
@@ -42,9 +45,10 @@ TESTS_S="${TESTS_S:-200}"
 WAN_S="${WAN_S:-560}"
 PROFILE_S="${PROFILE_S:-150}"
 ATTENTION_S="${ATTENTION_S:-400}"
-STAGES=",${1:-kernels,tests,wan,profile,attention},"
+CP_S="${CP_S:-200}"
+STAGES=",${1:-kernels,tests,wan,profile,attention,cp},"
 for s in $(echo "${STAGES//,/ }"); do
-    case "$s" in kernels | tests | wan | profile | attention) ;; *) echo "unknown stage '$s'; expected kernels, tests, wan, profile, attention" >&2; exit 2 ;; esac
+    case "$s" in kernels | tests | wan | profile | attention | cp) ;; *) echo "unknown stage '$s'; expected kernels, tests, wan, profile, attention, cp" >&2; exit 2 ;; esac
 done
 SUMMARY=()
 STATUS=0
@@ -124,6 +128,11 @@ if [[ $STAGES == *,attention,* ]] && fused_path_ok; then
         --grids 1x32x32,4x32x32,16x32x32,21x30x50,21x30x52,32x48x48,32x64x64 --passes fwd,fwd+bwd \
         --softmax-backends all --warmup 3 --repeats 10 --out-dir "$OUT"
 fi
+if [[ $STAGES == *,cp,* ]]; then
+    PROCS=$(python3 -c "import torch; n = torch.cuda.device_count(); print(*[p for p in (1, 2, 4, 8) if p <= n])")
+    run_stage "context_parallel" "$CP_S" python3 -m benchmarks.context_parallel --device cuda --procs $PROCS \
+        --grid 21x30x52 --blocks 7x3x5 --heads 12 --head-dim 128 --out "$OUT/context_parallel_cuda"
+fi
 
 # a stage stopped part-way leaves a partial JSON and no table: render what it measured
 for f in "$OUT"/*.json; do
@@ -139,7 +148,7 @@ for f in "$OUT"/*.md; do
 done
 for f in "$OUT"/*.json; do
     [ -e "$f" ] || continue
-    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1], 'complete' if d['meta'].get('complete') else 'PARTIAL', len(d['rows']), 'rows')" "$f" 2>&1 | tee -a "$LOG"
+    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1], 'complete' if d.get('meta', {}).get('complete', True) else 'PARTIAL', len(d['rows']), 'rows')" "$f" 2>&1 | tee -a "$LOG"
 done
 log ""
 log "=== summary ($(($(date +%s) - START))s in all)"

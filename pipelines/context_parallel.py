@@ -102,3 +102,39 @@ def ulysses(
 def ring_start(num_tokens: int, group: dist.ProcessGroup) -> int:
     """The global index of this process's first token."""
     return shard_bounds(num_tokens, dist.get_world_size(group), dist.get_rank(group))[0]
+
+
+def _keep_parallel_config(module: torch.nn.Module, _args: Any) -> None:
+    """Forward pre-hook: hands the model's parallel config to self-attention processors built after
+    ``enable_parallelism`` (a conversion to another variant, or ``generate()``'s own conversion, installs new
+    processors, which diffusers never saw)."""
+    config = getattr(module, "_parallel_config", None)
+    if config is None:
+        return
+    for block in getattr(module, "blocks", ()):
+        processor = getattr(getattr(block, "attn1", None), "processor", None)
+        if processor is not None and hasattr(processor, "_parallel_config") and processor._parallel_config is None:
+            processor._parallel_config = config
+
+
+def enable_context_parallel(transformer: torch.nn.Module, mode: str, degree: int) -> None:
+    """``transformer.enable_parallelism(config=ContextParallelConfig(ring_degree=degree))`` (``mode="ring"``) or
+    ``(ulysses_degree=degree)``, in a process group already joined. Convert the transformer first: diffusers hands
+    its config to the processors that exist at that moment; a forward pre-hook hands it to processors installed
+    later. On a machine without an accelerator diffusers' ``rank % torch.accelerator.device_count()`` divides by
+    zero: there (only) the count is taken as 1, the CPU."""
+    from unittest import mock
+
+    from diffusers import ContextParallelConfig
+
+    if mode not in ("ulysses", "ring"):
+        raise ValueError(f"context parallel mode {mode!r}: expected ulysses or ring")
+    config = (
+        ContextParallelConfig(ring_degree=degree) if mode == "ring" else ContextParallelConfig(ulysses_degree=degree)
+    )
+    if torch.accelerator.device_count() == 0:
+        with mock.patch("torch.accelerator.device_count", return_value=1):
+            transformer.enable_parallelism(config=config)  # type: ignore[operator]
+    else:
+        transformer.enable_parallelism(config=config)  # type: ignore[operator]
+    transformer.register_forward_pre_hook(_keep_parallel_config)

@@ -40,6 +40,8 @@ from .request import (  # noqa: F401
     latent_grid,
     validate_request,
 )
+from .scale import Scale, check_scale, model_num_heads
+from .scale import add_arguments as add_scale_arguments
 from .timing import format_comparison, format_timing
 
 if TYPE_CHECKING:
@@ -113,8 +115,14 @@ def _parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fps", type=int, default=16)
     p.add_argument("--gif", default=None, help="also write a GIF here")
     p.add_argument("--grid-png", default=None, help="also write a PNG with a grid of frames here")
+    p.add_argument(
+        "--frames-npy",
+        default=None,
+        help="also write the decoded frames here as a float32 .npy array (frames, height, width, 3) in [0, 1]",
+    )
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--debug", action="store_true", help="print the traceback of an unexpected error")
+    add_scale_arguments(p)  # --offload, --vae-tiling, --context-parallel, --cp-degree (pipelines/scale.py)
     return p.parse_args(argv)
 
 
@@ -166,6 +174,8 @@ class _Plan:
     overrides: dict[str, Any]
     device: torch.device
     dtype: torch.dtype
+    scale: Scale | None = None  # offload, VAE tiling, context parallelism (pipelines/scale.py)
+    frames_npy: list[Path] | None = None  # per request, with --frames-npy
 
 
 def _preflight(args: argparse.Namespace) -> _Plan:
@@ -267,8 +277,15 @@ def _preflight(args: argparse.Namespace) -> _Plan:
         gif = check_output_path(_out_path(args.gif, v, many), (".gif",)) if args.gif else None
         png = check_output_path(_out_path(args.grid_png, v, many), (".png",)) if args.grid_png else None
         outputs.append((mp4, gif, png))
+    frames_npy = (
+        [check_output_path(_out_path(args.frames_npy, v, many), (".npy",)) for v in variants]
+        if args.frames_npy
+        else None
+    )
     device = resolve_device(args.device)
-    return _Plan(requests, outputs, overrides, device, resolve_dtype(args.dtype, device))
+    scale = check_scale(args, requests, device, model_num_heads(args.model, args.transformer))
+    device = scale.run_device(device)
+    return _Plan(requests, outputs, overrides, device, resolve_dtype(args.dtype, device), scale, frames_npy)
 
 
 # decoded images larger than this are refused (PIL's own limit warns at 89 MP and fails at twice that)
@@ -306,9 +323,10 @@ def _load(args: argparse.Namespace, plan: _Plan) -> WanComponents:
     not fit."""
     from .loading import load_components, load_transformer
 
-    components = load_components(args.model, dtype=plan.dtype, device=plan.device)
+    device = plan.scale.load_device(plan.device) if plan.scale else plan.device  # the CPU when offloaded
+    components = load_components(args.model, dtype=plan.dtype, device=device)
     if args.transformer:
-        loaded = load_transformer(args.transformer, dtype=plan.dtype, device=plan.device)
+        loaded = load_transformer(args.transformer, dtype=plan.dtype, device=device)
         base = components.transformer.config
         keys = ("text_dim", "in_channels", "out_channels")
         if any(loaded.config[k] != base[k] for k in keys):
@@ -328,32 +346,52 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: Sequence[str]) -> int:
+    args = _parse_args(argv)
+    plan = _preflight(args)  # bad input: named before any model loads
+    scale = plan.scale or Scale()
+    scale.start(plan.device)  # context parallelism: this process joins the others (torchrun)
+    try:
+        return _run(args, plan, scale)
+    finally:
+        scale.close()
+
+
+def _run(args: argparse.Namespace, plan: _Plan, scale: Scale) -> int:
     from .loading import load_transformer
     from .video import write_frame_grid, write_gif, write_mp4
 
-    args = _parse_args(argv)
-    plan = _preflight(args)  # bad input: named before any model loads
+    say = print if scale.main else _quiet  # only process 0 prints and writes files
     components = _load(args, plan)
-    print(f"model: {components.source} ({components.index.describe()})")
+    scale.attach(components, plan.device)  # offload hooks and VAE tiling, once
+    say(f"model: {components.source} ({components.index.describe()})")
+    if scale.describe():
+        say(scale.describe())
     if components.random_weights:
-        print(f"NOTE: {RANDOM_WEIGHTS_NOTE}")
+        say(f"NOTE: {RANDOM_WEIGHTS_NOTE}")
     timings = []
-    for request, (mp4, gif, png) in zip(plan.requests, plan.outputs, strict=True):
+    for i, (request, (mp4, gif, png)) in enumerate(zip(plan.requests, plan.outputs, strict=True)):
         v = request.variant
         transformer = None  # the base transformer, converted in place
         if not args.transformer and v in components.variant_dirs:  # the model ships a fine-tuned one
-            transformer = load_transformer(components.variant_dirs[v], dtype=plan.dtype, device=plan.device)
-            print(f"{v}: fine-tuned transformer {components.variant_dirs[v]}")
+            device = scale.load_device(plan.device)
+            transformer = load_transformer(components.variant_dirs[v], dtype=plan.dtype, device=device)
+            say(f"{v}: fine-tuned transformer {components.variant_dirs[v]}")
+        running = components.transformer if transformer is None else transformer
+        scale.before_run(components, request, running, plan.overrides)  # converted under the hooks; parallel
         try:
             result = generate(
                 components,
                 request,
                 attention_options=plan.overrides,
                 transformer=transformer,
-                show_progress=not args.no_progress,
+                show_progress=not args.no_progress and scale.main,
             )
         except NonFiniteLatentsError as e:
             raise ModelError(str(e)) from e
+        finally:
+            scale.after_run(running, drop=transformer is not None)
+        if not scale.main:
+            continue
         comment = f"{v} | seed {request.seed} | {request.prompt}"
         if components.random_weights:
             comment = f"{RANDOM_WEIGHTS_NOTE} | {comment}"
@@ -363,6 +401,8 @@ def _main(argv: Sequence[str]) -> int:
             written.append(str(write_gif(gif, result.frames, fps=args.fps, comment=comment)))
         if png:
             written.append(str(write_frame_grid(png, result.frames, comment=comment)))
+        if plan.frames_npy:
+            written.append(str(_write_npy(plan.frames_npy[i], result.frames)))
         print(
             f"\nwrote {', '.join(written)}  ({len(result.frames)} frames, {request.height}x{request.width}, "
             f"{result.pipeline_class})"
@@ -370,8 +410,24 @@ def _main(argv: Sequence[str]) -> int:
         print(format_timing(result.timing))
         timings.append(result.timing)
     if len(timings) > 1:
-        print("\n" + format_comparison(timings))
+        say("\n" + format_comparison(timings))
     return 0
+
+
+def _quiet(*_args: Any, **_kwargs: Any) -> None:
+    """print() of the processes other than 0 under context parallelism."""
+
+
+def _write_npy(path: Path, frames: Any) -> Path:
+    """``frames`` as a float32 .npy array, written atomically."""
+    import numpy as np
+
+    from .outputs import atomic_write
+
+    with atomic_write(path) as tmp:
+        with open(tmp, "wb") as f:
+            np.save(f, np.asarray(frames, dtype=np.float32))
+    return path
 
 
 if __name__ == "__main__":

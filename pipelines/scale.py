@@ -1,0 +1,238 @@
+"""A generation beyond one GPU's memory or beyond one GPU: the CLI's ``--offload``, ``--vae-tiling``,
+``--context-parallel`` and ``--cp-degree``.
+
+    python -m pipelines.generate ... --offload group --vae-tiling
+    torchrun --nproc-per-node 4 -m pipelines.generate ... --variant mhla --context-parallel ring
+
+Offloading and tiling are :mod:`pipelines.memory` (diffusers' hooks, applied once after loading). Context
+parallelism is diffusers' ``transformer.enable_parallelism`` with a ``ContextParallelConfig`` (linear and MHLA
+layers: :mod:`pipelines.context_parallel`): every process started by ``torchrun`` loads the model, runs the same
+seeded generation on its slice of the sequence (ring) or its share of the heads (Ulysses), and only process 0
+writes files and prints. Everything is checked before a model loads (:func:`check_scale`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .memory import OFFLOAD_MODES, Offload, apply_offload, check_offload
+
+if TYPE_CHECKING:
+    from .loading import WanComponents
+    from .request import GenerationRequest
+
+CP_MODES = ("ulysses", "ring")
+SOFTMAX_VARIANTS = ("flash", "mhla-hybrid")  # variants with softmax self-attention layers
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """``--offload``, ``--vae-tiling``, ``--context-parallel``, ``--cp-degree`` on the CLI's parser."""
+    p.add_argument(
+        "--offload",
+        choices=OFFLOAD_MODES,
+        default="none",
+        help="diffusers' offload hooks: model (enable_model_cpu_offload: one component on the device at a time), "
+        "group (block-level group offloading, CUDA streams on a GPU), sequential (one layer's weights at a time); "
+        "default none",
+    )
+    p.add_argument("--vae-tiling", action="store_true", help="decode the video in overlapping 256 px tiles")
+    p.add_argument(
+        "--context-parallel",
+        choices=CP_MODES,
+        default=None,
+        help="split one video over the processes torchrun starts: ring (each holds a slice of the tokens) or "
+        "ulysses (each holds a share of the heads); e.g. torchrun --nproc-per-node 4 -m pipelines.generate ...",
+    )
+    p.add_argument(
+        "--cp-degree",
+        type=int,
+        default=None,
+        help="processes one video is split over (default and only value: the number torchrun started)",
+    )
+
+
+@dataclass
+class Scale:
+    """What the command line asked for beyond one device, checked (:func:`check_scale`)."""
+
+    offload: str = "none"
+    vae_tiling: bool = False
+    context_parallel: str | None = None
+    degree: int = 1
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    _offload: Offload | None = None
+    _group: bool = False
+
+    @property
+    def main(self) -> bool:
+        """Whether this process writes files and prints (process 0, or the only one)."""
+        return self.rank == 0
+
+    def run_device(self, device: torch.device) -> torch.device:
+        """The device this process computes on: its own GPU (``LOCAL_RANK``) under context parallelism."""
+        if self.context_parallel and device.type == "cuda":
+            return torch.device("cuda", self.local_rank)
+        return device
+
+    def load_device(self, device: torch.device) -> torch.device:
+        """Where the components load: the CPU when they are offloaded (the hooks bring them to ``device``)."""
+        return torch.device("cpu") if self.offload != "none" else self.run_device(device)
+
+    def start(self, device: torch.device) -> None:
+        """Joins the process group (nccl on CUDA, gloo on the CPU) under context parallelism."""
+        if not self.context_parallel:
+            return
+        import torch.distributed as dist
+
+        if device.type == "cuda":
+            torch.cuda.set_device(self.local_rank)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        self._group = True
+
+    def close(self) -> None:
+        if self._group:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+            self._group = False
+
+    def attach(self, components: WanComponents, device: torch.device) -> None:
+        """The offload hooks and VAE tiling, once, on the loaded components."""
+        if self.offload != "none" or self.vae_tiling:
+            self._offload = apply_offload(components, self.offload, device, self.vae_tiling)
+
+    def describe(self) -> str:
+        parts = [self._offload.describe()] if self._offload is not None else []
+        if self.context_parallel:
+            parts.append(f"context parallel: {self.context_parallel} over {self.degree} processes")
+        return " · ".join(p for p in parts if p)
+
+    def before_run(
+        self,
+        components: WanComponents,
+        request: GenerationRequest,
+        transformer: torch.nn.Module,
+        overrides: dict[str, Any] | None,
+    ) -> None:
+        """Before ``generate(components, request, transformer=transformer)``: converts ``transformer`` to the
+        request's variant as ``generate()`` will (which then adds nothing), under the hooks
+        (:meth:`pipelines.memory.Offload.prepare`), and enables context parallelism on it (once per transformer,
+        after its first conversion)."""
+        from .pipeline import _convert
+
+        def convert() -> None:
+            _convert(components, transformer, request, overrides)
+
+        if self._offload is not None:
+            self._offload.prepare(transformer, convert)
+        elif self.context_parallel:
+            convert()
+        if self.context_parallel and getattr(transformer, "_parallel_config", None) is None:
+            from .context_parallel import enable_context_parallel
+
+            enable_context_parallel(transformer, self.context_parallel, self.degree)
+
+    def after_run(self, transformer: torch.nn.Module | None = None, drop: bool = False) -> None:
+        """After a run: every component back on the offload device; ``drop``: ``transformer`` (a variant's own,
+        loaded for this run) is unhooked and forgotten."""
+        if self._offload is not None:
+            self._offload.release()
+            if drop and transformer is not None:
+                self._offload.detach(transformer)
+
+
+def check_scale(
+    args: argparse.Namespace,
+    requests: Sequence[GenerationRequest],
+    device: torch.device,
+    num_heads: int,
+    env: Mapping[str, str] | None = None,
+) -> Scale:
+    """The checked :class:`Scale` of a command line; ValueError naming the value and what was expected (before
+    any model loads). ``env``: the process environment (``torchrun`` sets ``WORLD_SIZE``, ``RANK``,
+    ``LOCAL_RANK``)."""
+    env = os.environ if env is None else env
+    offload = check_offload(args.offload, device)
+    scale = Scale(offload=offload, vae_tiling=bool(args.vae_tiling))
+    mode = args.context_parallel
+    if mode is None:
+        if args.cp_degree is not None:
+            raise ValueError(f"--cp-degree {args.cp_degree}: applies with --context-parallel ulysses|ring only")
+        return scale
+    if mode not in CP_MODES:
+        raise ValueError(f"--context-parallel {mode!r}: expected one of {', '.join(CP_MODES)}")
+    launch = f"torchrun --nproc-per-node N -m pipelines.generate ... --context-parallel {mode}"
+    if "WORLD_SIZE" not in env or "RANK" not in env:
+        raise ValueError(
+            f"--context-parallel {mode}: one process per device is needed, started by torchrun ({launch}); "
+            "WORLD_SIZE and RANK are not set, so this is a single process"
+        )
+    try:
+        world, rank, local_rank = int(env["WORLD_SIZE"]), int(env["RANK"]), int(env.get("LOCAL_RANK", env["RANK"]))
+    except ValueError:
+        raise ValueError(
+            f"--context-parallel {mode}: WORLD_SIZE={env['WORLD_SIZE']!r}, RANK={env['RANK']!r} are not whole numbers "
+            f"(start the command with {launch})"
+        ) from None
+    degree = world if args.cp_degree is None else args.cp_degree
+    if world < 2:
+        raise ValueError(f"--context-parallel {mode}: torchrun started {world} process; start 2 or more ({launch})")
+    if degree != world:
+        raise ValueError(
+            f"--cp-degree {degree}: expected the number of processes torchrun started ({world}); one video is split "
+            "over all of them (leave --cp-degree unset)"
+        )
+    if offload != "none":
+        raise ValueError(
+            f"--offload {offload} with --context-parallel {mode}: not combined (untested); each process holds the "
+            "whole model, so use one or the other"
+        )
+    if mode == "ulysses" and num_heads % degree:
+        raise ValueError(
+            f"--context-parallel ulysses --cp-degree {degree}: the model's {num_heads} attention heads do not divide "
+            f"by {degree}; each process takes an equal share of the heads (use a degree dividing {num_heads}, or ring)"
+        )
+    for request in requests:
+        tokens = math.prod(request.grid or (0,))
+        if tokens % degree:
+            raise ValueError(
+                f"--context-parallel {mode} over {degree} processes: the video's {tokens} tokens "
+                f"({'x'.join(map(str, request.grid or ()))}) do not divide by {degree}; diffusers splits the sequence "
+                "into equal parts (choose --frames, --height or --width so they do)"
+            )
+        if mode == "ring" and device.type == "cpu" and request.variant in SOFTMAX_VARIANTS:
+            raise ValueError(
+                f"--context-parallel ring on the CPU: variant {request.variant!r} has softmax self-attention layers, "
+                "which cannot ring here (the ring merges partial softmax results by their log-sum-exp, which "
+                "diffusers' CPU attention does not return); use --variant linear or mhla, or --context-parallel ulysses"
+            )
+    scale.context_parallel, scale.degree = mode, degree
+    scale.rank, scale.world, scale.local_rank = rank, world, local_rank
+    return scale
+
+
+def model_num_heads(model_dir: str | Path | None, transformer_dir: str | Path | None = None) -> int:
+    """The transformer's attention heads, read from config files (as :func:`pipelines.loading.model_num_layers`)."""
+    from .builtin import BUILTIN_DIR, TINY_RANDOM, builtin_available
+    from .loading import saved_transformer_config
+    from .model_dir import require_key
+    from .tiny import TINY_TRANSFORMER
+
+    if model_dir is None:
+        model_dir = BUILTIN_DIR if builtin_available() else TINY_RANDOM
+    tiny = str(model_dir) == TINY_RANDOM
+    where = Path(transformer_dir) if transformer_dir else (None if tiny else Path(model_dir) / "transformer")
+    config = saved_transformer_config(where)
+    if where is not None and config is not None:
+        return int(require_key(config, "num_attention_heads", where / "config.json"))
+    return int(TINY_TRANSFORMER["num_attention_heads"]) if tiny else 12
