@@ -202,7 +202,8 @@ class Offload:
                 self._pre_hooks[id(t)] = t.register_forward_pre_hook(lambda *_, o=others: _offload_all(o).offload())
 
     def attach(self, components: WanComponents, transformers: Iterable[torch.nn.Module] = ()) -> Offload:
-        """Hooks the text encoder, the VAE, ``components.transformer`` and ``transformers`` (once)."""
+        """Hooks the text encoder, the VAE, ``components.transformer`` (and ``transformer_2``, a second expert) and
+        ``transformers`` (once)."""
         self.components = components
         if self.vae_tiling:
             components.vae.enable_tiling(
@@ -214,7 +215,8 @@ class Offload:
         if self.mode == "none":
             return self
         all_transformers: list[torch.nn.Module] = []
-        for t in (components.transformer, *transformers):
+        second = getattr(components, "transformer_2", None)  # Wan2.2-A14B's low-noise expert
+        for t in (components.transformer, *([second] if second is not None else []), *transformers):
             if not any(t is o for o in all_transformers):
                 all_transformers.append(t)
         self.transformers = [(t, parameter_names(t)) for t in all_transformers]

@@ -130,17 +130,25 @@ class Scale:
         after its first conversion)."""
         from .pipeline import _convert
 
-        def convert() -> None:
-            _convert(components, transformer, request, overrides)
+        # the experts this run uses, each converted as generate() will convert it (its own hybrid split), so that
+        # generate() adds nothing under the hooks
+        experts: list[tuple[torch.nn.Module, list[int] | None, str]] = [(transformer, request.layers, "transformer")]
+        second = getattr(components, "transformer_2", None)
+        if second is not None:
+            experts.append((second, request.layers_2, "transformer_2"))
+        for expert, layers, name in experts:
 
-        if self._offload is not None:
-            self._offload.prepare(transformer, convert)
-        elif self.context_parallel:
-            convert()
-        if self.context_parallel and getattr(transformer, "_parallel_config", None) is None:
-            from .context_parallel import enable_context_parallel
+            def convert(expert: torch.nn.Module = expert, layers: list[int] | None = layers, name: str = name) -> None:
+                _convert(components, expert, request, overrides, layers, name)
 
-            enable_context_parallel(transformer, self.context_parallel, self.degree)
+            if self._offload is not None:
+                self._offload.prepare(expert, convert)
+            elif self.context_parallel:
+                convert()
+            if self.context_parallel and getattr(expert, "_parallel_config", None) is None:
+                from .context_parallel import enable_context_parallel
+
+                enable_context_parallel(expert, self.context_parallel, self.degree)
 
     def after_run(self, transformer: torch.nn.Module | None = None, drop: bool = False) -> None:
         """After a run: every component back on the offload device; ``drop``: ``transformer`` (a variant's own,

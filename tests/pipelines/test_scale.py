@@ -117,6 +117,47 @@ def test_the_cli_offloads_and_tiles_and_gives_the_plain_video(mode, tmp_path, ca
         np.testing.assert_array_equal(b, a)  # 32 px: within one 256 px tile, tiling changes nothing
 
 
+@pytest.mark.parametrize("mode", ["model", "group", "sequential"])
+def test_both_experts_of_a_two_expert_model_run_under_the_hooks(mode, tmp_path, capsys):
+    """Wan2.2-A14B: the low-noise expert is hooked and converted under the hooks like the first (sequential
+    offloading keeps weights on meta, so a conversion there outside the hooks would build meta parameters), with
+    its own hybrid split; the video equals the un-hooked one."""
+    from pipelines.tiny import save_tiny_model
+
+    model = save_tiny_model("wan2.2-t2v-a14b", tmp_path / "a14b", seed=0, num_layers=3)
+    small = ["--model", str(model), "--prompt", "a red fox", "--no-progress", "--steps", "2", "--frames", "5"]
+    small += ["--height", "32", "--width", "32", "--variant", "mhla-hybrid", "--layers", "1", "--layers-2", "0,2"]
+    assert gen.main([*small, "--out", f"{tmp_path}/a.mp4", "--frames-npy", f"{tmp_path}/a.npy"]) == 0
+    argv = [*small, "--out", f"{tmp_path}/b.mp4", "--frames-npy", f"{tmp_path}/b.npy", "--offload", mode]
+    assert gen.main(argv) == 0
+    assert f"offload {mode}" in capsys.readouterr().out
+    a, b = _frames(tmp_path / "a.npy"), _frames(tmp_path / "b.npy")
+    assert np.isfinite(a).all() and a.shape == (5, 32, 32, 3)
+    np.testing.assert_allclose(b, a, atol=1e-6)
+
+
+def test_sequential_offload_holds_the_second_experts_weights_and_its_new_ones_off_the_device(tmp_path):
+    """Between calls, sequential offloading keeps weights on ``meta`` (the hooks bring them in): the second expert's
+    too, and the MHLA parameters its conversion adds under the hooks (on this CPU an unhooked expert would run just
+    the same, so the video alone cannot tell)."""
+    from pipelines.loading import load_components
+    from pipelines.scale import Scale
+    from pipelines.tiny import save_tiny_model
+
+    components = load_components(save_tiny_model("wan2.2-t2v-a14b", tmp_path / "a14b", num_layers=3), device="cpu")
+    scale = Scale(offload="sequential")
+    scale.attach(components, torch.device("cpu"))
+    for expert in (components.transformer, components.transformer_2):
+        assert {p.device.type for p in expert.parameters()} == {"meta"}
+    request = GenerationRequest(prompt="a red fox", variant="mhla-hybrid", layers=[1], layers_2=[0, 2])
+    request = request.with_defaults(components.defaults).check((1, 2, 2), (4, 8, 8))
+    scale.before_run(components, request, components.transformer, None)
+    for expert, layers in ((components.transformer, [1]), (components.transformer_2, [0, 2])):
+        mhla = [n for n, _ in expert.named_parameters() if ".attn1.mhla." in n]
+        assert sorted({int(n.split(".")[1]) for n in mhla}) == layers
+        assert {p.device.type for p in expert.parameters()} == {"meta"}
+
+
 def _generate(argv: list[str], tmp_path: Path, procs: int = 1) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MHLA_LOG_DIR": str(tmp_path / "logs")}
     env.pop("WORLD_SIZE", None)
