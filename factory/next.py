@@ -3,6 +3,7 @@
     python -m factory.next init                 # runs/builtin-v2/model from assets/builtin + assets/builtin-next
     nice -n 5 python -m training.finetune --config configs/builtin/v2/vae.yaml     # a stage (see its header)
     python -m factory.next save vae             # its weights -> assets/builtin-next/vae (model weights only)
+    python -m factory.next save-checkpoint runs/builtin-v2/base/checkpoints/step-XXXXXXX   # raw + EMA transformer
 
 A stage's weights are committed under ``assets/builtin-next/`` (the VAE, the transformer and its EMA, in the
 model directory's own format; no optimizer state, no latents), replaced in place; ``init`` lays them over
@@ -100,6 +101,38 @@ def save(part: str, src: Path, next_dir: Path = NEXT_DIR) -> Path:
     return dst
 
 
+def save_checkpoint(checkpoint: Path, next_dir: Path = NEXT_DIR) -> list[Path]:
+    """A base-stage checkpoint into ``next_dir``: its ``transformer/`` (the EMA's weights when the run keeps an
+    EMA) as ``transformer-ema``, and the raw weights (``trainable.safetensors`` laid over it) as ``transformer``,
+    the one a later stage resumes from. Without an EMA the checkpoint's transformer is ``transformer`` alone."""
+    from safetensors.torch import load_file, save_file
+
+    folder = checkpoint / "transformer"
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{checkpoint} is not a checkpoint with a transformer/ folder")
+    raw = checkpoint / "trainable.safetensors"
+    if not raw.is_file():
+        return [save("transformer", folder, next_dir)]
+    written = [save("transformer-ema", folder, next_dir)]
+    weights = load_file(str(folder / "diffusion_pytorch_model.safetensors"))
+    trainable = load_file(str(raw))
+    unknown = sorted(set(trainable) - set(weights))
+    if unknown:
+        raise ValueError(f"{raw} holds weights the transformer does not: {unknown[:4]}")
+    weights.update(trainable)
+    staged = checkpoint / ".raw-transformer"
+    if staged.exists():
+        shutil.rmtree(staged)
+    staged.mkdir()
+    try:
+        shutil.copy2(folder / "config.json", staged / "config.json")
+        save_file(weights, str(staged / "diffusion_pytorch_model.safetensors"))
+        written.append(save("transformer", staged, next_dir))
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
+    return written
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m factory.next", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -113,10 +146,17 @@ def main(argv=None) -> int:
     s = sub.add_parser("save", help="a stage's weights into assets/builtin-next/PART")
     s.add_argument("part", choices=PARTS)
     s.add_argument("--from", dest="src", default=None, help="the folder to save (default: the model directory's)")
+    c = sub.add_parser(
+        "save-checkpoint",
+        help="a transformer stage's checkpoint: its raw weights -> transformer, its EMA's -> transformer-ema",
+    )
+    c.add_argument("checkpoint", help="e.g. runs/builtin-v2/base/checkpoints/step-0003000")
     args = p.parse_args(argv)
     try:
         if args.cmd == "init":
             init(Path(args.out), fresh_transformer=args.fresh_transformer)
+        elif args.cmd == "save-checkpoint":
+            save_checkpoint(Path(args.checkpoint))
         else:
             default = MODEL / ("transformer" if args.part.startswith("transformer") else args.part)
             save(args.part, Path(args.src) if args.src else default)

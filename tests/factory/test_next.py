@@ -95,3 +95,27 @@ def test_the_second_designs_configs_are_valid(tmp_path):
         load_config("configs/builtin/v2/vae.yaml", [f"model.path={model}", "data.world=v7"])
     with pytest.raises(ValueError, match="default_background"):
         load_config("configs/builtin/v2/vae.yaml", [f"model.path={model}", "data.default_background=striped"])
+
+
+def test_save_checkpoint_keeps_the_raw_weights_and_the_emas(tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    ckpt = tmp_path / "step-0000100"
+    (ckpt / "transformer").mkdir(parents=True)
+    (ckpt / "transformer" / "config.json").write_text("{}")
+    ema = {"a": torch.randn(3), "b": torch.randn(2), "frozen": torch.randn(4)}
+    raw = {"a": torch.randn(3), "b": torch.randn(2)}  # the trainable ones, un-averaged
+    save_file(ema, str(ckpt / "transformer" / "diffusion_pytorch_model.safetensors"))
+    save_file(raw, str(ckpt / "trainable.safetensors"))
+    nxt.save_checkpoint(ckpt, next_dir=tmp_path / "next")
+    got_ema = load_file(str(tmp_path / "next" / "transformer-ema" / "diffusion_pytorch_model.safetensors"))
+    got_raw = load_file(str(tmp_path / "next" / "transformer" / "diffusion_pytorch_model.safetensors"))
+    for k in ema:
+        assert torch.equal(got_ema[k], ema[k])
+    assert torch.equal(got_raw["a"], raw["a"]) and torch.equal(got_raw["b"], raw["b"])
+    assert torch.equal(got_raw["frozen"], ema["frozen"])
+    assert not (ckpt / ".raw-transformer").exists()
+    save_file({"c": torch.randn(1)}, str(ckpt / "trainable.safetensors"))
+    with pytest.raises(ValueError, match="does not"):
+        nxt.save_checkpoint(ckpt, next_dir=tmp_path / "next")
