@@ -247,7 +247,9 @@ def test_cli_every_variant_follows_the_seed_and_the_image(folder, tmp_path, monk
     }
     videos = {}
     for run, (image, out) in runs.items():
-        components = _run_cli(monkeypatch, _argv(folder, tmp_path / out / "fox.mp4", tmp_path / f"{image}.png", "--variant", "all"))
+        components = _run_cli(
+            monkeypatch, _argv(folder, tmp_path / out / "fox.mp4", tmp_path / f"{image}.png", "--variant", "all")
+        )
         printed = capsys.readouterr().out
         assert printed.count("64x96, WanImageToVideoPipeline)") == len(VARIANTS)
         for variant in VARIANTS:
@@ -257,6 +259,4 @@ def test_cli_every_variant_follows_the_seed_and_the_image(folder, tmp_path, monk
     for variant in VARIANTS:
         np.testing.assert_array_equal(videos["first", variant], videos["again", variant])
         assert np.abs(videos["first", variant].astype(int) - videos["other", variant]).max() > 0, variant
-    assert any(
-        np.abs(videos["first", v].astype(int) - videos["first", "flash"]).max() > 0 for v in VARIANTS[1:]
-    )
+    assert any(np.abs(videos["first", v].astype(int) - videos["first", "flash"]).max() > 0 for v in VARIANTS[1:])
