@@ -135,6 +135,8 @@ class ModelIndex:
             parts.append(f"two experts, boundary_ratio {self.boundary_ratio}")
         if self.expand_timesteps:
             parts.append("expand_timesteps")
+        if self.image_encoder:
+            parts.append("CLIP image encoder")
         return ", ".join(parts)
 
 

@@ -37,6 +37,11 @@ RANDOM_WEIGHTS_NOTE = (
 )
 
 
+# the text length Wan's cross-attention assumes when the image encoder's tokens come first (Wan2.1-I2V:
+# diffusers' WanAttnProcessor takes all but the last 512 tokens as the image's)
+WAN_TEXT_LENGTH = 512
+
+
 class NonFiniteLatentsError(FloatingPointError):
     """The denoising produced NaN or inf latents: there is no video to write."""
 
@@ -246,6 +251,13 @@ def generate(
     # text embeddings are padded to this length and not masked in cross-attention: use the model's own
     if max_sequence_length is None:
         max_sequence_length = components.defaults.get("max_sequence_length", 512)
+    if transformer.config.get("added_kv_proj_dim") is not None and max_sequence_length != WAN_TEXT_LENGTH:
+        # diffusers' Wan cross-attention splits [image tokens, text tokens] by taking the last 512 as the text
+        raise ValueError(
+            f"max_sequence_length={max_sequence_length}: model {components.source!r} reads an image encoder's "
+            f"tokens in cross-attention, which diffusers' WanAttnProcessor separates from the text by assuming "
+            f"{WAN_TEXT_LENGTH} text tokens; use {WAN_TEXT_LENGTH}"
+        )
     resolved = _convert(components, transformer, request, attention_options, request.layers)
     experts = [transformer]
     if transformer_2 is not None:  # each expert keeps its own parameters, blocks and hybrid split

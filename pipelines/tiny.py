@@ -12,9 +12,9 @@ Parts, all built deterministically from ``seed``:
 - ``ByT5Tokenizer``: byte-level, needs no vocabulary file.
 - ``UniPCMultistepScheduler`` with Wan's flow settings (shift 3.0).
 
-The other Wan architectures (Wan2.2-TI2V, Wan2.2-A14B, Wan2.2-I2V) are tiny diffusers pipelines
-(:func:`build_tiny_pipeline`); ``python -m pipelines.tiny --architecture wan2.2-i2v --out DIR`` writes one as a
-model directory (``save_pretrained``) that ``--model DIR`` and ``DiffusionPipeline.from_pretrained`` load.
+The other Wan architectures (Wan2.2-TI2V, Wan2.2-A14B, Wan2.2-I2V, and Wan2.1-I2V with its CLIP image encoder)
+are tiny diffusers pipelines (:func:`build_tiny_pipeline`); ``python -m pipelines.tiny --architecture wan2.1-i2v
+--out DIR`` writes one as a model directory (``save_pretrained``) that ``--model DIR`` and ``DiffusionPipeline.from_pretrained`` load.
 """
 
 from __future__ import annotations
@@ -116,7 +116,39 @@ TINY_VAE_22: dict[str, Any] = dict(
     latents_mean=[0.0] * 48,
     latents_std=[1.0] * 48,
 )
-TINY_ARCHITECTURES = ("wan2.1-t2v", "wan2.2-ti2v", "wan2.2-t2v-a14b", "wan2.2-i2v")
+# Wan2.1-I2V: a CLIP vision encoder (ViT-H/14 at 224 px in the release: 257 tokens of width 1280) whose penultimate
+# hidden state (WanImageToVideoPipeline.encode_image) the transformer's image embedder takes (image_dim = the
+# encoder's width) and every cross-attention reads through its own key/value projections (add_k_proj, add_v_proj:
+# added_kv_proj_dim = the transformer's inner width, as diffusers' Wan2.1-I2V configs have it). Here 32 px in 8 px
+# patches: 16 + 1 tokens of width 32; 3 layers, so the penultimate state is not the last.
+TINY_IMAGE_ENCODER: dict[str, Any] = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    projection_dim=32,
+    num_hidden_layers=3,
+    num_attention_heads=2,
+    image_size=32,
+    patch_size=8,
+)
+TINY_ARCHITECTURES = ("wan2.1-t2v", "wan2.2-ti2v", "wan2.2-t2v-a14b", "wan2.2-i2v", "wan2.1-i2v")
+
+
+def build_tiny_image_encoder(seed: int = 0) -> tuple[Any, Any]:
+    """Wan2.1-I2V's image encoder and processor, tiny: a random-weight ``CLIPVisionModel`` of
+    :data:`TINY_IMAGE_ENCODER` (float32, eval mode; same ``seed`` -> same weights) and a ``CLIPImageProcessor``
+    built here (no download) that resizes and centre-crops to its 32 px input with CLIP's normalisation."""
+    import transformers
+    from transformers import CLIPVisionConfig, CLIPVisionModel
+
+    size = int(TINY_IMAGE_ENCODER["image_size"])
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        encoder = CLIPVisionModel(CLIPVisionConfig(**TINY_IMAGE_ENCODER)).eval()
+    # transformers 5 without torchvision makes every CLIPImageProcessor its PIL one (with a warning): named so
+    # directly where it exists, so the folder's model_index.json is the same on every machine
+    processor_class = getattr(transformers, "CLIPImageProcessorPil", None) or transformers.CLIPImageProcessor
+    processor = processor_class(size={"shortest_edge": size}, crop_size={"height": size, "width": size})
+    return encoder, processor
 
 
 def build_tiny_pipeline(architecture: str = "wan2.1-t2v", seed: int = 0, num_layers: int = 6) -> Any:
@@ -126,7 +158,10 @@ def build_tiny_pipeline(architecture: str = "wan2.1-t2v", seed: int = 0, num_lay
     - ``wan2.2-ti2v``: ``WanPipeline(expand_timesteps=True)``, the 48-channel VAE (16x spatial), 48-channel transformer;
     - ``wan2.2-t2v-a14b``: ``WanPipeline`` with two experts (``transformer_2``, ``boundary_ratio=0.875``);
     - ``wan2.2-i2v``: ``WanImageToVideoPipeline`` without an image encoder, the transformer taking the noise, the
-      first-frame condition and its mask (16 + 16 + 4 = 36 channels).
+      first-frame condition and its mask (16 + 16 + 4 = 36 channels);
+    - ``wan2.1-i2v``: ``WanImageToVideoPipeline`` with a CLIP image encoder and processor
+      (:func:`build_tiny_image_encoder`), the 36-channel transformer with an image embedder (``image_dim``) and
+      image key/value projections in every cross-attention (``added_kv_proj_dim``).
     """
     from diffusers import AutoencoderKLWan, WanImageToVideoPipeline, WanPipeline
 
@@ -145,8 +180,15 @@ def build_tiny_pipeline(architecture: str = "wan2.1-t2v", seed: int = 0, num_lay
     if architecture == "wan2.2-t2v-a14b":
         expert = build_tiny_transformer(seed + 3, num_layers=num_layers)
         return WanPipeline(**parts, transformer_2=expert, boundary_ratio=0.875)
-    parts["transformer"] = build_tiny_transformer(seed + 2, num_layers, in_channels=36)
-    return WanImageToVideoPipeline(**parts, image_encoder=None, image_processor=None)
+    if architecture == "wan2.2-i2v":
+        parts["transformer"] = build_tiny_transformer(seed + 2, num_layers, in_channels=36)
+        return WanImageToVideoPipeline(**parts, image_encoder=None, image_processor=None)
+    encoder, processor = build_tiny_image_encoder(seed + 4)
+    inner = TINY_TRANSFORMER["num_attention_heads"] * TINY_TRANSFORMER["attention_head_dim"]
+    parts["transformer"] = build_tiny_transformer(
+        seed + 2, num_layers, in_channels=36, image_dim=encoder.config.hidden_size, added_kv_proj_dim=inner
+    )
+    return WanImageToVideoPipeline(**parts, image_encoder=encoder, image_processor=processor)
 
 
 # a tiny model written as a folder holds this file: its architecture and seed, and so the note that its weights are

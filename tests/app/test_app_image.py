@@ -14,10 +14,10 @@ from pipelines.tiny import save_tiny_model
 PRESET = "9x64x96"
 
 
-@pytest.fixture(scope="module")
-def i2v(tmp_path_factory):
+@pytest.fixture(scope="module", params=["wan2.2-i2v", "wan2.1-i2v"])  # without and with a CLIP image encoder
+def i2v(tmp_path_factory, request):
     pytest.importorskip("ftfy")  # WanImageToVideoPipeline needs it at call time
-    folder = save_tiny_model("wan2.2-i2v", tmp_path_factory.mktemp("tiny") / "i2v", num_layers=3)
+    folder = save_tiny_model(request.param, tmp_path_factory.mktemp("tiny") / "i2v", num_layers=3)
     return load_app_models(folder, device="cpu", dtype="float32")
 
 

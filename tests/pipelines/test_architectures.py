@@ -1,5 +1,6 @@
 """Every variant runs in every Wan architecture diffusers offers (tiny random models built here): Wan2.2-TI2V's
-48-channel VAE with per-token timesteps, Wan2.2-A14B's two experts, Wan2.2's image-to-video pipeline. The
+48-channel VAE with per-token timesteps, Wan2.2-A14B's two experts, the image-to-video pipeline of Wan2.2 and of
+Wan2.1 (with its CLIP image encoder). The
 converted layers are the ones the variant names, in each expert; the output is finite and differs from softmax's."""
 
 import numpy as np
@@ -14,9 +15,11 @@ from pipelines.tiny import TINY_ARCHITECTURES, build_tiny_pipeline
 
 def _run(pipe, architecture):
     kwargs = dict(height=64, width=96, num_frames=5, num_inference_steps=2, output_type="np", max_sequence_length=16)
-    if architecture == "wan2.2-i2v":
+    if architecture.endswith("-i2v"):
         pytest.importorskip("ftfy")  # WanImageToVideoPipeline needs it at call time
         kwargs["image"] = Image.fromarray(np.full((64, 96, 3), 128, np.uint8))
+    if architecture == "wan2.1-i2v":  # its cross-attention takes all but the last 512 tokens as the image's
+        kwargs["max_sequence_length"] = 512
     kwargs["prompt"] = "a red square moves to the right"
     return pipe(generator=torch.Generator().manual_seed(0), **kwargs).frames
 

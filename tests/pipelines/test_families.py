@@ -37,6 +37,13 @@ EXPECTED = {
     "wan2.2-i2v": dict(
         pipeline_class="WanImageToVideoPipeline", transformer_2=False, expand_timesteps=False, channels=16
     ),
+    "wan2.1-i2v": dict(
+        pipeline_class="WanImageToVideoPipeline",
+        transformer_2=False,
+        expand_timesteps=False,
+        channels=16,
+        image_encoder=True,
+    ),
 }
 needs_ftfy = pytest.mark.usefixtures("ftfy")
 
@@ -104,11 +111,13 @@ def test_folders_name_their_architecture(folders, architecture):
     assert index.transformer_2 == expected["transformer_2"]
     assert index.expand_timesteps == expected["expand_timesteps"]
     assert (index.boundary_ratio is not None) == expected["transformer_2"]
+    assert index.image_encoder == expected.get("image_encoder", False)
     assert json.loads((folders[architecture] / TINY_INFO).read_text())["architecture"] == architecture
     # diffusers' own loader agrees with what the product reads
     pipe = DiffusionPipeline.from_pretrained(folders[architecture])
     assert type(pipe).__name__ == expected["pipeline_class"]
     assert (getattr(pipe, "transformer_2", None) is not None) == expected["transformer_2"]
+    assert (getattr(pipe, "image_encoder", None) is not None) == expected.get("image_encoder", False)
 
 
 @pytest.mark.parametrize("architecture", TINY_ARCHITECTURES)
@@ -118,6 +127,7 @@ def test_components_carry_every_part(loaded, architecture):
     assert c.pipeline_class == expected["pipeline_class"] and c.random_weights and "RANDOM" in c.source
     assert (c.transformer_2 is not None) == expected["transformer_2"]
     assert c.latent_channels == expected["channels"] == c.vae.config.z_dim
+    assert (c.image_encoder is not None) == (c.image_processor is not None) == expected.get("image_encoder", False)
     if expected["transformer_2"]:  # two experts with their own weights
         a, b = c.transformer.state_dict(), c.transformer_2.state_dict()
         assert any(not torch.equal(a[k], b[k]) for k in a)
@@ -192,7 +202,7 @@ def test_ti2v_5b_block_layout_the_papers_way(tmp_path):
 @pytest.mark.slow  # 2-15 s each on a shared 2-core CPU; the CLI test below runs each architecture fast
 @pytest.mark.parametrize("architecture", TINY_ARCHITECTURES)
 def test_each_architecture_generates_with_its_pipeline(loaded, architecture):
-    if architecture == "wan2.2-i2v":
+    if architecture.endswith("-i2v"):
         pytest.importorskip("ftfy")
     c = loaded(architecture)
     calls = [0] * len(_experts(c))
