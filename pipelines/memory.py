@@ -130,7 +130,7 @@ class Offload:
         )
 
     def _hook(self, module: torch.nn.Module, role: str) -> None:
-        """Hooks one component (``role``: ``text_encoder``, ``transformer`` or ``vae``) in group or sequential
+        """Hooks one component (``role``: ``text_encoder``, ``image_encoder``, ``transformer`` or ``vae``) in group or sequential
         mode; model mode hooks the chain in :meth:`_hook_model_chain`."""
         if self.mode == "group":
             if hasattr(module, "enable_group_offload"):  # the diffusers models
@@ -191,14 +191,19 @@ class Offload:
         hooks = {id(c.text_encoder): text_hook, id(transformers[0]): first, id(c.vae): vae_hook}
         for t in transformers[1:]:
             _, hooks[id(t)] = cpu_offload_with_hook(t, self.device, prev_module_hook=text_hook)
+        image_encoder = getattr(c, "image_encoder", None)  # Wan2.1-I2V's CLIP encoder: runs after the text encoder
+        image_hooks = []
+        if image_encoder is not None:
+            _, hooks[id(image_encoder)] = cpu_offload_with_hook(image_encoder, self.device, prev_module_hook=text_hook)
+            image_hooks.append(hooks[id(image_encoder)])
         self._model_hooks = hooks
         transformer_hooks = [hooks[id(t)] for t in transformers]
-        vae_hook.hook.prev_module_hook = _offload_all(transformer_hooks)
+        vae_hook.hook.prev_module_hook = _offload_all(transformer_hooks + image_hooks)
         # and round again: the text encoder's turn (the next run) offloads the VAE, which nothing else would
         text_hook.hook.prev_module_hook = vae_hook
-        if len(transformers) > 1:
+        if len(transformers) > 1 or image_hooks:
             for t in transformers:
-                others = [hooks[id(o)] for o in transformers if o is not t]
+                others = [hooks[id(o)] for o in transformers if o is not t] + image_hooks
                 self._pre_hooks[id(t)] = t.register_forward_pre_hook(lambda *_, o=others: _offload_all(o).offload())
 
     def attach(self, components: WanComponents, transformers: Iterable[torch.nn.Module] = ()) -> Offload:
@@ -224,6 +229,9 @@ class Offload:
             self._hook_model_chain()
         else:
             self._hook(components.text_encoder, "text_encoder")
+            image_encoder = getattr(components, "image_encoder", None)
+            if image_encoder is not None:  # Wan2.1-I2V's CLIP encoder, a transformers model like the text encoder
+                self._hook(image_encoder, "image_encoder")
             self._hook(components.vae, "vae")
             for t in all_transformers:
                 self._hook(t, "transformer")

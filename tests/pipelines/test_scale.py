@@ -17,7 +17,7 @@ import torch
 import pipelines.generate as gen
 import pipelines.loading
 from pipelines.request import GenerationRequest
-from pipelines.scale import check_scale
+from pipelines.scale import Scale, check_scale
 from tests.boundary import assert_refused
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -189,3 +189,28 @@ def test_torchrun_context_parallel_video_equals_one_process(tmp_path):
             a, b = _frames(tmp_path / f"one_{v}.npy"), _frames(tmp_path / f"{mode}_{v}.npy")
             assert a.shape == (9, 64, 96, 3)
             np.testing.assert_allclose(b, a, rtol=0, atol=1e-4, err_msg=f"{mode} {v}")
+
+
+@pytest.mark.parametrize("mode", ["model", "group", "sequential"])
+def test_the_image_encoder_runs_under_the_hooks_and_gives_the_plain_video(mode, tmp_path, capsys):
+    """Wan2.1-I2V's CLIP image encoder joins the offload hooks like the text encoder (sequential: its weights on
+    meta between calls); the video equals the un-hooked one."""
+    from PIL import Image
+
+    from pipelines.loading import load_components
+    from pipelines.tiny import save_tiny_model
+
+    model = save_tiny_model("wan2.1-i2v", tmp_path / "i2v", seed=0, num_layers=3)
+    image = tmp_path / "first.png"
+    Image.fromarray((np.arange(32 * 48 * 3).reshape(32, 48, 3) % 251).astype(np.uint8)).save(image)
+    small = ["--model", str(model), "--prompt", "a red fox", "--no-progress", "--steps", "2", "--frames", "5"]
+    small += ["--height", "32", "--width", "32", "--variant", "mhla", "--image", str(image)]
+    assert gen.main([*small, "--out", f"{tmp_path}/a.mp4", "--frames-npy", f"{tmp_path}/a.npy"]) == 0
+    assert gen.main([*small, "--out", f"{tmp_path}/b.mp4", "--frames-npy", f"{tmp_path}/b.npy", "--offload", mode]) == 0
+    a, b = _frames(tmp_path / "a.npy"), _frames(tmp_path / "b.npy")
+    assert np.isfinite(a).all()
+    np.testing.assert_allclose(b, a, atol=1e-6)
+    if mode == "sequential":
+        components = load_components(model, device="cpu")
+        Scale(offload="sequential").attach(components, torch.device("cpu"))
+        assert {p.device.type for p in components.image_encoder.parameters()} == {"meta"}
