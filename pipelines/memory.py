@@ -86,6 +86,12 @@ def _offload_all(hooks: list[Any]) -> Any:
     return OffloadAll()
 
 
+def _offload_each(hooks: list[Any]) -> None:
+    """Offloads each hook's model (a transformer's pre-hook: the other transformers and the image encoder)."""
+    for hook in hooks:
+        hook.offload()
+
+
 @dataclass
 class Offload:
     """The offload hooks of one set of shared components and the transformers that run with them.
@@ -204,7 +210,7 @@ class Offload:
         if len(transformers) > 1 or image_hooks:
             for t in transformers:
                 others = [hooks[id(o)] for o in transformers if o is not t] + image_hooks
-                self._pre_hooks[id(t)] = t.register_forward_pre_hook(lambda *_, o=others: _offload_all(o).offload())
+                self._pre_hooks[id(t)] = t.register_forward_pre_hook(lambda *_, o=others: _offload_each(o))
 
     def attach(self, components: WanComponents, transformers: Iterable[torch.nn.Module] = ()) -> Offload:
         """Hooks the text encoder, the VAE, ``components.transformer`` (and ``transformer_2``, a second expert) and

@@ -121,7 +121,7 @@ def _hybrid_layers(
     return None
 
 
-def _convert(
+def convert_for_request(
     components: WanComponents,
     transformer: WanTransformer3DModel,
     request: GenerationRequest,
@@ -258,10 +258,10 @@ def generate(
             f"tokens in cross-attention, which diffusers' WanAttnProcessor separates from the text by assuming "
             f"{WAN_TEXT_LENGTH} text tokens; use {WAN_TEXT_LENGTH}"
         )
-    resolved = _convert(components, transformer, request, attention_options, request.layers)
+    resolved = convert_for_request(components, transformer, request, attention_options, request.layers)
     experts = [transformer]
     if transformer_2 is not None:  # each expert keeps its own parameters, blocks and hybrid split
-        _convert(components, transformer_2, request, attention_options, request.layers_2, "transformer_2")
+        convert_for_request(components, transformer_2, request, attention_options, request.layers_2, "transformer_2")
         experts.append(transformer_2)
 
     device = components.device

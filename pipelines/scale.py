@@ -128,7 +128,7 @@ class Scale:
         request's variant as ``generate()`` will (which then adds nothing), under the hooks
         (:meth:`pipelines.memory.Offload.prepare`), and enables context parallelism on it (once per transformer,
         after its first conversion)."""
-        from .pipeline import _convert
+        from .pipeline import convert_for_request
 
         # the experts this run uses, each converted as generate() will convert it (its own hybrid split), so that
         # generate() adds nothing under the hooks
@@ -139,7 +139,7 @@ class Scale:
         for expert, layers, name in experts:
 
             def convert(expert: torch.nn.Module = expert, layers: list[int] | None = layers, name: str = name) -> None:
-                _convert(components, expert, request, overrides, layers, name)
+                convert_for_request(components, expert, request, overrides, layers, name)
 
             if self._offload is not None:
                 self._offload.prepare(expert, convert)

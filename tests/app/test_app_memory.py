@@ -32,3 +32,13 @@ def test_an_unknown_offload_mode_is_refused_by_the_launcher(capsys):
     with pytest.raises(SystemExit):
         run_app.parse_args(["--offload", "disk"])
     assert "invalid choice: 'disk'" in capsys.readouterr().err
+
+
+def test_the_apps_offload_choices_are_the_generation_clis():
+    """run_app keeps its argument parser free of torch imports, so it lists the modes itself: the same ones."""
+    from pipelines.memory import OFFLOAD_MODES
+
+    for mode in OFFLOAD_MODES:
+        assert run_app.parse_args(["--offload", mode]).offload == mode
+    with pytest.raises(SystemExit):
+        run_app.parse_args(["--offload", "disk"])

@@ -25,7 +25,7 @@ from benchmarks.memory_table import model_counts, transformer_resident
 from pipelines.convert import convert_self_attention
 from pipelines.loading import WanComponents
 from pipelines.memory import OFFLOAD_MODES, apply_offload, check_offload
-from pipelines.pipeline import _convert, generate, model_request
+from pipelines.pipeline import convert_for_request, generate, model_request
 from pipelines.request import GenerationRequest
 from pipelines.tiny import TINY_BLOCK_SHAPE, TINY_DEFAULTS, build_tiny_components, build_tiny_transformer
 
@@ -61,7 +61,7 @@ def _request(c: WanComponents, variant: str) -> GenerationRequest:
 def _run(c: WanComponents, variant: str, offload=None):
     request = _request(c, variant)
     if offload is not None:
-        offload.prepare(c.transformer, lambda: _convert(c, c.transformer, request, None))
+        offload.prepare(c.transformer, lambda: convert_for_request(c, c.transformer, request, None))
     try:
         return generate(c, request, show_progress=False).frames
     finally:
@@ -141,12 +141,7 @@ def test_group_offloading_holds_the_rest_and_one_block_as_the_memory_table_count
 
     monkeypatch.setattr(ModuleGroup, "onload_", spy_on)
     monkeypatch.setattr(ModuleGroup, "offload_", spy_off)
-    x = dict(
-        hidden_states=torch.randn(1, 16, 2, 8, 8),
-        timestep=torch.tensor([500]),
-        encoder_hidden_states=torch.randn(1, 6, 32),
-        return_dict=False,
-    )
+    x = _transformer_inputs()
     with torch.no_grad():
         c.transformer(**x)
     assert resident.now == {}  # all offloaded after the forward
@@ -156,6 +151,16 @@ def test_group_offloading_holds_the_rest_and_one_block_as_the_memory_table_count
     block = max(_param_bytes(b.parameters()) for b in c.transformer.blocks)
     assert block > _param_bytes(build_tiny_transformer(0, num_layers=LAYERS).blocks[0].parameters())
     offload.release()
+
+
+def _transformer_inputs() -> dict:
+    """One forward's arguments for the tiny transformer (2 latent frames of 8x8, 6 text tokens)."""
+    return dict(
+        hidden_states=torch.randn(1, 16, 2, 8, 8),
+        timestep=torch.tensor([500]),
+        encoder_hidden_states=torch.randn(1, 6, 32),
+        return_dict=False,
+    )
 
 
 @pytest.mark.parametrize("variant", ["linear", "mhla"])
@@ -184,12 +189,7 @@ def test_sequential_offload_holds_the_largest_chain_as_the_memory_table_counts(v
         return out
 
     monkeypatch.setattr(AlignDevicesHook, "pre_forward", spy)
-    x = dict(
-        hidden_states=torch.randn(1, 16, 2, 8, 8),
-        timestep=torch.tensor([500]),
-        encoder_hidden_states=torch.randn(1, 6, 32),
-        return_dict=False,
-    )
+    x = _transformer_inputs()
     with torch.no_grad():
         t(**x)
     assert off_meta() == 0

@@ -16,7 +16,6 @@ import pytest
 import torch
 from PIL import Image
 
-from pipelines import generate as cli
 from pipelines.attention import LinearSelfAttnProcessor
 from pipelines.convert import convert_self_attention, current_variant
 from pipelines.loading import load_components
@@ -24,6 +23,7 @@ from pipelines.pipeline import generate
 from pipelines.request import GenerationRequest
 from pipelines.tiny import TINY_IMAGE_ENCODER, TINY_TRANSFORMER, save_tiny_model
 from pipelines.video import read_video
+from tests.pipelines.test_families import _run_cli
 
 pytestmark = pytest.mark.usefixtures("ftfy")
 LAYERS = 3  # mhla-hybrid's default split converts 1 and 2, layer 0 stays softmax
@@ -208,19 +208,6 @@ def test_converted_folder_reloads_with_its_encoder_and_variant(folder, tmp_path)
 def _argv(folder, out, image, *extra):
     argv = ["--prompt", "a fox", "--model", str(folder), "--out", str(out), "--image", str(image)]
     return [*argv, "--frames", "5", "--steps", "1", "--height", "64", "--width", "96", "--no-progress", *extra]
-
-
-def _run_cli(monkeypatch, argv):
-    seen = []
-    load = cli._load
-
-    def spy(*a, **k):
-        seen.append(load(*a, **k))
-        return seen[-1]
-
-    monkeypatch.setattr(cli, "_load", spy)
-    assert cli.main(argv) == 0
-    return seen[0]
 
 
 def test_cli_runs_the_hybrid_on_its_layers(folder, tmp_path, monkeypatch, capsys):
