@@ -117,6 +117,7 @@ def test_the_cli_offloads_and_tiles_and_gives_the_plain_video(mode, tmp_path, ca
         np.testing.assert_array_equal(b, a)  # 32 px: within one 256 px tile, tiling changes nothing
 
 
+@pytest.mark.slow  # three CLI runs of two generations each, about 30 s; the meta check below is the fast guard
 @pytest.mark.parametrize("mode", ["model", "group", "sequential"])
 def test_both_experts_of_a_two_expert_model_run_under_the_hooks(mode, tmp_path, capsys):
     """Wan2.2-A14B: the low-noise expert is hooked and converted under the hooks like the first (sequential
@@ -191,7 +192,9 @@ def test_torchrun_context_parallel_video_equals_one_process(tmp_path):
             np.testing.assert_allclose(b, a, rtol=0, atol=1e-4, err_msg=f"{mode} {v}")
 
 
-@pytest.mark.parametrize("mode", ["model", "group", "sequential"])
+@pytest.mark.parametrize(
+    "mode", [pytest.param("model", marks=pytest.mark.slow), pytest.param("group", marks=pytest.mark.slow), "sequential"]
+)
 def test_the_image_encoder_runs_under_the_hooks_and_gives_the_plain_video(mode, tmp_path, capsys):
     """Wan2.1-I2V's CLIP image encoder joins the offload hooks like the text encoder (sequential: its weights on
     meta between calls); the video equals the un-hooked one."""
