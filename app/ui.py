@@ -280,7 +280,8 @@ def build_demo(
                     text, fraction = payload
                 elif kind == "result":
                     last, shown = payload, time.monotonic()
-                    yield outputs_for(last, _status(text, started, fraction, countdown), chart=False)
+                    if not stop.is_set():
+                        yield outputs_for(last, _status(text, started, fraction, countdown), chart=False)
                     continue
                 elif kind == "failed":
                     compare.log.error("compare run failed", exc_info=payload)
@@ -290,6 +291,10 @@ def build_demo(
                     )
                 elif kind == "end":
                     break
+                # once Stop is pressed nothing more streams: on_stop's status line is the last word, not a tick
+                # that was on its way while the run was being cancelled (a race seen under load)
+                if stop.is_set():
+                    continue
                 if time.monotonic() - shown >= POLL_SECONDS:  # the stage line, at most twice a second
                     shown = time.monotonic()
                     yield [_status(text, started, fraction, countdown)] + [gr.skip()] * n_outputs

@@ -31,6 +31,7 @@ import torch.multiprocessing as mp
 from benchmarks.common import RESULTS
 from mhla.layout import BlockLayout, parse_blocks, parse_grid
 from mhla.parallel import mhla_attention_sharded, shard_bounds
+from pipelines.context_parallel import exit_process
 
 _LOAD: list[tuple[float, float, float]] = []
 
@@ -105,6 +106,7 @@ def _worker(rank: int, procs: int, init: str, args: dict, out: dict) -> None:
             out["tokens_per_process"] = stop - start
     finally:
         dist.destroy_process_group()
+    exit_process(0)  # the results are in ``out``: see exit_process for why not a plain return
 
 
 def measure(procs: int, args: dict) -> dict:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -431,4 +432,9 @@ def _write_npy(path: Path, frames: Any) -> Path:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if "WORLD_SIZE" in os.environ:  # started by torchrun: gloo's threads may abort the teardown of a finished run
+        from pipelines.context_parallel import exit_process
+
+        exit_process(code)
+    sys.exit(code)

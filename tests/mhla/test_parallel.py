@@ -12,6 +12,7 @@ import torch.multiprocessing as mp
 
 from mhla.layout import BlockLayout
 from mhla.parallel import mhla_attention_sharded, shard_bounds
+from pipelines.context_parallel import exit_process
 from tests.independent import constrain, mhla_dense
 
 GRID, BLOCKS = (3, 5, 7), (2, 2, 3)  # uneven blocks; 105 tokens split 4 ways: 27, 26, 26, 26
@@ -81,6 +82,7 @@ def _worker(rank: int, world: int, init_file: str, normalize: bool, rope: bool, 
         assert torch.allclose(got.detach(), ref_all[:, start:stop], atol=1e-9), rank
     finally:
         dist.destroy_process_group()
+    exit_process(0)  # a finished worker: gloo may abort the interpreter's teardown
 
 
 @pytest.mark.slow

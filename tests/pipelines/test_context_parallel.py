@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 from mhla import mhla_attention
 from mhla.layout import BlockLayout
 from mhla.parallel import mhla_attention_sharded, shard_bounds
-from pipelines.context_parallel import gather_sequence, ring_start, ulysses
+from pipelines.context_parallel import exit_process, gather_sequence, ring_start, ulysses
 from tests.independent import constrain
 
 GRID, BLOCKS = (3, 5, 7), (2, 2, 3)
@@ -63,6 +63,7 @@ def _worker(rank: int, world: int, init: str, per_head: bool, out: dict):
         out[f"linear{rank}"] = (got_l.detach() - whole_l[:, start:stop]).abs().max().item()
     finally:
         dist.destroy_process_group()
+    exit_process(0)  # a finished worker: gloo may abort the interpreter's teardown
 
 
 @pytest.mark.slow
@@ -113,6 +114,7 @@ def _model_worker(rank: int, world: int, init: str, variant: str, mode: str, out
         out[rank] = (got - whole).abs().max().item()
     finally:
         dist.destroy_process_group()
+    exit_process(0)  # a finished worker: gloo may abort the interpreter's teardown
 
 
 @pytest.mark.slow
