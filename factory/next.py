@@ -15,6 +15,7 @@ evaluation, and then ``assets/builtin-next/`` goes.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -35,7 +36,8 @@ def init(
     model: Path = MODEL, next_dir: Path = NEXT_DIR, base: Path = BUILTIN_DIR, fresh_transformer: bool = False
 ) -> Path:
     """Writes ``model``: the shipped model directory (without its variants) with the committed stage weights of
-    ``next_dir`` laid over it (``vae`` replaces the VAE, ``transformer`` the transformer). An existing
+    ``next_dir`` laid over it (``vae`` replaces the VAE, ``transformer`` the transformer, the keys of
+    ``builtin.json`` there replace the model's: ``defaults`` key by key). An existing
     ``model`` is replaced whole (it is rebuilt from the repository alone). ``fresh_transformer``: a randomly
     initialised transformer of the built-in architecture where ``next_dir`` has none yet (the base stage
     trains from scratch; once a stage has saved one, later runs continue from it)."""
@@ -52,6 +54,13 @@ def init(
             shutil.rmtree(tmp / part)
             shutil.copytree(src, tmp / part)
             laid.append(part)
+    overlay = next_dir / "builtin.json"
+    if overlay.is_file():  # a stage that changes the clip (frames, block shape) records it here
+        info = json.loads((tmp / "builtin.json").read_text())
+        for key, value in json.loads(overlay.read_text()).items():
+            info[key] = {**info[key], **value} if isinstance(value, dict) and isinstance(info.get(key), dict) else value
+        (tmp / "builtin.json").write_text(json.dumps(info, indent=1) + "\n")
+        laid.append(f"builtin.json's {', '.join(json.loads(overlay.read_text()))} from {overlay}")
     if fresh_transformer and "transformer" not in laid:
         import torch
         from diffusers import WanTransformer3DModel

@@ -30,6 +30,21 @@ def test_init_lays_stage_weights_over_the_shipped_model(tmp_path):
     assert not (out.with_name("model.tmp")).exists()
 
 
+def test_init_lays_the_stages_builtin_json_keys_over_the_models(tmp_path):
+    """A stage that changes the clip (9 frames, a block shape that divides 3 latent frames) records it in
+    builtin-next/builtin.json: ``defaults`` merge key by key, other keys replace."""
+    base = _model_dir(tmp_path / "builtin")
+    info = {"defaults": {"num_frames": 17, "height": 128}, "block_shape": [2, 4, 4], "what": "shipped"}
+    (base / "builtin.json").write_text(json.dumps(info))
+    nxt_dir = tmp_path / "builtin-next"
+    nxt_dir.mkdir()
+    (nxt_dir / "builtin.json").write_text(json.dumps({"defaults": {"num_frames": 9}, "block_shape": [1, 4, 4]}))
+    out = nxt.init(tmp_path / "model", next_dir=nxt_dir, base=base)
+    got = json.loads((out / "builtin.json").read_text())
+    assert got == {"defaults": {"num_frames": 9, "height": 128}, "block_shape": [1, 4, 4], "what": "shipped"}
+    assert json.loads((base / "builtin.json").read_text()) == info  # the shipped model is untouched
+
+
 def test_save_keeps_weights_only_and_replaces_in_place(tmp_path):
     src = tmp_path / "vae"
     src.mkdir()
@@ -87,7 +102,7 @@ def test_the_second_designs_configs_are_valid(tmp_path):
     model = _model_dir(tmp_path / "model")
     cache = tmp_path / "cache"
     cache.mkdir()
-    for name, extra in (("vae", []), ("base", [f"data.path={cache}"])):
+    for name, extra in (("vae", []), ("base", [f"data.path={cache}"]), ("base2", [f"data.path={cache}"])):
         cfg = load_config(f"configs/builtin/v2/{name}.yaml", [f"model.path={model}", *extra])
         assert cfg.data.world == "v2"
     assert load_config("configs/builtin/v2/base.yaml", [f"model.path={model}", f"data.path={cache}"]).train.ema_decay
