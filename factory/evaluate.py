@@ -169,6 +169,10 @@ def run(args) -> dict:
     components = load_components(args.model, dtype=args.dtype, device=args.device)
     if components.random_weights:
         raise SystemExit("error: the model has random weights; evaluate the built-in model or a trained one (--model)")
+    if getattr(args, "transformer", None):  # a stage's checkpoint, judged with the model directory's other parts
+        components.transformer = load_transformer(args.transformer, dtype=components.dtype, device=components.device)
+        components.variant_dirs = {}  # fine-tuned variants of another base would not match it
+        components.source += f", transformer {args.transformer}"
     d = components.defaults
     variants = [v for v in args.variants.split(",") if v]
     bad = [v for v in variants if v not in VARIANTS]
@@ -418,6 +422,12 @@ def main(argv=None) -> int:
 def _main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m factory.evaluate", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="model directory (default: the built-in model in assets/builtin)")
+    p.add_argument(
+        "--transformer",
+        default=None,
+        help="a transformer folder that replaces the model directory's (a stage's checkpoint, e.g. "
+        "runs/builtin-v2/base2/checkpoints/step-0001000/transformer, its EMA); with --variants flash",
+    )
     p.add_argument("--variants", default="flash,linear,mhla,mhla-hybrid")
     p.add_argument("--num-prompts", type=int, default=24, help="validation captions to generate")
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
@@ -466,6 +476,10 @@ def _main(argv=None) -> int:
         p.error(f"--guidance takes distinct finite scales >= 0, got {args.guidance}")
     if args.guidance_max_sigma is not None and not 0 <= args.guidance_max_sigma <= 1:
         p.error(f"--guidance-max-sigma must be in [0, 1], got {args.guidance_max_sigma}")
+    if args.transformer and args.variants != "flash":
+        p.error(
+            f"--transformer is evaluated as flash only (its conversions are not trained), got --variants {args.variants}"
+        )
     res = run(args)
     out = Path(args.out or f"benchmarks/results/builtin_eval_{res['device'].split(':')[0]}")
     out.parent.mkdir(parents=True, exist_ok=True)

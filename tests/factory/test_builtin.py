@@ -512,6 +512,36 @@ def test_evaluate_refuses_bad_sweep_arguments(bad, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@needs_builtin
+@pytest.mark.slow  # two short evaluations, about 15 s
+def test_evaluate_judges_a_stages_transformer_in_place_of_the_models(tmp_path):
+    """--transformer: a stage's checkpoint is judged with the model directory's VAE and text encoder; the
+    held-out loss is its own (a perturbed copy of the shipped transformer scores another loss)."""
+    import torch
+    from diffusers import WanTransformer3DModel
+
+    from factory.evaluate import main
+
+    t = WanTransformer3DModel.from_pretrained(str(BUILTIN_DIR / "transformer"))
+    with torch.no_grad():
+        t.proj_out.weight.mul_(0.5)
+    t.save_pretrained(str(tmp_path / "stage"))
+    argv = ["--num-prompts", "1", "--steps", "2", "--loss-batches", "1", "--batch-size", "1", "--variants", "flash"]
+    losses = []
+    for extra, name in (([], "plain"), (["--transformer", str(tmp_path / "stage")], "stage")):
+        assert main([*argv, *extra, "--out", str(tmp_path / name)]) == 0
+        res = json.loads((tmp_path / f"{name}.json").read_text())
+        losses.append(res["variants"]["flash"]["flow_loss"])
+    assert np.isfinite(losses).all() and losses[0] != pytest.approx(losses[1], rel=1e-3)
+
+
+def test_evaluate_refuses_a_stages_transformer_with_other_variants(capsys):
+    from factory.evaluate import main
+
+    assert main(["--transformer", "somewhere", "--variants", "flash,mhla"]) == 2
+    assert "--transformer is evaluated as flash only" in capsys.readouterr().err
+
+
 def test_evaluate_refuses_random_weights(capsys):
     from factory.evaluate import main
 
