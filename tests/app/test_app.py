@@ -489,3 +489,24 @@ def test_stored_example_results_round_trip(models, tmp_path):
     result.runs[0].video.unlink()
     assert compare.load_stored(folder) == {}
     assert compare.load_stored(None) == {} and compare.load_stored(tmp_path / "nothing") == {}
+
+
+def test_after_stop_the_run_streams_nothing_that_could_overwrite_the_stopped_line(models, tmp_path):
+    """Stop's status line is the last word on the page: once Stop is pressed the compare generator yields no
+    more stage lines or snapshots (a tick already on its way overwrote "Stopped" in a browser under load), only
+    its own closing "Stopped" line when it is not cancelled first."""
+    from types import SimpleNamespace
+
+    from app.ui import build_demo
+
+    demo = build_demo(models, max_tokens=compare.CPU_MAX_TOKENS, out_root=tmp_path)
+    fns = {getattr(f.fn, "__name__", ""): f.fn for f in demo.fns.values()}
+    request = SimpleNamespace(session_hash="stop-test", query_params={})
+    run = fns["on_compare"]("a red fox", "", 0, 30, 5.0, SMALLEST, ["flash", "linear"], 1, request=request)
+    first = next(run)  # the run is going: its first streamed line
+    assert "Stopped" not in first[0]
+    button, line = fns["on_stop"](request)
+    assert "Stopped" in line
+    after = list(run)  # the worker ends before its next transformer call; the generator then returns
+    assert len(after) == 1 and "Stopped" in after[0][0], [a[0] for a in after]
+    assert not isinstance(fns["on_stop"](request)[1], str)  # nothing running any more: the line is left as it is
