@@ -169,7 +169,7 @@ def run(args) -> dict:
     components = load_components(args.model, dtype=args.dtype, device=args.device)
     if components.random_weights:
         raise SystemExit("error: the model has random weights; evaluate the built-in model or a trained one (--model)")
-    if getattr(args, "transformer", None):  # a stage's checkpoint, judged with the model directory's other parts
+    if args.transformer:  # a stage's checkpoint, judged with the model directory's other parts
         components.transformer = load_transformer(args.transformer, dtype=components.dtype, device=components.device)
         components.variant_dirs = {}  # fine-tuned variants of another base would not match it
         components.source += f", transformer {args.transformer}"
@@ -476,7 +476,7 @@ def _main(argv=None) -> int:
         p.error(f"--guidance takes distinct finite scales >= 0, got {args.guidance}")
     if args.guidance_max_sigma is not None and not 0 <= args.guidance_max_sigma <= 1:
         p.error(f"--guidance-max-sigma must be in [0, 1], got {args.guidance_max_sigma}")
-    if args.transformer and args.variants != "flash":
+    if args.transformer and [v for v in args.variants.split(",") if v] != ["flash"]:
         p.error(
             f"--transformer is evaluated as flash only (its conversions are not trained), got --variants {args.variants}"
         )

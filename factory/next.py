@@ -56,11 +56,11 @@ def init(
             laid.append(part)
     overlay = next_dir / "builtin.json"
     if overlay.is_file():  # a stage that changes the clip (frames, block shape) records it here
-        info = json.loads((tmp / "builtin.json").read_text())
-        for key, value in json.loads(overlay.read_text()).items():
+        info, changes = json.loads((tmp / "builtin.json").read_text()), json.loads(overlay.read_text())
+        for key, value in changes.items():
             info[key] = {**info[key], **value} if isinstance(value, dict) and isinstance(info.get(key), dict) else value
         (tmp / "builtin.json").write_text(json.dumps(info, indent=1) + "\n")
-        laid.append(f"builtin.json's {', '.join(json.loads(overlay.read_text()))} from {overlay}")
+        laid.append(f"builtin.json's {', '.join(changes)} from {overlay}")
     if fresh_transformer and "transformer" not in laid:
         import torch
         from diffusers import WanTransformer3DModel

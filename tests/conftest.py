@@ -38,6 +38,7 @@ SLOW_TESTS = (
     "test_app.py::test_presets_name_the_tokens_and_the_m_that_runs",
     "test_app.py::test_compare_",
     "test_app.py::test_stop_ends_the_run_after_the_finished_variants",
+    "test_app.py::test_after_stop_the_run_streams_nothing",
     "test_app.py::test_a_variant_failing_unexpectedly",
     "test_app.py::test_compare_runs_every_variant",
     "test_app.py::test_compare_reports_a_failing_variant",

@@ -505,7 +505,7 @@ def test_after_stop_the_run_streams_nothing_that_could_overwrite_the_stopped_lin
     run = fns["on_compare"]("a red fox", "", 0, 30, 5.0, SMALLEST, ["flash", "linear"], 1, request=request)
     first = next(run)  # the run is going: its first streamed line
     assert "Stopped" not in first[0]
-    button, line = fns["on_stop"](request)
+    _, line = fns["on_stop"](request)
     assert "Stopped" in line
     after = list(run)  # the worker ends before its next transformer call; the generator then returns
     assert len(after) == 1 and "Stopped" in after[0][0], [a[0] for a in after]

@@ -513,7 +513,6 @@ def test_evaluate_refuses_bad_sweep_arguments(bad, message, capsys):
 
 
 @needs_builtin
-@pytest.mark.slow  # two short evaluations, about 15 s
 def test_evaluate_judges_a_stages_transformer_in_place_of_the_models(tmp_path):
     """--transformer: a stage's checkpoint is judged with the model directory's VAE and text encoder; the
     held-out loss is its own (a perturbed copy of the shipped transformer scores another loss)."""

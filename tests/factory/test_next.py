@@ -31,8 +31,8 @@ def test_init_lays_stage_weights_over_the_shipped_model(tmp_path):
 
 
 def test_init_lays_the_stages_builtin_json_keys_over_the_models(tmp_path):
-    """A stage that changes the clip (9 frames, a block shape that divides 3 latent frames) records it in
-    builtin-next/builtin.json: ``defaults`` merge key by key, other keys replace."""
+    """A stage that changes the clip (base stage 2: 9 frames) records it in builtin-next/builtin.json:
+    ``defaults`` merge key by key, other keys replace."""
     base = _model_dir(tmp_path / "builtin")
     info = {"defaults": {"num_frames": 17, "height": 128}, "block_shape": [2, 4, 4], "what": "shipped"}
     (base / "builtin.json").write_text(json.dumps(info))

@@ -26,6 +26,7 @@ from pipelines.request import GenerationRequest, latent_grid
 from pipelines.tiny import TINY_ARCHITECTURES, TINY_INFO, save_tiny_model
 from pipelines.tiny import main as tiny_main
 from pipelines.video import read_video
+from tests.pipelines.cli_spy import run_cli
 
 LAYERS = 6  # each expert of the tiny folders
 SMALL = dict(height=64, width=96, num_frames=5, num_inference_steps=2)
@@ -365,20 +366,6 @@ def test_cli_refuses_image_for_text_to_video_and_needs_it_for_image_to_video(fol
     assert not out.exists()
 
 
-def _run_cli(monkeypatch, argv):
-    """Runs the CLI in this process; returns the components it loaded (to inspect the experts)."""
-    seen = []
-    load = cli._load
-
-    def spy(*a, **k):
-        seen.append(load(*a, **k))
-        return seen[-1]
-
-    monkeypatch.setattr(cli, "_load", spy)
-    assert cli.main(argv) == 0
-    return seen[0]
-
-
 @pytest.mark.parametrize("architecture", TINY_ARCHITECTURES)
 def test_cli_runs_each_architecture(folders, picture, tmp_path, monkeypatch, capsys, architecture):
     expected = EXPECTED[architecture]
@@ -389,7 +376,7 @@ def test_cli_runs_each_architecture(folders, picture, tmp_path, monkeypatch, cap
     if expected["transformer_2"]:
         extra += ["--layers-2", "2-4"]
     out = tmp_path / "fox.mp4"
-    components = _run_cli(monkeypatch, _argv(folders[architecture], out, *extra))
+    components = run_cli(monkeypatch, _argv(folders[architecture], out, *extra))
     printed = capsys.readouterr().out
     assert f"64x96, {expected['pipeline_class']})" in printed and "RANDOM" in printed
     assert read_video(out).shape == (5, 64, 96, 3)
@@ -406,7 +393,7 @@ def test_cli_every_variant_in_each_architecture(folders, picture, tmp_path, monk
     if expected["pipeline_class"] == "WanImageToVideoPipeline":
         pytest.importorskip("ftfy")
         extra += ["--image", str(picture)]
-    components = _run_cli(monkeypatch, _argv(folders[architecture], tmp_path / "fox.mp4", *extra))
+    components = run_cli(monkeypatch, _argv(folders[architecture], tmp_path / "fox.mp4", *extra))
     printed = capsys.readouterr().out
     videos = {}
     for variant in ("flash", "linear", "mhla", "mhla-hybrid"):

@@ -23,7 +23,7 @@ from pipelines.pipeline import generate
 from pipelines.request import GenerationRequest
 from pipelines.tiny import TINY_IMAGE_ENCODER, TINY_TRANSFORMER, save_tiny_model
 from pipelines.video import read_video
-from tests.pipelines.test_families import _run_cli
+from tests.pipelines.cli_spy import run_cli
 
 pytestmark = pytest.mark.usefixtures("ftfy")
 LAYERS = 3  # mhla-hybrid's default split converts 1 and 2, layer 0 stays softmax
@@ -212,7 +212,7 @@ def _argv(folder, out, image, *extra):
 
 def test_cli_runs_the_hybrid_on_its_layers(folder, tmp_path, monkeypatch, capsys):
     _image(1).save(tmp_path / "first.png")
-    components = _run_cli(
+    components = run_cli(
         monkeypatch, _argv(folder, tmp_path / "fox.mp4", tmp_path / "first.png", "--variant", "mhla-hybrid")
     )
     printed = capsys.readouterr().out
@@ -234,7 +234,7 @@ def test_cli_every_variant_follows_the_seed_and_the_image(folder, tmp_path, monk
     }
     videos = {}
     for run, (image, out) in runs.items():
-        components = _run_cli(
+        components = run_cli(
             monkeypatch, _argv(folder, tmp_path / out / "fox.mp4", tmp_path / f"{image}.png", "--variant", "all")
         )
         printed = capsys.readouterr().out
