@@ -152,10 +152,17 @@ def _model_worker(rank: int, world: int, init: str, variant: str, mode: str, out
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize(
-    "variant,mode",
-    [("mhla", "ring"), ("linear", "ring"), ("mhla", "ulysses"), ("mhla-hybrid", "ulysses"), ("linear", "ulysses")],
+    "variant,mode,world",
+    [
+        ("mhla", "ring", 2),
+        ("linear", "ring", 2),
+        ("mhla", "ulysses", 2),
+        ("mhla-hybrid", "ulysses", 2),
+        ("linear", "ulysses", 2),
+        ("mhla", "ring", 4),  # 15 tokens a process
+        ("mhla-hybrid", "ulysses", 4),  # one head a process
+    ],
 )
 def test_a_converted_transformer_under_enable_parallelism_equals_one_process(tmp_path, variant, mode, world):
     """Forward and backward: each process's gathered output, and the parameter gradients summed over the
