@@ -4,6 +4,7 @@
     nice -n 5 python -m training.finetune --config configs/builtin/v2/vae.yaml     # a stage (see its header)
     python -m factory.next save vae             # its weights -> assets/builtin-next/vae (model weights only)
     python -m factory.next save-checkpoint runs/builtin-v2/base/checkpoints/step-XXXXXXX   # raw + EMA transformer
+    python -m factory.next save-variant mhla runs/builtin-v2/mhla/checkpoints/step-XXXXXXX  # a conversion, float16
 
 A stage's weights are committed under ``assets/builtin-next/`` (the VAE, the transformer and its EMA, in the
 model directory's own format; no optimizer state, no latents), replaced in place; ``init`` lays them over
@@ -27,7 +28,8 @@ NEXT_DIR = BUILTIN_DIR.parent / "builtin-next"
 WORK = Path("runs/builtin-v2")
 MODEL = WORK / "model"
 # what a stage may leave in assets/builtin-next/: model weights and their configs, nothing else
-PARTS = ("vae", "transformer", "transformer-ema")
+CONVERSIONS = ("linear", "mhla", "mhla-hybrid")
+PARTS = ("vae", "transformer", "transformer-ema", *(f"{VARIANTS_SUBDIR}/{v}" for v in CONVERSIONS))
 WEIGHT_FILES = ("config.json", "diffusion_pytorch_model.safetensors", "trained.json")
 MAX_MB = 30
 
@@ -48,12 +50,21 @@ def init(
         shutil.rmtree(tmp)
     shutil.copytree(base, tmp, ignore=shutil.ignore_patterns(VARIANTS_SUBDIR))
     laid = []
-    for part in ("vae", "transformer"):
-        src = next_dir / part
-        if (src / "config.json").is_file():
+    for part, src in (
+        ("vae", next_dir / "vae"),
+        # the base's raw weights (what a base stage resumes from) while it trains; its EMA once it is final
+        ("transformer", next_dir / "transformer"),
+        ("transformer", next_dir / "transformer-ema"),
+    ):
+        if (src / "config.json").is_file() and part not in laid:
             shutil.rmtree(tmp / part)
             shutil.copytree(src, tmp / part)
             laid.append(part)
+    for variant in CONVERSIONS:  # committed conversions (save-variant) become the model's fine-tuned variants
+        src = next_dir / VARIANTS_SUBDIR / variant
+        if (src / "config.json").is_file():
+            shutil.copytree(src, tmp / VARIANTS_SUBDIR / variant)
+            laid.append(f"{VARIANTS_SUBDIR}/{variant}")
     overlay = next_dir / "builtin.json"
     if overlay.is_file():  # a stage that changes the clip (frames, block shape) records it here
         info, changes = json.loads((tmp / "builtin.json").read_text()), json.loads(overlay.read_text())
@@ -78,27 +89,30 @@ def init(
     return model
 
 
-def save(part: str, src: Path, next_dir: Path = NEXT_DIR) -> Path:
+def save(part: str, src: Path, next_dir: Path = NEXT_DIR, half: bool = False) -> Path:
     """Copies a trained component folder ``src`` (config.json + safetensors) into ``next_dir/part``, atomically,
-    refusing anything but weights and configs and a total over :data:`MAX_MB`."""
+    refusing anything but weights and configs and a total over :data:`MAX_MB`. ``half``: floating-point
+    weights stored as float16 (loading casts them back to the model's dtype), refused if one does not fit."""
     if part not in PARTS:
         raise ValueError(f"part must be one of {PARTS}, got {part!r}")
     if not (src / "config.json").is_file() or not (src / "diffusion_pytorch_model.safetensors").is_file():
         raise FileNotFoundError(f"{src} is not a model folder (config.json + diffusion_pytorch_model.safetensors)")
     dst = next_dir / part
-    staged = dst.with_name("." + part + ".new")
+    staged = dst.with_name("." + dst.name + ".new")
     if staged.exists():
         shutil.rmtree(staged)
     staged.mkdir(parents=True)
     for name in WEIGHT_FILES:
-        if (src / name).is_file():
+        if half and name == "diffusion_pytorch_model.safetensors":
+            _save_half(src / name, staged / name)
+        elif (src / name).is_file():
             shutil.copy2(src / name, staged / name)
     others = sum(f.stat().st_size for f in next_dir.rglob("*") if f.is_file() and dst not in f.parents)
     total = (others + sum(f.stat().st_size for f in staged.iterdir())) / 2**20
     if total > MAX_MB:
         shutil.rmtree(staged)
         raise ValueError(f"assets/builtin-next would hold {total:.1f} MB, over its {MAX_MB} MB budget")
-    old = dst.with_name("." + part + ".old")
+    old = dst.with_name("." + dst.name + ".old")
     if dst.exists():
         if old.exists():
             shutil.rmtree(old)
@@ -108,6 +122,36 @@ def save(part: str, src: Path, next_dir: Path = NEXT_DIR) -> Path:
         shutil.rmtree(old)
     print(f"wrote {dst} ({total:.1f} MB in {next_dir})")
     return dst
+
+
+def _save_half(src: Path, dst: Path) -> None:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(src))
+    limit = torch.finfo(torch.float16).max
+    for key, value in weights.items():
+        if value.is_floating_point():
+            if not bool(torch.isfinite(value).all()) or float(value.abs().max()) > limit:
+                raise ValueError(f"{src}: {key} does not fit float16 (max |x| {float(value.abs().max()):g})")
+            weights[key] = value.to(torch.float16)
+    save_file(weights, str(dst), metadata={"format": "pt"})
+
+
+def save_variant(variant: str, checkpoint: Path, next_dir: Path = NEXT_DIR) -> Path:
+    """A conversion's fine-tuned transformer into ``next_dir/variants/VARIANT``: a checkpoint's ``transformer/``
+    (its EMA's weights when the run kept one) or a transformer folder, stored in float16 so that the three
+    conversions (3.5 MB each instead of 7) fit the budget beside the VAE and the base. ``init`` lays it into the
+    working model's ``variants/``; an evaluation of that model is an evaluation of what is committed."""
+    if variant not in CONVERSIONS:
+        raise ValueError(f"variant must be one of {CONVERSIONS}, got {variant!r}")
+    folder = checkpoint / "transformer" if (checkpoint / "transformer").is_dir() else checkpoint
+    config = folder / "config.json"
+    if config.is_file():
+        got = (json.loads(config.read_text()).get("self_attention") or {}).get("variant", "flash")
+        if got != variant:
+            raise ValueError(f"{folder} holds a {got!r} transformer, not {variant!r}")
+    return save(f"{VARIANTS_SUBDIR}/{variant}", folder, next_dir, half=True)
 
 
 def save_checkpoint(checkpoint: Path, next_dir: Path = NEXT_DIR) -> list[Path]:
@@ -160,12 +204,17 @@ def main(argv=None) -> int:
         help="a transformer stage's checkpoint: its raw weights -> transformer, its EMA's -> transformer-ema",
     )
     c.add_argument("checkpoint", help="e.g. runs/builtin-v2/base/checkpoints/step-0003000")
+    v = sub.add_parser("save-variant", help="a conversion's checkpoint -> variants/VARIANT, in float16")
+    v.add_argument("variant", choices=CONVERSIONS)
+    v.add_argument("checkpoint", help="e.g. runs/builtin-v2/mhla/checkpoints/step-0000300 (or its transformer/)")
     args = p.parse_args(argv)
     try:
         if args.cmd == "init":
             init(Path(args.out), fresh_transformer=args.fresh_transformer)
         elif args.cmd == "save-checkpoint":
             save_checkpoint(Path(args.checkpoint))
+        elif args.cmd == "save-variant":
+            save_variant(args.variant, Path(args.checkpoint))
         else:
             default = MODEL / ("transformer" if args.part.startswith("transformer") else args.part)
             save(args.part, Path(args.src) if args.src else default)

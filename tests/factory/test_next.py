@@ -134,3 +134,76 @@ def test_save_checkpoint_keeps_the_raw_weights_and_the_emas(tmp_path):
     save_file({"c": torch.randn(1)}, str(ckpt / "trainable.safetensors"))
     with pytest.raises(ValueError, match="does not"):
         nxt.save_checkpoint(ckpt, next_dir=tmp_path / "next")
+
+
+def _transformer_folder(root, variant, weights):
+    from safetensors.torch import save_file
+
+    root.mkdir(parents=True)
+    config = {"num_layers": 1} | ({"self_attention": {"variant": variant}} if variant != "flash" else {})
+    (root / "config.json").write_text(json.dumps(config))
+    save_file(weights, str(root / "diffusion_pytorch_model.safetensors"))
+    return root
+
+
+def test_save_variant_stores_a_conversion_in_float16_and_init_lays_it(tmp_path):
+    """Three conversions fit the 30 MB beside the VAE and the base only in float16: the stored weights are the
+    float32 ones rounded to the nearest float16 (integer tensors untouched), and init makes them the working
+    model's variants/ so that an evaluation reads exactly what is committed."""
+    import torch
+    from safetensors.torch import load_file
+
+    w = {"w": torch.randn(64, 64) * 0.02, "big": torch.tensor([3.0e4, -1.0e-3]), "ids": torch.arange(5)}
+    ckpt = tmp_path / "step-0000300"
+    _transformer_folder(ckpt / "transformer", "mhla", w)
+    dst = nxt.save_variant("mhla", ckpt, next_dir=tmp_path / "next")
+    assert dst == tmp_path / "next" / "variants" / "mhla"
+    got = load_file(str(dst / "diffusion_pytorch_model.safetensors"))
+    assert got["w"].dtype == torch.float16 and got["ids"].dtype == torch.int64
+    assert torch.equal(got["ids"], w["ids"])
+    for k in ("w", "big"):  # round to nearest: within half a float16 ulp of the float32 value
+        err = (got[k].float() - w[k]).abs()
+        assert bool((err <= w[k].abs() * 2.0**-11 + 2.0**-25).all()), k
+    assert (dst / "diffusion_pytorch_model.safetensors").stat().st_size < 0.6 * (
+        ckpt / "transformer" / "diffusion_pytorch_model.safetensors"
+    ).stat().st_size
+    assert sorted(p.name for p in (tmp_path / "next" / "variants").iterdir()) == ["mhla"]  # no staging left
+
+    base = _model_dir(tmp_path / "builtin")
+    out = nxt.init(tmp_path / "model", next_dir=tmp_path / "next", base=base)
+    assert sorted(p.name for p in (out / "variants").iterdir()) == ["mhla"]
+    assert json.loads((out / "variants" / "mhla" / "config.json").read_text())["self_attention"]["variant"] == "mhla"
+
+
+def test_save_variant_refuses_the_wrong_transformer_and_weights_beyond_float16(tmp_path):
+    import torch
+
+    folder = _transformer_folder(tmp_path / "lin", "linear", {"w": torch.randn(4)})
+    with pytest.raises(ValueError, match="'linear' transformer, not 'mhla'"):
+        nxt.save_variant("mhla", folder, next_dir=tmp_path / "next")
+    base = _transformer_folder(tmp_path / "base", "flash", {"w": torch.randn(4)})
+    with pytest.raises(ValueError, match="'flash' transformer"):
+        nxt.save_variant("linear", base, next_dir=tmp_path / "next")
+    with pytest.raises(ValueError, match="variant must be one of"):
+        nxt.save_variant("softmax", folder, next_dir=tmp_path / "next")
+    huge = _transformer_folder(tmp_path / "huge", "linear", {"ok": torch.ones(2), "w": torch.tensor([1.0, 7.0e4])})
+    with pytest.raises(ValueError, match="w does not fit float16"):
+        nxt.save_variant("linear", huge, next_dir=tmp_path / "next")
+    assert not (tmp_path / "next" / "variants" / "linear").exists()
+
+
+def test_init_lays_the_bases_ema_once_its_raw_weights_are_gone(tmp_path):
+    """While the base trains, init lays its raw weights (what the next base stage resumes from); once the base
+    is final only its EMA is kept, and that becomes the working model's transformer."""
+    base = _model_dir(tmp_path / "builtin")
+    nxt_dir = tmp_path / "next"
+    for part in ("transformer", "transformer-ema"):
+        (nxt_dir / part).mkdir(parents=True)
+        (nxt_dir / part / "config.json").write_text(json.dumps({"tag": part}))
+    out = nxt.init(tmp_path / "model", next_dir=nxt_dir, base=base)
+    assert json.loads((out / "transformer" / "config.json").read_text())["tag"] == "transformer"
+    import shutil
+
+    shutil.rmtree(nxt_dir / "transformer")
+    out = nxt.init(tmp_path / "model", next_dir=nxt_dir, base=base)
+    assert json.loads((out / "transformer" / "config.json").read_text())["tag"] == "transformer-ema"
