@@ -6,8 +6,8 @@
     python -m factory.next save-checkpoint runs/builtin-v2/base/checkpoints/step-XXXXXXX   # raw + EMA transformer
     python -m factory.next save-variant mhla runs/builtin-v2/mhla/checkpoints/step-XXXXXXX  # a conversion, float16
 
-A stage's weights are committed under ``assets/builtin-next/`` (the VAE, the transformer and its EMA, in the
-model directory's own format; no optimizer state, no latents), replaced in place; ``init`` lays them over
+A stage's weights are committed under ``assets/builtin-next/`` (the VAE, the transformer and its EMA, the
+conversions in float16, in the model directory's own format; no optimizer state, no latents), replaced in place; ``init`` lays them over
 the shipped model directory, so a later stage on a fresh machine starts from them (with a fresh AdamW and a
 short warm-up). ``assets/builtin/`` changes only when the whole new model beats what ships on the committed
 evaluation, and then ``assets/builtin-next/`` goes.
