@@ -6,6 +6,7 @@
 - ``latent_stats``: generated against encoded latents, frame by frame;
 - ``vae_speed``: a VAE training step's time per precision;
 - ``examples``: the app's example prompts, chosen from an evaluation's videos;
+- ``paired``: two evaluations compared on the videos both drew (same prompt and seed);
 - ``transfer_study``: the conversion-recipe study on the built-in model.
 
 The world it is trained on and the analyser that judges it are the package ``world`` below; this package

@@ -7,10 +7,10 @@
     python -m factory.next save-variant mhla runs/builtin-v2/mhla/checkpoints/step-XXXXXXX  # a conversion, float16
 
 A stage's weights are committed under ``assets/builtin-next/`` (the VAE, the transformer and its EMA, the
-conversions in float16, in the model directory's own format; no optimizer state, no latents), replaced in place; ``init`` lays them over
-the shipped model directory, so a later stage on a fresh machine starts from them (with a fresh AdamW and a
-short warm-up). ``assets/builtin/`` changes only when the whole new model beats what ships on the committed
-evaluation, and then ``assets/builtin-next/`` goes.
+conversions in float16, in the model directory's own format; no optimizer state, no latents), replaced in
+place; ``init`` lays them over the shipped model directory, so a later stage on a fresh machine starts from
+them (with a fresh AdamW and a short warm-up). ``assets/builtin/`` changes only when the whole new model beats
+what ships on the committed evaluation, and then ``assets/builtin-next/`` goes.
 """
 
 from __future__ import annotations
@@ -22,13 +22,14 @@ import shutil
 import sys
 from pathlib import Path
 
+from factory.build import CONVERSIONS, TRANSFORMER
 from pipelines.builtin import BUILTIN_DIR, VARIANTS_SUBDIR
+from pipelines.conversion import CONFIG_KEY
 
 NEXT_DIR = BUILTIN_DIR.parent / "builtin-next"
 WORK = Path("runs/builtin-v2")
 MODEL = WORK / "model"
 # what a stage may leave in assets/builtin-next/: model weights and their configs, nothing else
-CONVERSIONS = ("linear", "mhla", "mhla-hybrid")
 PARTS = ("vae", "transformer", "transformer-ema", *(f"{VARIANTS_SUBDIR}/{v}" for v in CONVERSIONS))
 WEIGHT_FILES = ("config.json", "diffusion_pytorch_model.safetensors", "trained.json")
 MAX_MB = 30
@@ -50,13 +51,12 @@ def init(
         shutil.rmtree(tmp)
     shutil.copytree(base, tmp, ignore=shutil.ignore_patterns(VARIANTS_SUBDIR))
     laid = []
-    for part, src in (
-        ("vae", next_dir / "vae"),
-        # the base's raw weights (what a base stage resumes from) while it trains; its EMA once it is final
-        ("transformer", next_dir / "transformer"),
-        ("transformer", next_dir / "transformer-ema"),
-    ):
-        if (src / "config.json").is_file() and part not in laid:
+    # the base's raw weights (what a base stage resumes from) while it trains; its EMA once it is final
+    transformer = next_dir / "transformer"
+    if not (transformer / "config.json").is_file():
+        transformer = next_dir / "transformer-ema"
+    for part, src in (("vae", next_dir / "vae"), ("transformer", transformer)):
+        if (src / "config.json").is_file():
             shutil.rmtree(tmp / part)
             shutil.copytree(src, tmp / part)
             laid.append(part)
@@ -75,8 +75,6 @@ def init(
     if fresh_transformer and "transformer" not in laid:
         import torch
         from diffusers import WanTransformer3DModel
-
-        from factory.build import TRANSFORMER
 
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(2)
@@ -148,7 +146,7 @@ def save_variant(variant: str, checkpoint: Path, next_dir: Path = NEXT_DIR) -> P
     folder = checkpoint / "transformer" if (checkpoint / "transformer").is_dir() else checkpoint
     config = folder / "config.json"
     if config.is_file():
-        got = (json.loads(config.read_text()).get("self_attention") or {}).get("variant", "flash")
+        got = (json.loads(config.read_text()).get(CONFIG_KEY) or {}).get("variant", "flash")
         if got != variant:
             raise ValueError(f"{folder} holds a {got!r} transformer, not {variant!r}")
     return save(f"{VARIANTS_SUBDIR}/{variant}", folder, next_dir, half=True)
