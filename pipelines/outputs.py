@@ -1,9 +1,12 @@
-"""Files the product writes for a user, written atomically: a temporary name in the same folder, flushed to
-disk, renamed into place only when complete and checked. A writer that fails (or a SIGTERM, which the
-error boundary of :mod:`pipelines.errors` turns into an exception) leaves the earlier file as it was and
-no temporary file behind.
+"""Files the product writes for a user, written atomically: a temporary name in the same folder, checked
+(not empty; the size a text should have; for a video, that it decodes with the frames written), flushed to
+disk, renamed into place only then. A writer that fails, writes short or writes something unreadable (ffmpeg
+on a full disk reports "No space left on device" but exits as if it had written), or a SIGTERM (which the
+error boundary of :mod:`pipelines.errors` turns into an exception), leaves the earlier file byte-identical,
+no temporary file behind, and raises :class:`OutputError` (exit 4). Temporary names fit the file system's
+name limit; an output name over it is refused before any work (:func:`check_name_fits`).
 
-    with atomic_write("out.mp4") as tmp:      # tmp: ".out.mp4.<pid>.tmp.mp4/out.mp4" beside it
+    with atomic_write("out.mp4", check=verify) as tmp:   # tmp: ".out.mp4.<pid>.tmp/out.mp4" beside it
         write_with_any_library(tmp)
     with atomic_dir("model/transformer") as tmp:
         model.save_pretrained(tmp)
@@ -15,7 +18,7 @@ import contextlib
 import errno
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from .errors import BadInputError, OutputError, describe_os_error
@@ -38,19 +41,71 @@ def _fsync_file(path: Path) -> None:
         os.close(fd)
 
 
+DEFAULT_NAME_MAX = 255  # bytes in one name: ext4, xfs, btrfs, tmpfs
+
+
+def name_max(folder: str | Path) -> int:
+    """The longest name (in bytes) the file system of ``folder`` (or of its nearest existing ancestor) takes."""
+    folder = Path(folder)
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        return int(os.pathconf(folder, "PC_NAME_MAX"))
+    except (OSError, ValueError):
+        return DEFAULT_NAME_MAX
+
+
+def check_name_fits(path: str | Path) -> Path:
+    """BadInputError, before any work, when ``path``'s file name is longer than its file system takes."""
+    path = Path(path)
+    size, limit = len(os.fsencode(path.name)), name_max(path.parent)
+    if size > limit:
+        raise BadInputError(
+            f"output name {_shorten(path.name)!r} is {size} bytes long; the file system of {str(path.parent)!r} "
+            f"takes names of at most {limit} bytes"
+        )
+    return path
+
+
+def _shorten(name: str, keep: int = 40) -> str:
+    return name if len(name) <= 2 * keep + 3 else f"{name[:keep]}...{name[-keep:]}"
+
+
 def _temp_name(path: Path, kind: str) -> Path:
-    # the real suffix last: writers such as ffmpeg and PIL choose the format from it
-    return path.with_name(f".{path.name}.{os.getpid()}.{kind}{path.suffix}")
+    """A hidden name beside ``path`` for its temporary file or folder (``kind``: "tmp", "old"), unique to this
+    process and short enough for the file system: ``path``'s name is cut to make room for the tag."""
+    tag = f".{os.getpid()}.{kind}"
+    budget = name_max(path.parent) - 1 - len(tag.encode())  # 1: the leading dot
+    stem = path.name
+    while len(os.fsencode(stem)) > budget:
+        stem = stem[:-1]
+    return path.with_name(f".{stem}{tag}")
+
+
+def _free_space(folder: Path) -> str:
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return "unknown"
+    free = st.f_bavail * st.f_frsize
+    return f"{free / 2**20:.1f} MiB" if free >= 2**20 else f"{free / 1024:.0f} KiB"
 
 
 @contextlib.contextmanager
-def atomic_write(path: str | Path, allow_empty: bool = False) -> Iterator[Path]:
+def atomic_write(
+    path: str | Path,
+    allow_empty: bool = False,
+    size: int | None = None,
+    check: Callable[[Path], str | None] | None = None,
+) -> Iterator[Path]:
     """Yields a temporary path to write ``path``'s content to (same name and suffix, in a private folder beside
-    ``path``); on success checks that a file was written (and is not empty unless ``allow_empty``), flushes it
-    to disk and renames it onto ``path``. On any failure the private folder is removed, ``path`` is untouched,
-    and the failure propagates (a writer that produced no file raises :class:`OutputError`). The folder, not
-    just the file, goes: a writer process still finishing (ffmpeg) cannot recreate its file in it."""
-    path = Path(path)
+    ``path``); on success checks that a file was written (not empty unless ``allow_empty``; of ``size`` bytes
+    when given; ``check(tmp)`` returns None, else why the file is not what was written), flushes it to disk and
+    renames it onto ``path``. On any failure the private folder is removed, ``path`` is untouched, and the
+    failure propagates (a writer that produced no file, or a file that fails its check, raises
+    :class:`OutputError`, exit 4). The folder, not just the file, goes: a writer process still finishing
+    (ffmpeg) cannot recreate its file in it."""
+    path = check_name_fits(path)
     folder = ensure_output_folder(path.parent)
     private = folder / _temp_name(path, "tmp").name
     _remove(private)
@@ -62,7 +117,19 @@ def atomic_write(path: str | Path, allow_empty: bool = False) -> Iterator[Path]:
     try:
         yield tmp
         if not tmp.is_file() or (not allow_empty and tmp.stat().st_size == 0):
-            raise OutputError(f"writing {str(path)!r} failed: the writer produced no file; nothing was written")
+            raise OutputError(
+                f"writing {str(path)!r} failed: the writer produced no file ({_free_space(folder)} free there); "
+                "nothing was written"
+            )
+        written = tmp.stat().st_size
+        why = f"{written} bytes were written of {size}" if size is not None and written != size else None
+        if why is None and check is not None:
+            why = check(tmp)
+        if why is not None:
+            raise OutputError(
+                f"writing {str(path)!r} failed: {why} (a short or failed write; {_free_space(folder)} free there); "
+                + ("the earlier file is left as it was" if path.exists() else "nothing was written")
+            )
         _fsync_file(tmp)
         os.replace(tmp, path)
         _fsync_dir(folder)
@@ -75,9 +142,10 @@ def atomic_write(path: str | Path, allow_empty: bool = False) -> Iterator[Path]:
 
 
 def write_text_atomic(path: str | Path, text: str) -> Path:
-    """``Path(path).write_text(text)``, atomically."""
-    with atomic_write(path, allow_empty=True) as tmp:
-        tmp.write_text(text)
+    """``Path(path).write_text(text)`` in UTF-8, atomically and checked to have its full size on disk."""
+    data = text.encode("utf-8")
+    with atomic_write(path, allow_empty=True, size=len(data)) as tmp:
+        tmp.write_bytes(data)
     return Path(path)
 
 
@@ -85,7 +153,7 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
 def atomic_dir(path: str | Path) -> Iterator[Path]:
     """Yields a temporary folder beside ``path``; on success renames it onto ``path`` (an earlier folder there is
     moved aside first and removed after, so there is never a moment without one); on failure removes it."""
-    path = Path(path)
+    path = check_name_fits(path)
     parent = ensure_output_folder(path.parent)
     tmp = parent / _temp_name(path, "tmp").name
     old = parent / _temp_name(path, "old").name

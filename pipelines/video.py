@@ -1,5 +1,8 @@
 """Writing generated frames: mp4 (imageio + its bundled ffmpeg), GIF, or one PNG with a grid of frames; each
-written atomically (:mod:`pipelines.outputs`): an earlier file is replaced only by a complete one."""
+written atomically (:mod:`pipelines.outputs`) and checked before it replaces anything: the mp4 must decode
+with the number of frames written, the GIF hold them all, the PNG be a whole image. ffmpeg on a full disk
+prints "No space left on device" and exits as if it had written; the check catches that (exit 4), and an
+earlier file is replaced only by a complete one."""
 
 from __future__ import annotations
 
@@ -23,12 +26,13 @@ def check_output_path(path: str | Path, suffixes: tuple[str, ...] | None = None)
     """Checks, before any work, that a file can be written at ``path`` (its folder exists or can be made,
     is no symbolic link loop, and is writable; ``path`` is not a folder); raises ValueError naming the path
     and why not. An existing file is left as it is."""
-    from .outputs import resolve_output_folder
+    from .outputs import check_name_fits, resolve_output_folder
 
     path = Path(path)
     if suffixes and path.suffix.lower() not in suffixes:
         raise ValueError(f"output {str(path)!r} must end in {' or '.join(suffixes)}")
     resolve_output_folder(path.parent)  # a symlink loop (ELOOP) or a file on the way: refused here
+    check_name_fits(path)  # a name over the file system's limit: refused now, not after the run
     try:
         is_dir = path.is_dir()
     except OSError as e:
@@ -69,6 +73,44 @@ def to_uint8(frames: npt.ArrayLike) -> np.ndarray:
     return (np.clip(array, 0.0, 1.0) * 255.0 + 0.5).astype(np.uint8)
 
 
+def _first_line(e: BaseException) -> str:
+    lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+    useful = [x for x in lines if "rror" in x or "nvalid" in x] or lines or [type(e).__name__]
+    return " ".join(useful[-1].split())[:200]
+
+
+def check_mp4(path: Path, frames: int) -> str | None:
+    """None when the video at ``path`` decodes (ffmpeg, every frame) to ``frames`` frames; else why not."""
+    import imageio_ffmpeg  # type: ignore[import-untyped]
+
+    try:
+        count, _ = imageio_ffmpeg.count_frames_and_secs(str(path))
+    except Exception as e:  # noqa: BLE001 - ffmpeg's failure to read it, in any form, is the answer
+        return f"the written video does not decode ({_first_line(e)})"
+    if count != frames:
+        return f"the written video decodes to {count} frames, {frames} were written"
+    return None
+
+
+def check_image(path: Path, frames: int, format: str) -> str | None:
+    """None when ``path`` is a whole ``format`` image whose every frame decodes, at most ``frames`` of them (a
+    GIF stores a run of identical frames once, with their durations added); else why not."""
+    from PIL import Image
+
+    try:
+        with Image.open(path) as image:
+            found = image.format
+            count = getattr(image, "n_frames", 1)
+            for i in range(count):  # decodes every frame: a truncated file fails here
+                image.seek(i)
+                image.load()
+    except Exception as e:  # noqa: BLE001 - PIL's many errors all mean "not a readable image"
+        return f"the written {format} does not decode ({type(e).__name__}: {_first_line(e)})"
+    if found != format or not 1 <= count <= frames:
+        return f"the written file is a {found} of {count} frame(s); expected a {format} of {frames}"
+    return None
+
+
 def write_mp4(
     path: str | Path, frames: npt.ArrayLike, fps: float = 16, comment: str | None = None, quality: int = 8
 ) -> Path:
@@ -83,7 +125,7 @@ def write_mp4(
     path = Path(path)
     params = ["-metadata", f"comment={_bounded_comment(comment)}"] if comment else None
     # written to a temporary name and renamed only when ffmpeg finished: an existing video is never truncated
-    with atomic_write(path) as tmp:
+    with atomic_write(path, check=lambda tmp: check_mp4(tmp, len(pixels))) as tmp:
         # macro_block_size=16 would silently resize sizes that are not multiples of 16; heights and widths
         # are multiples of 16 already, and 2 keeps yuv420p valid for any other even size.
         with imageio.get_writer(
@@ -112,7 +154,7 @@ def write_gif(path: str | Path, frames: npt.ArrayLike, fps: float = 16, comment:
     path = Path(path)
     images = [Image.fromarray(f) for f in to_uint8(frames)]
     extra = {"comment": _bounded_comment(comment).encode()} if comment else {}
-    with atomic_write(path) as tmp:
+    with atomic_write(path, check=lambda tmp: check_image(tmp, len(images), "GIF")) as tmp:
         images[0].save(
             tmp, format="GIF", save_all=True, append_images=images[1:], duration=round(1000 / fps), loop=0, **extra
         )
@@ -148,7 +190,7 @@ def write_frame_grid(
     info = PngInfo()
     if comment:
         info.add_text("Comment", comment)
-    with atomic_write(path) as tmp:
+    with atomic_write(path, check=lambda tmp: check_image(tmp, 1, "PNG")) as tmp:
         Image.fromarray(frame_grid(frames, columns)).save(tmp, format="PNG", pnginfo=info)
     return path
 

@@ -48,6 +48,7 @@ SLOW_TESTS = (
     "test_boundary.py::test_a_resume_with_another_architecture",
     "test_boundary.py::test_sigterm_while_saving",
     "test_cli_boundary.py::test_a_failing_video_writer",
+    "test_cli_boundary.py::test_a_full_disk_fails_generate",
     "test_app.py::test_benchmark_measures_both_levels",
     "test_app.py::test_page_api_has_named_outputs",  # builds the Gradio page
     "test_app.py::test_the_launcher_gives_the_builtin_model_its_analyser",  # loads the built-in model's variants

@@ -173,3 +173,26 @@ def test_a_failing_video_writer_is_an_error_never_wrote(tmp_path, monkeypatch, c
     captured = capsys.readouterr()
     assert rc == 4 and "produced no file" in captured.err and "wrote" not in captured.out
     assert not out.exists() and not list(tmp_path.glob(".*"))  # no temporary left either
+
+
+def test_a_full_disk_fails_generate_with_exit_4_and_keeps_the_earlier_video(tmp_path, capsys):
+    """Issue 39, class 1: on a full disk (a small tmpfs) the CLI printed "wrote" with exit 0 and the earlier
+    mp4 was replaced by an unreadable 12 KB file."""
+    from pipelines.video import read_video, write_mp4
+    from tests.fulldisk import full_disk
+
+    with full_disk(tmp_path / "disk") as disk:
+        out = disk.root / "x.mp4"
+        write_mp4(out, [[[[0, 0, 0]] * 32] * 32] * 5)
+        before = out.read_bytes()
+        disk.fill(free=1_000)
+        argv = ["--model", "tiny-random", "--prompt", "a fox", "--no-progress", "--variant", "flash"]
+        argv += ["--out", str(out), "--steps", "1", "--frames", "9", "--height", "64", "--width", "64"]
+        rc = gen.main(argv)
+        captured = capsys.readouterr()
+        assert rc == 4, captured.err
+        assert "wrote" not in captured.out and "unexpected" not in captured.err
+        last = captured.err.strip().splitlines()[-1]
+        assert last.startswith("error: ") and str(out) in last
+        assert out.read_bytes() == before and disk.files() == ["x.mp4"]
+        assert len(read_video(out)) == 5

@@ -202,3 +202,104 @@ def test_save_transformer_never_deletes_a_folder_of_other_files(tmp_path):
     with pytest.raises(ValueError, match="holds other files"):
         save_transformer(build_tiny_transformer(), folder)
     assert (folder / "notes.txt").read_text() == "keep"
+
+
+# ---- issue 39, class 1: writes are verified before they replace anything
+
+
+def test_a_full_disk_never_replaces_an_earlier_video_gif_or_png(tmp_path):
+    """ffmpeg on a full disk printed "No space left on device" and exited as if it had written: the earlier
+    mp4 became an unreadable 12 KB file and the write counted as done. Now every frame writer checks what it
+    wrote (the video decodes with its frames) before the rename: OutputError, the earlier files byte-identical."""
+    from tests.fulldisk import full_disk
+
+    with full_disk(tmp_path / "disk") as disk:
+        small = np.zeros((5, 32, 32, 3), np.uint8)
+        paths = [disk.root / "v.mp4", disk.root / "v.gif", disk.root / "v.png"]
+        for path, write in zip(paths, (write_mp4, write_gif, write_frame_grid), strict=True):
+            write(path, small)
+        before = {p.name: p.read_bytes() for p in paths}
+        disk.fill(free=12_000)
+        noise = np.random.default_rng(0).integers(0, 256, (33, 128, 128, 3), dtype=np.uint8)
+        for path, write in zip(paths, (write_mp4, write_gif, write_frame_grid), strict=True):
+            with pytest.raises(errors.OutputError, match="the earlier file is left as it was|No space left") as e:
+                write(path, noise)
+            assert "\n" not in str(e.value) and str(path) in str(e.value)
+        assert {p.name: p.read_bytes() for p in paths} == before
+        assert disk.files() == ["v.gif", "v.mp4", "v.png"]  # no temporary left behind
+        disk.release()
+        write_mp4(paths[0], noise)  # with room again, the same write succeeds and decodes whole
+        from pipelines.video import read_video
+
+        assert len(read_video(paths[0])) == 33
+
+
+def test_a_writer_that_writes_short_without_raising_fails_with_exit_4(tmp_path, monkeypatch, capsys):
+    """The same failure simulated (no tmpfs needed): a writer that leaves a truncated mp4 and says nothing."""
+    import imageio.v2 as imageio
+
+    out = tmp_path / "v.mp4"
+    write_mp4(out, np.zeros((5, 16, 16, 3), np.uint8))
+    before = out.read_bytes()
+    real = imageio.get_writer
+
+    class Short:
+        def __init__(self, uri, *a, **k):
+            self.uri, self.inner = uri, real(uri, *a, **k)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.inner.__exit__(*exc)
+            os.truncate(self.uri, 8192)  # what ENOSPC left: the header, no index
+            return False
+
+        def append_data(self, frame):
+            self.inner.append_data(frame)
+
+    monkeypatch.setattr(imageio, "get_writer", Short)
+
+    def main(argv):
+        write_mp4(out, np.random.default_rng(1).integers(0, 256, (9, 64, 64, 3), dtype=np.uint8))
+        print("wrote", out)
+        return 0
+
+    assert errors.run_cli(main, [], prog="t") == 4
+    captured = capsys.readouterr()
+    assert "does not decode" in captured.err and captured.err.count("\n") == 1 and "wrote" not in captured.out
+    assert out.read_bytes() == before and os.listdir(tmp_path) == ["v.mp4"]
+
+
+def test_a_text_output_of_the_wrong_size_is_not_renamed(tmp_path):
+    out = tmp_path / "r.json"
+    out.write_text("the good one")
+    with pytest.raises(errors.OutputError, match="5 bytes were written of 10"):
+        with outputs.atomic_write(out, size=10) as tmp:
+            tmp.write_bytes(b"12345")
+    assert out.read_text() == "the good one" and os.listdir(tmp_path) == ["r.json"]
+
+
+def test_a_longest_allowed_output_name_is_written_and_a_longer_one_refused_before_any_work(tmp_path):
+    """A 255-byte output name failed only after the whole run: the temporary name added to it was over the
+    file system's limit. Temporary names are now cut to fit; a name over the limit is refused first."""
+    from pipelines.video import check_output_path
+
+    limit = outputs.name_max(tmp_path)
+    name = "v" * (limit - 4) + ".mp4"
+    frames = np.zeros((5, 16, 16, 3), np.uint8)
+    check_output_path(tmp_path / name)
+    write_mp4(tmp_path / name, frames)
+    write_mp4(tmp_path / name, frames)  # over an earlier one too
+    outputs.write_text_atomic(tmp_path / ("t" * (limit - 5) + ".json"), "{}")
+    with outputs.atomic_dir(tmp_path / ("d" * limit)) as tmp:
+        (tmp / "config.json").write_text("{}")
+    assert sorted(len(p.name) for p in tmp_path.iterdir()) == [limit] * 3
+    too_long = tmp_path / ("x" * (limit - 3) + ".mp4")
+    with pytest.raises(ValueError, match=f"is {limit + 1} bytes long; .* at most {limit} bytes"):
+        check_output_path(too_long)
+    with pytest.raises(ValueError, match="bytes long"):
+        write_mp4(too_long, frames)
+    # a name of multi-byte characters counts its bytes, not its characters
+    with pytest.raises(ValueError, match="bytes long"):
+        check_output_path(tmp_path / ("é" * (limit // 2) + ".mp4"))
