@@ -87,10 +87,13 @@ DEFAULTS: dict = {
     # task=vae only: crop size of training clips, KL weight, clips for the latent statistics, where to install it
     # trainable: all | decoder (the encoder, and so the latents and their statistics, stay as they are:
     # a transformer trained on those latents stays valid while the decoder improves)
+    # latent_noise: Gaussian noise added to the posterior mean before decoding, in units of each latent channel's
+    # std over the batch (the decoder then also decodes the imperfect latents a transformer generates)
     "vae": {
         "crop": 64,
         "kl_weight": 1e-6,
         "object_weight": 10.0,
+        "latent_noise": 0.0,
         "stats_samples": 64,
         "export": None,
         "trainable": "all",
@@ -221,6 +224,7 @@ RANGES: dict[str, tuple] = {
     "vae.crop": (8, True, None),
     "vae.kl_weight": (0, True, None),
     "vae.object_weight": (0, True, None),
+    "vae.latent_noise": (0, True, None),
     "vae.stats_samples": (1, True, None),
 }
 # list keys -> the type of their items

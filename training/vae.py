@@ -87,17 +87,32 @@ def autocast_for(precision: str, device_type: str = "cpu"):
     raise ValueError(f"train.precision={precision!r} is not supported for task=vae; expected 'no' or 'bf16'")
 
 
-def vae_loss(vae, video: torch.Tensor, kl_weight: float, object_weight: float, train_encoder: bool = True):
+def vae_loss(
+    vae,
+    video: torch.Tensor,
+    kl_weight: float,
+    object_weight: float,
+    train_encoder: bool = True,
+    latent_noise: float = 0.0,
+    generator: torch.Generator | None = None,
+):
     """Returns ``(loss, reconstruction L1)`` of one batch ``(B, 3, T, H, W)`` in [-1, 1].
 
-    Reconstruction of the posterior mean (a sample's noise only slowed this small VAE down), squared
-    and absolute error, with saturated pixels (the objects: a few per cent of a frame on grey-toned
-    backgrounds) weighted ``1 + object_weight``; plus ``kl_weight`` times the mean KL per element.
+    Reconstruction of the posterior mean, squared and absolute error, with saturated pixels (the objects:
+    a few per cent of a frame on grey-toned backgrounds) weighted ``1 + object_weight``; plus ``kl_weight``
+    times the mean KL per element. ``latent_noise`` > 0 decodes the posterior mean plus Gaussian noise of that
+    many standard deviations of each latent channel (measured over the batch, not differentiated): the decoder
+    learns to decode latents that are near, not at, the encoder's (what a transformer generates).
     With ``train_encoder=False`` the encoder runs without a graph (the KL term is then a constant).
     """
     with torch.set_grad_enabled(train_encoder and torch.is_grad_enabled()):
         posterior = vae.encode(video).latent_dist
-    recon = decode_unclamped(vae, posterior.mean)
+    z = posterior.mean
+    if latent_noise > 0:
+        std = z.detach().float().transpose(0, 1).reshape(z.shape[1], -1).std(1).view(1, -1, 1, 1, 1)
+        noise = torch.randn(z.shape, generator=generator, dtype=torch.float32).to(z.device)
+        z = z + latent_noise * std.to(z.dtype) * noise.to(z.dtype)
+    recon = decode_unclamped(vae, z)
     saturated = (video.amax(1, keepdim=True) - video.amin(1, keepdim=True)) > 0.5
     weight = 1.0 + object_weight * saturated.float()
     err = recon - video
@@ -160,7 +175,7 @@ def train_vae(cfg) -> int:
     n_params = sum(p.numel() for p in params)
     print(
         f"vae: {source} ({n_params / 1e6:.2f}M trainable parameters: {cfg.vae.trainable}), clips {len(dataset)}, "
-        f"crop {cfg.vae.crop}, precision {cfg.train.precision}"
+        f"crop {cfg.vae.crop}, latent noise {cfg.vae.latent_noise}, precision {cfg.train.precision}"
     )
 
     loader = torch.utils.data.DataLoader(
@@ -180,7 +195,15 @@ def train_vae(cfg) -> int:
         samples += len(batch["caption"])
         video = _random_crop(batch["video"], cfg.vae.crop, generator)
         with autocast_for(cfg.train.precision):
-            loss, l1 = vae_loss(vae, video, cfg.vae.kl_weight, cfg.vae.object_weight, train_encoder)
+            loss, l1 = vae_loss(
+                vae,
+                video,
+                cfg.vae.kl_weight,
+                cfg.vae.object_weight,
+                train_encoder,
+                latent_noise=cfg.vae.latent_noise,
+                generator=generator,
+            )
         if not torch.isfinite(loss):
             raise FloatingPointError(f"step {step + 1}: non-finite VAE loss {loss.item()}")
         opt.zero_grad(set_to_none=True)

@@ -56,7 +56,7 @@ COLOURS: dict[str, tuple[int, int, int]] = {
 }
 SHAPES: tuple[str, ...] = ("circle", "square", "triangle", "diamond")
 # Base radius of an object as a fraction of min(height, width).
-SIZES: dict[str, float] = {"small": 0.10, "large": 0.17, "big": 0.22}
+SIZES: dict[str, float] = {"small": 0.10, "large": 0.17, "big": 0.22, "huge": 0.25}
 MOTIONS: tuple[str, ...] = (
     "left",
     "right",
@@ -323,6 +323,18 @@ WORLDS: dict[str, SyntheticWorld] = {
     "v2": SyntheticWorld(
         colours=("red", "yellow", "green", "blue", "purple"),
         sizes=("big",),
+        motions=("left", "right", "up", "down", "static"),
+        backgrounds=("grey", "black", "white"),
+        max_objects=1,
+        short_captions=0.5,
+        default_background="grey",
+        size_words=False,
+    ),
+    # the third design (issue 37): the second world's vocabulary with a larger object (radius 0.25 of the short
+    # side: 32 px across at 64x80, 8 latent cells of a 4x VAE), rendered at 64x80 and 9 frames
+    "v3": SyntheticWorld(
+        colours=("red", "yellow", "green", "blue", "purple"),
+        sizes=("huge",),
         motions=("left", "right", "up", "down", "static"),
         backgrounds=("grey", "black", "white"),
         max_objects=1,

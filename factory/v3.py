@@ -1,0 +1,296 @@
+"""The built-in model's third design (issue 37): a 4x VAE, a larger object, a context-free text encoder, patch 2x2.
+
+    python -m factory.v3 init                        # runs/builtin-v3/model, from assets/builtin-next where it has parts
+    nohup nice -n 5 python -m training.finetune --config configs/builtin/v3/vae.yaml > runs/builtin-v3/vae.log 2>&1 &
+    python -m factory.v3 gate runs/builtin-v3/model/vae   # the VAE gate: before any transformer training
+    python -m factory.next save vae --from runs/builtin-v3/model/vae
+
+What caps the second design (the study in issue 37) and what this design changes:
+
+- the VAE: 8x spatial compression rounded a triangle's corners and fringed its colours (ceiling 0.46-0.52). Here
+  4x4x4 strides (a 9x64x80 clip -> 16x3x16x20 latents), objects weighted 1 + 2 instead of 1 + 10, the decoder
+  trained on noisy latents too (``vae.latent_noise``);
+- the latent geometry: colour was about 30x louder than shape in the normalised latents. :func:`latent_geometry`
+  measures it (mean squared change of the normalised latent, and of the pixels, when one attribute is swapped);
+- padding: 22-24 zero tokens after a 12-token caption took 41-76% of the cross-attention. Here
+  ``max_sequence_length`` 16, and a context-free text encoder (:func:`context_free_text_encoder`): each token's
+  output is its own normalised embedding, the rows orthonormal, so no word is mixed into its neighbours;
+- the object: radius 0.25 of the short side (world ``v3``) and one transformer token per 8x8 pixels (patch 1x2x2
+  over the 16x20 latent grid: 3x8x10 = 240 tokens).
+
+The gate (:func:`gate`) writes ``assets/builtin-next/curves/vae-gate.json``: the analyser's ceiling on 64
+validation clips (>= 0.95 overall) and the colour:shape latent-change ratio (within 3x of the pixel ratio).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from factory import write_json
+from factory.build import TEXT_ENCODER, TRANSFORMER, build_tokenizer, vae_settings
+from factory.next import NEXT_DIR
+
+WORK = Path("runs/builtin-v3")
+MODEL = WORK / "model"
+WORLD = "v3"
+# 9 frames at 64x80 -> 3x16x20 latent cells (VAE 4x4x4) -> 3x8x10 = 240 tokens (patch 1x2x2)
+DEFAULTS = {
+    "height": 64,
+    "width": 80,
+    "num_frames": 9,
+    "num_inference_steps": 20,
+    "guidance_scale": 4.0,
+    "max_sequence_length": 16,
+}
+# MHLA's target block in tokens: 3x8x10 -> 3x2x2 blocks, M = 12 (M * M <= N = 240)
+BLOCK_SHAPE = (1, 4, 5)
+VAE_V3 = dict(base_dim=16, dim_mult=[1, 2, 4], temperal_downsample=[True, True], num_res_blocks=1)
+TRANSFORMER_V3 = {**TRANSFORMER, "patch_size": (1, 2, 2)}
+GATE_CEILING = 0.95
+GATE_RATIO = 3.0
+GEOMETRY_ATTRIBUTES = ("colour", "shape", "motion", "background")
+
+
+def context_free_text_encoder(vocab_size: int, seed: int = 0):
+    """A ``UMT5EncoderModel`` whose output for each token is its own embedding, RMS-normalised: every layer's
+    attention output projection and feed-forward output are zero (the residual stream is the embedding), and the
+    embedding rows are orthonormal (every word as far from every other as the width allows). Nothing is mixed
+    across positions, so swapping one word changes one output row."""
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = UMT5EncoderModel(UMT5Config(vocab_size=vocab_size, **TEXT_ENCODER)).eval()
+        with torch.no_grad():
+            torch.nn.init.orthogonal_(model.shared.weight)
+            for block in model.encoder.block:
+                block.layer[0].SelfAttention.o.weight.zero_()
+                block.layer[-1].DenseReluDense.wo.weight.zero_()
+    return model
+
+
+def _copy_part(src: Path, dst: Path) -> None:
+    if dst.exists():
+        shutil.rmtree(dst)
+    shutil.copytree(src, dst)
+
+
+def init(model: Path = MODEL, next_dir: Path = NEXT_DIR, seed: int = 0) -> Path:
+    """Writes the working model directory ``model`` of this design: tokenizer and text encoder (from
+    ``next_dir`` when committed there, else built and also written there: the transformer is trained against
+    them, so they are kept, not rebuilt), the VAE (``next_dir/vae`` when its config is this design's, else the
+    one ``model`` already holds (a VAE run in progress installs there), else a fresh one), the transformer
+    (``next_dir/transformer``, else ``transformer-ema``, when their patch is this design's; else a fresh one),
+    Wan's UniPC flow scheduler and ``builtin.json`` with this design's defaults and block shape."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
+
+    tmp = model.with_name(model.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    laid = []
+    for part in ("tokenizer", "text_encoder"):
+        if not (next_dir / part).is_dir():
+            tokenizer = build_tokenizer()
+            tokenizer.save_pretrained(str(next_dir / "tokenizer"))
+            context_free_text_encoder(len(tokenizer), seed).save_pretrained(
+                str(next_dir / "text_encoder"), safe_serialization=True
+            )
+            laid.append(f"a new tokenizer and context-free text encoder (written to {next_dir})")
+            break
+    for part in ("tokenizer", "text_encoder"):
+        _copy_part(next_dir / part, tmp / part)
+    want_vae = vae_settings(**VAE_V3)
+    same = lambda folder: all(  # noqa: E731
+        json.loads((folder / "config.json").read_text()).get(k) == want_vae[k] for k in VAE_V3
+    )
+    if (next_dir / "vae" / "config.json").is_file() and same(next_dir / "vae"):
+        _copy_part(next_dir / "vae", tmp / "vae")
+        laid.append(f"{next_dir / 'vae'}")
+    elif (model / "vae" / "config.json").is_file() and same(model / "vae"):
+        _copy_part(model / "vae", tmp / "vae")
+        laid.append(f"the VAE {model / 'vae'} held")
+    else:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed + 1)
+            AutoencoderKLWan(**want_vae).save_pretrained(str(tmp / "vae"), safe_serialization=True)
+        laid.append("a fresh VAE")
+    for name in ("transformer", "transformer-ema"):
+        src = next_dir / name / "config.json"
+        if src.is_file() and list(json.loads(src.read_text())["patch_size"]) == list(TRANSFORMER_V3["patch_size"]):
+            _copy_part(next_dir / name, tmp / "transformer")
+            laid.append(str(next_dir / name))
+            break
+    else:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed + 2)
+            WanTransformer3DModel(**TRANSFORMER_V3).save_pretrained(str(tmp / "transformer"), safe_serialization=True)
+        laid.append("a fresh transformer")
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+    scheduler.save_pretrained(str(tmp / "scheduler"))
+    index = {
+        "_class_name": "WanPipeline",
+        "_diffusers_version": json.loads((tmp / "vae" / "config.json").read_text())["_diffusers_version"],
+        "scheduler": ["diffusers", "UniPCMultistepScheduler"],
+        "text_encoder": ["transformers", "UMT5EncoderModel"],
+        "tokenizer": ["transformers", "PreTrainedTokenizerFast"],
+        "transformer": ["diffusers", "WanTransformer3DModel"],
+        "vae": ["diffusers", "AutoencoderKLWan"],
+    }
+    (tmp / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
+    info = {
+        "what": "Wan2.1-architecture text-to-video model trained from scratch on the synthetic moving-shapes world "
+        "(third design)",
+        "defaults": DEFAULTS,
+        "block_shape": list(BLOCK_SHAPE),
+        "world": WORLD,
+        "transformer": {**TRANSFORMER_V3, "patch_size": list(TRANSFORMER_V3["patch_size"])},
+        "vae": VAE_V3,
+        "text_encoder": {**TEXT_ENCODER, "trained": False, "context_free": True, "tokenizer": "word-level"},
+        "rebuild": "python -m factory.v3 init (see configs/builtin/v3/)",
+    }
+    (tmp / "builtin.json").write_text(json.dumps(info, indent=1) + "\n")
+    if model.exists():
+        shutil.rmtree(model)
+    os.replace(tmp, model)
+    print(f"wrote {model} with {', '.join(laid)}")
+    return model
+
+
+@torch.no_grad()
+def latent_geometry(vae, num_clips: int = 64, seed: int = 0) -> dict:
+    """How loud each attribute is in the normalised latents and in the pixels: for each of ``num_clips``
+    validation clips of the third world and each attribute, the clip with that attribute swapped for the
+    world's next value (same start, same background otherwise; :func:`training.probe.swapped`), and for motion the
+    same path run backwards (the opposite motion; static clips are left out of it); the mean squared
+    change of the latent (posterior mean, normalised with the VAE's ``latents_mean``/``latents_std`` as the
+    pipeline does) and of the pixels (in [-1, 1]). Returns both per attribute and the colour:shape ratios."""
+    from training.probe import swapped
+    from world.synthetic import SyntheticVideoDataset, render_video, world_named
+
+    world = world_named(WORLD)
+    data = SyntheticVideoDataset(
+        num_clips,
+        num_frames=DEFAULTS["num_frames"],
+        height=DEFAULTS["height"],
+        width=DEFAULTS["width"],
+        seed=seed,
+        split="validation",
+        world=world,
+    )
+    mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
+
+    def encode(frames: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        video = torch.from_numpy(frames).float().div(127.5).sub(1).permute(3, 0, 1, 2)[None]
+        return (vae.encode(video).latent_dist.mean - mean) / std, video
+
+    sums = {a: [0.0, 0.0, 0] for a in GEOMETRY_ATTRIBUTES}
+    for i in range(num_clips):
+        attributes = data.attributes(i)
+        z, x = encode(render_video(attributes, DEFAULTS["num_frames"], DEFAULTS["height"], DEFAULTS["width"]))
+        for attribute in GEOMETRY_ATTRIBUTES:
+            if attribute == "motion":  # the renderer follows start -> end: the opposite motion is the reversed path
+                obj = attributes["objects"][0]
+                if obj["start"] == obj["end"]:
+                    continue
+                other = {**attributes, "objects": [{**obj, "start": obj["end"], "end": obj["start"]}]}
+            else:
+                other = swapped(attributes, attribute, world)
+            z2, x2 = encode(render_video(other, DEFAULTS["num_frames"], DEFAULTS["height"], DEFAULTS["width"]))
+            sums[attribute][0] += float((z2 - z).square().mean())
+            sums[attribute][1] += float((x2 - x).square().mean())
+            sums[attribute][2] += 1
+    latent = {a: float(f"{s[0] / max(s[2], 1):.4g}") for a, s in sums.items()}
+    pixel = {a: float(f"{s[1] / max(s[2], 1):.4g}") for a, s in sums.items()}
+    ratio_latent = latent["colour"] / max(latent["shape"], 1e-12)
+    ratio_pixel = pixel["colour"] / max(pixel["shape"], 1e-12)
+    return {
+        "latent_mse": latent,
+        "pixel_mse": pixel,
+        "colour_shape_ratio_latent": round(ratio_latent, 3),
+        "colour_shape_ratio_pixel": round(ratio_pixel, 3),
+        "ratio_of_ratios": round(ratio_latent / ratio_pixel, 3),
+    }
+
+
+def gate(vae_dir: Path, num_clips: int = 64, out: Path | None = NEXT_DIR / "curves" / "vae-gate.json") -> dict:
+    """The VAE gate: the analyser's ceiling on ``num_clips`` validation clips (overall >= :data:`GATE_CEILING`)
+    and the colour:shape latent-change ratio within :data:`GATE_RATIO` x of the pixel ratio (either way)."""
+    from diffusers import AutoencoderKLWan
+
+    from factory.vae_ceiling import reconstruction_ceiling
+    from world.synthetic import SyntheticVideoDataset, world_named
+
+    vae = AutoencoderKLWan.from_pretrained(str(vae_dir), dtype=torch.float32).eval()
+    data = SyntheticVideoDataset(
+        num_clips,
+        num_frames=DEFAULTS["num_frames"],
+        height=DEFAULTS["height"],
+        width=DEFAULTS["width"],
+        seed=0,
+        split="validation",
+        world=world_named(WORLD),
+    )
+    ceiling = reconstruction_ceiling(vae, data, range(num_clips))
+    geometry = latent_geometry(vae, num_clips)
+    ratio = geometry["ratio_of_ratios"]
+    passed = {
+        "ceiling": ceiling["overall"] >= GATE_CEILING,
+        "geometry": 1 / GATE_RATIO <= ratio <= GATE_RATIO,
+    }
+    trained = vae_dir / "trained.json"
+    record = {
+        "vae": str(vae_dir),
+        "trained": json.loads(trained.read_text()) if trained.is_file() else None,
+        "num_clips": num_clips,
+        "world": WORLD,
+        "ceiling": ceiling,
+        "geometry": geometry,
+        "gate": {"ceiling >= 0.95": passed["ceiling"], "colour:shape within 3x of pixels": passed["geometry"]},
+        "passed": all(passed.values()),
+    }
+    if out is not None:
+        write_json(out, record)
+    return record
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m factory.v3", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    i = sub.add_parser("init", help="the working model directory runs/builtin-v3/model")
+    i.add_argument("--out", default=str(MODEL))
+    g = sub.add_parser("gate", help="the VAE gate (ceiling and latent geometry) of a VAE folder")
+    g.add_argument("vae", help="an AutoencoderKLWan folder, e.g. runs/builtin-v3/model/vae")
+    g.add_argument("--num-clips", type=int, default=64)
+    g.add_argument("--out", default=str(NEXT_DIR / "curves" / "vae-gate.json"), help="'-' writes nothing")
+    args = p.parse_args(argv)
+    if args.cmd == "init":
+        init(Path(args.out))
+        return 0
+    vae = Path(args.vae)
+    if not (vae / "config.json").is_file():
+        print(f"error: {vae} is not an AutoencoderKLWan folder (no config.json)", file=sys.stderr)
+        return 2
+    record = gate(vae, args.num_clips, None if args.out == "-" else Path(args.out))
+    c, g = record["ceiling"], record["geometry"]
+    print(
+        f"ceiling overall {c['overall']:.2f} (count {c['count']:.2f}, colour {c['colour']:.2f}, shape {c['shape']:.2f}, "
+        f"motion {c['motion']:.2f}; PSNR {c['psnr_db']:.1f} dB) on {record['num_clips']} clips; latent change "
+        f"{g['latent_mse']}, pixels {g['pixel_mse']}; colour:shape {g['colour_shape_ratio_latent']} in the latents, "
+        f"{g['colour_shape_ratio_pixel']} in pixels ({g['ratio_of_ratios']}x)"
+    )
+    print("gate: " + ("PASSED" if record["passed"] else f"FAILED {record['gate']}"))
+    return 0 if record["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""The built-in model's third design (issue 37): its world, its context-free text encoder, the VAE's latent noise,
+the gate's latent geometry and the working model directory."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from factory import v3
+from world.synthetic import render_video, sample_attributes, world_named
+
+
+def test_third_world_draws_one_large_object_at_64x80():
+    world = world_named("v3")
+    for i in range(20):
+        a = sample_attributes(0, i, "train", world, aspect=80 / 64)
+        assert a["num_objects"] == 1 and a["objects"][0]["size"] == "huge"
+        frames = render_video(a, 9, 64, 80)
+        # the object: saturated pixels (backgrounds are grey-toned); a square of radius 16 px covers 32x32 = 1024,
+        # a triangle (circumradius 1.25 x 16 px) about 0.41 * 40^2 = 660: well above the second world's 14 px
+        saturated = (frames.max(-1).astype(int) - frames.min(-1).astype(int)) > 60
+        assert saturated.shape == (9, 64, 80)
+        assert 400 < saturated[0].sum() < 1400, (a["objects"][0], saturated[0].sum())
+        assert "huge" not in a and all(w not in ("huge", "big") for w in str(a).split(" "))
+
+
+def test_context_free_text_encoder_keeps_each_word_to_its_row():
+    """Each output row is the token's own embedding, RMS-normalised (the reference here is that formula, written
+    from the embedding table alone); swapping one word changes one row; the rows are orthonormal."""
+    vocab = 40
+    te = v3.context_free_text_encoder(vocab, seed=0)
+    ids = torch.tensor([[3, 17, 25, 8, 1, 0, 0]])
+    with torch.no_grad():
+        out = te(input_ids=ids, attention_mask=(ids > 0).long() | (ids == 0).long()).last_hidden_state[0]
+        emb = te.shared.weight[ids[0]]
+    rms = emb.square().mean(-1, keepdim=True).add(te.config.layer_norm_epsilon).rsqrt()
+    expected = emb * rms * te.encoder.final_layer_norm.weight
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    gram = te.shared.weight @ te.shared.weight.T
+    torch.testing.assert_close(gram, torch.eye(vocab), rtol=0, atol=1e-5)
+    swapped = ids.clone()
+    swapped[0, 2] = 30
+    with torch.no_grad():
+        out2 = te(input_ids=swapped).last_hidden_state[0]
+    changed = (out2 - out).norm(dim=-1) > 1e-4
+    assert changed.tolist() == [False, False, True, False, False, False, False]
+
+
+def _tiny_vae():
+    from diffusers import AutoencoderKLWan
+
+    from factory.build import vae_settings
+
+    torch.manual_seed(0)
+    return AutoencoderKLWan(**vae_settings(base_dim=4, dim_mult=[1, 2, 4], temperal_downsample=[True, True])).eval()
+
+
+def test_vae_loss_latent_noise_changes_the_decoded_latent_reproducibly():
+    from training.vae import vae_loss
+
+    vae = _tiny_vae()
+    video = torch.rand(2, 3, 5, 16, 16) * 2 - 1
+    with torch.no_grad():
+        clean, _ = vae_loss(vae, video, 1e-6, 2.0)
+        again, _ = vae_loss(vae, video, 1e-6, 2.0, latent_noise=0.0, generator=torch.Generator().manual_seed(1))
+        noisy1, _ = vae_loss(vae, video, 1e-6, 2.0, latent_noise=0.5, generator=torch.Generator().manual_seed(1))
+        noisy2, _ = vae_loss(vae, video, 1e-6, 2.0, latent_noise=0.5, generator=torch.Generator().manual_seed(1))
+    assert float(clean) == float(again)
+    assert float(noisy1) == float(noisy2)
+    assert float(noisy1) != float(clean)
+
+
+def test_vae_latent_noise_is_a_checked_config_key():
+    from training.config import load_config
+
+    with pytest.raises(ValueError, match="vae.latent_noise"):
+        load_config(None, ["task=vae", "model.path=.", "vae.latent_noise=-0.1"])
+
+
+def test_latent_geometry_measures_every_attribute():
+    vae = _tiny_vae()
+    geometry = v3.latent_geometry(vae, num_clips=3)
+    assert set(geometry["latent_mse"]) == set(v3.GEOMETRY_ATTRIBUTES)
+    # every swap changes the pixels (motion: the reversed path, where the clip moves at all)
+    assert all(v > 0 for k, v in geometry["pixel_mse"].items() if k != "motion")
+    ratio = geometry["latent_mse"]["colour"] / geometry["latent_mse"]["shape"]
+    assert geometry["colour_shape_ratio_latent"] == pytest.approx(ratio, rel=1e-2, abs=1e-3)
+
+
+def test_init_writes_a_model_directory_of_this_design(tmp_path):
+    model = v3.init(tmp_path / "model", next_dir=tmp_path / "next")
+    info = json.loads((model / "builtin.json").read_text())
+    assert info["defaults"] == v3.DEFAULTS and info["block_shape"] == list(v3.BLOCK_SHAPE)
+    assert json.loads((model / "transformer" / "config.json").read_text())["patch_size"] == [1, 2, 2]
+    vae = json.loads((model / "vae" / "config.json").read_text())
+    assert vae["dim_mult"] == [1, 2, 4] and vae["scale_factor_spatial"] == 4
+    # the text encoder is kept in next_dir (the transformer is trained against it) and reused by a second init
+    first = (tmp_path / "next" / "text_encoder" / "model.safetensors").read_bytes()
+    v3.init(tmp_path / "model", next_dir=tmp_path / "next")
+    assert (tmp_path / "next" / "text_encoder" / "model.safetensors").read_bytes() == first
+    assert np.array_equal(
+        np.frombuffer((model / "text_encoder" / "model.safetensors").read_bytes(), np.uint8),
+        np.frombuffer(first, np.uint8),
+    )
