@@ -263,6 +263,98 @@ def gate(vae_dir: Path, num_clips: int = 64, out: Path | None = NEXT_DIR / "curv
     return record
 
 
+ROLES = ("colour", "shape", "motion", "background", "other words", "end", "padding")
+
+
+@torch.no_grad()
+def word_attention(
+    model_dir: Path, transformer_dir: Path | None = None, num_clips: int = 8, sigma: float = 0.6
+) -> dict:
+    """Where the cross-attention looks: the share of every cross-attention layer's softmax weights (averaged over
+    heads, video tokens and ``num_clips`` validation clips of the third world, noised to ``sigma``) that falls on
+    each caption role: the colour, shape, motion and background words, the other words, the end token and the
+    zero padding up to ``max_sequence_length``. A model that reads the shape word gives it more than the uniform
+    share ``1 / max_sequence_length``. Queries and keys are recomputed from each layer's own projections and norms
+    (``to_q``, ``norm_q``, ``to_k``, ``norm_k``), as diffusers' Wan processor computes them."""
+    from diffusers import WanTransformer3DModel
+
+    from pipelines import load_components
+    from training.encoding import Encoder
+    from world.synthetic import MOTION_PHRASES, SyntheticVideoDataset, caption_for, world_named
+
+    world = world_named(WORLD)
+    components = load_components(str(model_dir))
+    transformer = (
+        WanTransformer3DModel.from_pretrained(str(transformer_dir), dtype=torch.float32)
+        if transformer_dir is not None
+        else components.transformer
+    ).eval()
+    length = components.defaults.get("max_sequence_length", DEFAULTS["max_sequence_length"])
+    encoder = Encoder(components, length)
+    d = DEFAULTS
+    data = SyntheticVideoDataset(
+        num_clips, num_frames=d["num_frames"], height=d["height"], width=d["width"], split="validation", world=world
+    )
+    attrs = [data.attributes(i) for i in range(num_clips)]
+    captions = [caption_for(a, sizes=world.size_words) for a in attrs]
+    latents = encoder.latents(torch.stack([data[i]["video"] for i in range(num_clips)]))
+    text = encoder.text(captions)
+    noise = torch.randn(latents.shape, generator=torch.Generator().manual_seed(0))
+    x_t = (1 - sigma) * latents + sigma * noise
+    words = {
+        "colour": set(world.colours),
+        "shape": set(world.shapes),
+        "motion": {w for m in world.motions for w in MOTION_PHRASES[m].split()} - {"to", "the", "moves"},
+        "background": set(world.backgrounds),
+    }
+    roles = []  # (clip, position) -> role
+    for caption in captions:
+        tokens = components.tokenizer.convert_ids_to_tokens(components.tokenizer(caption).input_ids)
+        row = []
+        for pos in range(length):
+            if pos >= len(tokens):
+                row.append("padding")
+            elif tokens[pos] == components.tokenizer.eos_token:
+                row.append("end")
+            else:
+                row.append(next((r for r, ws in words.items() if tokens[pos] in ws), "other words"))
+        roles.append(row)
+    captured: list[torch.Tensor] = []
+
+    def hook(attn, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        context = args[1] if len(args) > 1 else kwargs["encoder_hidden_states"]
+        q = attn.norm_q(attn.to_q(hidden)).unflatten(2, (attn.heads, -1))  # (B, S, H, D)
+        k = attn.norm_k(attn.to_k(context)).unflatten(2, (attn.heads, -1))  # (B, L, H, D)
+        weights = torch.einsum("bshd,blhd->bhsl", q, k).mul(q.shape[-1] ** -0.5).softmax(-1)
+        captured.append(weights.mean((1, 2)))  # (B, L)
+
+    handles = [b.attn2.register_forward_pre_hook(hook, with_kwargs=True) for b in transformer.blocks]
+    try:
+        transformer(
+            hidden_states=x_t,
+            timestep=torch.full((num_clips,), sigma * 1000.0),
+            encoder_hidden_states=text,
+            return_dict=False,
+        )
+    finally:
+        for h in handles:
+            h.remove()
+    shares = torch.stack(captured)  # (layers, B, L)
+    out: dict = {"sigma": sigma, "num_clips": num_clips, "max_sequence_length": length, "uniform": 1 / length}
+    per_layer = []
+    for layer in shares:
+        totals = dict.fromkeys(ROLES, 0.0)
+        for b, row in enumerate(roles):
+            for pos, role in enumerate(row):
+                totals[role] += float(layer[b, pos]) / num_clips
+        per_layer.append({r: round(v, 4) for r, v in totals.items()})
+    out["by_layer"] = per_layer
+    out["mean"] = {r: round(sum(p[r] for p in per_layer) / len(per_layer), 4) for r in ROLES}
+    out["words_per_caption"] = {r: round(sum(row.count(r) for row in roles) / num_clips, 2) for r in ROLES}
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m factory.v3", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -272,9 +364,27 @@ def main(argv=None) -> int:
     g.add_argument("vae", help="an AutoencoderKLWan folder, e.g. runs/builtin-v3/model/vae")
     g.add_argument("--num-clips", type=int, default=64)
     g.add_argument("--out", default=str(NEXT_DIR / "curves" / "vae-gate.json"), help="'-' writes nothing")
+    a = sub.add_parser("attention", help="the cross-attention's share on each caption role (shape word, padding, ...)")
+    a.add_argument("--model", default=str(MODEL))
+    a.add_argument("--transformer", default=None, help="a transformer folder (default: the model's)")
+    a.add_argument("--num-clips", type=int, default=8)
+    a.add_argument("--sigma", type=float, default=0.6)
+    a.add_argument("--out", default=None, help="writes OUT.json")
     args = p.parse_args(argv)
     if args.cmd == "init":
         init(Path(args.out))
+        return 0
+    if args.cmd == "attention":
+        result = word_attention(
+            Path(args.model), Path(args.transformer) if args.transformer else None, args.num_clips, args.sigma
+        )
+        if args.out:
+            write_json(args.out, result)
+        per = result["words_per_caption"]
+        print(
+            f"cross-attention share at sigma {result['sigma']} (uniform per position {result['uniform']:.3f}): "
+            + ", ".join(f"{r} {v:.3f} ({per[r]:g} tokens)" for r, v in result["mean"].items())
+        )
         return 0
     vae = Path(args.vae)
     if not (vae / "config.json").is_file():

@@ -103,3 +103,14 @@ def test_init_writes_a_model_directory_of_this_design(tmp_path):
         np.frombuffer((model / "text_encoder" / "model.safetensors").read_bytes(), np.uint8),
         np.frombuffer(first, np.uint8),
     )
+
+
+def test_word_attention_splits_every_layers_weights_over_the_caption_roles(tmp_path):
+    model = v3.init(tmp_path / "model", next_dir=tmp_path / "next")
+    result = v3.word_attention(model, num_clips=2)
+    assert len(result["by_layer"]) == v3.TRANSFORMER_V3["num_layers"]
+    for layer in result["by_layer"]:
+        assert sum(layer.values()) == pytest.approx(1.0, abs=1e-3)  # a softmax over the 16 positions
+    per = result["words_per_caption"]
+    assert sum(per.values()) == result["max_sequence_length"] == 16
+    assert per["shape"] == per["colour"] == per["end"] == 1.0 and per["padding"] > 0
