@@ -147,18 +147,60 @@ def describe_os_error(e: OSError) -> str:
     return f"{reason}:{where}".rstrip(":")
 
 
+WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
+
+
+def write_failure(e: BaseException) -> str | None:
+    """Why a writer failed, when ``e`` is its report that the disk refused the data (full, quota, read-only,
+    too large a file); None for any other error. Writers report it in their own ways: an ``OSError`` with its
+    errno, torch's zip writer a ``RuntimeError`` ("PytorchStreamWriter failed writing file ...", or "enforce
+    fail at inline_container.cc ... unexpected pos" when a write came up short), safetensors a
+    ``SafetensorError`` ("I/O error: No space left on device")."""
+    if isinstance(e, OSError):
+        return describe_os_error(e) if e.errno in WRITE_ERRNOS else None
+    text = " ".join(str(e).split())
+    if type(e).__name__ == "SafetensorError" and "I/O error" in text:
+        return text[text.index("I/O error") :][:200]
+    if isinstance(e, RuntimeError) and "PytorchStreamWriter" in text:
+        return f"torch's file writer failed ({text[:160]}; a full disk?)"
+    if isinstance(e, RuntimeError) and "inline_container" in text and "unexpected pos" in text:
+        return "torch's file writer wrote fewer bytes than it was given (a full disk?)"
+    return None
+
+
+def unpickling_reason(e: BaseException) -> tuple[bool, str]:
+    """``(refused_objects, reason)`` for torch.load(weights_only=True)'s UnpicklingError: whether the file is
+    a pickle of objects that weights_only refuses (``GLOBAL posix.system``: code it would run) rather than no
+    torch file at all, and torch's reason without its paragraphs of advice."""
+    parts = [" ".join(x.split()) for x in str(e).split("\n\n")]
+    parts = [x for x in parts if x and not x.startswith(("Weights only load failed", "Check the documentation"))]
+    reason = " ".join(parts).split("WeightsUnpickler error:")[-1].strip() or type(e).__name__
+    return "GLOBAL" in reason, reason[:200]
+
+
 def classify(e: BaseException) -> tuple[int, str] | None:
     """``(exit code, message)`` for a known failure, None for an unexpected one."""
+    import pickle
+
     if isinstance(e, UserError):
         return e.exit_code, str(e)
+    if isinstance(e, pickle.UnpicklingError):  # torch.load(weights_only=True) refusing a pickle: correct, and known
+        objects, reason = unpickling_reason(e)
+        what = (
+            "holds objects other than tensors and numbers, which weights_only loading refuses"
+            if objects
+            else ("is not a readable torch file")
+        )
+        return EXIT_BAD_INPUT, f"a file read with torch.load {what} ({reason}); expected a file of tensors"
     if isinstance(e, FileNotFoundError):
         return EXIT_BAD_INPUT, describe_os_error(e) if e.filename else str(e)
     if isinstance(e, ValueError | UnicodeError) and not isinstance(e, UnicodeDecodeError):
         return EXIT_BAD_INPUT, str(e)
     if isinstance(e, UnicodeDecodeError):
         return EXIT_BAD_INPUT, f"a file is not valid {e.encoding} text ({e.reason} at byte {e.start})"
-    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
-        return EXIT_OUTPUT, f"could not write: {describe_os_error(e)}"
+    why = write_failure(e)
+    if why is not None:
+        return EXIT_OUTPUT, f"could not write: {why}"
     if isinstance(e, OSError) and e.errno in (
         errno.EACCES,
         errno.EPERM,

@@ -61,7 +61,7 @@ from .convert import convert_self_attention
 from .errors import run_cli
 from .loading import save_transformer
 from .model_dir import check_finite, check_model_dir, check_weight_files, read_json
-from .outputs import write_text_atomic
+from .outputs import resolve_output_folder, write_text_atomic
 
 if TYPE_CHECKING:
     from diffusers import WanTransformer3DModel
@@ -536,7 +536,9 @@ def import_official(
     if not checkpoint.is_file():
         raise FileNotFoundError(f"checkpoint {str(checkpoint)!r} does not exist")
     base = check_model_dir(base)
-    _check_out(out, base)
+    # written where a symbolic link leads (a link to a folder not made yet included: it is made), checked first
+    target = resolve_output_folder(out)
+    _check_out(target, base)
     transformer_config = json.loads((base / "transformer" / "config.json").read_text())
 
     if checkpoint.suffix.lower() == ".safetensors":  # names and shapes without reading the tensors
@@ -553,25 +555,25 @@ def import_official(
 
     model = build_transformer(plan, transformer_config, tensors)
     del tensors
-    created = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
+    created = not target.exists()
+    target.mkdir(parents=True, exist_ok=True)
     try:
-        save_transformer(model, out / "transformer")
+        save_transformer(model, target / "transformer")
         for part in COMPONENTS:
             src = (base / part).resolve()
             if components == "copy":
-                shutil.copytree(src, out / part)
+                shutil.copytree(src, target / part)
             else:
-                os.symlink(src, out / part, target_is_directory=True)
+                os.symlink(src, target / part, target_is_directory=True)
         # the base's index, naming the class that restores the conversion (diffusers' loaders then load it as saved)
         from .model import model_index_entry
 
         index = read_json(base / "model_index.json", "model_index.json")
         index["transformer"] = model_index_entry()
-        write_json(out / "model_index.json", index)
-        _write_record(out, checkpoint, found, base, components, plan)
+        write_json(target / "model_index.json", index)
+        _write_record(target, checkpoint, found, base, components, plan)
     except BaseException:
-        _remove_contents(out, remove_dir=created)  # no half-written directory that loads as something it is not
+        _remove_contents(target, remove_dir=created)  # no half-written directory that loads as something it is not
         raise
     return out
 

@@ -165,8 +165,12 @@ def resolve_device(device: str | torch.device | None = None) -> torch.device:
         device = torch.device(device)
     except (RuntimeError, TypeError):
         raise ValueError(f"device {device!r} is not a device name; expected auto, cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):  # meta holds no data, mps/xpu/... are not what this project runs on
+        raise ValueError(f"device {str(device)!r} is not supported; expected auto, cpu, cuda or cuda:N")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {str(device)!r} was asked for, but CUDA is not available here")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"device {str(device)!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return device
 
 

@@ -256,17 +256,40 @@ TRANSFORMER_KEYS = ("patch_size", "num_layers", "num_attention_heads", "attentio
 def check_transformer_config(config: dict[str, Any], path: str | Path, what: str = "transformer") -> None:
     """Raises ValueError unless ``config`` (read from ``path``) looks like a Wan transformer's ``config.json``
     (a VAE's or a text encoder's does not): every key of :data:`TRANSFORMER_KEYS`, with positive integers."""
-    missing = [k for k in TRANSFORMER_KEYS if k not in config]
+    missing = [k for k in TRANSFORMER_KEYS if config.get(k) is None]  # a VAE's config may say patch_size: null
+    patch = config.get("patch_size")
+    if patch is not None and not _is_patch(patch):  # Wan2.2's VAE has a patch_size too: one int, not three
+        missing.insert(0, "patch_size")
     if missing:
         kind = config.get("_class_name") or "another model"
+        if "autoencoder" in str(kind).lower() or "z_dim" in config:
+            kind = f"{kind}, a VAE's config"
+        needs = []
+        if "patch_size" in missing:
+            got = f"; it has {patch!r}" if patch is not None else ""
+            needs.append(f"patch_size (the transformer's patch, three whole numbers such as [1, 2, 2]{got})")
+        if {"num_attention_heads", "attention_head_dim"} & set(missing):
+            needs.append("the attention config (num_attention_heads, attention_head_dim)")
+        if "num_layers" in missing:
+            needs.append("num_layers")
+        if "in_channels" in missing:
+            needs.append("in_channels")
         raise ValueError(
-            f"{what} {str(path)!r} is not a Wan transformer's config ({kind}: no {', '.join(map(repr, missing))}); "
-            "expected the config.json of a transformer folder (e.g. <model>/transformer)"
+            f"{what} {str(path)!r} is not a Wan transformer's config ({kind}): it lacks {'; '.join(needs)}; "
+            "expected the config.json of a transformer folder (e.g. <model>/transformer, not <model>/vae)"
         )
     for key in ("num_layers", "num_attention_heads", "attention_head_dim", "in_channels"):
         value = config[key]
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{what} {str(path)!r}: {key} is {value!r}; expected a positive integer")
+
+
+def _is_patch(value: Any) -> bool:
+    return (
+        isinstance(value, list | tuple)
+        and len(value) == 3
+        and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in value)
+    )
 
 
 def weight_keys(files: list[Path]) -> tuple[set[str], list[str]]:
@@ -325,8 +348,26 @@ def check_transformer_weights(folder: str | Path, config: dict[str, Any], extra:
     from diffusers import WanTransformer3DModel
 
     folder = Path(folder)
+    files = weight_files(folder)
+    found = _layer_count(weight_keys(files)[0])
+    said = config.get("num_layers")
+    if found is not None and said != found:  # named as what it is, before the keys it makes missing or extra
+        from .errors import ModelError
+
+        raise ModelError(
+            f"transformer {str(folder)!r}: the number of layers differs: {said} in config.json (num_layers), "
+            f"{found} in the weights (blocks.0 to blocks.{found - 1}); expected the config.json saved with "
+            "these weights (was it edited, or the files mixed?)"
+        )
     accepted = inspect.signature(WanTransformer3DModel.__init__).parameters
     with torch.device("meta"):
         model = WanTransformer3DModel(**{k: v for k, v in config.items() if k in accepted})
     expected = set(model.state_dict())
-    check_weights_match(expected, weight_files(folder), f"transformer {str(folder)!r}", extra)
+    check_weights_match(expected, files, f"transformer {str(folder)!r}", extra)
+
+
+def _layer_count(keys: Iterable[str]) -> int | None:
+    """The number of transformer layers weights named ``blocks.<i>.`` hold (the highest index + 1); None when
+    no key names a layer."""
+    indices = [int(k.split(".")[1]) for k in keys if k.startswith("blocks.") and k.split(".")[1].isdigit()]
+    return max(indices) + 1 if indices else None

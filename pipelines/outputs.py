@@ -21,7 +21,7 @@ import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from .errors import BadInputError, OutputError, describe_os_error
+from .errors import BadInputError, OutputError, describe_os_error, write_failure
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -137,6 +137,11 @@ def atomic_write(
         if isinstance(e, OutputError):
             raise
         raise OutputError(f"could not write {str(path)!r}: {describe_os_error(e)}; nothing was written") from e
+    except Exception as e:
+        why = write_failure(e)  # a writer's own report of a full disk (torch's zip writer, safetensors)
+        if why is None:
+            raise
+        raise OutputError(f"could not write {str(path)!r}: {why}; nothing was written") from e
     finally:
         _remove(private)
 
@@ -177,6 +182,12 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
         if isinstance(e, OutputError):
             raise
         raise OutputError(f"could not write {str(path)!r}: {describe_os_error(e)}; nothing was written") from e
+    except Exception as e:
+        _remove(tmp)
+        why = write_failure(e)  # a writer's own report of a full disk (torch's zip writer, safetensors)
+        if why is None:
+            raise
+        raise OutputError(f"could not write {str(path)!r}: {why}; nothing was written") from e
     except BaseException:
         _remove(tmp)
         raise

@@ -118,16 +118,85 @@ def resolve_resume(resume: str | None, run_dir: str | Path) -> Path | None:
 
 
 RUN_FILES = ("checkpoints", "metrics.jsonl", "config.yaml")
+RUN_MANIFEST = "run_files.json"  # what a run wrote in its run_dir: all that overwrite=true may remove
+# names a new run writes whatever it is given: one not written by the earlier run is never replaced
+_FIXED = ("config.yaml", "metrics.jsonl", RUN_MANIFEST)
+
+
+def _read_run_files(run_dir: Path) -> tuple[set[str], set[str]] | None:
+    """``(written, folders)`` of ``run_dir``'s run manifest (paths relative to ``run_dir``; ``written``: files
+    and folders the run made whole, ``folders``: folders it made to hold them), None when there is none."""
+    path = run_dir / RUN_MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        written, folders = data["written"], data["folders"]
+        if not all(isinstance(x, str) for x in [*written, *folders]):
+            raise TypeError("a path that is not text")
+    except (ValueError, KeyError, TypeError) as e:
+        from pipelines.errors import BadInputError
+
+        raise BadInputError(
+            f"{str(path)!r} is not a readable run manifest ({e}); expected the list of files a run wrote (remove "
+            "the earlier run's files yourself, or choose another run_dir)"
+        ) from None
+    return set(written), set(folders)
+
+
+def _legacy_run_files(run_dir: Path) -> tuple[set[str], set[str]]:
+    """What a run written before run manifests (or by ``training.vae``, which keeps none) wrote at the names
+    every run writes: its config, metrics and checkpoint folders (each vouched for by its own manifest)."""
+    written = {name for name in ("config.yaml", "metrics.jsonl") if (run_dir / name).is_file()}
+    root = run_dir / "checkpoints"
+    if root.is_dir():
+        written |= {f"checkpoints/{p.name}" for p in list_checkpoints(run_dir)}
+        written |= {f"checkpoints/{p.name}" for p in root.glob(".step-*.tmp")}
+    folders = {"checkpoints"} if root.is_dir() else set()
+    if (run_dir / "final" / "vae" / "trained.json").is_file():  # training.vae's result
+        written.add("final/vae")
+        folders.add("final")
+    return written, folders
+
+
+def record_run_files(run_dir: str | Path, *written: str, folders: tuple[str, ...] = ()) -> None:
+    """Adds paths (relative to ``run_dir``) to the run manifest before they are written, so that a crash never
+    leaves a file of the run unlisted. ``folders``: folders made to hold them (removed only when empty). Only
+    the main process calls it."""
+    from pipelines.outputs import write_text_atomic
+
+    run_dir = Path(run_dir)
+    found = _read_run_files(run_dir)
+    if found is None:
+        found = _legacy_run_files(run_dir)
+    have_written, have_folders = found
+    if set(written) <= have_written and set(folders) <= have_folders and (run_dir / RUN_MANIFEST).is_file():
+        return
+    data = {"written": sorted(have_written | set(written)), "folders": sorted(have_folders | set(folders))}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(run_dir / RUN_MANIFEST, json.dumps(data, indent=1) + "\n")
+
+
+def _unlisted(run_dir: Path, written: set[str]) -> list[str]:
+    """Files at the names a new run writes (and checkpoint folders, which a new run would prune or resume
+    from) that the earlier run did not write."""
+    names = [n for n in _FIXED if (run_dir / n).exists()]
+    root = run_dir / "checkpoints"
+    if root.is_dir():
+        names += [f"checkpoints/{p.name}" for p in root.iterdir() if _NAME.match(p.name)]
+    return sorted(n for n in names if n not in written and n != RUN_MANIFEST)
 
 
 def check_new_run(run_dir: str | Path, resume: str | None, overwrite: bool) -> list[Path]:
     """A run without ``resume`` must not start over another run's files in ``run_dir`` (its metrics would be
-    emptied and checkpoint pruning would mix the two runs). Returns what ``overwrite=true`` replaces;
-    raises ValueError naming the folder otherwise."""
+    emptied and checkpoint pruning would mix the two runs). Returns what ``overwrite=true`` removes: only what
+    the earlier run wrote (its run manifest, see :func:`record_run_files`); anything else is left. Raises
+    ValueError naming the folder without ``overwrite``, and naming the files when ``overwrite`` would have to
+    replace files the earlier run did not write (a config.yaml of one's own, a copied-in checkpoint)."""
     if resume:
         return []
     run_dir = Path(run_dir)
-    found = [run_dir / name for name in RUN_FILES if (run_dir / name).exists()]
+    found = [run_dir / name for name in (*RUN_FILES, RUN_MANIFEST) if (run_dir / name).exists()]
     if found and not overwrite:
         steps = [checkpoint_step(p) for p in list_checkpoints(run_dir)]
         held = f" (checkpoints up to step {max(steps)})" if steps else ""
@@ -135,17 +204,52 @@ def check_new_run(run_dir: str | Path, resume: str | None, overwrite: bool) -> l
             f"run_dir {str(run_dir)!r} already holds a run{held}: continue it with resume=latest, "
             "choose a new run_dir, or replace it with overwrite=true"
         )
-    return found
+    if not found:
+        return []
+    listed = _read_run_files(run_dir)
+    written, _ = listed if listed is not None else _legacy_run_files(run_dir)
+    foreign = _unlisted(run_dir, written)
+    if foreign:
+        from pipelines.errors import BadInputError
+
+        raise BadInputError(
+            f"overwrite=true would replace files in run_dir {str(run_dir)!r} that the earlier run did not write: "
+            f"{', '.join(foreign[:8])}{' ...' if len(foreign) > 8 else ''}; move them away or choose another run_dir"
+        )
+    return [run_dir / name for name in sorted(written) if (run_dir / name).exists() or (run_dir / name).is_symlink()]
 
 
-def clear_run(run_dir: str | Path) -> None:
-    """Removes an earlier run's files from ``run_dir`` (``overwrite=true``)."""
+def clear_run(run_dir: str | Path) -> list[str]:
+    """Removes an earlier run's files from ``run_dir`` (``overwrite=true``): what its run manifest lists (for a
+    run without one, :func:`_legacy_run_files`), then the folders it made when they are left empty. Everything
+    else stays (the lock file, notes, data); returns those left, relative to ``run_dir``."""
     run_dir = Path(run_dir)
-    if run_dir.is_dir():
-        for p in run_dir.iterdir():
-            if p.name == LOCK_FILE:  # held by this run (training.lock)
-                continue
-            shutil.rmtree(p) if p.is_dir() else p.unlink()
+    if not run_dir.is_dir():
+        return []
+    listed = _read_run_files(run_dir)
+    written, folders = listed if listed is not None else _legacy_run_files(run_dir)
+    for name in sorted(written):
+        path = run_dir / name
+        if not _inside(path, run_dir):  # a manifest naming ../ or an absolute path: never followed out
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+    for name in sorted(folders, key=lambda n: -n.count("/")):  # the deepest first
+        path = run_dir / name
+        if _inside(path, run_dir) and path.is_dir() and not path.is_symlink() and not any(path.iterdir()):
+            path.rmdir()
+    (run_dir / RUN_MANIFEST).unlink(missing_ok=True)
+    return sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.name != LOCK_FILE and not p.is_dir())
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    try:
+        path.parent.resolve().relative_to(folder.resolve())
+    except ValueError:
+        return False
+    return ".." not in Path(path).relative_to(folder).parts
 
 
 def begin_checkpoint(run_dir, step: int) -> Path:
@@ -155,6 +259,9 @@ def begin_checkpoint(run_dir, step: int) -> Path:
     :func:`pending_dir` after a barrier.
     """
     tmp = pending_dir(run_dir, step)
+    final = checkpoint_dir(run_dir, step)
+    # listed before they exist: overwrite=true removes them, and only them (training.lock: one run per folder)
+    record_run_files(run_dir, f"checkpoints/{final.name}", f"checkpoints/{tmp.name}", folders=("checkpoints",))
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
@@ -189,12 +296,48 @@ def finish_checkpoint(run_dir, step: int, keep: int | None = None) -> Path:
 
 
 def save_state(state: dict, path: str | Path) -> None:
-    torch.save(state, path)
+    """``torch.save``; a full disk (torch's zip writer reports it as a RuntimeError) is an OutputError naming
+    ``path`` (exit 4)."""
+    from pipelines.errors import OutputError, write_failure
+
+    try:
+        torch.save(state, path)
+    except (OSError, RuntimeError) as e:
+        why = write_failure(e)
+        if why is None:
+            raise
+        raise OutputError(f"could not write {str(path)!r}: {why}") from e
 
 
 def load_state(path: str | Path) -> dict:
-    """A state file of a checkpoint; only tensors, numbers, strings and containers are accepted."""
-    return torch.load(path, map_location="cpu", weights_only=True)
+    """A state file of a checkpoint; only tensors, numbers, strings and containers are accepted. A file holding
+    anything else (a pickle of objects, which ``weights_only`` refuses) or no readable torch file is a
+    BadInputError naming it (exit 2)."""
+    import pickle
+
+    from pipelines.errors import BadInputError, unpickling_reason
+
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        objects, reason = unpickling_reason(e)
+        what = (
+            "holds objects other than tensors and numbers, which weights_only loading refuses"
+            if objects
+            else ("is not a readable torch file")
+        )
+        raise BadInputError(
+            f"checkpoint file {str(path)!r} {what} ({reason}); expected a state file this project's training wrote"
+        ) from None
+    except (RuntimeError, EOFError, ValueError) as e:  # not a zip, truncated, an empty file
+        first = " ".join(str(e).split())[:160] or type(e).__name__
+        raise BadInputError(
+            f"checkpoint file {str(path)!r} is not a readable torch file ({first}); expected a state file this "
+            "project's training wrote"
+        ) from None
+    if not isinstance(state, dict):
+        raise BadInputError(f"checkpoint file {str(path)!r} holds a {type(state).__name__}; expected a dict of state")
+    return state
 
 
 def restore_run(
@@ -262,16 +405,57 @@ def restore_optimizer(optimizer, scheduler, state: dict) -> None:
     scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
 
 
+def read_metrics(path: str | Path) -> tuple[list[tuple[str, int | float]], bool]:
+    """The rows of a run's ``metrics.jsonl`` as ``(line, step)`` and whether its last line is a half-written row
+    (a crash mid-append; it is dropped with a warning naming the file). Any other line that is not a JSON
+    object with a numeric ``step`` is a BadInputError naming the file and line (exit 2)."""
+    from pipelines.errors import BadInputError
+
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise BadInputError(f"{str(path)!r} is not UTF-8 text (byte {e.start}); expected the run's JSON rows") from None
+    lines = text.splitlines()
+    rows: list[tuple[str, int | float]] = []
+    half = False
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict):
+                raise ValueError(f"a JSON {type(row).__name__}, not an object")
+        except ValueError as e:
+            if number == len(lines) and not text.endswith("\n"):  # the row a crash cut short
+                warnings.warn(
+                    f"{str(path)!r}: line {number}, the last, is a half-written row ({e}); dropped, it is redone",
+                    stacklevel=3,
+                )
+                half = True
+                continue
+            raise BadInputError(
+                f"{str(path)!r}: line {number} is not a JSON row ({e}); expected one JSON object per line as the "
+                "run wrote them (fix or remove that line, or start a new run_dir)"
+            ) from None
+        step = row.get("step", 0)
+        if isinstance(step, bool) or not isinstance(step, int | float):
+            raise BadInputError(f"{str(path)!r}: line {number} has step {step!r}; expected a number")
+        rows.append((line, step))
+    return rows, half
+
+
 def trim_metrics(path: str | Path, step: int) -> int:
     """A resumed run drops the ``metrics.jsonl`` rows logged after its checkpoint's ``step`` (the part of the
-    interrupted run that is redone), so every step appears once. Atomic; returns the number of rows dropped."""
+    interrupted run that is redone), so every step appears once, and a half-written last row (see
+    :func:`read_metrics`). Atomic; returns the number of rows dropped."""
+    from pipelines.outputs import write_text_atomic
+
     path = Path(path)
     if not path.is_file():
         return 0
-    lines = [x for x in path.read_text().splitlines() if x.strip()]
-    kept = [x for x in lines if json.loads(x).get("step", 0) <= step]
-    if len(kept) != len(lines):
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(x + "\n" for x in kept))
-        os.replace(tmp, path)
-    return len(lines) - len(kept)
+    rows, half = read_metrics(path)
+    kept = [line for line, at in rows if at <= step]
+    if len(kept) != len(rows) or half:
+        write_text_atomic(path, "".join(x + "\n" for x in kept))
+    return len(rows) - len(kept) + int(half)

@@ -45,7 +45,7 @@ from pipelines import (
     save_transformer,
 )
 from pipelines.attention import PARAM_ATTRS, LinearSelfAttention
-from pipelines.errors import ModelError, OutputError, run_cli
+from pipelines.errors import ModelError, OutputError, run_cli, write_failure
 from pipelines.outputs import write_text_atomic
 from pipelines.pipeline import generate
 from pipelines.video import write_mp4
@@ -288,6 +288,10 @@ def train(cfg) -> int:
     resume_from = ckpt.resolve_resume(cfg.resume, cfg.run_dir)
     if resume_from is not None:
         check_resume_matches(cfg, resume_from)
+        if (Path(cfg.run_dir) / "metrics.jsonl").is_file():  # a damaged log is named before the model loads
+            with warnings.catch_warnings():  # a half-written last row: said once, when it is dropped
+                warnings.simplefilter("ignore")
+                ckpt.read_metrics(Path(cfg.run_dir) / "metrics.jsonl")
     dataset = build_dataset(cfg)
     if hasattr(dataset, "require_usable"):
         dataset.require_usable()
@@ -310,8 +314,11 @@ def train(cfg) -> int:
     device = accelerator.device
     print_main = accelerator.print  # prints on the main process only
     if replaced and main_proc:
-        print_main(f"overwrite=true: removing the earlier run in {run_dir}")
-        ckpt.clear_run(run_dir)
+        print_main(f"overwrite=true: removing the earlier run's {len(replaced)} file(s) and folder(s) in {run_dir}")
+        left = ckpt.clear_run(run_dir)  # only what its run manifest lists
+        if left:
+            shown = ", ".join(left[:8]) + (f" and {len(left) - 8} more" if len(left) > 8 else "")
+            print_main(f"overwrite=true: left in place (not written by the earlier run): {shown}")
     accelerator.wait_for_everyone()
     torch.manual_seed(cfg.train.seed)
 
@@ -376,6 +383,8 @@ def train(cfg) -> int:
     metrics = Metrics(run_dir / "metrics.jsonl", main_proc)
     if main_proc:
         run_dir.mkdir(parents=True, exist_ok=True)
+        # every file the run writes is listed in its run manifest first: overwrite=true removes those, nothing else
+        ckpt.record_run_files(run_dir, "config.yaml", "metrics.jsonl", *(["finetune"] if cfg.log.tensorboard else []))
         write_text_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(cfg))
         metrics.start(at.step)
     if cfg.log.tensorboard:
@@ -556,8 +565,11 @@ class Metrics:
 
     def write(self, row: dict) -> None:
         if self.main_proc:
-            with self.path.open("a") as f:
-                f.write(json.dumps(row) + "\n")  # one write per row: a crash leaves whole rows
+            try:
+                with self.path.open("a") as f:
+                    f.write(json.dumps(row) + "\n")  # one write per row: a crash leaves whole rows
+            except OSError as e:  # a full disk: named (a cut-short last row is dropped on resume)
+                raise OutputError(f"could not append to {str(self.path)!r}: {e.strerror or e}") from e
 
 
 def skip_nonfinite_step(cfg, at: Progress, loss: torch.Tensor, run_dir: Path) -> None:
@@ -593,12 +605,18 @@ def save_or_explain(accelerator, cfg, run_dir, stage, model, optimizer, schedule
             at.nonfinite,
             ema,
         )
-    except OSError as e:
+    except Exception as e:
+        # a full disk, however the writer reports it (OSError, torch's zip writer, safetensors): exit 4
+        why = e.strerror if isinstance(e, OSError) and e.strerror else write_failure(e)
+        if why is None and isinstance(e, OSError):
+            why = str(e)
         shutil.rmtree(ckpt.pending_dir(run_dir, at.step), ignore_errors=True)
+        if why is None:
+            raise
         good = ckpt.list_checkpoints(run_dir)
         raise OutputError(
             f"could not write the checkpoint of step {at.step} to {ckpt.pending_dir(run_dir, at.step)}: "
-            f"{e.strerror or e}. Earlier checkpoints are intact "
+            f"{why}. Earlier checkpoints are intact "
             f"({good[-1].name if good else 'none yet'} in {run_dir / 'checkpoints'}); free space and "
             "run the same command with resume=latest to continue."
         ) from e
@@ -625,6 +643,9 @@ def finish_run(cfg, accelerator, evaluate, metrics, final, ema, step, start_loss
         if skipped is not None:
             print_main(skipped())
     if cfg.log.param_digest:
+        if accelerator.is_main_process:
+            ranks = [f"param_digest/rank{r}.txt" for r in range(accelerator.num_processes)]
+            ckpt.record_run_files(run_dir, *ranks, folders=("param_digest",))
         (run_dir / "param_digest").mkdir(parents=True, exist_ok=True)
         write_text_atomic(run_dir / "param_digest" / f"rank{accelerator.process_index}.txt", digest(final))
     accelerator.wait_for_everyone()
@@ -681,6 +702,9 @@ def save(
 def validation_videos(cfg, components, transformer, run_dir: Path, step: int) -> None:
     """Fixed prompts and seeds, written as mp4 under ``<run>/validation/step-XXXXXXX/``."""
     out = run_dir / "validation" / f"step-{step:07d}"
+    names = [f"prompt{i}_seed{seed}.mp4" for i in range(len(cfg.validation.prompts)) for seed in cfg.validation.seeds]
+    here = f"validation/{out.name}"
+    ckpt.record_run_files(run_dir, *(f"{here}/{n}" for n in names), folders=("validation", here))
     out.mkdir(parents=True, exist_ok=True)
     was_training = transformer.training
     transformer.eval()

@@ -1,6 +1,7 @@
 """A run folder is used by one training run at a time: an OS file lock held for the life of the run.
 
-``fcntl.flock`` on ``<run_dir>/.lock``: the kernel releases it when the process ends in any way (exit, crash,
+``fcntl.flock`` on ``<run_dir>/.lock``, ``run_dir`` taken by its resolved path (a symbolic link to the folder
+is the same run; a link to a folder not made yet makes it): the kernel releases it when the process ends in any way (exit, crash,
 SIGKILL), so a lock is never stale for the kernel; the file records the holder's PID, host and start time,
 so a second run is refused with a message naming the holder, and a run that finds the file of a dead
 holder says that it takes over a stale lock. Only the main process of a distributed run takes it.
@@ -19,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from pipelines.errors import BadInputError, describe_os_error
+from pipelines.outputs import resolve_output_folder
 from training.checkpoint import LOCK_FILE
 
 
@@ -32,29 +34,44 @@ class RunLock:
 
     def __init__(self, run_dir: str | Path):
         self.run_dir = Path(run_dir)
-        self.path = self.run_dir / LOCK_FILE
         self.fd: int | None = None
         self.stale: dict | None = None
 
+    @property
+    def folder(self) -> Path:
+        """The run folder by its resolved path (symbolic links followed): an alias is the same run, and a link
+        to a folder not made yet leads to it."""
+        return resolve_output_folder(self.run_dir)
+
+    @property
+    def path(self) -> Path:
+        return self.folder / LOCK_FILE
+
+    def _named(self) -> str:
+        folder = self.folder
+        alias = f" (that is {str(folder)!r})" if folder != self.run_dir.absolute() else ""
+        return f"run_dir {str(self.run_dir)!r}{alias}"
+
     def acquire(self) -> RunLock:
-        if self.run_dir.exists() and not self.run_dir.is_dir():
-            raise BadInputError(f"run_dir {str(self.run_dir)!r} is a file; expected a folder for the run")
+        folder = self.folder  # a symlink loop or a file on the way: refused here
+        if folder.exists() and not folder.is_dir():
+            raise BadInputError(f"{self._named()} is a file; expected a folder for the run")
         try:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            folder.mkdir(parents=True, exist_ok=True)
+            fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
-            raise BadInputError(f"run_dir {str(self.run_dir)!r} cannot be used: {describe_os_error(e)}") from None
+            raise BadInputError(f"{self._named()} cannot be used: {describe_os_error(e)}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = _read(fd)
             os.close(fd)
-            who = f"PID {holder.get('pid', '?')}" + (f" on {holder['host']}" if holder.get("host") else "")
+            host = f" on {holder['host']}" if holder.get("host") else ""
             since = f", since {holder['started']}" if holder.get("started") else ""
             raise RunLockedError(
-                f"run_dir {str(self.run_dir)!r} is in use by another training run ({who}{since}); wait for it to "
-                f"end, stop it, or choose another run_dir (the lock is {str(self.path)!r}, released when that "
-                "process exits)"
+                f"{self._named()} is in use by PID {holder.get('pid', '?')} (another training run{host}{since}); "
+                f"wait for it to end, stop it, or choose another run_dir (the lock is {str(folder / LOCK_FILE)!r}, "
+                "released when that process exits)"
             ) from None
         previous = _read(fd)
         # we hold the flock, so whoever the file names is gone (the kernel drops a dead process's lock)

@@ -5,7 +5,17 @@ interleaved pairs, and its own token-to-block map from split points, so it share
 operator (no mhla.reference, mhla.rope, mhla.feature_maps or BlockLayout.token_block). Small chunk
 budgets force every way the operator cuts the work: several blocks per chunk, head groups, parts of
 one block accumulated.
+
+Inputs are fixed per test case (issue 39): each case's seed comes from its name, so the float64 tolerances
+are checked on the same draws every run and a test cannot pass 512 times and then fail on a draw whose
+mixing gradient nearly cancels. ``MHLA_TEST_SEED`` replays any other draw. Fresh draws every run are
+:func:`test_randomized_sweep_reports_near_misses`'s: it reports errors near or over a tolerance (with the
+seed to replay) without failing, and fails only on an error no rounding explains (a wrong formula: O(1)).
 """
+
+import os
+import warnings
+import zlib
 
 import pytest
 import torch
@@ -93,6 +103,15 @@ def make(gen, grid, blocks, b=2, h=3, d=8, e=6, per_head=False, fused=False):
     return q, k, v, mix, (angles.cos(), angles.sin())
 
 
+@pytest.fixture
+def gen(request):
+    """This module's inputs: a generator seeded from the test case's name (the same draws every run), or
+    from ``MHLA_TEST_SEED``; the seed is printed, so a failure says how to replay it."""
+    seed = int(os.environ.get("MHLA_TEST_SEED", zlib.crc32(request.node.name.encode()) % 2**31))
+    print(f"MHLA_TEST_SEED={seed}")
+    return torch.Generator().manual_seed(seed)
+
+
 def grad_tolerance(name: str, normalize: bool) -> float:
     """float64 tolerance of a gradient's relative error. With the normalizer the mixing gradient is a
     near-cancellation (exactly 0 for one block: the output does not depend on the mixing's scale), so its
@@ -106,10 +125,9 @@ def budget(request, monkeypatch):
     return request.param
 
 
-@pytest.mark.parametrize("grid,blocks", LAYOUTS)
-@pytest.mark.parametrize("normalize", [True, False])
-@pytest.mark.parametrize("use_rope", [True, False])
-def test_forward_and_gradients_match_reference(gen, budget, grid, blocks, normalize, use_rope):
+def case_errors(gen, grid, blocks, normalize: bool, use_rope: bool) -> dict[str, float]:
+    """Relative errors of the operator against the reference on one draw: the output ("out") and the
+    gradients of q, k, v and the mixing ("m"), float64."""
     q, k, v, mix, rope = make(gen, grid, blocks)
     rope = rope if use_rope else None
     layout = BlockLayout(grid, blocks)
@@ -118,12 +136,57 @@ def test_forward_and_gradients_match_reference(gen, budget, grid, blocks, normal
     ref_leaves = [t.clone().requires_grad_() for t in (q, k, v, mix)]
     ref = ref_mhla(*ref_leaves[:3], grid, blocks, ref_leaves[3], normalize=normalize, rope=rope)
     assert out.shape == ref.shape and out.dtype == torch.float64
-    assert rel_err(out, ref) < 1e-12
+    errors = {"out": rel_err(out, ref)}
     upstream = torch.randn(out.shape, generator=gen, dtype=torch.float64)
     (out * upstream).sum().backward()
     (ref * upstream).sum().backward()
     for name, a, r in zip("qkvm", leaves, ref_leaves):
-        assert rel_err(a.grad, r.grad) < grad_tolerance(name, normalize), name
+        errors[name] = rel_err(a.grad, r.grad)
+    return errors
+
+
+def tolerance(name: str, normalize: bool) -> float:
+    return 1e-12 if name == "out" else grad_tolerance(name, normalize)
+
+
+@pytest.mark.parametrize("grid,blocks", LAYOUTS)
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("use_rope", [True, False])
+def test_forward_and_gradients_match_reference(gen, budget, grid, blocks, normalize, use_rope):
+    for name, err in case_errors(gen, grid, blocks, normalize, use_rope).items():
+        assert err < tolerance(name, normalize), (name, err)
+
+
+SWEEP_DRAWS = int(os.environ.get("MHLA_SWEEP_DRAWS", "1"))  # fresh draws per case; raise it for a long sweep
+
+
+def test_randomized_sweep_reports_near_misses(monkeypatch, capsys):
+    """Fresh random draws of every layout, normalizer and RoPE setting (chunk budget 7): an error over a tenth
+    of its tolerance is reported with its seed (a warning and a printed line), never failed, since a draw can
+    make a gradient a near-cancellation; an error over 1e-3 on the output or q, k, v fails, as no rounding of
+    float64 explains it (a wrong formula gives O(1)). ``MHLA_SWEEP_DRAWS=200`` runs a long sweep."""
+    monkeypatch.setattr(ops, "CHUNK_TOKEN_HEADS", 7)
+    near = []
+    for grid, blocks in LAYOUTS:
+        for normalize in (True, False):
+            for use_rope in (True, False):
+                for _ in range(SWEEP_DRAWS):
+                    seed = torch.seed() % 2**31
+                    errors = case_errors(torch.Generator().manual_seed(seed), grid, blocks, normalize, use_rope)
+                    for name, err in errors.items():
+                        if name != "m":
+                            assert err < 1e-3, f"{name}: {err:.3g} (MHLA_TEST_SEED={seed}, {grid}, {blocks})"
+                        tol = tolerance(name, normalize)
+                        if err > tol / 10:
+                            near.append(
+                                f"{name} {err:.3g} vs tolerance {tol:g}: grid {grid} blocks {blocks} "
+                                f"normalize={normalize} rope={use_rope} MHLA_TEST_SEED={seed}"
+                            )
+    with capsys.disabled():
+        for line in near:
+            print(f"\nnear-miss (reported, not failed): {line}")
+    if near:
+        warnings.warn(f"{len(near)} near-miss(es) in the randomized sweep: {near[0]}", stacklevel=1)
 
 
 @pytest.mark.parametrize("feature_map", ["relu", "elu"])

@@ -6,6 +6,7 @@ or refused video writer."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -55,6 +56,7 @@ GENERATE_TABLE = [
     ["--model", "{root}/out/video.mp4"],
     ["--steps", "two"],
     ["--device", "bogus"],
+    ["--device", "meta"],  # issue 39: an "unexpected failure"
     ["--dtype", "float8"],
 ]
 
@@ -98,10 +100,20 @@ def saved_tiny(tmp_path_factory):
     return folder
 
 
-@pytest.mark.parametrize("change,message", [(-1, "are not in its config.json's model"), (+1, "promises are missing")])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (
+            -1,
+            r"the number of layers differs: 1 in config.json \(num_layers\), 2 in the weights \(blocks.0 to blocks.1\)",
+        ),
+        (+1, r"the number of layers differs: 3 in config.json \(num_layers\), 2 in the weights"),
+    ],
+)
 def test_a_config_that_does_not_match_its_weights_is_refused_naming_keys(saved_tiny, tmp_path, change, message, capsys):
     """Class 4: a config.json saying fewer layers than its weights loaded with layers silently dropped; more
-    layers ended in NotImplementedError from meta tensors."""
+    layers ended in NotImplementedError from meta tensors. Issue 39: the message listed missing keys without
+    saying that the layer count is what differs; it says "layers", N in config vs M in the weights."""
     import shutil
 
     folder = tmp_path / "t"
@@ -111,13 +123,48 @@ def test_a_config_that_does_not_match_its_weights_is_refused_naming_keys(saved_t
     (folder / "config.json").write_text(json.dumps(config))
     from pipelines.loading import load_transformer
 
-    with pytest.raises(ValueError, match=message) as e:
+    with pytest.raises(ValueError, match=message):
         load_transformer(folder)
-    assert "blocks.1." in str(e.value) or "blocks.2." in str(e.value)
     out = tmp_path / "x.mp4"
     argv = ["--model", "tiny-random", "--transformer", str(folder), "--prompt", "a fox", "--out", str(out)]
     err = assert_refused(gen.main, ["--no-progress", *argv], capsys, tmp_path)
-    assert message in err and not out.exists()
+    assert re.search(message, err) and not out.exists()
+
+
+def test_a_weight_missing_in_a_layer_is_named_by_its_key(saved_tiny, tmp_path):
+    """The same layer count with one weight gone: the key-level message names it."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from pipelines.loading import load_transformer
+
+    folder = tmp_path / "t"
+    shutil.copytree(saved_tiny, folder)
+    weights = folder / "diffusion_pytorch_model.safetensors"
+    tensors = load_file(weights)
+    gone = next(k for k in sorted(tensors) if k.startswith("blocks.1.ffn"))
+    del tensors[gone]
+    save_file(tensors, weights)
+    with pytest.raises(ValueError, match=f"promises are missing: {re.escape(gone)}"):
+        load_transformer(folder)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"_class_name": "AutoencoderKLWan", "z_dim": 16, "base_dim": 96},  # Wan2.1's VAE
+        {"_class_name": "AutoencoderKLWan", "z_dim": 48, "patch_size": 2, "in_channels": 12},  # Wan2.2's
+    ],
+)
+def test_a_vae_folder_as_transformer_says_patch_size_and_attention_are_missing(config, tmp_path, capsys):
+    """Issue 39, class 4: the refusal did not say what a transformer's config has that a VAE's lacks."""
+    vae = tmp_path / "vae"
+    vae.mkdir()
+    (vae / "config.json").write_text(json.dumps(config))
+    argv = ["--model", "tiny-random", "--transformer", str(vae), "--prompt", "a fox", "--out", str(tmp_path / "x.mp4")]
+    err = assert_refused(gen.main, ["--no-progress", *argv], capsys, tmp_path)
+    assert "a VAE's config" in err and "patch_size" in err and "attention config" in err, err
 
 
 def test_weights_stored_twice_in_shards_are_refused(saved_tiny, tmp_path):
@@ -191,7 +238,7 @@ def test_a_full_disk_fails_generate_with_exit_4_and_keeps_the_earlier_video(tmp_
         rc = gen.main(argv)
         captured = capsys.readouterr()
         assert rc == 4, captured.err
-        assert "wrote" not in captured.out and "unexpected" not in captured.err
+        assert "wrote" not in captured.out and "unexpected failure" not in captured.err
         last = captured.err.strip().splitlines()[-1]
         assert last.startswith("error: ") and str(out) in last
         assert out.read_bytes() == before and disk.files() == ["x.mp4"]

@@ -303,3 +303,57 @@ def test_a_longest_allowed_output_name_is_written_and_a_longer_one_refused_befor
     # a name of multi-byte characters counts its bytes, not its characters
     with pytest.raises(ValueError, match="bytes long"):
         check_output_path(tmp_path / ("é" * (limit // 2) + ".mp4"))
+
+
+# ---- issue 39, class 3: known causes named at the boundary, never "unexpected failure"
+
+
+def test_a_pickle_refused_by_weights_only_is_a_known_failure(tmp_path, capsys):
+    import pickle
+
+    import torch
+
+    payload = tmp_path / "state.pt"
+    payload.write_bytes(pickle.dumps({"step": 1, "run": os.system}, protocol=2))
+
+    def main(argv):
+        torch.load(payload, weights_only=True)
+
+    assert errors.run_cli(main, [], prog="t") == 2
+    err = capsys.readouterr().err
+    assert "weights_only" in err and "unexpected failure" not in err and err.count("\n") == 1
+
+
+def test_writers_that_report_a_full_disk_their_own_way_are_exit_4(tmp_path, capsys):
+    """torch's zip writer (a RuntimeError) and safetensors (a SafetensorError) on a full tmpfs: both were
+    "unexpected failure"; both are write failures naming the file, the folder left clean."""
+    import torch
+    from safetensors.torch import save_file
+
+    from tests.fulldisk import full_disk
+    from training import checkpoint as ckpt
+
+    tensors = {"w": torch.randn(200_000)}
+    with full_disk(tmp_path / "disk", size="1m") as disk:
+        disk.fill(free=30_000)
+        with pytest.raises(errors.OutputError, match="could not write .*state.pt.*torch's file writer"):
+            ckpt.save_state(tensors, disk.root / "state.pt")
+        with pytest.raises(errors.OutputError, match="could not write .*model.*No space left on device"):
+            with outputs.atomic_dir(disk.root / "model") as tmp:
+                save_file(tensors, str(tmp / "w.safetensors"))
+        assert not (disk.root / "model").exists()
+
+        def main(argv):
+            save_file(tensors, str(disk.root / "plain.safetensors"))
+
+        assert errors.run_cli(main, [], prog="t") == 4
+        assert "No space left on device" in capsys.readouterr().err
+
+
+def test_an_unsupported_device_is_refused_by_name():
+    from pipelines.loading import resolve_device
+
+    for name in ("meta", "mps", "cuda:99" if __import__("torch").cuda.is_available() else "cuda"):
+        with pytest.raises(ValueError, match=f"device '{name}'"):
+            resolve_device(name)
+    assert str(resolve_device("cpu")) == "cpu"

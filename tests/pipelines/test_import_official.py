@@ -603,3 +603,27 @@ def test_failed_write_leaves_no_half_model(tmp_path, monkeypatch):
         imp.import_official(path, base, tmp_path / "empty", grid=(3, 4, 6))
     assert (tmp_path / "empty").is_dir() and not any((tmp_path / "empty").iterdir())
     assert (base / "vae").is_dir()  # the symlinked base parts are untouched
+
+
+def test_a_dangling_symlink_as_out_is_followed_and_a_full_disk_is_exit_4(tmp_path, capsys, monkeypatch):
+    """Issue 39: a symbolic link to a folder not made yet as ``--out`` ended in FileExistsError (an "unexpected
+    failure"); it is followed (the folder is made where it points). A full disk while saving the transformer
+    (safetensors reports it as its own error, not an OSError) is exit 4 with no half-written model left."""
+    from tests.fulldisk import full_disk
+
+    monkeypatch.setenv("MHLA_LOG_DIR", str(tmp_path / "logs"))
+    base = _small_base(tmp_path, 3)
+    path = _checkpoint_file(tmp_path, synthetic_checkpoint(build_tiny_transformer(num_layers=3), [1, 2], 6))
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "made" / "here")
+    argv = ["--checkpoint", str(path), "--base", str(base), "--grid", "3x4x6"]
+    assert imp.main([*argv, "--out", str(link)]) == 0, capsys.readouterr().err
+    assert (tmp_path / "made" / "here" / "model_index.json").is_file() and link.is_symlink()
+    assert imp.main([*argv, "--out", str(link)]) == 2  # now a full folder: refused, left as it was
+    assert "already exists and is not empty" in capsys.readouterr().err
+    with full_disk(tmp_path / "disk", size="1m") as disk:
+        disk.fill(free=20_000)
+        rc = imp.main([*argv, "--out", str(disk.root / "model")])
+        err = capsys.readouterr().err
+        assert rc == 4 and "unexpected failure" not in err and "No space left on device" in err, err
+        assert disk.files() == []
