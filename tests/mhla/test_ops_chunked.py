@@ -179,7 +179,8 @@ def test_randomized_sweep_reports_near_misses(monkeypatch, capsys):
                         tol = tolerance(name, normalize)
                         if err > tol / 10:
                             near.append(
-                                f"{name} {err:.3g} vs tolerance {tol:g}: grid {grid} blocks {blocks} "
+                                f"{name} {err:.3g} ({'over' if err >= tol else 'near'} its tolerance {tol:g}): "
+                                f"grid {grid} blocks {blocks} "
                                 f"normalize={normalize} rope={use_rope} MHLA_TEST_SEED={seed}"
                             )
     with capsys.disabled():
