@@ -357,3 +357,27 @@ def test_an_unsupported_device_is_refused_by_name():
         with pytest.raises(ValueError, match=f"device '{name}'"):
             resolve_device(name)
     assert str(resolve_device("cpu")) == "cpu"
+
+
+def test_every_other_writer_on_a_full_disk_is_exit_4_and_keeps_what_was_there(tmp_path, capsys):
+    """The same mechanism at the other entry points that write for a user: ``world.synthetic`` (videos and
+    manifests) and ``training.precompute``'s latent files (safetensors, which reports a full disk as its own
+    error type): exit 4 / OutputError, never "unexpected", and an earlier file byte-identical."""
+    import torch
+
+    from tests.fulldisk import full_disk
+    from training.precompute import _atomic_save
+    from world import synthetic
+
+    with full_disk(tmp_path / "disk", size="1m") as disk:
+        sample = disk.root / "sample.safetensors"
+        _atomic_save({"latent": torch.zeros(4)}, sample)
+        before = sample.read_bytes()
+        disk.fill(free=40_000)
+        with pytest.raises(errors.OutputError, match="sample.safetensors.*No space left on device"):
+            _atomic_save({"latent": torch.randn(100_000)}, sample)
+        assert sample.read_bytes() == before
+        rc = synthetic.main(["--out", str(disk.root / "world"), "--num", "40", "--frames", "9"])
+        err = capsys.readouterr().err
+        assert rc == 4 and "unexpected failure" not in err and err.strip().splitlines()[-1].startswith("error: "), err
+        assert not [p for p in disk.root.rglob(".*") if p != disk.filler]  # no temporary left
