@@ -66,6 +66,17 @@ QUEUE_SIZE = 16  # requests waiting at most; more are refused with gradio's "que
 POLL_SECONDS = 0.5  # how often the status line is refreshed while a run is going
 
 
+def stored_label(result: compare.CompareResult) -> str:
+    """The first line above a stored example: it is not the visitor's run, and where and when it was measured."""
+    if not result.measured:
+        return ""
+    req = result.request
+    return (
+        f'> 🗄 **Stored example, not a run of yours**: {result.measured}; prompt "{req.prompt}", seed {req.seed}, '
+        f"{req.num_inference_steps} steps. It disappears when you press Generate.\n\n"
+    )
+
+
 def _default_preset(models: AppModels, max_tokens: int | None) -> str:
     """The model's own default size when it is a preset and allowed here, else the smallest preset."""
     d = models.components.defaults
@@ -91,12 +102,24 @@ class _Runs:
 
     def __init__(self):
         self._flags: dict[str, threading.Event] = {}
+        self._latest: dict[str, compare.CompareResult] = {}  # what the session's running compare has finished
         self._lock = threading.Lock()
 
     def start(self, session: str) -> threading.Event:
         with self._lock:
             flag = self._flags[session] = threading.Event()
+            self._latest.pop(session, None)
         return flag
+
+    def finished(self, session: str, flag: threading.Event, result: compare.CompareResult) -> None:
+        """Records the running compare's latest snapshot (what Stop keeps)."""
+        with self._lock:
+            if self._flags.get(session) is flag:
+                self._latest[session] = result
+
+    def latest(self, session: str) -> compare.CompareResult | None:
+        with self._lock:
+            return self._latest.get(session)
 
     def stop(self, session: str) -> bool:
         """Sets the session's Stop flag; False when it has no run going."""
@@ -110,6 +133,7 @@ class _Runs:
         with self._lock:
             if self._flags.get(session) is flag:
                 del self._flags[session]
+                self._latest.pop(session, None)
 
 
 def _status(text: str, started: float, fraction: float, countdown: Countdown) -> str:
@@ -190,7 +214,7 @@ def build_demo(
     def outputs_for(result: compare.CompareResult, status: str, chart: bool = True) -> list:
         """The page for ``result``; ``chart=False`` while variants still run (matplotlib in this thread would
         slow the VAE decode of the variant whose turn it is: the chart is drawn once, at the end)."""
-        outs = [status, compare.headline_markdown(result) + _warning(result)]
+        outs = [status, stored_label(result) + compare.headline_markdown(result) + _warning(result)]
         for name in VARIANTS:
             run = result.run(name)
             chosen = name in result.request.variants
@@ -207,6 +231,18 @@ def build_demo(
             str(result.side_by_side) if result.side_by_side else None,
         ]
         return outs
+
+    def cleared(variants: list[str] | None, status: str) -> list:
+        """The page with nothing from any earlier request: what a new run starts from and what Stop leaves when
+        no variant of this run had finished (a stored example or the last run never stays beside new results)."""
+        outs: list = [status, ""]
+        for name in VARIANTS:
+            outs += [
+                gr.skip() if variants is None else gr.Column(visible=name in variants),
+                None,
+                f"### {name}\n_{models.variants[name].note}_\n\n…",
+            ]
+        return outs + ["", "", {"headers": compare.ALL_HEADERS, "data": []}, None, None]
 
     def _warning(result: compare.CompareResult) -> str:
         note = compare.noise_warning(result)
@@ -248,6 +284,8 @@ def build_demo(
         session = getattr(request, "session_hash", None) or uuid.uuid4().hex
         stop = runs.start(session)
         line.start()
+        # nothing from an earlier request (a stored example, the last run, its chart) stays beside this run's results
+        yield cleared(req.variants, "**Running:** starting…")
         events: queue.Queue = queue.Queue()
 
         def work():
@@ -280,6 +318,7 @@ def build_demo(
                     text, fraction = payload
                 elif kind == "result":
                     last, shown = payload, time.monotonic()
+                    runs.finished(session, stop, last)
                     if not stop.is_set():
                         yield outputs_for(last, _status(text, started, fraction, countdown), chart=False)
                     continue
@@ -321,11 +360,19 @@ def build_demo(
         yield outputs_for(last, status)
 
     def on_stop(request: gr.Request):
-        """Stops this session's run: its worker ends before the next transformer call; what finished stays."""
-        if not runs.stop(getattr(request, "session_hash", None) or ""):
-            return gr.Button(interactive=True), gr.skip()  # nothing running (or still queued: cancelled)
-        status = "**Stopped** by you: the variants that finished are shown; the others did not run."
-        return gr.Button(interactive=True), status
+        """Stops this session's run: its worker ends before the next transformer call. The page keeps only what
+        this run finished (nothing at all when no variant had finished)."""
+        session = getattr(request, "session_hash", None) or ""
+        last = runs.latest(session)
+        if not runs.stop(session):
+            return [gr.Button(interactive=True)] + [gr.skip()] * (n_outputs + 1)  # nothing running (or queued)
+        if last is None or not last.runs:
+            return [gr.Button(interactive=True)] + cleared(
+                None, "**Stopped** by you before any variant finished: this run has nothing to show."
+            )
+        done = ", ".join(r.variant for r in last.runs)
+        status = f"**Stopped** by you: {done} finished in this run and are shown; the others did not run."
+        return [gr.Button(interactive=True)] + outputs_for(last, status)
 
     def show_stored(prompt):
         """The stored result of an example prompt (computed by ``python run_app.py --store-examples``)."""
@@ -525,10 +572,14 @@ def build_demo(
             # typing, an example or a permalink: the count and the vocabulary note follow
             prompt.change(prompt_note, prompt, note, queue=False, api_visibility="private", trigger_mode="always_last")
             dice.click(lambda: random.randrange(2**31), None, seed, queue=False, api_visibility="private")
+            # a click clears the page at once: a stored example or an earlier run never waits in line beside it
             started = run_button.click(
-                lambda: (gr.Button(interactive=False), line.join()),
-                None,
-                [run_button, status],
+                lambda chosen: [
+                    gr.Button(interactive=False),
+                    *cleared(chosen if isinstance(chosen, list) else [], line.join()),
+                ],
+                variants,
+                [run_button, *outputs],
                 queue=False,
                 api_visibility="private",
             )
@@ -554,7 +605,9 @@ def build_demo(
                 queue=False,
                 api_visibility="private",
             )
-            stop_button.click(on_stop, None, [run_button, status], cancels=[run], queue=False, api_visibility="private")
+            stop_button.click(
+                on_stop, None, [run_button, *outputs], cancels=[run], queue=False, api_visibility="private"
+            )
             demo.load(
                 on_load,
                 None,

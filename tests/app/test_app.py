@@ -505,8 +505,70 @@ def test_after_stop_the_run_streams_nothing_that_could_overwrite_the_stopped_lin
     run = fns["on_compare"]("a red fox", "", 0, 30, 5.0, SMALLEST, ["flash", "linear"], 1, request=request)
     first = next(run)  # the run is going: its first streamed line
     assert "Stopped" not in first[0]
-    _, line = fns["on_stop"](request)
+    line = fns["on_stop"](request)[1]
     assert "Stopped" in line
     after = list(run)  # the worker ends before its next transformer call; the generator then returns
     assert len(after) == 1 and "Stopped" in after[0][0], [a[0] for a in after]
     assert not isinstance(fns["on_stop"](request)[1], str)  # nothing running any more: the line is left as it is
+
+
+def _page(demo, values) -> dict:
+    """The compare outputs by label (``values`` in the order of the compare event's outputs)."""
+    event = next(f for f in demo.fns.values() if getattr(f.fn, "__name__", "") == "on_compare")
+    labels = [getattr(c, "label", None) or getattr(c, "elem_id", None) or type(c).__name__ for c in event.outputs]
+    return dict(zip(labels, values))
+
+
+def test_a_new_run_starts_from_an_empty_page_and_stop_keeps_only_what_it_finished(models, tmp_path):
+    """Issue 38 (1): a stored example or an earlier run never stays beside a new run's results; Stop before any
+    variant finished leaves nothing on the page, not "the variants that finished are shown"."""
+    from types import SimpleNamespace
+
+    from app.ui import build_demo
+
+    demo = build_demo(models, max_tokens=compare.CPU_MAX_TOKENS, out_root=tmp_path)
+    fns = {getattr(f.fn, "__name__", ""): f.fn for f in demo.fns.values()}
+    request = SimpleNamespace(session_hash="clear-test", query_params={})
+    run = fns["on_compare"]("a red fox", "", 0, 30, 5.0, SMALLEST, ["flash", "linear"], 1, request=request)
+    page = _page(demo, next(run))  # the first thing a run shows: the page without anything from before
+    assert page["status"].startswith("**Running:**")
+    assert page["flash video"] is None and page["linear video"] is None and page["denoising step latency"] is None
+    assert page["headline"] == "" and page["summary"] == "" and page["All measurements by variant"]["data"] == []
+    assert page["Side-by-side video (every variant, labelled)"] is None
+    stopped = fns["on_stop"](request)
+    page = _page(demo, stopped[1:])
+    assert "before any variant finished" in page["status"] and "are shown" not in page["status"]
+    assert page["flash video"] is None and page["denoising step latency"] is None
+    list(run)
+
+
+def test_stop_after_one_variant_keeps_that_variant_only(models, tmp_path):
+    from types import SimpleNamespace
+
+    from app.ui import build_demo
+
+    demo = build_demo(models, max_tokens=compare.CPU_MAX_TOKENS, out_root=tmp_path)
+    fns = {getattr(f.fn, "__name__", ""): f.fn for f in demo.fns.values()}
+    request = SimpleNamespace(session_hash="stop-one", query_params={})
+    # flash's column fills first (flash alone in that snapshot)
+    run = fns["on_compare"]("a red fox", "", 0, 2, 5.0, SMALLEST, ["flash", "linear"], 1, request=request)
+    for values in run:
+        page = _page(demo, values)
+        if isinstance(page["flash video"], str):  # flash's column filled (other values: None or gr.skip())
+            break
+    stopped = _page(demo, fns["on_stop"](request)[1:])
+    assert "flash finished in this run" in stopped["status"]
+    assert isinstance(stopped["flash video"], str) and stopped["linear video"] is None
+    list(run)
+
+
+def test_a_stored_example_says_it_is_stored(models, tmp_path):
+    from app.ui import stored_label
+
+    result = compare.CompareResult(
+        compare.check_request(models, "a fox", "", 0, 2, 5.0, SMALLEST, ["flash"]), runs=[], device="cpu"
+    )
+    assert stored_label(result) == ""  # a fresh run carries no label
+    result.measured = "measured on cpu (2 cores), load 6.1, 2026-11-25"
+    label = stored_label(result)
+    assert "Stored example, not a run of yours" in label and "2026-11-25" in label and '"a fox"' in label
