@@ -94,6 +94,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    from benchmarks.device_shims import install
+
+    print(install(), flush=True)  # before app.compare imports the mp4 writer
     import run_app
     from app import compare
 

@@ -1,37 +1,36 @@
 #!/usr/bin/env bash
-# What a session with a GPU runs, in three device calls of under 10 minutes each:
-#   bash benchmarks/run_gpu.sh kernels,tests
-#        1. kernels: tests/mhla/test_triton.py -m gpu: the compiled kernels against the float64 path on the Wan
-#           grids, every input dtype; one case autotuned, the rest with the fixed launch settings (about
-#           100 compiles of a few seconds each; exact-fp32 products tune the fixed setting only)
-#        2. tests: the other GPU tests (softmax backends, the benchmark scripts at small sizes, the 1.3B app)
-#   bash benchmarks/run_gpu.sh wan
-#        3. benchmarks.wan_step: Wan2.1-1.3B, flash/linear/mhla/mhla-hybrid, 480x800 and 480x832, fwd + fwd+bwd
-#   bash benchmarks/run_gpu.sh profile,attention
-#        4. benchmarks.profile_mhla: the fused op's time per kernel at 21x30x50 (v2 and v1, fwd and fwd+bwd)
-#        5. benchmarks.attention: the op, bf16, 12 heads x 128, 1k..128k tokens, fwd + fwd+bwd, every softmax
-#           backend, kernels v2 and v1
-#   bash benchmarks/run_gpu.sh cp
-#        6. benchmarks.context_parallel: ring MHLA at 21x30x52 tokens over 1, 2, 4, 8 processes (as many as there
-#           are GPUs, one each, NCCL): layer time, all-reduce time, communication share (the scaling, issue 32)
-# (no argument: all six, as far as BUDGET_S allows). The timing stages (wan, profile, attention) first run
-# benchmarks.check_fused: if impl="auto" would not run the fused kernels (no Triton, kernels that fail to
-# build), they are skipped and the script says FUSED PATH NOT TAKEN and exits 3, instead of timing the
-# PyTorch path under the kernels' name; PYTHONWARNINGS turns the fallback warning into an error, so a
-# fallback part-way through a stage fails it. Exit status: 0 when every stage ran and passed, 1 when one
-# failed or ran out of time, 3 when the fused path was not taken, 2 for an unknown stage.
-# Writes into $OUT, flat: log.txt and <name>.json/.md/.png of each benchmark; prints the tables last.
-# A stage that fails or runs out of its time is logged and the next one runs (no `set -e` on purpose).
+# Everything a GPU session checks, in ONE device call of under 9 minutes, stages in order of value:
+#   1. kernels  pytest -m gpu tests/mhla/test_triton.py: the compiled kernels against float64 formulas (~2 min)
+#   2. model    benchmarks.random_model: a random-weight Wan2.1-1.3B folder (transformer, Wan2.1's VAE,
+#               24-layer UMT5-XXL-sized text encoder) built on the GPU and saved; nothing downloaded
+#   3. cli      python -m pipelines.generate (through benchmarks.cli_e2e) on that folder, 81x480x832,
+#               every variant, CLI_STEPS steps: text encoding, denoising and VAE decode each timed
+#   4. app      benchmarks.app_compare: the app's Compare engine (app.compare.iter_compare) without gradio's
+#               server, every variant, on the same folder
+#   5. compile  benchmarks.wan_step --compile blocks: the step torch.compile'd per variant at 81x480x800,
+#               softmax (cuDNN) first, MHLA second (the issue's target: MHLA >= 3x the same-compiled cuDNN)
+#   6. cp       benchmarks.context_parallel over NCCL: only where there are 2+ GPUs (else "skipped: 1 GPU")
+# Longer extras, not in the default list: tests (the other GPU tests), wan (eager step, 2 sizes, fwd and
+# fwd+bwd), profile, attention. Name stages as one comma list: `bash benchmarks/run_gpu.sh kernels,compile`.
 #
-# The device image has no diffusers: carry its wheel (pure Python) in .whl/, e.g. here, in the repo root:
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#       --platform manylinux2014_x86_64 -d .whl diffusers==0.42.1
-# and call the device with carry [".whl"] and command `bash benchmarks/run_gpu.sh wan` (and the others).
-# Stage time limits (seconds) can be overridden: BUDGET_S (whole call), KERNELS_S, TESTS_S, WAN_S,
-# PROFILE_S, ATTENTION_S, CP_S; each is cut to what is left of BUDGET_S.
+# Carried wheels (the device image has torch, Triton, transformers, safetensors, opencv but no diffusers):
+# only diffusers' (pure Python, about 4 MB); the tracked tree is about 62 MB of the 64 MiB that travels,
+# so imageio-ffmpeg (27 MiB) cannot come: the benchmarks write mp4 through OpenCV there and say so
+# (benchmarks/device_shims.py). Here, in the repo root:
+#   echo /.whl/ >>.git/info/exclude; python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#       --implementation cp --platform manylinux2014_x86_64 -d .whl diffusers==0.42.1
+# then the device call: carry [".whl"], timeout_s 600, command `bash benchmarks/run_gpu.sh`.
+#
+# One summary table at the end; exit 0 only when every stage named ran and passed; 1 when one failed,
+# timed out or had no time left; 3 when impl="auto" would not take the fused kernels (timing stages
+# skipped); 2 for an unknown stage. DRY_RUN=1 prints each stage's command and runs none (tests/benchmarks/
+# test_run_gpu.py checks those commands' arguments on a CPU, so the script cannot break silently).
+# Limits (seconds): BUDGET_S (whole call, default 540), and per stage KERNELS_S, MODEL_S, CLI_S, APP_S,
+# COMPILE_S, CP_S, TESTS_S, WAN_S, PROFILE_S, ATTENTION_S; each is cut to what is left of BUDGET_S.
 set -u
 cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/results/gpu_run}"
+DRY_RUN="${DRY_RUN:-0}"
 mkdir -p "$OUT"
 LOG="$OUT/log.txt"
 : >"$LOG"
@@ -39,85 +38,141 @@ export PYTHONUNBUFFERED=1
 # the PyTorch fallback of impl="auto" warns "MHLA Triton kernels failed ...": make it an error here
 export PYTHONWARNINGS="error:MHLA Triton kernels failed${PYTHONWARNINGS:+,$PYTHONWARNINGS}"
 START=$(date +%s)
-BUDGET_S="${BUDGET_S:-570}"
-KERNELS_S="${KERNELS_S:-360}"
+BUDGET_S="${BUDGET_S:-540}"
+KERNELS_S="${KERNELS_S:-150}"
+MODEL_S="${MODEL_S:-120}"
+CLI_S="${CLI_S:-150}"
+APP_S="${APP_S:-120}"
+COMPILE_S="${COMPILE_S:-240}"
+CP_S="${CP_S:-150}"
 TESTS_S="${TESTS_S:-200}"
-WAN_S="${WAN_S:-560}"
+WAN_S="${WAN_S:-500}"
 PROFILE_S="${PROFILE_S:-150}"
 ATTENTION_S="${ATTENTION_S:-400}"
-CP_S="${CP_S:-200}"
-STAGES=",${1:-kernels,tests,wan,profile,attention,cp},"
+MODEL_DIR="${MODEL_DIR:-/tmp/wan2.1-1.3b-RANDOM}"
+CLI_STEPS="${CLI_STEPS:-3}"
+PROMPT="a red fox runs through fresh snow, morning light"
+ALL="kernels,model,cli,app,compile,cp"
+EXTRA="tests,wan,profile,attention"
+STAGES=",${1:-$ALL},"
 for s in $(echo "${STAGES//,/ }"); do
-    case "$s" in kernels | tests | wan | profile | attention | cp) ;; *) echo "unknown stage '$s'; expected kernels, tests, wan, profile, attention, cp" >&2; exit 2 ;; esac
+    case ",$ALL,$EXTRA," in *",$s,"*) ;; *) echo "unknown stage '$s'; expected some of $ALL,$EXTRA" >&2; exit 2 ;; esac
 done
-SUMMARY=()
+ROWS=()
 STATUS=0
 
 log() { echo "$*" | tee -a "$LOG"; }
+row() { ROWS+=("| $1 | $2 | $3 |"); }
 
-# run_stage NAME LIMIT_S CMD...: runs CMD with its output in the log, at most LIMIT_S seconds and never
-# past the whole budget; records its exit status.
+# run_stage NAME LIMIT_S CMD...: CMD with its output in the log, at most LIMIT_S seconds and never past
+# the whole budget; its row in the summary. Returns CMD's exit status.
 run_stage() {
     local name=$1 limit=$2
     shift 2
     local left=$((BUDGET_S - ($(date +%s) - START) - 5))
     if [ "$limit" -gt "$left" ]; then limit=$left; fi
+    if [ "$DRY_RUN" = 1 ]; then
+        log "=== $name (dry run): $(printf '%q ' "$@")"
+        row "$name" "dry run" 0
+        return 0
+    fi
     if [ "$limit" -le 10 ]; then
         log "=== $name: skipped, no time left"
-        SUMMARY+=("$name: skipped (no time left)")
+        row "$name" "SKIPPED (no time left)" 0
         STATUS=1
-        return
+        return 1
     fi
     log "=== $name (limit ${limit}s, $(date -u +%H:%M:%S) UTC): $*"
     local t0=$(date +%s)
     timeout -k 10 "$limit" "$@" >>"$LOG" 2>&1
     local rc=$?
-    local note=""
-    if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then note=" (TIMED OUT)"; fi
+    local what="ok"
+    if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then what="TIMED OUT"; elif [ "$rc" -ne 0 ]; then what="FAILED (exit $rc)"; fi
     if [ "$rc" -ne 0 ] && [ "$STATUS" -eq 0 ]; then STATUS=1; fi
-    log "=== $name: exit $rc$note after $(($(date +%s) - t0))s"
-    SUMMARY+=("$name: exit $rc$note, $(($(date +%s) - t0))s")
+    log "=== $name: $what after $(($(date +%s) - t0))s"
+    row "$name" "$what" "$(($(date +%s) - t0))"
+    return "$rc"
 }
 
-# fused_path_ok: the timing stages run only when impl="auto" takes the fused kernels (checked once)
+skip() { # skip NAME WHY [failing]
+    log "=== $1: skipped, $2"
+    row "$1" "skipped: $2" 0
+    if [ "${3:-}" = failing ] && [ "$STATUS" -eq 0 ]; then STATUS=1; fi
+}
+
+# the timing stages run only when impl="auto" takes the fused kernels (checked once)
 FUSED=""
 fused_path_ok() {
+    if [ "$DRY_RUN" = 1 ]; then run_stage "fused path check" 60 python3 -m benchmarks.check_fused; return 0; fi
     if [ -z "$FUSED" ]; then
         log "=== fused path check: python3 -m benchmarks.check_fused"
         if timeout -k 10 300 python3 -m benchmarks.check_fused 2>&1 | tee -a "$LOG"; [ "${PIPESTATUS[0]}" -eq 0 ]; then
             FUSED=yes
         else
             FUSED=no
-            log "!!! FUSED PATH NOT TAKEN: impl=\"auto\" would time the PyTorch path; wan, profile and attention are skipped"
-            SUMMARY+=("fused path check: FAILED (timing stages skipped)")
+            log "!!! FUSED PATH NOT TAKEN: impl=\"auto\" would time the PyTorch path; the timing stages are skipped"
+            row "fused path check" "FAILED (timing stages skipped)" 0
             STATUS=3
         fi
     fi
     [ "$FUSED" = yes ]
 }
 
-if compgen -G ".whl/*.whl" >/dev/null; then
-    log "=== installing carried wheels: $(ls .whl)"
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >>"$LOG" 2>&1 &&
-        export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}" || log "wheel install failed"
+if [ "$DRY_RUN" != 1 ]; then
+    if compgen -G ".whl/*.whl" >/dev/null; then
+        log "=== installing carried wheels: $(ls .whl)"
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >>"$LOG" 2>&1 &&
+            export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}" || log "wheel install failed"
+    fi
+    {
+        nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem,temperature.gpu,utilization.gpu --format=csv
+        python3 -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
+        python3 -c "import triton; print('triton', triton.__version__)"
+        python3 -c "import diffusers; print('diffusers', diffusers.__version__)" || echo "diffusers MISSING: carry its wheel (see the top of this script)"
+        git log -1 --format='commit %H %s' 2>/dev/null || true
+    } 2>&1 | tee -a "$LOG"
 fi
-{
-    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem,temperature.gpu,utilization.gpu --format=csv
-    python3 -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
-    python3 -c "import triton; print('triton', triton.__version__)"
-    python3 -c "import diffusers; print('diffusers', diffusers.__version__)" || echo "diffusers MISSING: wan_step will fail (carry .whl, see the top of this script)"
-} 2>&1 | tee -a "$LOG"
+GPUS=$( [ "$DRY_RUN" = 1 ] && echo "${DRY_RUN_GPUS:-2}" || python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
 
-log "=== stages: ${STAGES:1:-1}"
+log "=== stages: ${STAGES:1:-1} ($GPUS GPUs)"
 if [[ $STAGES == *,kernels,* ]]; then
     run_stage "kernels" "$KERNELS_S" python3 -m pytest -q -m gpu -p no:cacheprovider tests/mhla/test_triton.py
+fi
+MODEL_OK=yes
+if [[ $STAGES == *,model,* ]]; then
+    [ "$DRY_RUN" = 1 ] || rm -rf "$MODEL_DIR"
+    run_stage "model" "$MODEL_S" python3 -m benchmarks.random_model --out "$MODEL_DIR" --size 1.3b || MODEL_OK=no
+fi
+if [[ $STAGES == *,cli,* ]]; then
+    if [ "$MODEL_OK" = yes ]; then
+        run_stage "cli" "$CLI_S" python3 -m benchmarks.cli_e2e --model "$MODEL_DIR" --variant all --prompt "$PROMPT" \
+            --frames 81 --height 480 --width 832 --steps "$CLI_STEPS" --out "$OUT/cli.mp4" --no-progress
+    else skip "cli" "no model folder" failing; fi
+fi
+if [[ $STAGES == *,app,* ]]; then
+    if [ "$MODEL_OK" = yes ]; then
+        run_stage "app" "$APP_S" python3 -m benchmarks.app_compare --model "$MODEL_DIR" --requests 1 --steps 2 \
+            --out "$OUT/app_compare_gpu"
+    else skip "app" "no model folder" failing; fi
+fi
+if [[ $STAGES == *,compile,* ]] && fused_path_ok; then
+    run_stage "compile" "$COMPILE_S" python3 -m benchmarks.wan_step --config 1.3b --sizes 81x480x800 --passes fwd \
+        --variants flash,mhla,linear,mhla-hybrid --softmax-backend sdpa_cudnn --compile blocks --warmup 2 --repeats 3 \
+        --out-dir "$OUT"
+fi
+if [[ $STAGES == *,cp,* ]]; then
+    if [ "$GPUS" -ge 2 ]; then
+        PROCS=$(python3 -c "print(*[p for p in (1, 2, 4, 8) if p <= $GPUS])")
+        run_stage "cp" "$CP_S" python3 -m benchmarks.context_parallel --device cuda --procs $PROCS \
+            --grid 21x30x52 --blocks 7x3x5 --heads 12 --head-dim 128 --out "$OUT/context_parallel_cuda"
+    else skip "cp" "$GPUS GPU (NCCL needs 2+)"; fi
 fi
 if [[ $STAGES == *,tests,* ]]; then
     run_stage "gpu tests" "$TESTS_S" python3 -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors \
         --ignore=tests/mhla/test_triton.py tests
 fi
 if [[ $STAGES == *,wan,* ]] && fused_path_ok; then
-    run_stage "wan_step" "$WAN_S" python3 -m benchmarks.wan_step --config 1.3b --sizes 81x480x800,81x480x832 \
+    run_stage "wan" "$WAN_S" python3 -m benchmarks.wan_step --config 1.3b --sizes 81x480x800,81x480x832 \
         --grad-ckpt --warmup 2 --repeats 5 --out-dir "$OUT"
 fi
 if [[ $STAGES == *,profile,* ]] && fused_path_ok; then
@@ -128,31 +183,27 @@ if [[ $STAGES == *,attention,* ]] && fused_path_ok; then
         --grids 1x32x32,4x32x32,16x32x32,21x30x50,21x30x52,32x48x48,32x64x64 --passes fwd,fwd+bwd \
         --softmax-backends all --warmup 3 --repeats 10 --out-dir "$OUT"
 fi
-if [[ $STAGES == *,cp,* ]]; then
-    PROCS=$(python3 -c "import torch; n = torch.cuda.device_count(); print(*[p for p in (1, 2, 4, 8) if p <= n])")
-    run_stage "context_parallel" "$CP_S" python3 -m benchmarks.context_parallel --device cuda --procs $PROCS \
-        --grid 21x30x52 --blocks 7x3x5 --heads 12 --head-dim 128 --out "$OUT/context_parallel_cuda"
-fi
 
-# a stage stopped part-way leaves a partial JSON and no table: render what it measured
-for f in "$OUT"/*.json; do
-    [ -e "$f" ] || continue
-    [ -e "${f%.json}.md" ] || python3 -m benchmarks.render "$f" >>"$LOG" 2>&1 || log "could not render $f"
-done
-log ""
-log "=== tables"
-for f in "$OUT"/*.md; do
-    [ -e "$f" ] || continue
-    log "--- $(basename "$f")"
-    tee -a "$LOG" <"$f"
-done
-for f in "$OUT"/*.json; do
-    [ -e "$f" ] || continue
-    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1], 'complete' if d.get('meta', {}).get('complete', True) else 'PARTIAL', len(d['rows']), 'rows')" "$f" 2>&1 | tee -a "$LOG"
-done
+if [ "$DRY_RUN" != 1 ]; then
+    # a stage stopped part-way leaves a partial JSON and no table: render what it measured
+    for f in "$OUT"/*.json; do
+        [ -e "$f" ] || continue
+        [ -e "${f%.json}.md" ] || python3 -m benchmarks.render "$f" >>"$LOG" 2>&1 || log "could not render $f"
+    done
+    log ""
+    log "=== tables"
+    for f in "$OUT"/*.md; do
+        [ -e "$f" ] || continue
+        log "--- $(basename "$f")"
+        tee -a "$LOG" <"$f"
+    done
+    log "--- the CLI's timings (text encoding, denoising, VAE decode per variant)"
+    grep -A14 "^variant \|^comparison\|mp4 writer" "$LOG" | grep -v "^===" | tail -60 | tee -a "$OUT/cli_timings.txt" >/dev/null || true
+fi
 log ""
 log "=== summary ($(($(date +%s) - START))s in all)"
-for s in "${SUMMARY[@]}"; do log "  $s"; done
-ls -la "$OUT" | tee -a "$LOG"
+log "| stage | result | s |"
+log "|---|---|---:|"
+for r in "${ROWS[@]}"; do log "$r"; done
 log "=== exit status $STATUS"
 exit "$STATUS"

@@ -175,6 +175,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out-dir", type=Path, default=RESULTS)
     p.add_argument("--tag", default=None, help="result file name (default wan_step_<config>_<device kind>_<date>)")
     p.add_argument("--no-save", action="store_true")
+    p.add_argument(
+        "--compile",
+        choices=("none", "blocks", "full"),
+        default="none",
+        help="torch.compile the transformer (mhla.compiled.compile_transformer): its repeated blocks or the whole "
+        "forward; the warm-up runs include the compile, the breakdown is skipped (its timers would break graphs)",
+    )
     return p
 
 
@@ -212,6 +219,11 @@ def main(argv=None) -> dict:
     convert_self_attention(model, "mhla", options=options)
     if args.grad_ckpt:
         model.enable_gradient_checkpointing()
+    if args.compile != "none":
+        from mhla.compiled import compile_transformer
+
+        compile_transformer(model, args.compile)
+        args.no_breakdown = True
     params = sum(p.numel() for p in model.parameters())
     ctx = attention_context(model)
     meta = {
@@ -233,6 +245,7 @@ def main(argv=None) -> dict:
         "warmup": warmup,
         "repeats": repeats,
         "attention_options": options.to_dict(),
+        "compile": args.compile,
     }
     print(
         f"# Wan2.1 {config_name} ({num_layers} layers, {params / 1e9:.2f}B parameters, random weights) on "
@@ -243,7 +256,8 @@ def main(argv=None) -> dict:
 
     gen = torch.Generator().manual_seed(args.seed)
     timer = Timer(device)
-    tag = args.tag or default_tag(f"wan_step_{config_name}", device)
+    compiled = "" if args.compile == "none" else f"_compiled-{args.compile}"
+    tag = args.tag or default_tag(f"wan_step_{config_name}{compiled}", device)
     rows = []
     for size, grid in cases:
         tokens = grid[0] * grid[1] * grid[2]
