@@ -115,7 +115,20 @@ class MixingCoefficients(nn.Module):
             self.register_buffer("weight", matrix)
 
     def forward(self) -> torch.Tensor:
-        w = self.weight.float()
+        w = self.weight
+        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and w.requires_grad):
+            return self._compute(w)
+        # inference: the same matrix every call until the weight changes (in place: its version; moved or
+        # replaced: its storage), so computed once, not on every call of every layer (5 small launches)
+        key = (w.data_ptr(), w._version, w.device, w.dtype)
+        hit = getattr(self, "_reused", None)
+        if hit is None or hit[0] is not w or hit[1] != key:
+            hit = (w, key, self._compute(w).detach())
+            self._reused = hit
+        return hit[2]
+
+    def _compute(self, w: torch.Tensor) -> torch.Tensor:
+        w = w.float()
         return constrain_mixing(w) if self.constrain else w
 
     @torch.no_grad()

@@ -34,6 +34,7 @@ against the dense reference when no GPU is present.
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -183,6 +184,42 @@ def tuned_launches() -> dict[str, dict[str, str]]:
     return out
 
 
+_MIXING_CACHE: OrderedDict[tuple[Any, ...], tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = OrderedDict()
+MIXING_CACHE_SIZE = 64  # entries: one per layer and direction (Wan2.1-14B: 40 layers)
+
+
+def _mixing_operands(
+    mixing: torch.Tensor, batch: int, heads: int, transpose: bool, dtype: torch.dtype
+) -> tuple[torch.Tensor, ...]:
+    """The batched product's left operands for ``mixing``: ``(m,)`` float32, or ``(hi, lo)`` in ``dtype``,
+    each ``(B*H, M, M)`` contiguous. Made on the device, without a host synchronisation, and kept per
+    mixing tensor (its identity, storage and version: an in-place update makes them again) while that
+    tensor needs no gradient, as in inference, where every call of a layer passes the same matrix: then
+    a call launches the products alone instead of 5 more small kernels."""
+    m = mixing.float()
+    key = (id(mixing), mixing.data_ptr(), mixing._version, batch, heads, transpose, dtype, mixing.device)
+    reuse = not mixing.requires_grad
+    if reuse:
+        hit = _MIXING_CACHE.get(key)
+        if hit is not None and hit[0] is mixing:
+            _MIXING_CACHE.move_to_end(key)
+            return hit[1]
+    if transpose:
+        m = m.transpose(-1, -2)
+    blocks = m.shape[-1]
+    m = (m.expand(batch * heads, blocks, blocks) if m.dim() == 2 else m.repeat(batch, 1, 1)).contiguous()
+    if dtype == torch.float32:
+        made: tuple[torch.Tensor, ...] = (m,)
+    else:
+        hi = m.to(dtype)
+        made = (hi, (m - hi.float()).to(dtype))
+    if reuse:
+        _MIXING_CACHE[key] = (mixing, made)  # the tensor itself is kept, so its id and memory stay its own
+        while len(_MIXING_CACHE) > MIXING_CACHE_SIZE:
+            _MIXING_CACHE.popitem(last=False)
+    return made
+
+
 def _mix(mixing: torch.Tensor, x: torch.Tensor, batch: int, heads: int, transpose: bool = False) -> torch.Tensor:
     """Mixes ``x`` ``(B*H, M, ...)`` over blocks with ``(M, M)`` or ``(H, M, M)`` float32 ``mixing``.
 
@@ -192,16 +229,11 @@ def _mix(mixing: torch.Tensor, x: torch.Tensor, batch: int, heads: int, transpos
     accumulating in float32, the ``lo`` product added into the ``hi`` one's float32 accumulator
     (``baddbmm``) before the one rounding of the result to bf16. Two cheap products instead of one
     float32 product on the FP32 units (benchmarks/NOTES.md, item 3)."""
-    m = mixing.float()
-    if transpose:
-        m = m.transpose(-1, -2)
-    blocks = x.shape[1]
-    flat = x.reshape(batch * heads, blocks, -1)
-    m = (m.expand(batch * heads, blocks, blocks) if m.dim() == 2 else m.repeat(batch, 1, 1)).contiguous()
+    flat = x.reshape(batch * heads, x.shape[1], -1)
+    operands = _mixing_operands(mixing, batch, heads, transpose, x.dtype)
     if x.dtype == torch.float32:
-        return torch.bmm(m, flat).reshape(x.shape)
-    hi = m.to(x.dtype)
-    lo = (m - hi.float()).to(x.dtype)
+        return torch.bmm(operands[0], flat).reshape(x.shape)
+    hi, lo = operands
     return torch.baddbmm(torch.bmm(lo, flat), hi, flat).reshape(x.shape)
 
 

@@ -1,0 +1,141 @@
+"""Launches and host work per call of the fused operator, counted on any machine (no timing).
+
+    python -m benchmarks.launch_count            # CPU: Triton's interpreter (TRITON_INTERPRET=1 is set here)
+
+Per call, after a first (warm-up) call: the Triton kernel launches; the PyTorch operations that would each
+launch a GPU kernel (aten operations under a dispatch mode, less views, allocations and other metadata
+operations); the operations that synchronise the host with the GPU (``item``, ``is_nonzero``, ...); and the
+Python function calls on the host path (``sys.setprofile``, kernels intercepted so that the interpreter's own
+work is not counted). Three callers: the operator with a fixed mixing tensor (as ``benchmarks.attention``
+times it), an ``mhla.MHLA`` module under ``torch.no_grad`` (as a Wan layer in inference: its mixing matrix
+constrained on use), and linear attention. A GPU launch costs a few microseconds of host time plus the
+launcher's Python work; fewer of both is the fixed cost per call the H100 run measured (~0.5 ms).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+NO_LAUNCH = {
+    "view", "_unsafe_view", "reshape", "expand", "transpose", "t", "permute", "unsqueeze", "squeeze", "slice",
+    "select", "as_strided", "alias", "detach", "empty", "empty_like", "empty_strided", "new_empty", "lift_fresh",
+    "_reshape_alias", "split", "chunk", "unbind", "view_as", "expand_as", "contiguous", "to", "_to_copy_noop",
+}  # fmt: skip
+SYNC = {"_local_scalar_dense", "item", "is_nonzero", "equal", "nonzero", "_assert_async"}
+
+
+class OpCounter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+        self.paused = False  # inside an interpreted Triton kernel: its own copies are not the call's launches
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if not self.paused:
+            self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+    def launches(self) -> dict[str, int]:
+        return {k: n for k, n in self.ops.items() if k not in NO_LAUNCH and k not in SYNC}
+
+    def syncs(self) -> dict[str, int]:
+        return {k: n for k, n in self.ops.items() if k in SYNC}
+
+
+def count_call(fn: Callable[[], Any]) -> dict[str, Any]:
+    """``fn`` once (warm-up), then counted: Triton launches, torch launches by op, syncs, host Python calls."""
+    from mhla import triton_ops
+
+    fn()
+    names: list[str] = []
+    real = triton_ops._Geometry._launch
+    ops = OpCounter()
+
+    def counted(self: Any, name: str, *args: Any, **meta: Any) -> None:
+        names.append(name)
+        ops.paused = True
+        try:
+            real(self, name, *args, **meta)
+        finally:
+            ops.paused = False
+
+    triton_ops._Geometry._launch = counted  # type: ignore[method-assign]
+    try:
+        with ops:
+            fn()
+    finally:
+        triton_ops._Geometry._launch = real  # type: ignore[method-assign]
+    calls = [0]
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            calls[0] += 1
+
+    with triton_ops.intercept_launches(lambda *a: None):  # the host path alone, no interpreted kernel
+        sys.setprofile(profile)
+        try:
+            fn()
+        finally:
+            sys.setprofile(None)
+    torch_launches = ops.launches()
+    return {
+        "triton": names,
+        "torch": torch_launches,
+        "launches": len(names) + sum(torch_launches.values()),
+        "syncs": ops.syncs(),
+        "python_calls": calls[0],
+    }
+
+
+def cases(dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> dict[str, Callable[[], Any]]:
+    import mhla
+    from mhla import BlockLayout, locality_init
+
+    gen = torch.Generator().manual_seed(seed)
+    layout = BlockLayout((2, 4, 4), (1, 2, 2))
+    n, h, d = layout.num_tokens, 2, 16
+    q, k, v = (torch.randn(1, n, h, d, generator=gen).to(dtype) for _ in range(3))
+    angles = (torch.rand(1, n, 1, d // 2, generator=gen) * 6.28).repeat_interleave(2, -1)
+    rope = (angles.cos(), angles.sin())
+    mixing = locality_init(layout).float()
+    module = mhla.MHLA(blocks=(1, 2, 2), normalize=False)
+
+    def op() -> Any:
+        return mhla.mhla_attention(q, k, v, layout, mixing, normalize=False, rotary_emb=rope, impl="triton")
+
+    def layer() -> Any:
+        with torch.no_grad():
+            return mhla.mhla_attention(
+                q, k, v, layout, module.mixing(), normalize=False, rotary_emb=rope, impl="triton"
+            )
+
+    def linear() -> Any:
+        return mhla.linear_attention(q, k, v, normalize=False, rotary_emb=rope, impl="triton")
+
+    return {"operator, fixed mixing": op, "layer in inference (MHLA module's mixing)": layer, "linear": linear}
+
+
+def main() -> int:
+    print(
+        "| call (bf16, 32 tokens, 4 blocks, no normalizer) | Triton launches | torch launches | syncs | Python calls |"
+    )
+    print("|---|---:|---:|---:|---:|")
+    for name, fn in cases().items():
+        c = count_call(fn)
+        torch_ops = ", ".join(f"{k} {n}" for k, n in sorted(c["torch"].items()))
+        print(f"| {name} | {len(c['triton'])} | {sum(c['torch'].values())} ({torch_ops}) | {len(c['syncs'])} | "
+              f"{c['python_calls']} |")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
