@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import mhla
 
 from .attention import VARIANTS, AttentionOptions, parse_layers
+from .caching import cached, parse_cache
 from .errors import ModelError, check_seed, check_text, run_cli
 
 # the library's names, for code that imports them from here
@@ -120,6 +121,14 @@ def _parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--frames-npy",
         default=None,
         help="also write the decoded frames here as a float32 .npy array (frames, height, width, 3) in [0, 1]",
+    )
+    p.add_argument(
+        "--cache",
+        type=parse_cache,
+        default=None,
+        help="diffusers' step cache on the transformer (any variant): none, first-block[:THRESHOLD] "
+        "(FirstBlockCache, default 0.05), mag-calibrate, mag:THRESHOLD:RATIOS.json (MagCache); skipped steps "
+        "reuse cached residuals: faster, approximate",
     )
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--debug", action="store_true", help="print the traceback of an unexpected error")
@@ -369,6 +378,8 @@ def _run(args: argparse.Namespace, plan: _Plan, scale: Scale) -> int:
         say(scale.describe())
     if components.random_weights:
         say(f"NOTE: {RANDOM_WEIGHTS_NOTE}")
+    if args.cache is not None:
+        say(f"cache: {args.cache.describe()}")
     timings = []
     for i, (request, (mp4, gif, png)) in enumerate(zip(plan.requests, plan.outputs, strict=True)):
         v = request.variant
@@ -380,13 +391,14 @@ def _run(args: argparse.Namespace, plan: _Plan, scale: Scale) -> int:
         running = components.transformer if transformer is None else transformer
         scale.before_run(components, request, running, plan.overrides)  # converted under the hooks; parallel
         try:
-            result = generate(
-                components,
-                request,
-                attention_options=plan.overrides,
-                transformer=transformer,
-                show_progress=not args.no_progress and scale.main,
-            )
+            with cached(running, args.cache, request.num_inference_steps or 1):  # validated: an int
+                result = generate(
+                    components,
+                    request,
+                    attention_options=plan.overrides,
+                    transformer=transformer,
+                    show_progress=not args.no_progress and scale.main,
+                )
         except NonFiniteLatentsError as e:
             raise ModelError(str(e)) from e
         finally:

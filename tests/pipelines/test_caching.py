@@ -1,0 +1,122 @@
+"""diffusers' FirstBlockCache and MagCache on converted transformers (every variant): equal to the uncached
+run when nothing is skipped; skipping the blocks as configured; the CLI's --cache."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import warnings
+
+import pytest
+import torch
+
+from pipelines import VARIANTS, convert_self_attention
+from pipelines.caching import CacheSpec, cached, parse_cache
+from pipelines.tiny import build_tiny_transformer
+
+LAYERS = 3
+STEPS = 4
+
+
+def converted(variant: str):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fresh MHLA parameters: untrained, as intended here
+        model = convert_self_attention(build_tiny_transformer(seed=0, num_layers=LAYERS), variant)
+    return model.eval()
+
+
+def steps_inputs(seed: int = 1):
+    """A different latent per step (as denoising makes), so block 0's output always moves."""
+    gen = torch.Generator().manual_seed(seed)
+    text = torch.randn(1, 7, 32, generator=gen)
+    return [
+        dict(
+            hidden_states=torch.randn(1, 16, 3, 8, 8, generator=gen),
+            timestep=torch.tensor([1000.0 - 250 * i]),
+            encoder_hidden_states=text,
+            return_dict=False,
+        )
+        for i in range(STEPS)
+    ]
+
+
+def run(model, spec: CacheSpec | None, inputs) -> tuple[list[torch.Tensor], int]:
+    """The outputs of the steps in one cache context, and how many blocks ran their feed-forward."""
+    ran = [0]
+    hooks = [b.ffn.register_forward_hook(lambda *a: ran.__setitem__(0, ran[0] + 1)) for b in model.blocks]
+    try:
+        with torch.no_grad(), cached(model, spec, STEPS):
+            if spec is None:
+                outs = [model(**x)[0] for x in inputs]
+            else:
+                with model.cache_context("cond"):
+                    outs = [model(**x)[0] for x in inputs]
+    finally:
+        for h in hooks:
+            h.remove()
+    return outs, ran[0]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_first_block_cache(variant):
+    model, inputs = converted(variant), steps_inputs()
+    plain, ran = run(model, None, inputs)
+    assert ran == LAYERS * STEPS
+    # threshold 0: block 0's change is never below it, so every block runs: the same numbers
+    never, ran = run(model, CacheSpec("first-block", 0.0), inputs)
+    assert ran == LAYERS * STEPS
+    for a, b in zip(never, plain):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # a huge threshold: after the first step only block 0 runs, the others' residual is reused
+    always, ran = run(model, CacheSpec("first-block", 1e9), inputs)
+    assert ran == LAYERS + (STEPS - 1)
+    torch.testing.assert_close(always[0], plain[0], rtol=0, atol=0)
+    assert not torch.equal(always[-1], plain[-1])
+    # the cache is off again afterwards
+    again, ran = run(model, None, inputs)
+    assert ran == LAYERS * STEPS and torch.equal(again[-1], plain[-1])
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_mag_cache(variant):
+    model, inputs = converted(variant), steps_inputs(2)
+    plain, _ = run(model, None, inputs)
+    calibrating, ran = run(model, CacheSpec("mag-calibrate", 0.0), inputs)  # measures, never skips
+    assert ran == LAYERS * STEPS
+    for a, b in zip(calibrating, plain):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # skipped when the error accumulated from the ratios is <= the threshold (diffusers 0.42): ratios of 0.5
+    # accumulate 0.5 per step, over a threshold of 0, so nothing is skipped: the same numbers
+    never, ran = run(model, CacheSpec("mag", 0.0, (1.0,) + (0.5,) * (STEPS - 1)), inputs)
+    assert ran == LAYERS * STEPS
+    for a, b in zip(never, plain):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # ratios of 1 accumulate no error: every step after the retained first (retention 0.2 of 4 steps rounds
+    # to 1) is skipped, up to max_skip_steps (3) in a row: the blocks run for step 0 only
+    skipping, ran = run(model, CacheSpec("mag", 0.0, (1.0,) * STEPS), inputs)
+    assert ran == LAYERS
+    torch.testing.assert_close(skipping[0], plain[0], rtol=0, atol=0)
+    assert not torch.equal(skipping[-1], plain[-1])
+
+
+def test_parse_cache(tmp_path):
+    assert parse_cache("none") is None
+    assert parse_cache("first-block") == CacheSpec("first-block", 0.05)
+    assert parse_cache("first-block:0.1") == CacheSpec("first-block", 0.1)
+    ratios = tmp_path / "r.json"
+    ratios.write_text(json.dumps([1.0, 0.9, 0.95]))
+    assert parse_cache(f"mag:0.06:{ratios}") == CacheSpec("mag", 0.06, (1.0, 0.9, 0.95))
+    for bad in ("first-block:-1", "first-block:nan", "mag:0.1", "teacache", f"mag:x:{ratios}", "mag:0.1:/nope.json"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_cache(bad)
+
+
+def test_cli_cache_option(tmp_path, capsys):
+    from pipelines.generate import main
+
+    out = tmp_path / "v.mp4"
+    args = ["--model", "tiny-random", "--variant", "mhla", "--prompt", "a fox", "--steps", "3", "--no-progress"]
+    assert main([*args, "--out", str(out), "--cache", "first-block:0.05"]) == 0
+    assert "cache: FirstBlockCache, threshold 0.05" in capsys.readouterr().out
+    assert out.is_file()
+    assert main([*args, "--out", str(out), "--cache", "bogus"]) != 0
