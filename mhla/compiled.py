@@ -185,7 +185,7 @@ COMPILE_MODES = ("blocks", "full")
 
 
 def compile_transformer(
-    model: torch.nn.Module, mode: str = "blocks", backend: str = "inductor", fullgraph: bool = False
+    model: torch.nn.Module, mode: str = "blocks", backend: str | None = None, fullgraph: bool = False
 ) -> torch.nn.Module:
     """``torch.compile`` of a diffusers transformer, in place (the pipelines call it as before).
 
@@ -194,8 +194,15 @@ def compile_transformer(
     inside run as the custom ops above (one graph node each, the fused kernels on a GPU); inductor fuses
     the rest (norms, modulation, activations, residual adds) into fewer kernels. Switching a layer's
     processor afterwards (another variant) recompiles once for it: the recompile limit is raised to allow
-    every variant."""
+    every variant. ``backend``: default inductor, or the environment's ``MHLA_COMPILE_BACKEND`` (tests on a
+    CPU use ``aot_eager``: the same graphs, no C++ compiler). A second call with the same mode does nothing."""
+    import os
+
     import torch._dynamo
+
+    backend = backend or os.environ.get("MHLA_COMPILE_BACKEND", "inductor")
+    if getattr(model, "_mhla_compiled", None) == (mode, backend, fullgraph):
+        return model
 
     if mode not in COMPILE_MODES:
         raise ValueError(f"compile mode must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
@@ -207,4 +214,5 @@ def compile_transformer(
         model.compile_repeated_blocks(fullgraph=fullgraph, backend=backend)  # type: ignore[operator]
     else:
         model.compile(fullgraph=fullgraph, backend=backend)
+    model._mhla_compiled = (mode, backend, fullgraph)  # type: ignore[assignment]
     return model

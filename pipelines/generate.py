@@ -130,6 +130,13 @@ def _parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "(FirstBlockCache, default 0.05), mag-calibrate, mag:THRESHOLD:RATIOS.json (MagCache); skipped steps "
         "reuse cached residuals: faster, approximate",
     )
+    p.add_argument(
+        "--compile",
+        choices=("none", "blocks", "full"),
+        default="none",
+        help="torch.compile the transformer (the attention kernels as custom ops): its repeated blocks (one "
+        "compile for all layers) or the whole forward; the first step of each variant includes the compile",
+    )
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--debug", action="store_true", help="print the traceback of an unexpected error")
     add_scale_arguments(p)  # --offload, --vae-tiling, --context-parallel, --cp-degree (pipelines/scale.py)
@@ -380,6 +387,8 @@ def _run(args: argparse.Namespace, plan: _Plan, scale: Scale) -> int:
         say(f"NOTE: {RANDOM_WEIGHTS_NOTE}")
     if args.cache is not None:
         say(f"cache: {args.cache.describe()}")
+    if args.compile != "none":
+        say(f"torch.compile: {args.compile}")
     timings = []
     for i, (request, (mp4, gif, png)) in enumerate(zip(plan.requests, plan.outputs, strict=True)):
         v = request.variant
@@ -390,6 +399,10 @@ def _run(args: argparse.Namespace, plan: _Plan, scale: Scale) -> int:
             say(f"{v}: fine-tuned transformer {components.variant_dirs[v]}")
         running = components.transformer if transformer is None else transformer
         scale.before_run(components, request, running, plan.overrides)  # converted under the hooks; parallel
+        if args.compile != "none":
+            from mhla.compiled import compile_transformer
+
+            compile_transformer(running, args.compile)
         try:
             with cached(running, args.cache, request.num_inference_steps or 1):  # validated: an int
                 result = generate(
