@@ -207,7 +207,9 @@ def compile_transformer(
     if mode not in COMPILE_MODES:
         raise ValueError(f"compile mode must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
     config = torch._dynamo.config
-    config.cache_size_limit = max(config.cache_size_limit, 64)
+    for name in ("recompile_limit", "cache_size_limit"):  # the newer name and the older one
+        if hasattr(config, name):
+            setattr(config, name, max(getattr(config, name), 64))
     if hasattr(config, "accumulated_cache_size_limit"):
         config.accumulated_cache_size_limit = max(config.accumulated_cache_size_limit, 512)
     if mode == "blocks" and getattr(model, "_repeated_blocks", None):

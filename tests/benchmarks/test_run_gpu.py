@@ -128,3 +128,20 @@ def test_random_model_folder_runs_through_the_cli(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "mp4 writer:" in printed and "VAE decode" in printed and "text encoding" in printed
     assert (tmp_path / "v_flash.mp4").is_file() and (tmp_path / "v_mhla.mp4").is_file()
+
+
+def test_slim_wheel_keeps_what_the_project_imports(tmp_path):
+    import zipfile
+
+    from benchmarks.slim_wheel import keep, slim
+
+    assert keep("diffusers/pipelines/wan/pipeline_wan.py") and keep("diffusers/pipelines/pipeline_utils.py")
+    assert keep("diffusers/hooks/first_block_cache.py") and keep("diffusers-0.42.1.dist-info/METADATA")
+    assert not keep("diffusers/pipelines/flux/pipeline_flux.py")
+    assert not keep("diffusers/modular_pipelines/wan/encoders.py")
+    assert keep("diffusers/modular_pipelines/__init__.py")
+    wheel = tmp_path / "w.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        for name in ("diffusers/__init__.py", "diffusers/pipelines/wan/a.py", "diffusers/pipelines/flux/b.py"):
+            z.writestr(name, "x = 1\n")
+    assert slim(wheel, tmp_path / "out.zip") == (2, 1)
