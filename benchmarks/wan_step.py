@@ -119,8 +119,10 @@ def latent_inputs(config: dict, grid, batch: int, text_len: int, device, dtype, 
 
 
 def forward_fn(model, inputs):
+    from mhla.mixing import reuse_constrained_mixing
+
     def run():
-        with torch.no_grad():
+        with torch.no_grad(), reuse_constrained_mixing():  # as pipelines.pipeline.generate
             return model(**inputs)[0]
 
     return run

@@ -8,7 +8,10 @@ step can produce negative or unnormalised mixing.
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import lru_cache
 from typing import cast
 
@@ -65,6 +68,25 @@ def constrain_mixing(raw: torch.Tensor) -> torch.Tensor:
     return torch.where(total > 0, m / total.clamp_min(torch.finfo(m.dtype).tiny), uniform)
 
 
+_REUSE_SCOPE = [0]  # 0: off; else the id of the innermost reuse_constrained_mixing() scope
+_SCOPES = itertools.count(1)
+
+
+@contextmanager
+def reuse_constrained_mixing() -> Iterator[None]:
+    """Within it, each :class:`MixingCoefficients` computes its (constrained) matrix once, when no gradient
+    is taken, and hands the same tensor to every later call (a pipeline's denoising loop: 5 small kernel
+    launches fewer per layer and step, and the fused kernels' cached operands hit). For code whose weights do
+    not change inside (inference): an in-place change through ``.data`` would not be seen; an ordinary
+    in-place update (an optimiser's, ``load_state_dict``) is. A new scope always computes afresh."""
+    before = _REUSE_SCOPE[0]
+    _REUSE_SCOPE[0] = next(_SCOPES)
+    try:
+        yield
+    finally:
+        _REUSE_SCOPE[0] = before
+
+
 class MixingCoefficients(nn.Module):
     """Learnable mixing matrix of one attention layer.
 
@@ -116,11 +138,12 @@ class MixingCoefficients(nn.Module):
 
     def forward(self) -> torch.Tensor:
         w = self.weight
-        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and w.requires_grad):
+        scope = _REUSE_SCOPE[0]
+        if not scope or torch.compiler.is_compiling() or (torch.is_grad_enabled() and w.requires_grad):
             return self._compute(w)
-        # inference: the same matrix every call until the weight changes (in place: its version; moved or
-        # replaced: its storage), so computed once, not on every call of every layer (5 small launches)
-        key = (w.data_ptr(), w._version, w.device, w.dtype)
+        # inside reuse_constrained_mixing(): the weights are fixed, so the matrix is computed once per scope
+        # (and again if the weight changes in place, moves or is replaced), not on every call of every layer
+        key = (scope, w.data_ptr(), w._version, w.device, w.dtype)
         hit = getattr(self, "_reused", None)
         if hit is None or hit[0] is not w or hit[1] != key:
             hit = (w, key, self._compute(w).detach())

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 import mhla
+from mhla.mixing import reuse_constrained_mixing
 
 from .attention import AttentionOptions
 from .convert import (
@@ -323,23 +324,25 @@ def generate(
     for ctx in contexts:
         ctx.timer.reset(enabled=True)
     try:
-        # the pipeline denoises and decodes; the last step's end splits denoising from VAE decoding
-        frames = pipe(
-            **image_input,
-            prompt_embeds=prompt_embeds,
-            negative_prompt_embeds=negative_embeds if all(guided) else embeds_for(0),
-            height=request.height,
-            width=request.width,
-            num_frames=request.num_frames,
-            num_inference_steps=request.num_inference_steps,
-            guidance_scale=request.guidance_scale,
-            latents=noise,
-            output_type=request.output_type,
-            return_dict=False,
-            callback_on_step_end=on_step_end,
-            callback_on_step_end_tensor_inputs=["latents", "negative_prompt_embeds"],
-            max_sequence_length=max_sequence_length,
-        )[0]
+        # the pipeline denoises and decodes; the last step's end splits denoising from VAE decoding; its
+        # weights are fixed, so each MHLA layer's constrained mixing is computed once per call
+        with reuse_constrained_mixing():
+            frames = pipe(
+                **image_input,
+                prompt_embeds=prompt_embeds,
+                negative_prompt_embeds=negative_embeds if all(guided) else embeds_for(0),
+                height=request.height,
+                width=request.width,
+                num_frames=request.num_frames,
+                num_inference_steps=request.num_inference_steps,
+                guidance_scale=request.guidance_scale,
+                latents=noise,
+                output_type=request.output_type,
+                return_dict=False,
+                callback_on_step_end=on_step_end,
+                callback_on_step_end_tensor_inputs=["latents", "negative_prompt_embeds"],
+                max_sequence_length=max_sequence_length,
+            )[0]
         if request.output_type != "latent":
             frames = frames[0]
         sync(device)

@@ -77,17 +77,25 @@ def test_gradients_with_a_learnable_mixing_are_not_cached(gen):
             assert rel_err(a.grad, b.grad) < 1e-4
 
 
-def test_module_mixing_is_reused_in_inference_only():
+def test_module_mixing_is_reused_in_a_scope_only():
+    from mhla.mixing import reuse_constrained_mixing
+
     module = MHLA(blocks=(1, 2, 2))
     with torch.no_grad():
-        first, again = module.mixing(), module.mixing()
-        assert first is again
-        module.mixing.weight.mul_(0.5)  # in place (as an optimiser or load_state_dict): made again
-        changed = module.mixing()
-    assert changed is not first
-    torch.testing.assert_close(changed, module.mixing._compute(module.mixing.weight).detach())
-    with_grad = module.mixing()  # grad enabled on a learnable weight: computed, differentiable
-    assert with_grad.requires_grad and with_grad is not changed
-    module.mixing.weight.data = module.mixing.weight.data.clone() * 2  # replaced storage: made again
-    with torch.no_grad():
-        assert module.mixing() is not changed
+        assert module.mixing() is not module.mixing()  # outside a scope: computed on every call
+        with reuse_constrained_mixing():
+            first, again = module.mixing(), module.mixing()
+            assert first is again
+            module.mixing.weight.mul_(0.5)  # in place (as an optimiser or load_state_dict): made again
+            changed = module.mixing()
+            assert changed is not first
+            torch.testing.assert_close(changed, module.mixing._compute(module.mixing.weight).detach())
+        module.mixing.weight.data.mul_(3.0)  # through .data (no version change): a new scope sees it
+        module.mixing.weight.data[0, 0] = 7.0
+        with reuse_constrained_mixing():
+            fresh_value = module.mixing()
+            assert fresh_value is not changed
+            torch.testing.assert_close(fresh_value, module.mixing._compute(module.mixing.weight).detach())
+    with reuse_constrained_mixing():
+        with_grad = module.mixing()  # grad enabled on a learnable weight: computed, differentiable
+    assert with_grad.requires_grad
