@@ -7,7 +7,9 @@
 - ``vae_speed``: a VAE training step's time per precision;
 - ``examples``: the app's example prompts, chosen from an evaluation's videos;
 - ``paired``: two evaluations compared on the videos both drew (same prompt and seed);
-- ``transfer_study``: the conversion-recipe study on the built-in model.
+- ``transfer_study``: the conversion-recipe study on the built-in model;
+- ``next``: the next design's stages, kept in ``assets/builtin-next/``; ``v3``: the third design (its model
+  directory, the VAE gate, the cross-attention's share per caption word).
 
 The world it is trained on and the analyser that judges it are the package ``world`` below; this package
 sits above the recipe (it runs ``training`` stages) and nothing imports it but its own commands and tests.

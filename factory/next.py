@@ -87,9 +87,10 @@ def init(
     return model
 
 
-def save(part: str, src: Path, next_dir: Path = NEXT_DIR, half: bool = False) -> Path:
+def save(part: str, src: Path, next_dir: Path = NEXT_DIR, half: bool = False, budget_root: Path | None = None) -> Path:
     """Copies a trained component folder ``src`` (config.json + safetensors) into ``next_dir/part``, atomically,
-    refusing anything but weights and configs and a total over :data:`MAX_MB`. ``half``: floating-point
+    refusing anything but weights and configs and a total over :data:`MAX_MB` (of ``budget_root``, default
+    ``next_dir``: a design kept in a subfolder shares the folder's budget). ``half``: floating-point
     weights stored as float16 (loading casts them back to the model's dtype), refused if one does not fit."""
     if part not in PARTS:
         raise ValueError(f"part must be one of {PARTS}, got {part!r}")
@@ -105,7 +106,10 @@ def save(part: str, src: Path, next_dir: Path = NEXT_DIR, half: bool = False) ->
             _save_half(src / name, staged / name)
         elif (src / name).is_file():
             shutil.copy2(src / name, staged / name)
-    others = sum(f.stat().st_size for f in next_dir.rglob("*") if f.is_file() and dst not in f.parents)
+    root = budget_root or next_dir
+    others = sum(
+        f.stat().st_size for f in root.rglob("*") if f.is_file() and dst not in f.parents and staged not in f.parents
+    )
     total = (others + sum(f.stat().st_size for f in staged.iterdir())) / 2**20
     if total > MAX_MB:
         shutil.rmtree(staged)

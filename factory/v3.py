@@ -1,9 +1,10 @@
 """The built-in model's third design (issue 37): a 4x VAE, a larger object, a context-free text encoder, patch 2x2.
 
-    python -m factory.v3 init                        # runs/builtin-v3/model, from assets/builtin-next where it has parts
-    nohup nice -n 5 python -m training.finetune --config configs/builtin/v3/vae.yaml > runs/builtin-v3/vae.log 2>&1 &
-    python -m factory.v3 gate runs/builtin-v3/model/vae   # the VAE gate: before any transformer training
-    python -m factory.next save vae --from runs/builtin-v3/model/vae
+    python -m factory.v3 init                        # runs/builtin-v3/model, from assets/builtin-next/v3 where it has parts
+    nohup nice -n 5 env OMP_NUM_THREADS=1 python -m training.finetune --config configs/builtin/v3/vae.yaml > runs/builtin-v3/vae.log 2>&1 &
+    python -m factory.v3 gate runs/builtin-v3/vae/checkpoints/<latest>/vae   # the VAE gate: before any transformer
+    python -m factory.v3 save-vae runs/builtin-v3/vae/checkpoints/<latest>   # -> assets/builtin-next/v3/vae
+    python -m factory.v3 attention --transformer DIR   # the cross-attention's share on each caption word
 
 What caps the second design (the study in issue 37) and what this design changes:
 
@@ -18,7 +19,7 @@ What caps the second design (the study in issue 37) and what this design changes
 - the object: radius 0.25 of the short side (world ``v3``) and one transformer token per 8x8 pixels (patch 1x2x2
   over the 16x20 latent grid: 3x8x10 = 240 tokens).
 
-The gate (:func:`gate`) writes ``assets/builtin-next/curves/vae-gate.json``: the analyser's ceiling on 64
+The gate (:func:`gate`) writes ``assets/builtin-next/v3/curves/vae-gate.json``: the analyser's ceiling on 64
 validation clips (>= 0.95 overall) and the colour:shape latent-change ratio (within 3x of the pixel ratio).
 """
 
@@ -38,6 +39,8 @@ from factory import write_json
 from factory.build import TEXT_ENCODER, TRANSFORMER, build_tokenizer, vae_settings
 from factory.next import NEXT_DIR
 
+# this design's stage weights, beside the second design's (which stay until this one replaces them)
+NEXT = NEXT_DIR / "v3"
 WORK = Path("runs/builtin-v3")
 MODEL = WORK / "model"
 WORLD = "v3"
@@ -83,7 +86,7 @@ def _copy_part(src: Path, dst: Path) -> None:
     shutil.copytree(src, dst)
 
 
-def init(model: Path = MODEL, next_dir: Path = NEXT_DIR, seed: int = 0) -> Path:
+def init(model: Path = MODEL, next_dir: Path = NEXT, seed: int = 0) -> Path:
     """Writes the working model directory ``model`` of this design: tokenizer and text encoder (from
     ``next_dir`` when committed there, else built and also written there: the transformer is trained against
     them, so they are kept, not rebuilt), the VAE (``next_dir/vae`` when its config is this design's, else the
@@ -222,15 +225,32 @@ def latent_geometry(vae, num_clips: int = 64, seed: int = 0) -> dict:
     }
 
 
-def gate(vae_dir: Path, num_clips: int = 64, out: Path | None = NEXT_DIR / "curves" / "vae-gate.json") -> dict:
+def measure_statistics(vae, num_clips: int = 64) -> None:
+    """The latents' per-channel mean and std over ``num_clips`` train clips of the third world, into the VAE's
+    config (what the pipeline normalises with; a VAE run measures them only when it ends, so a checkpoint's are
+    its initial ones)."""
+    from training.vae import latent_statistics
+    from world.synthetic import SyntheticVideoDataset, world_named
+
+    d = DEFAULTS
+    data = SyntheticVideoDataset(
+        num_clips, num_frames=d["num_frames"], height=d["height"], width=d["width"], world=world_named(WORLD)
+    )
+    mean, std = latent_statistics(vae, data, num_clips)
+    vae.register_to_config(latents_mean=mean, latents_std=std)
+
+
+def gate(vae_dir: Path, num_clips: int = 64, out: Path | None = NEXT / "curves" / "vae-gate.json") -> dict:
     """The VAE gate: the analyser's ceiling on ``num_clips`` validation clips (overall >= :data:`GATE_CEILING`)
-    and the colour:shape latent-change ratio within :data:`GATE_RATIO` x of the pixel ratio (either way)."""
+    and the colour:shape latent-change ratio within :data:`GATE_RATIO` x of the pixel ratio (either way), in
+    latents normalised with statistics measured here (a checkpoint's config holds its initial ones)."""
     from diffusers import AutoencoderKLWan
 
     from factory.vae_ceiling import reconstruction_ceiling
     from world.synthetic import SyntheticVideoDataset, world_named
 
     vae = AutoencoderKLWan.from_pretrained(str(vae_dir), dtype=torch.float32).eval()
+    measure_statistics(vae)
     data = SyntheticVideoDataset(
         num_clips,
         num_frames=DEFAULTS["num_frames"],
@@ -261,6 +281,38 @@ def gate(vae_dir: Path, num_clips: int = 64, out: Path | None = NEXT_DIR / "curv
     if out is not None:
         write_json(out, record)
     return record
+
+
+def save_vae(checkpoint: Path, next_dir: Path = NEXT) -> Path:
+    """A VAE run's checkpoint (its ``vae/``) or a VAE folder into ``next_dir/vae``: float16 weights (a later stage
+    loads them as float32 and trains on with a fresh optimizer), the latent statistics measured now, and a
+    ``trained.json`` naming the run and its step. Counted against ``assets/builtin-next``'s budget as a whole."""
+    import re
+
+    from diffusers import AutoencoderKLWan
+
+    from factory.next import save
+
+    folder = checkpoint / "vae" if (checkpoint / "vae").is_dir() else checkpoint
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{folder} is not an AutoencoderKLWan folder (no config.json)")
+    vae = AutoencoderKLWan.from_pretrained(str(folder), dtype=torch.float32).eval()
+    measure_statistics(vae)
+    staged = WORK / ".vae-save"
+    if staged.exists():
+        shutil.rmtree(staged)
+    try:
+        vae.save_pretrained(str(staged), safe_serialization=True)
+        step = re.search(r"step-(\d+)", str(checkpoint))
+        record = {
+            "steps": int(step.group(1)) if step else None,
+            "run": str(checkpoint.parent.parent),
+            "trainable": "all",
+        }
+        (staged / "trained.json").write_text(json.dumps(record) + "\n")
+        return save("vae", staged, next_dir, half=True, budget_root=NEXT_DIR)
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
 
 
 ROLES = ("colour", "shape", "motion", "background", "other words", "end", "padding")
@@ -363,7 +415,11 @@ def main(argv=None) -> int:
     g = sub.add_parser("gate", help="the VAE gate (ceiling and latent geometry) of a VAE folder")
     g.add_argument("vae", help="an AutoencoderKLWan folder, e.g. runs/builtin-v3/model/vae")
     g.add_argument("--num-clips", type=int, default=64)
-    g.add_argument("--out", default=str(NEXT_DIR / "curves" / "vae-gate.json"), help="'-' writes nothing")
+    g.add_argument("--out", default=str(NEXT / "curves" / "vae-gate.json"), help="'-' writes nothing")
+    sv = sub.add_parser(
+        "save-vae", help="a VAE run's checkpoint -> assets/builtin-next/v3/vae (float16, measured statistics)"
+    )
+    sv.add_argument("checkpoint", help="e.g. runs/builtin-v3/vae/checkpoints/step-0001700 (or a VAE folder)")
     a = sub.add_parser("attention", help="the cross-attention's share on each caption role (shape word, padding, ...)")
     a.add_argument("--model", default=str(MODEL))
     a.add_argument("--transformer", default=None, help="a transformer folder (default: the model's)")
@@ -373,6 +429,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.cmd == "init":
         init(Path(args.out))
+        return 0
+    if args.cmd == "save-vae":
+        save_vae(Path(args.checkpoint))
         return 0
     if args.cmd == "attention":
         result = word_attention(

@@ -114,3 +114,20 @@ def test_word_attention_splits_every_layers_weights_over_the_caption_roles(tmp_p
     per = result["words_per_caption"]
     assert sum(per.values()) == result["max_sequence_length"] == 16
     assert per["shape"] == per["colour"] == per["end"] == 1.0 and per["padding"] > 0
+
+
+def test_save_vae_keeps_float16_weights_measured_statistics_and_its_step(tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    vae = _tiny_vae()
+    ckpt = tmp_path / "run" / "checkpoints" / "step-0000300"
+    vae.save_pretrained(str(ckpt / "vae"))
+    monkeypatch.setattr(v3, "WORK", tmp_path / "work")
+    monkeypatch.setattr(v3, "NEXT_DIR", tmp_path / "next")
+    dst = v3.save_vae(ckpt, next_dir=tmp_path / "next" / "v3")
+    weights = load_file(str(dst / "diffusion_pytorch_model.safetensors"))
+    assert {w.dtype for w in weights.values()} == {torch.float16}
+    config = json.loads((dst / "config.json").read_text())
+    assert config["latents_mean"] != list(vae.config.latents_mean)  # measured on this design's clips
+    assert json.loads((dst / "trained.json").read_text())["steps"] == 300
+    assert not (tmp_path / "work" / ".vae-save").exists()
