@@ -88,9 +88,9 @@ def compose(model, variant_dirs, random_weights, device, dtype, decode_dtype="au
 
     models = load_app_models(model, variant_dirs, random_weights, device, dtype, decode_dtype, offload, vae_tiling)
     if models.builtin:
-        from world.analyse import prompt_verdicts
+        from world.analyse import strict_verdicts
 
-        models.judge = prompt_verdicts
+        models.judge = strict_verdicts  # judged as a person would: objects counted, a band is not a square
     return models
 
 

@@ -315,6 +315,7 @@ class VariantRun:
     # the model's analyser (AppModels.judge): {attribute: shown?} for the attributes the prompt names
     attributes: dict[str, bool] | None = None
     degenerate: str | None = None  # "blank", "frozen", "saturated" (quality.degenerate), None: a video
+    judged: bool = False  # the model's analyser looked at it (attributes None then: the prompt names nothing it knows)
 
     @property
     def timing(self) -> Timing | None:
@@ -341,6 +342,8 @@ class VariantRun:
         """What the video is worth at a glance: the degenerate label, else the analyser's verdict per attribute."""
         if self.degenerate:
             return f"⚠ {self.degenerate} video"
+        if self.judged and self.attributes is None:
+            return quality.NOT_JUDGED
         return quality.verdict_text(self.attributes)
 
 
@@ -657,6 +660,7 @@ def iter_compare(
             run.degenerate = quality.degenerate(frames)
             if models.judge is not None:
                 run.attributes = models.judge(frames, request.prompt)
+                run.judged = True
             videos[name] = frames
             # here, in this variant's turn, not in the consumer's thread: there it would slow the next
             # variant's VAE decode (measured: the later a variant decoded, the slower)
@@ -827,7 +831,12 @@ def variant_markdown(run: VariantRun, result: CompareResult | None = None) -> st
     if run.degenerate:
         lines.append(f"- **⚠ degenerate: {run.degenerate} video** (ranked last whatever its agreement with flash)")
     if run.attributes is not None:
-        lines.append(f"- against the prompt: **{quality.verdict_text(run.attributes)}**")
+        lines.append(
+            f"- against the prompt: **{quality.verdict_text(run.attributes)}** "
+            f"({quality.attribute_marks(run.attributes)})"
+        )
+    elif run.judged:
+        lines.append(f"- against the prompt: {quality.NOT_JUDGED}")
     lines.append(f"- denoising step: **{_ms(s.median)}** median, ±{s.relative:.0%} ({s.n} steps)")
     if result is not None and run.variant != "flash":
         den, e2e = result.speedups(run)
@@ -888,7 +897,7 @@ def table_rows(result: CompareResult) -> list[list]:
         rows.append(
             [
                 r.variant,
-                r.verdict or "video (no analyser for this model)",
+                r.verdict or "video (this model has no analyser)",
                 "reference" if r.variant == "flash" else _speedup(den),
                 round(r.stage("total").median, 2),
                 "reference" if r.variant == "flash" else ("-" if e2e is None else f"{e2e:.2f}x"),
@@ -980,9 +989,16 @@ def headline_markdown(result: CompareResult) -> str:
         lines.append("### Speedup per denoising step vs flash (95% interval): " + " · ".join(speed))
     ranked = result.ranking()
     if ranked:
-        shown = [f"{r.variant}: {r.verdict}" for r in ranked if r.verdict]
-        if shown:
-            lines.append("**Against the prompt** (best first): " + " · ".join(shown))
+        # one line first: which variants drew the prompt, or that none did (a degenerate video never counts)
+        summary = quality.summary_line(
+            {r.variant: None if r.degenerate else r.attributes for r in ranked}, any(r.judged for r in ranked)
+        )
+        per = [f"{r.variant}: {r.verdict}" for r in ranked if r.attributes is not None or r.degenerate]
+        parts = [summary] if summary else []
+        if per:
+            parts.append("Against the prompt (best first): " + " · ".join(per))
+        if parts:
+            lines.append(" ".join(parts))
     return "\n\n".join(lines)
 
 

@@ -113,7 +113,31 @@ def degenerate(frames) -> str | None:
 
 
 def verdict_text(attributes: dict[str, bool] | None) -> str:
-    """The analyser's per-attribute verdict, e.g. ``colour ✓ shape ✗ count ✓ motion ✗`` ('' for None)."""
+    """The analyser's verdict in words: ``draws the prompt`` when every attribute the prompt names is shown,
+    else ``misses: shape, motion`` ('' for None)."""
     if not attributes:
         return ""
-    return " ".join(f"{name} {'✓' if ok else '✗'}" for name, ok in attributes.items())
+    missed = [name for name, ok in attributes.items() if not ok]
+    return "draws the prompt" if not missed else "misses: " + ", ".join(missed)
+
+
+def attribute_marks(attributes: dict[str, bool] | None) -> str:
+    """Every attribute with its mark, e.g. ``count ✓ colour ✓ shape ✗ motion ✓`` ('' for None)."""
+    return " ".join(f"{name} {'✓' if ok else '✗'}" for name, ok in (attributes or {}).items())
+
+
+# what the page says when the analyser can read nothing in the prompt (it names no colour of the world)
+NOT_JUDGED = "not judged: the prompt names nothing the analyser knows (a colour, shape or motion of its world)"
+
+
+def summary_line(verdicts: dict[str, dict[str, bool] | None], judged: bool) -> str:
+    """One line over the variants' verdicts (``{variant: attributes or None}``): which drew the prompt, or
+    that none did; '' when the model has no analyser (``judged`` False)."""
+    if not judged or not verdicts:
+        return ""
+    if all(v is None for v in verdicts.values()):
+        return f"Against the prompt: {NOT_JUDGED}."
+    drew = [name for name, v in verdicts.items() if v and all(v.values())]
+    if not drew:
+        return "**No variant drew the prompt.**"
+    return f"**Drew the prompt: {', '.join(drew)} ({len(drew)} of {len(verdicts)}).**"

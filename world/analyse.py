@@ -300,6 +300,87 @@ def prompt_verdicts(frames, prompt: str) -> dict[str, bool] | None:
     return {a: bool(verdict[a]) for a in ATTRIBUTES if verdict[a] is not None}
 
 
+def component_sizes(mask: np.ndarray) -> list[int]:
+    """Pixel counts of the 4-connected regions of a boolean mask ``(H, W)``, largest first (same labelling as
+    :func:`largest_component`)."""
+    mask = np.asarray(mask, bool)
+    if mask.ndim != 2:
+        raise ValueError(f"mask must be (H, W), got shape {mask.shape}")
+    if not mask.any():
+        return []
+    sizes: dict[int, int] = {}
+    remaining = mask.copy()
+    while remaining.any():  # peel off one region at a time: masks here are small and hold few regions
+        region = largest_component(remaining)
+        sizes[len(sizes)] = int(region.sum())
+        remaining &= ~region
+    return sorted(sizes.values(), reverse=True)
+
+
+# what a person sees as one object of a colour: a region at least this share of the colour's largest region
+# (smaller specks of the colour are fringes or noise), and those regions together hold this share of its pixels
+# (else the colour is a scatter of dots, a swarm, not objects)
+OBJECT_SHARE = 0.25
+COMPACT_SHARE = 0.7
+# the world's shapes are about as wide as tall (an equilateral triangle's box is 1.15:1); a band is not a shape
+MAX_ASPECT = 1.6
+MAX_SWARM_REGIONS = 60  # a mask split into more regions than this is a swarm whatever their sizes
+
+
+def objects_in(mask: np.ndarray) -> tuple[int, bool]:
+    """``(objects, compact)`` for one colour's mask ``(H, W)`` in one frame: how many objects a person would
+    count (regions at least :data:`OBJECT_SHARE` of the largest; 0 for an empty mask) and whether they hold
+    :data:`COMPACT_SHARE` of the colour's pixels (False for a scatter of dots)."""
+    sizes = component_sizes(mask)[: MAX_SWARM_REGIONS + 1]
+    if not sizes:
+        return 0, True
+    if len(sizes) > MAX_SWARM_REGIONS:
+        return len(sizes), False
+    big = [n for n in sizes if n >= OBJECT_SHARE * sizes[0]]
+    return len(big), sum(big) >= COMPACT_SHARE * int(np.asarray(mask, bool).sum())
+
+
+def strict_verdicts(frames, prompt: str, min_area: float = 0.004) -> dict[str, bool] | None:
+    """:func:`prompt_verdicts` judged as a person would (the app's verdict column; :func:`analyse`, used by the
+    evaluations, is unchanged):
+
+    - **count** compares *objects*, not colours: per frame, each present colour's objects (:func:`objects_in`),
+      summed; the median over the frames must equal the caption's objects (twenty yellow dots are not one
+      yellow square);
+    - **shape** also needs one compact region about as wide as tall (aspect at most :data:`MAX_ASPECT`): a
+      horizontal band or a swarm of dots is no square, whatever its fill;
+    - colour and motion as :func:`analyse`.
+
+    None when the prompt names nothing this world knows (no colour of its world)."""
+    caption = parse_caption(prompt)
+    if not any("colour" in o for o in caption["objects"]):
+        return None
+    frames = np.asarray(frames)
+    if frames.ndim != 4 or frames.shape[-1] != 3:
+        raise ValueError(f"frames must be (T, H, W, 3), got shape {frames.shape}")
+    if frames.dtype != np.uint8:  # as analyse reads them: floats in [0, 1] or [0, 255]
+        frames = np.clip(np.asarray(frames, np.float32) * (255.0 if frames.max() <= 1.0 else 1.0), 0, 255)
+        frames = frames.astype(np.uint8)
+    verdict = analyse(frames, caption, min_area=min_area)
+    present = verdict["found"]["colours"]
+    masks = colour_masks(frames)
+    per_frame = [sum(objects_in(masks[c][i])[0] for c in present) for i in range(len(frames))]
+    verdict["count"] = bool(np.median(per_frame) == len(caption["objects"])) if per_frame else False
+    if verdict["shape"] is not None:
+        for obj in caption["objects"]:
+            c = obj.get("colour")
+            if "shape" not in obj or c not in present:
+                continue
+            best = track(frames, c, masks).best
+            count, compact = objects_in(best)
+            region = largest_component(best)
+            ys, xs = np.nonzero(region)
+            h, w = ys.max() - ys.min() + 1, xs.max() - xs.min() + 1
+            if not compact or max(h, w) / min(h, w) > MAX_ASPECT:
+                verdict["shape"] = False
+    return {a: bool(verdict[a]) for a in ATTRIBUTES if verdict[a] is not None}
+
+
 def attribute_verdict(frames, prompt: str) -> tuple[int, int] | None:
     """``(right, named)``: how many of the attributes the prompt names (count, colour, shape, motion) the
     video shows; None when the prompt names nothing this world knows (no colour of its world)."""

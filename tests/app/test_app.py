@@ -203,7 +203,7 @@ def test_a_degenerate_video_is_labelled_and_never_ranks_first(models):
     assert [r.variant for r in result.ranking()] == ["linear", "flash", "mhla"]
     rows = compare.table_rows(result)
     assert [r[0] for r in rows] == ["linear", "flash", "mhla"]
-    assert rows[0][1] == "count ✓ colour ✓ shape ✓ motion ✗" and rows[2][1] == "⚠ blank video"
+    assert rows[0][1] == "misses: motion" and rows[2][1] == "⚠ blank video"
     assert "degenerate: blank video" in compare.variant_markdown(mhla, result)
     assert "mhla: ⚠ blank video" in compare.headline_markdown(result).split("best first")[1]
 
@@ -252,15 +252,17 @@ def test_compare_asks_the_models_judge_about_each_video(models, tmp_path):
     assert [r.attributes for r in result.runs] == [{"count": True, "colour": False, "motion": True}] * 2
     assert calls == [((5, 32, 48, 3), "a red fox")] * 2
     col = compare.TABLE_HEADERS.index("against the prompt")
-    assert [row[col] for row in compare.table_rows(result)] == ["count ✓ colour ✗ motion ✓"] * 2
-    assert "against the prompt: **count ✓ colour ✗ motion ✓**" in compare.variant_markdown(result.runs[1], result)
+    assert [row[col] for row in compare.table_rows(result)] == ["misses: colour"] * 2
+    assert "against the prompt: **misses: colour** (count ✓ colour ✗ motion ✓)" in compare.variant_markdown(
+        result.runs[1], result
+    )
 
 
 def test_the_launcher_gives_the_builtin_model_its_analyser():
     import run_app
-    from world.analyse import prompt_verdicts
+    from world.analyse import strict_verdicts
 
-    assert run_app.compose(None, {}, None, "cpu", "auto").judge is prompt_verdicts
+    assert run_app.compose(None, {}, None, "cpu", "auto").judge is strict_verdicts
     assert run_app.compose("tiny-random", {}, None, "cpu", "auto").judge is None
 
 
