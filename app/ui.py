@@ -23,7 +23,7 @@ import gradio as gr
 from pipelines import VARIANTS
 from pipelines.timing import device_name
 
-from . import bench, compare, inputs
+from . import bench, compare, gpu_results, inputs
 from .compare import VARIANT_COLOURS
 from .interleave import Countdown
 from .models import AppModels
@@ -75,6 +75,26 @@ def stored_label(result: compare.CompareResult) -> str:
         f'> 🗄 **Stored example, not a run of yours**: {result.measured}; prompt "{req.prompt}", seed {req.seed}, '
         f"{req.num_inference_steps} steps. It disappears when you press Generate.\n\n"
     )
+
+
+def table_device(result: compare.CompareResult) -> str:
+    """The line under the page's table naming the machine that measured it (never a GPU's committed numbers)."""
+    if not result.runs:
+        return ""
+    where = result.measured or f"measured live on {result.device}" + (f", {result.load}" if result.load else "")
+    return f"\n\n_Timings in this table: {where}._"
+
+
+def gpu_panel(tables: list[gpu_results.GpuTable], tab: str) -> None:
+    """The committed GPU results in their own closed accordion, apart from the live timings."""
+    text = gpu_results.panel_markdown(tables)
+    if text:
+        with gr.Accordion(
+            f"Measured on a GPU ({tables[0].device}, {tables[0].date[:10]}): committed results, not this machine",
+            open=False,
+            elem_id=f"gpu-results-{tab}",
+        ):
+            gr.Markdown(text, elem_id=f"gpu-results-text-{tab}")
 
 
 def _default_preset(models: AppModels, max_tokens: int | None) -> str:
@@ -207,6 +227,7 @@ def build_demo(
     runs = _Runs()
     line = _Queue()
     stored = _stored_copies(models, out_root / "stored")
+    gpu_tables = gpu_results.load()  # committed files, read once
     # the outputs after the status line: headline, (column, video, details) per variant, summary, table,
     # details table, chart, side-by-side file
     n_outputs = 3 * len(VARIANTS) + 6
@@ -225,7 +246,7 @@ def build_demo(
             ]
         outs += [
             compare.summary_markdown(result),
-            compare.table_markdown(result),
+            compare.table_markdown(result) + table_device(result),
             compare.detail_rows(result),
             compare.speedup_figure(result) if chart else gr.skip(),
             str(result.side_by_side) if result.side_by_side else None,
@@ -548,6 +569,7 @@ def build_demo(
                     label="Side-by-side video (every variant, labelled)", interactive=False, elem_id="side-by-side"
                 )
             summary = gr.Markdown(label="summary", elem_id="summary")
+            gpu_panel(gpu_tables, "compare")
             with gr.Accordion("All measurements", open=False, elem_id="details"):
                 details = gr.Dataframe(
                     headers=compare.ALL_HEADERS,
@@ -637,6 +659,7 @@ def build_demo(
             bench_plot = gr.Plot(label="Latency vs tokens (log-log)")
             bench_table = gr.Dataframe(headers=list(bench.FIELDS), label="Results", elem_id="bench-table")
             bench_files = gr.File(label="Download JSON / CSV", file_count="multiple", interactive=False)
+            gpu_panel(gpu_tables, "bench")
             bench_button.click(
                 on_bench,
                 [grids, levels, bench_variants, bench_repeats],
