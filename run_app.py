@@ -145,12 +145,12 @@ def _main(argv) -> int:
     max_tokens = args.max_tokens if args.max_tokens is not None else (CPU_MAX_TOKENS if cpu else None)
     max_bench = args.max_bench_tokens if args.max_bench_tokens is not None else (16384 if cpu else None)
 
-    from app.compare import store_examples, warm_up
+    from app.compare import Warmup, store_examples, warm_up
     from app.ui import CSS, QUEUE_SIZE, THEME, build_demo
 
-    # once, before serving: no request pays for cold caches (the text encoder, VAE and each variant's first step)
-    print(f"warm-up: {warm_up(models):.1f} s")
     if args.store_examples:
+        # once, before the stored runs: none of them pays for cold caches
+        print(f"warm-up: {warm_up(models):.1f} s")
         if models.stored_dir is None:
             print("error: --store-examples needs a model folder (not random weights)", file=sys.stderr)
             return 2
@@ -159,7 +159,11 @@ def _main(argv) -> int:
         print(f"wrote {path} and its videos ({size / 1024:.0f} KB in all)")
         return 0
 
-    demo = build_demo(models, max_tokens=max_tokens, max_bench_tokens=max_bench)
+    # in the background: the page answers at once and says so; runs wait for it, so none pays for cold caches
+    # (the text encoder, VAE and each variant's first step)
+    warmup = Warmup(models).start()
+    print("warm-up: started in the background (runs wait for it)")
+    demo = build_demo(models, max_tokens=max_tokens, max_bench_tokens=max_bench, warmup=warmup)
     print(f"model: {models.components.source} on {models.device}" + (f" ({models.memory})" if models.memory else ""))
     if models.random_note:
         print(f"NOTE: {models.random_note}")

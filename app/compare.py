@@ -552,6 +552,49 @@ def warm_up(models: AppModels) -> float:
     return time.perf_counter() - start
 
 
+class Warmup:
+    """:func:`warm_up` in a background thread, so the page answers at once (issue 38: a 41 s warm-up before the
+    server started made the page take 68 s). Requests wait for it (:meth:`wait`); the page says it is going.
+    A warm-up that fails is logged and counts as done: requests then pay the cold caches, nothing worse."""
+
+    def __init__(self, models: AppModels):
+        self._models = models
+        self._done = threading.Event()
+        self.started: float | None = None
+        self.seconds: float | None = None  # how long it took, once done
+
+    def start(self) -> Warmup:
+        self.started = time.monotonic()
+        threading.Thread(target=self._run, name="warm-up", daemon=True).start()
+        return self
+
+    def _run(self) -> None:
+        try:
+            self.seconds = warm_up(self._models)
+            log.info("warm-up: %.1f s (in the background)", self.seconds)
+        except Exception:  # noqa: BLE001 - a failed warm-up only means cold caches
+            log.exception("warm-up failed; requests pay the cold caches")
+        finally:
+            self._done.set()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._done.wait(timeout)
+
+    def note(self) -> str:
+        """The page's line while it runs ('' once done)."""
+        if self.done:
+            return ""
+        since = 0.0 if self.started is None else time.monotonic() - self.started
+        return (
+            f"⏳ **Warming up** in the background ({since:.0f} s so far: one step per variant and one decode, so "
+            "that no run pays for cold caches). The page works now; Generate waits for the warm-up to finish."
+        )
+
+
 def side_by_side_frames(videos: dict[str, np.ndarray], label_height: int = 16) -> np.ndarray:
     """Every variant's frames ``(T, H, W, 3)`` in one row, each under a strip with its name: ``(T, H +
     label_height, W * n + 2 * (n - 1), 3)`` uint8 (2-pixel grey gaps between videos)."""

@@ -216,10 +216,15 @@ def _stored_copies(models: AppModels, folder: Path) -> dict[str, compare.Compare
 
 
 def build_demo(
-    models: AppModels, max_tokens: int | None = None, max_bench_tokens: int | None = None, out_root: Path | None = None
+    models: AppModels,
+    max_tokens: int | None = None,
+    max_bench_tokens: int | None = None,
+    out_root: Path | None = None,
+    warmup: compare.Warmup | None = None,
 ) -> gr.Blocks:
     """The app's page. ``max_tokens``/``max_bench_tokens``: largest request accepted (None: no limit).
-    ``out_root``: where videos and benchmark files are written (a fresh temporary folder by default)."""
+    ``out_root``: where videos and benchmark files are written (a fresh temporary folder by default).
+    ``warmup``: the background warm-up the server started with (runs wait for it; the page says it is going)."""
     out_root = Path(out_root or tempfile.mkdtemp(prefix="mhla-app-"))
     # where gradio's upload route puts files: the only place an uploaded first frame may be read from
     upload_dirs = [Path(gr.utils.get_upload_folder())]
@@ -303,10 +308,12 @@ def build_demo(
             yield [f"⛔ **Error:** {e}"] + [gr.skip()] * n_outputs
             raise inputs.refused(str(e)) from None  # one line in the server's log, no traceback
         session = getattr(request, "session_hash", None) or uuid.uuid4().hex
+        # nothing from an earlier request (a stored example, the last run, its chart) stays beside this run's results
+        yield cleared(req.variants, (warmup.note() if warmup else "") or "**Running:** starting…")
+        while warmup is not None and not warmup.wait(POLL_SECONDS):  # Stop cancels this generator meanwhile
+            yield [warmup.note()] + [gr.skip()] * n_outputs
         stop = runs.start(session)
         line.start()
-        # nothing from an earlier request (a stored example, the last run, its chart) stays beside this run's results
-        yield cleared(req.variants, "**Running:** starting…")
         events: queue.Queue = queue.Queue()
 
         def work():
@@ -445,6 +452,9 @@ def build_demo(
         return values + shown + [prompt_note(prompt_value or "")]
 
     def on_bench(grids, levels, variants, repeats, progress=gr.Progress()):  # noqa: B008
+        if warmup is not None and not warmup.done:
+            progress(None, desc="waiting for the warm-up to finish")
+            warmup.wait()
         try:
             result = bench.run_benchmark(
                 models,
@@ -468,6 +478,16 @@ def build_demo(
     # delete_cache: gradio copies every returned video into its cache; drop copies older than a day, hourly
     with gr.Blocks(title="MHLA video: attention variants side by side", delete_cache=(3600, 86400)) as demo:
         gr.Markdown(header_markdown(models))
+        # while the background warm-up runs: a visible line, refreshed each second until it is done
+        warm_note = gr.Markdown(warmup.note() if warmup else "", elem_id="warmup-note")
+        if warmup is not None:
+            warm_timer = gr.Timer(1.0, active=not warmup.done)
+
+            def on_warm_tick():
+                return warmup.note(), gr.Timer(active=not warmup.done)
+
+            warm_timer.tick(on_warm_tick, None, [warm_note, warm_timer], queue=False, api_visibility="private")
+            demo.load(on_warm_tick, None, [warm_note, warm_timer], queue=False, api_visibility="private")
         if models.random_note:
             gr.Markdown(f"**{models.random_note}.**", elem_classes="random-note", elem_id="random-note")
         with gr.Tab("Compare"):

@@ -1,0 +1,60 @@
+"""Issue 38 (3): the page answers before the warm-up is done (it runs in the background and the page says so);
+a run waits for it rather than paying the cold caches."""
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from app import compare
+from app.models import load_app_models
+
+SMALLEST = compare.preset_key(compare.PRESETS[0])
+
+
+@pytest.fixture(scope="module")
+def models():
+    return load_app_models("tiny-random")
+
+
+def test_the_warm_up_runs_in_the_background(models, monkeypatch):
+    release = threading.Event()
+    monkeypatch.setattr(compare, "warm_up", lambda m: release.wait(10) and 1.5)
+    started = time.monotonic()
+    warmup = compare.Warmup(models).start()
+    assert time.monotonic() - started < 1.0 and not warmup.done  # start() returns at once
+    assert "Warming up" in warmup.note() and "Generate waits" in warmup.note()
+    release.set()
+    assert warmup.wait(10) and warmup.done and warmup.seconds == 1.5 and warmup.note() == ""
+
+
+def test_a_failed_warm_up_counts_as_done(models, monkeypatch):
+    def broken(m):
+        raise RuntimeError("no")
+
+    monkeypatch.setattr(compare, "warm_up", broken)
+    warmup = compare.Warmup(models).start()
+    assert warmup.wait(10) and warmup.seconds is None and warmup.note() == ""
+
+
+def test_a_run_waits_for_the_warm_up_and_says_so(models, tmp_path, monkeypatch):
+    from app.ui import build_demo
+
+    release = threading.Event()
+    monkeypatch.setattr(compare, "warm_up", lambda m: release.wait(30) and 0.1)
+    warmup = compare.Warmup(models).start()
+    demo = build_demo(models, max_tokens=compare.CPU_MAX_TOKENS, out_root=tmp_path, warmup=warmup)
+    props = {c.get("props", {}).get("elem_id"): c.get("props", {}) for c in demo.config["components"]}
+    assert "Warming up" in props["warmup-note"]["value"]  # visible on the page from the start
+    fns = {getattr(f.fn, "__name__", ""): f.fn for f in demo.fns.values()}
+    request = SimpleNamespace(session_hash="warm", query_params={})
+    run = fns["on_compare"]("a red fox", "", 0, 1, 5.0, SMALLEST, ["flash"], 1, request=request)
+    assert "Warming up" in next(run)[0] and "Warming up" in next(run)[0]  # still waiting, no run started
+    note, timer = fns["on_warm_tick"]()
+    assert "Warming up" in note and timer.active
+    release.set()
+    statuses = [values[0] for values in run]
+    assert statuses[-1].startswith("Done: 1 variant(s)")
+    note, timer = fns["on_warm_tick"]()
+    assert note == "" and not timer.active
