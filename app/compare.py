@@ -533,10 +533,11 @@ def _generate(models: AppModels, request: CompareRequest, variant: str, steps: i
 _UNTRAINED = r"variant '.*' added freshly initialised"
 
 
-def warm_up(models: AppModels) -> float:
+def warm_up(models: AppModels, decodes: list[tuple[float, int]] | None = None) -> float:
     """One short untimed generation per variant at the model's default size (one step; the first also
     decodes, warming the shared text encoder and VAE), done once when the app starts so that no request pays
-    for it. Returns the seconds it took."""
+    for it. Returns the seconds it took; ``decodes`` gets ``(seconds, pixels)`` of its video decode (the
+    page's first estimate of a decode's length)."""
     d = models.components.defaults
     preset = (d["num_frames"], d["height"], d["width"])
     request = CompareRequest(models.example_prompt, "", 0, 1, float(d["guidance_scale"]), preset, list(VARIANTS))
@@ -548,7 +549,9 @@ def warm_up(models: AppModels) -> float:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_UNTRAINED, category=UserWarning)
         for i, name in enumerate(VARIANTS):
-            _generate(models, request, name, 1, "np" if i == 0 else "latent")
+            out = _generate(models, request, name, 1, "np" if i == 0 else "latent")
+            if i == 0 and decodes is not None and out.timing.vae_decode > 0:
+                decodes.append((out.timing.vae_decode, preset[0] * preset[1] * preset[2]))
     return time.perf_counter() - start
 
 
@@ -562,6 +565,7 @@ class Warmup:
         self._done = threading.Event()
         self.started: float | None = None
         self.seconds: float | None = None  # how long it took, once done
+        self.decodes: list[tuple[float, int]] = []  # (seconds, pixels) of its video decode
 
     def start(self) -> Warmup:
         self.started = time.monotonic()
@@ -570,7 +574,7 @@ class Warmup:
 
     def _run(self) -> None:
         try:
-            self.seconds = warm_up(self._models)
+            self.seconds = warm_up(self._models, self.decodes)
             log.info("warm-up: %.1f s (in the background)", self.seconds)
         except Exception:  # noqa: BLE001 - a failed warm-up only means cold caches
             log.exception("warm-up failed; requests pay the cold caches")

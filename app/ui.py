@@ -25,7 +25,7 @@ from pipelines.timing import device_name
 
 from . import bench, compare, gpu_results, inputs
 from .compare import VARIANT_COLOURS
-from .interleave import Countdown
+from .interleave import Countdown, seconds_left
 from .models import AppModels
 
 # System fonts: the default theme pulls Google Fonts, and the app must work with no network at all.
@@ -156,13 +156,37 @@ class _Runs:
                 self._latest.pop(session, None)
 
 
-def _status(text: str, started: float, fraction: float, countdown: Countdown) -> str:
+class _DecodeClock:
+    """Seconds per decoded pixel (frames x height x width) on this server: the warm-up's decode first, then
+    each finished run's (the estimate of the decodes a run has still to do)."""
+
+    def __init__(self):
+        self._rate: float | None = None
+        self._lock = threading.Lock()
+
+    def add(self, seconds: float, pixels: int) -> None:
+        if seconds > 0 and pixels > 0:
+            with self._lock:
+                self._rate = seconds / pixels
+
+    def seconds(self, pixels: int) -> float | None:
+        with self._lock:
+            return None if self._rate is None else self._rate * pixels
+
+
+def _status(
+    text: str,
+    started: float,
+    fraction: float,
+    countdown: Countdown,
+    decodes_left: int = 0,
+    decode_seconds: float | None = None,
+) -> str:
     elapsed = time.monotonic() - started
     line = f"**Running:** {text} · {elapsed:.0f} s elapsed"
-    # an estimate once a few steps of every variant are measured (before that it is a guess); shown through a
-    # Countdown, so it never rises while a video decodes (no step finishes then)
-    estimate = elapsed * (1 - fraction) / fraction if fraction >= 0.1 else None
-    left = countdown.update(estimate)
+    # an estimate once a few steps of every variant are measured (before that it is a guess), with the video
+    # decodes still to come; shown through a Countdown, so it never rises while a video decodes
+    left = countdown.update(seconds_left(elapsed, fraction, decodes_left, decode_seconds))
     if left is not None:
         line += f", about {left:.0f} s left" if left >= 1 else ", finishing"
     return line
@@ -230,6 +254,7 @@ def build_demo(
     upload_dirs = [Path(gr.utils.get_upload_folder())]
     defaults = models.components.defaults
     runs = _Runs()
+    decode_clock = _DecodeClock()
     line = _Queue()
     stored = _stored_copies(models, out_root / "stored")
     gpu_tables = gpu_results.load()  # committed files, read once
@@ -314,6 +339,9 @@ def build_demo(
             yield [warmup.note()] + [gr.skip()] * n_outputs
         stop = runs.start(session)
         line.start()
+        if warmup is not None and warmup.decodes:
+            decode_clock.add(*warmup.decodes[-1])
+        pixels = req.num_frames * req.height * req.width
         events: queue.Queue = queue.Queue()
 
         def work():
@@ -333,6 +361,11 @@ def build_demo(
 
         started = time.monotonic()
         countdown = Countdown()
+
+        def decodes() -> tuple[int, float | None]:
+            """The videos this run has still to decode, and one decode's seconds as measured on this server."""
+            return len(req.variants) - (len(last.runs) if last else 0), decode_clock.seconds(pixels)
+
         worker = threading.Thread(target=work, name="compare", daemon=True)
         worker.start()
         text, fraction, last, shown = "starting", 0.0, None, 0.0
@@ -348,7 +381,7 @@ def build_demo(
                     last, shown = payload, time.monotonic()
                     runs.finished(session, stop, last)
                     if not stop.is_set():
-                        yield outputs_for(last, _status(text, started, fraction, countdown), chart=False)
+                        yield outputs_for(last, _status(text, started, fraction, countdown, *decodes()), chart=False)
                     continue
                 elif kind == "failed":
                     compare.log.error("compare run failed", exc_info=payload)
@@ -364,7 +397,7 @@ def build_demo(
                     continue
                 if time.monotonic() - shown >= POLL_SECONDS:  # the stage line, at most twice a second
                     shown = time.monotonic()
-                    yield [_status(text, started, fraction, countdown)] + [gr.skip()] * n_outputs
+                    yield [_status(text, started, fraction, countdown, *decodes())] + [gr.skip()] * n_outputs
         finally:
             stop.set()  # the page went away or Stop cancelled this generator: end the worker's run too
             worker.join()
@@ -372,6 +405,9 @@ def build_demo(
             line.end()
         if last is None:
             raise gr.Error("the run was stopped before any variant finished", title="Stopped", print_exception=False)
+        for r in last.runs:  # the next run's estimate of a decode: this server's latest
+            if r.timings:
+                decode_clock.add(r.stage("vae_decode").median, pixels)
         failed = [r.variant for r in last.runs if r.error]
         seconds = time.monotonic() - started
         if last.stopped:
