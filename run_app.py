@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
 
 # before gradio is imported: no analytics calls (the app must run with no network at all)
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
@@ -167,7 +168,11 @@ def _main(argv) -> int:
     print(f"model: {models.components.source} on {models.device}" + (f" ({models.memory})" if models.memory else ""))
     if models.random_note:
         print(f"NOTE: {models.random_note}")
+    if not args.share:
+        # gradio's own lines would suggest "share=True in launch()"; this launcher's flag is --share
+        print(f"serving on http://{args.host}:{args.port} (a public link: --share)", flush=True)
     demo.queue(default_concurrency_limit=1, max_size=QUEUE_SIZE).launch(
+        quiet=not args.share,  # with --share, gradio prints the public link
         server_name=args.host,
         server_port=args.port,
         share=args.share,
@@ -181,4 +186,11 @@ def _main(argv) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if any(t.name == "warm-up" and t.is_alive() for t in threading.enumerate()):
+        # stopped while the background warm-up is inside torch: the interpreter's teardown would abort under it
+        # ("terminate called without an active exception", exit 134 instead of 143)
+        from pipelines.context_parallel import exit_process
+
+        exit_process(code)
+    sys.exit(code)

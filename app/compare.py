@@ -594,7 +594,7 @@ class Warmup:
             return ""
         since = 0.0 if self.started is None else time.monotonic() - self.started
         return (
-            f"⏳ **Warming up** in the background ({since:.0f} s so far: one step per variant and one decode, so "
+            f"**Warming up** in the background ({since:.0f} s so far: one step per variant and one decode, so "
             "that no run pays for cold caches). The page works now; Generate waits for the warm-up to finish."
         )
 
@@ -872,7 +872,7 @@ def variant_markdown(run: VariantRun, result: CompareResult | None = None) -> st
     """The block under a variant's video: what it shows, speed, agreement with flash, where the time went."""
     head = f"### {run.variant}\n_{run.note}_\n\n"
     if run.error:
-        return head + f"> **⛔ {run.variant} failed:** {run.error}"
+        return head + f"> **✖ {run.variant} failed:** {run.error}"
     t, s = run.timing, run.steps
     lines = []
     if run.degenerate:
@@ -1116,7 +1116,9 @@ def speedup_figure(result: CompareResult):
             fontsize=12, color=CHART_INK, fontweight="bold",
         )  # fmt: skip
     ax.set_ylabel("ms per denoising step", fontsize=11, color=CHART_INK)
-    ax.set_title("step latency (median; label: speedup vs flash)", fontsize=11, color=CHART_INK)
+    noisy = any((d := result.speedups(r)[0]) is not None and d.noisy for r in done)
+    title = "step latency (median; label: speedup vs flash" + ("; ? = noisy, interval over ±10%)" if noisy else ")")
+    ax.set_title(title, fontsize=10 if noisy else 11, color=CHART_INK)
     ax.tick_params(colors=CHART_INK, labelsize=11)
     for spine in ax.spines.values():
         spine.set_color(CHART_INK)

@@ -72,7 +72,7 @@ def stored_label(result: compare.CompareResult) -> str:
         return ""
     req = result.request
     return (
-        f'> 🗄 **Stored example, not a run of yours**: {result.measured}; prompt "{req.prompt}", seed {req.seed}, '
+        f'> **Stored example, not a run of yours**: {result.measured}; prompt "{req.prompt}", seed {req.seed}, '
         f"{req.num_inference_steps} steps. It disappears when you press Generate.\n\n"
     )
 
@@ -330,15 +330,25 @@ def build_demo(
             )
         except ValueError as e:
             # the status line keeps the message after the alert is closed; the API gets an error, not a value
-            yield [f"⛔ **Error:** {e}"] + [gr.skip()] * n_outputs
+            yield [f"✖ **Error:** {e}"] + [gr.skip()] * n_outputs
             raise inputs.refused(str(e)) from None  # one line in the server's log, no traceback
         session = getattr(request, "session_hash", None) or uuid.uuid4().hex
-        # nothing from an earlier request (a stored example, the last run, its chart) stays beside this run's results
-        yield cleared(req.variants, (warmup.note() if warmup else "") or "**Running:** starting…")
-        while warmup is not None and not warmup.wait(POLL_SECONDS):  # Stop cancels this generator meanwhile
-            yield [warmup.note()] + [gr.skip()] * n_outputs
         stop = runs.start(session)
         line.start()
+        try:
+            # nothing from an earlier request (a stored example, the last run, its chart) stays beside its results
+            yield cleared(req.variants, (warmup.note() if warmup else "") or "**Running:** starting…")
+            while warmup is not None and not warmup.wait(POLL_SECONDS) and not stop.is_set():
+                yield [warmup.note()] + [gr.skip()] * n_outputs
+        except BaseException:  # the page went away (or Stop cancelled this generator) while waiting
+            runs.end(session, stop)
+            line.end()
+            raise
+        if stop.is_set():  # Stop before the run began: the page stays empty and says so
+            runs.end(session, stop)
+            line.end()
+            yield cleared(None, "**Stopped** by you before any variant finished: this run has nothing to show.")
+            return
         if warmup is not None and warmup.decodes:
             decode_clock.add(*warmup.decodes[-1])
         pixels = req.num_frames * req.height * req.width
@@ -413,7 +423,7 @@ def build_demo(
         if last.stopped:
             status = f"**Stopped** after {len(last.runs)} of {len(req.variants)} variant(s) ({seconds:.0f} s)."
         elif failed:
-            status = f"⛔ **Error** in {', '.join(failed)}: see the column(s) below; the app is still serving."
+            status = f"✖ **Error** in {', '.join(failed)}: see the column(s) below; the app is still serving."
         else:
             status = (
                 f"Done: {len(last.runs)} variant(s) in {seconds:.0f} s, seed used {req.seed}. "
@@ -450,7 +460,7 @@ def build_demo(
         text = prompt if isinstance(prompt, str) else ""
         note = f"{len(text):,} / {compare.MAX_PROMPT_CHARS:,} characters"
         if len(text) > compare.MAX_PROMPT_CHARS:
-            note = f"⛔ {note}: too long"
+            note = f"✖ {note}: too long"
         vocab = compare.vocabulary_note(models, compare.unknown_words(models, text[: compare.MAX_PROMPT_CHARS]))
         return note + (f" · {vocab}" if vocab else "")
 

@@ -89,3 +89,47 @@ def test_the_warm_up_measures_a_decode(models):
     ((seconds, pixels),) = decodes
     d = models.components.defaults
     assert seconds > 0 and pixels == d["num_frames"] * d["height"] * d["width"]
+
+
+@pytest.mark.slow  # starts the launcher
+def test_the_launcher_serves_before_the_warm_up_and_stops_cleanly(tmp_path):
+    """The page answers while the warm-up may still run; SIGTERM then exits 143 (not an abort from the teardown
+    under the warm-up's thread), and the log names --share, not gradio's share=True."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import urllib.request
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", "GRADIO_TEMP_DIR": str(tmp_path / "gradio")}
+    log = tmp_path / "server.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "run_app.py", "--model", "tiny-random", "--port", str(port)],
+            cwd=root,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.3)
+        proc.terminate()
+        assert proc.wait(timeout=60) == 143, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert "warm-up: started in the background" in text and "--share" in text and "share=True" not in text
