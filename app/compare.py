@@ -259,6 +259,16 @@ def permalink_query(request: CompareRequest) -> str:
     )
 
 
+def request_key(source: str, prompt: str, seed: int, steps: int, guidance: float, preset: str, variants) -> str:
+    """The hash a finished run is kept under on this server, so that its permalink opens with its results:
+    the model (``source``) and every field the link carries (a run with a negative prompt, a first frame or
+    repeats is not kept: its link could not name it)."""
+    import hashlib
+
+    fields = [source, prompt, int(seed), int(steps), float(guidance), preset, list(variants)]
+    return hashlib.sha256(json.dumps(fields).encode()).hexdigest()[:24]
+
+
 def parse_permalink(params) -> tuple[dict, list[str]]:
     """The page's fields from a URL query (a mapping of str to str, from the browser: not trusted):
     ``({"prompt": ..., "seed": int, "steps": int, "variants": [...], "guidance": float, "preset": key},

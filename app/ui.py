@@ -254,6 +254,21 @@ def build_demo(
     upload_dirs = [Path(gr.utils.get_upload_folder())]
     defaults = models.components.defaults
     runs = _Runs()
+    # finished runs by compare.request_key: a permalink to one of them opens with its results (this server only)
+    finished: dict[str, tuple[compare.CompareResult, str]] = {}
+    finished_lock = threading.Lock()
+
+    def key_of(req: compare.CompareRequest) -> str:
+        return compare.request_key(
+            str(models.components.source),
+            req.prompt,
+            req.seed,
+            req.num_inference_steps,
+            req.guidance_scale,
+            compare.preset_key(req.preset),
+            req.variants,
+        )
+
     decode_clock = _DecodeClock()
     line = _Queue()
     stored = _stored_copies(models, out_root / "stored")
@@ -429,6 +444,11 @@ def build_demo(
                 f"Done: {len(last.runs)} variant(s) in {seconds:.0f} s, seed used {req.seed}. "
                 f"[Link to this request]({compare.permalink_query(req)})"
             )
+            if not req.negative_prompt and req.image is None and req.repeats == 1:
+                with finished_lock:
+                    finished[key_of(req)] = (last, time.strftime("%H:%M UTC", time.gmtime()))
+                    while len(finished) > 64:  # the oldest go first
+                        del finished[next(iter(finished))]
         if req.unknown_words:
             status += " " + compare.vocabulary_note(models, req.unknown_words)
         yield outputs_for(last, status)
@@ -491,6 +511,25 @@ def build_demo(
             if any(fields[k] != v for k, v in same.items() if k in fields):
                 result = None
         shown = show_stored(prompt_value) if result is not None else [gr.skip()] * (n_outputs + 1)
+        run_here = None
+        if not problems and {"prompt", "seed", "steps", "guidance", "preset", "variants"} <= set(fields):
+            key = compare.request_key(
+                str(models.components.source),
+                fields["prompt"],
+                fields["seed"],
+                fields["steps"],
+                fields["guidance"],
+                fields["preset"],
+                fields["variants"],
+            )
+            with finished_lock:
+                run_here = finished.get(key)
+        if run_here is not None:  # this very request ran on this server: its results, said to be those
+            done, when = run_here
+            result = done
+            shown = outputs_for(
+                done, f"Showing this link's request as run on this server at {when}; Generate runs it again."
+            )
         if problems:
             shown[0] = f"⚠ The link's {', '.join(problems)} could not be used (left at the defaults)."
         elif fields and result is None:

@@ -349,3 +349,49 @@ def test_browser_permalink_stored_examples_and_labels(server):
                 note.filter(has_text="fox").wait_for()
         finally:
             browser.close()
+
+
+def test_browser_shows_only_this_request_s_results_and_an_honest_verdict(server):
+    """Issue 38 (1, 2, 4): a stored example is labelled as stored and vanishes when Generate is pressed; Stop
+    before any variant finished leaves nothing on the page; a finished run leads with one verdict line; the
+    GPU's committed numbers sit in their own section."""
+    sync_playwright = _browser()
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 900})
+            page.set_default_timeout(60_000)
+            page.goto(server)
+            page.locator("#prompt textarea").wait_for()
+            _settle(page)
+            headline, status = page.locator("#headline"), page.locator("#status")
+            if TRAINED and STORED.is_file():
+                headline.filter(has_text="Stored example, not a run of yours").wait_for()
+                page.locator("#video-flash video").wait_for(state="attached")
+            assert "H100" in page.locator("#gpu-results-compare").inner_text()
+            page.locator("#prompt textarea").fill("a red square moves to the right")
+            page.locator("#preset input").click()
+            page.get_by_role("option", name=SMALLEST_LABEL).click()
+            _set_number(page, "steps", 100)
+            page.locator("#generate").click()
+            # at once: nothing from the stored example (its videos, headline, table) beside the new run
+            page.wait_for_function("() => !document.querySelector('#video-flash video')?.getAttribute('src')")
+            assert "Stored example" not in headline.inner_text() and "flash" not in page.locator("#table").inner_text()
+            status.filter(has_text="denoising step").wait_for(timeout=240_000)  # after any warm-up
+            page.locator("#stop").click()
+            status.filter(has_text="before any variant finished").wait_for()
+            page.locator("#generate:not([disabled])").wait_for()
+            time.sleep(1)
+            for name in ("flash", "linear", "mhla", "mhla-hybrid"):
+                video = page.locator(f"#video-{name} video")
+                assert not video.count() or not video.get_attribute("src"), name
+            assert "Stored example" not in headline.inner_text() and "are shown" not in status.inner_text()
+            # a short run: the headline leads with one verdict line over the variants
+            _set_number(page, "steps", 2)
+            page.locator("#generate").click()
+            status.filter(has_text="Done:").wait_for(timeout=240_000)
+            text = headline.inner_text()
+            if TRAINED:
+                assert "drew the prompt" in text or "Drew the prompt" in text, text
+        finally:
+            browser.close()

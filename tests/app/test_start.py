@@ -133,3 +133,23 @@ def test_the_launcher_serves_before_the_warm_up_and_stops_cleanly(tmp_path):
             proc.kill()
     text = log.read_text()
     assert "warm-up: started in the background" in text and "--share" in text and "share=True" not in text
+
+
+def test_a_permalink_opens_with_the_results_of_the_same_request_run_here(models, tmp_path):
+    """Issue 38 (6): the link of a finished run opens with its results on this server; another seed, only the
+    form."""
+    from urllib.parse import parse_qsl, urlsplit
+
+    from app.ui import build_demo
+
+    demo = build_demo(models, max_tokens=compare.CPU_MAX_TOKENS, out_root=tmp_path)
+    fns = {getattr(f.fn, "__name__", ""): f.fn for f in demo.fns.values()}
+    request = SimpleNamespace(session_hash="link", query_params={})
+    *_, last = fns["on_compare"]("a red fox", "", 3, 1, 5.0, SMALLEST, ["flash"], 1, request=request)
+    assert last[0].startswith("Done: 1 variant(s)")
+    link = dict(parse_qsl(urlsplit(last[0].split("](")[1].rstrip(")")).query))
+    opened = fns["on_load"](SimpleNamespace(session_hash="other", query_params=link))
+    status, video = opened[6], opened[6 + 3]  # the 6 fields, then status, headline, (column, video, details)
+    assert "as run on this server" in status and isinstance(video, str) and video.endswith("flash.mp4")
+    other = fns["on_load"](SimpleNamespace(session_hash="other", query_params={**link, "seed": "4"}))
+    assert "press **Generate** to run it" in other[6] and not isinstance(other[6 + 3], str)
