@@ -83,7 +83,7 @@ def ssim(video, reference) -> float:
 # mostly black one). These checks need no model: they look at the pixels alone.
 # every frame's spread (standard deviation over its pixels of each colour channel, the largest of the three)
 # below this, of 1.0: nothing drawn. The world's smallest shape (a small triangle, about 0.4% of the frame) at
-# full intensity on black or white spreads about 0.06; the all-but-black hybrid video of issue 31 about 0.02.
+# full intensity on black or white spreads about 0.06; an all-but-black hybrid video about 0.02.
 BLANK_STD = 0.03
 FROZEN_DIFF = 0.5 / 255  # every frame within this mean absolute difference of the first: a still image
 SATURATED_SHARE = 0.5  # more than this share of pixels clipped to full-intensity colour

@@ -74,7 +74,7 @@ VAE_STRIDE = (4, 8, 8)
 # Paper Table 5: 50-step latency in seconds of the fine-tuned Wan2.1-1.3B at 31,500 tokens (GPU not named)
 PAPER_SECONDS = {"flash": 166, "linear": 82, "mhla": 81, "mhla-hybrid": 103}
 PAPER_GRID = "21x30x50"
-# Issue 6 targets for the forward at 31,500 tokens (speedup vs the fastest softmax)
+# Targets for the forward at 31,500 tokens (speedup vs the fastest softmax)
 TARGETS = {"mhla": 2.5, "mhla-hybrid": 1.7}
 
 

@@ -4,7 +4,7 @@
 
 Three panels: the training loss (a running mean over ``--window`` steps), the held-out loss (raw weights and
 EMA), and the probe's swap ratio per attribute (mean over its sigmas; EMA dashed). A ratio near 1 means the
-model ignores that word (issue 28's gate). ``--summary`` also writes the probe rows as a small JSON beside the
+model ignores that word (the probe's gate). ``--summary`` also writes the probe rows as a small JSON beside the
 plot (step, held-out losses, ratios), the record a later session can read without the run.
 """
 

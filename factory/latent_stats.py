@@ -3,7 +3,7 @@
     python -m factory.latent_stats                       # the built-in model, flash, 6 prompts
     python -m factory.latent_stats --guidance 1 --variant mhla --num-prompts 12 --out runs/x
 
-A diagnosis of the first-frame fault of issue 17 (every variant's first generated frame comes out in
+A diagnosis of a first-frame fault (every variant's first generated frame comes out in
 the wrong colours). AutoencoderKLWan encodes causally: latent frame 0 holds pixel frame 0 alone, every
 later latent frame four pixel frames, so frame 0's latents have statistics of their own. The
 transformer sees positions only through RoPE, relatively, so it must infer that a token sits in the

@@ -1,4 +1,4 @@
-"""The built-in model's next design (issue 28), staged so that a fresh machine resumes from the repository.
+"""The built-in model's next design, staged so that a fresh machine resumes from the repository.
 
     python -m factory.next init                 # runs/builtin-v2/model from assets/builtin + assets/builtin-next
     nice -n 5 python -m training.finetune --config configs/builtin/v2/vae.yaml     # a stage (see its header)

@@ -1,4 +1,4 @@
-"""The built-in model's third design (issue 37): a 4x VAE, a larger object, a context-free text encoder, patch 2x2.
+"""The built-in model's third design: a 4x VAE, a larger object, a context-free text encoder, patch 2x2.
 
     python -m factory.v3 init                        # runs/builtin-v3/model, from assets/builtin-next/v3 where it has parts
     nohup nice -n 5 env OMP_NUM_THREADS=1 python -m training.finetune --config configs/builtin/v3/vae.yaml > runs/builtin-v3/vae.log 2>&1 &
@@ -6,7 +6,7 @@
     python -m factory.v3 save-vae runs/builtin-v3/vae/checkpoints/<latest>   # -> assets/builtin-next/v3/vae
     python -m factory.v3 attention --transformer DIR   # the cross-attention's share on each caption word
 
-What caps the second design (the study in issue 37) and what this design changes:
+What caps the second design and what this design changes:
 
 - the VAE: 8x spatial compression rounded a triangle's corners and fringed its colours (ceiling 0.46-0.52). Here
   4x4x4 strides (a 9x64x80 clip -> 16x3x16x20 latents), objects weighted 1 + 2 instead of 1 + 10, the decoder

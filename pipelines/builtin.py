@@ -30,7 +30,7 @@ BUILTIN_DEFAULTS = {
 }
 # target block shape in tokens for the default MHLA layout: 5x16x20 -> 2x4x5 blocks (M = 40, M*M = N)
 BUILTIN_BLOCK_SHAPE = (2, 4, 4)
-# the name that asks for the old random-weight tiny model (tests, smoke runs)
+# the name that asks for the random-weight tiny model (tests, smoke runs)
 TINY_RANDOM = "tiny-random"
 
 

@@ -12,7 +12,7 @@
 model; ``OUT/transformer`` alone loads with ``MHLAWanTransformer3DModel.from_pretrained`` (or
 ``pipelines.load_transformer``). ``OUT/import_official.json`` records where it came from.
 
-What the published checkpoints are (issue 8, PAPER_NOTES "The authors' code"):
+What the published checkpoints are (PAPER_NOTES "The authors' code"):
 
 - Original Wan key names (``blocks.N.self_attn.q``, ``cross_attn``, ``ffn.0``, ``modulation``, ``head.head``,
   ...), mapped to diffusers' names with diffusers' own single-file mapping

@@ -212,7 +212,7 @@ def load_transformer(
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     check_weight_files(weight_files(folder))  # before diffusers reads them: names a bad file
-    _check_weights_against_config(folder, config)  # missing, unexpected, twice-stored: named (issue 30)
+    _check_weights_against_config(folder, config)  # missing, unexpected, twice-stored: named
     model, info = MHLAWanTransformer3DModel.from_pretrained(folder, dtype=dtype, output_loading_info=True)
     # diffusers only warns about a missing weight (and leaves it on the meta device): refuse the checkpoint
     missing = sorted(info["missing_keys"])
@@ -225,7 +225,7 @@ def load_transformer(
 
 
 def _check_weights_against_config(folder: Path, config: dict[str, Any]) -> None:
-    """Missing, unexpected or twice-stored weights are errors naming the keys (issue 30): diffusers only warns
+    """Missing, unexpected or twice-stored weights are errors naming the keys: diffusers only warns
     about unexpected ones (a config saying fewer layers than the weights would load with layers dropped). Reads
     only the safetensors headers; the variant's own parameters (``.attn1.<mhla|linear>.``) are the loader's."""
     from .attention import PARAM_ATTRS

@@ -97,7 +97,7 @@ def build_tiny_components(seed: int = 0) -> dict[str, Any]:
     }
 
 
-# ---- the other Wan architectures, tiny and random (issue 32): what each differs in from Wan2.1-T2V
+# ---- the other Wan architectures, tiny and random: what each differs in from Wan2.1-T2V
 # Wan2.2-TI2V-5B: a 48-channel VAE that patches 2x2 before its 8x8 strides (16x in all), the transformer's
 # timestep given per token (WanPipeline's expand_timesteps)
 TINY_VAE_22: dict[str, Any] = dict(

@@ -1,4 +1,4 @@
-"""The conditioning probe: does the transformer read each word of its caption? (issue 28's early gate)
+"""The conditioning probe: does the transformer read each word of its caption? (an early gate)
 
 The swap test: fixed validation clips of the synthetic world, fixed noise, a few fixed sigmas; the flow
 loss with the true caption against the loss with one caption word swapped for another value of the same

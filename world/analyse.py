@@ -36,7 +36,7 @@ from world.synthetic import BACKGROUNDS, COLOURS, MOTION_PHRASES, SHAPES, SIZES
 ATTRIBUTES = ("count", "colour", "shape", "motion")
 # Bumped whenever a verdict can change: scores are comparable only within one version (recorded in every
 # evaluate / vae_ceiling JSON). 1: the first analyser; 2: shape from the largest connected region;
-# 3: a box-filling region with filled corners is a square (a ragged anti-aliased rim no longer makes it a circle).
+# 3: a box-filling region with filled corners is a square (a ragged anti-aliased rim does not make it a circle).
 ANALYSER_VERSION = 3
 STRAIGHT = {
     (-1, 0): "left",

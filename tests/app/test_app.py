@@ -22,6 +22,7 @@ def models():
     return load_app_models("tiny-random")
 
 
+@pytest.mark.slow  # generates with the tiny model
 def test_presets_name_the_tokens_and_the_m_that_runs(models, tmp_path):
     labels = dict((v, k) for k, v in compare.preset_choices(models))
     assert labels["81x480x800"].startswith("81 frames, 480x800: 31,500 tokens (21x30x50), M=")
@@ -95,6 +96,7 @@ def test_variant_notes(models):
         assert models.variants[name].transformer is models.components.transformer  # shared, not copied
 
 
+@pytest.mark.slow  # generates every variant
 def test_compare_streams_every_variant_with_consistent_latency_and_quality(models, tmp_path):
     req = compare.check_request(models, "a red fox", "", 0, 2, 5.0, SMALLEST, list(VARIANTS), repeats=2)
     stages = []
@@ -208,6 +210,7 @@ def test_a_degenerate_video_is_labelled_and_never_ranks_first(models):
     assert "mhla: ⚠ blank video" in compare.headline_markdown(result).split("best first")[1]
 
 
+@pytest.mark.slow  # generates with the tiny model
 def test_stop_ends_the_run_after_the_finished_variants(models, tmp_path):
     req = compare.check_request(models, "a fox", "", 0, 2, 5.0, SMALLEST, ["flash", "linear", "mhla"])
     cancel = threading.Event()
@@ -239,6 +242,7 @@ def test_psnr_and_ssim_against_hand_computed_values():
         quality.psnr(a, a[:1])
 
 
+@pytest.mark.slow  # generates every variant
 def test_compare_asks_the_models_judge_about_each_video(models, tmp_path):
     calls = []
 
@@ -258,6 +262,7 @@ def test_compare_asks_the_models_judge_about_each_video(models, tmp_path):
     )
 
 
+@pytest.mark.slow  # loads the built-in model's variants
 def test_the_launcher_gives_the_builtin_model_its_analyser():
     import run_app
     from world.analyse import strict_verdicts
@@ -276,6 +281,7 @@ def test_spread_is_median_and_quartiles():
         spread([])
 
 
+@pytest.mark.slow  # generates every variant
 def test_compare_reports_a_failing_variant_and_goes_on(models, tmp_path, monkeypatch):
     real = compare.generate
 
@@ -337,6 +343,7 @@ def test_bench_grids_sorted_by_tokens():
     assert bench.parse_grids("2x4x4, 1x4x4,2x4x4") == [(1, 4, 4), (2, 4, 4)]
 
 
+@pytest.mark.slow  # runs the benchmark
 def test_benchmark_measures_both_levels(models, tmp_path):
     result = bench.run_benchmark(models, "1x4x4,1x8x8", variants=["flash", "mhla"], repeats=1)
     rows = result["rows"]
@@ -362,6 +369,7 @@ def test_benchmark_refuses_bad_choices(models):
         bench.run_benchmark(models, "1x4x4", levels=["kernel"])
 
 
+@pytest.mark.slow  # builds the Gradio page
 def test_page_api_has_named_outputs_and_an_optional_negative_prompt(models, tmp_path):
     from app.ui import build_demo
 
@@ -433,6 +441,7 @@ def test_huge_prompts_are_refused_with_the_limit(models):
         compare.check_request(models, "a fox", "b" * 5000, 1, 1, 5.0, SMALLEST, ["flash"])
 
 
+@pytest.mark.slow  # generates with the tiny model
 def test_a_variant_failing_unexpectedly_keeps_the_others_and_shows_no_server_path(models, tmp_path, monkeypatch):
     real = compare.generate
     secret = str(tmp_path / "venv" / "lib" / "python3.11" / "site-packages" / "x.py")
@@ -493,6 +502,7 @@ def test_stored_example_results_round_trip(models, tmp_path):
     assert compare.load_stored(None) == {} and compare.load_stored(tmp_path / "nothing") == {}
 
 
+@pytest.mark.slow  # generates with the tiny model
 def test_after_stop_the_run_streams_nothing_that_could_overwrite_the_stopped_line(models, tmp_path):
     """Stop's status line is the last word on the page: once Stop is pressed the compare generator yields no
     more stage lines or snapshots (a tick already on its way overwrote "Stopped" in a browser under load), only

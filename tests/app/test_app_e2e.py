@@ -21,6 +21,8 @@ import pytest
 from pipelines import read_video
 from pipelines.builtin import BUILTIN_DIR, builtin_available
 
+pytestmark = pytest.mark.slow  # drives a browser against a launched app
+
 ROOT = Path(__file__).resolve().parents[2]
 SMALLEST = "5x32x48"
 # tokens and M depend on the model's patch and block shape (the built-in model: 1x1x1, 48 tokens)

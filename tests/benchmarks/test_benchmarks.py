@@ -15,6 +15,8 @@ import torch
 from benchmarks import attention, wan_step
 from mhla import parse_grid
 
+pytestmark = pytest.mark.slow  # starts processes and runs the benchmarks
+
 ROOT = Path(__file__).resolve().parents[2]
 META_KEYS = {"device", "device_type", "device_kind", "torch", "cuda", "triton", "triton_mode", "date", "dtype"}
 

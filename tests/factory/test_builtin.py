@@ -15,6 +15,8 @@ from pipelines import BUILTIN_DIR, load_components
 from pipelines.builtin import builtin_available
 from world.analyse import analyse
 
+pytestmark = pytest.mark.slow  # loads the built-in model
+
 needs_builtin = pytest.mark.skipif(
     not builtin_available(), reason="assets/builtin is missing (python -m factory build)"
 )

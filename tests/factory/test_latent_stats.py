@@ -31,6 +31,7 @@ def test_a_first_frame_drawn_like_the_second_is_found():
 
 
 @pytest.mark.skipif(not builtin_available(), reason="assets/builtin is missing")
+@pytest.mark.slow  # loads the built-in model
 def test_latent_stats_runs_on_the_builtin_model(tmp_path, capsys):
     out = tmp_path / "stats"
     assert main(["--num-prompts", "2", "--steps", "2", "--guidance-max-sigma", "0.5", "--out", str(out)]) == 0

@@ -142,6 +142,7 @@ def test_blocks_mix_only_through_the_mixing_matrix(gen):
     )
 
 
+@pytest.mark.slow  # numerical gradient check
 def test_gradcheck_mhla(gen):
     layout = BlockLayout((2, 3, 4), (2, 1, 2))
     n = layout.num_tokens
@@ -158,6 +159,7 @@ def test_gradcheck_mhla(gen):
     assert torch.autograd.gradcheck(lambda q, k, v, m: mhla_attention(q, k, v, layout, m), (q, k, v, mix))
 
 
+@pytest.mark.slow  # numerical gradient check
 def test_gradcheck_linear(gen):
     q, k, v = (draw(gen, (2, 9, 2, 4)).requires_grad_() for _ in range(3))
     rope = rope_for(gen, 9, 4)

@@ -125,6 +125,11 @@ def budget(request, monkeypatch):
     return request.param
 
 
+def budgets(*slow: int) -> list:
+    """BUDGETS for an indirect parametrization of ``budget``, the given ones marked slow (thousands of chunks)."""
+    return [pytest.param(b, marks=pytest.mark.slow) if b in slow else b for b in BUDGETS]
+
+
 def case_errors(gen, grid, blocks, normalize: bool, use_rope: bool) -> dict[str, float]:
     """Relative errors of the operator against the reference on one draw: the output ("out") and the
     gradients of q, k, v and the mixing ("m"), float64."""
@@ -152,6 +157,7 @@ def tolerance(name: str, normalize: bool) -> float:
 @pytest.mark.parametrize("grid,blocks", LAYOUTS)
 @pytest.mark.parametrize("normalize", [True, False])
 @pytest.mark.parametrize("use_rope", [True, False])
+@pytest.mark.parametrize("budget", budgets(1), indirect=True)
 def test_forward_and_gradients_match_reference(gen, budget, grid, blocks, normalize, use_rope):
     for name, err in case_errors(gen, grid, blocks, normalize, use_rope).items():
         assert err < tolerance(name, normalize), (name, err)
@@ -192,6 +198,7 @@ def test_randomized_sweep_reports_near_misses(monkeypatch, capsys):
 
 @pytest.mark.parametrize("feature_map", ["relu", "elu"])
 @pytest.mark.parametrize("per_head", [True, False])
+@pytest.mark.parametrize("budget", budgets(1, 7), indirect=True)
 def test_elu_per_head_mixing_and_fused_projection_views(gen, budget, feature_map, per_head):
     grid, blocks = (5, 7, 9), (2, 3, 4)
     q, k, v, mix, rope = make(gen, grid, blocks, per_head=per_head, fused=True)
@@ -235,6 +242,7 @@ def test_linear_attention_matches_single_block_reference(gen, budget, normalize,
 
 
 @pytest.mark.parametrize("budget_value", [5, 4096])
+@pytest.mark.slow  # numerical gradient check
 def test_gradcheck_float64(gen, monkeypatch, budget_value):
     monkeypatch.setattr(ops, "CHUNK_TOKEN_HEADS", budget_value)
     grid, blocks = (2, 3, 4), (1, 2, 2)
@@ -283,8 +291,20 @@ def test_rope_tables_that_need_gradients_get_them(gen):
     assert rel_err(cos.grad, c2.grad) < 1e-11 and rel_err(sin.grad, s2.grad) < 1e-11
 
 
-@pytest.mark.parametrize("grid,blocks", LAYOUTS + [((21, 30, 52), (7, 3, 5))])
-@pytest.mark.parametrize("heads,budget_value", [(3, 1), (3, 50), (12, 4096), (12, 100_000)])
+@pytest.mark.parametrize(
+    "grid,blocks,heads,budget_value",
+    [
+        # the large layout (21x30x52 tokens) in chunks of one token-head is slow
+        pytest.param(
+            *layout,
+            *hb,
+            id=f"{hb[0]}-{hb[1]}-grid{i}-blocks{i}",
+            marks=pytest.mark.slow if (i, hb) == (4, (3, 1)) else (),
+        )
+        for i, layout in enumerate(LAYOUTS + [((21, 30, 52), (7, 3, 5))])
+        for hb in [(3, 1), (3, 50), (12, 4096), (12, 100_000)]
+    ],
+)
 def test_chunks_cover_every_token_and_head_once(grid, blocks, heads, budget_value):
     n = grid[0] * grid[1] * grid[2]
     count = torch.zeros(1, n, heads, 2)

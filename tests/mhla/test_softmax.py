@@ -32,6 +32,7 @@ def test_softmax_float32_and_scale(gen):
     torch.testing.assert_close(out, softmax_attention_dense(q, k, v, scale=scale))
 
 
+@pytest.mark.slow  # numerical gradient check
 def test_softmax_gradcheck(gen):
     q, k, v = (draw(gen, (1, 50, 2, 8)) for _ in range(3))
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]

@@ -16,6 +16,8 @@ from mhla import (
     mhla_attention_dense,
 )
 
+pytestmark = pytest.mark.slow  # Triton's interpreter on a CPU
+
 triton_ops = pytest.importorskip("mhla.triton_ops")
 from mhla import triton_kernels  # noqa: E402 (after the skip)
 

@@ -195,6 +195,7 @@ def test_the_importer_refuses_a_weight_stored_with_and_without_a_wrapper_prefix(
     assert imp._strip_wrappers(["module.a", "b"]) == {"a": "module.a", "b": "b"}
 
 
+@pytest.mark.slow  # starts the CLI
 def test_a_failing_video_writer_is_an_error_never_wrote(tmp_path, monkeypatch, capsys):
     """Class 2: ffmpeg failing (here: producing no file) printed 'wrote x.mp4' and exited 0."""
     import imageio.v2 as imageio
@@ -222,6 +223,7 @@ def test_a_failing_video_writer_is_an_error_never_wrote(tmp_path, monkeypatch, c
     assert not out.exists() and not list(tmp_path.glob(".*"))  # no temporary left either
 
 
+@pytest.mark.slow  # generates a video through the CLI
 def test_a_full_disk_fails_generate_with_exit_4_and_keeps_the_earlier_video(tmp_path, capsys):
     """Issue 39, class 1: on a full disk (a small tmpfs) the CLI printed "wrote" with exit 0 and the earlier
     mp4 was replaced by an unreadable 12 KB file."""

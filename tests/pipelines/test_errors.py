@@ -111,6 +111,7 @@ def test_a_writer_that_writes_nothing_is_an_error_not_a_success(tmp_path):
     assert not out.exists() and not list(tmp_path.iterdir())
 
 
+@pytest.mark.slow  # starts a process
 def test_sigterm_during_a_video_write_keeps_the_earlier_video(tmp_path, monkeypatch):
     """SIGTERM while an mp4 is written over an existing one: the error boundary turns it into an exception,
     the temporary file goes, the earlier video stays whole."""

@@ -64,6 +64,7 @@ def latents(components, **kw) -> torch.Tensor:
 
 
 @torch.no_grad()
+@pytest.mark.slow  # generates with the tiny model
 def test_interval_matches_a_plain_loop(components):
     # tiny model, 4 steps: sigmas 1.0, 0.90, 0.75, 0.50 -> 0.8 guides the last two steps only
     got = latents(components, guidance_scale=5.0, guidance_max_sigma=0.8)
@@ -76,6 +77,7 @@ def test_interval_matches_a_plain_loop(components):
 
 
 @torch.no_grad()
+@pytest.mark.slow  # generates with the tiny model
 def test_interval_ends(components):
     full = latents(components, guidance_scale=5.0)
     torch.testing.assert_close(latents(components, guidance_scale=5.0, guidance_max_sigma=1.0), full)
@@ -86,6 +88,7 @@ def test_interval_ends(components):
 
 
 @torch.no_grad()
+@pytest.mark.slow  # generates with the tiny model
 def test_model_default_applies_and_an_argument_overrides_it(components):
     with_default = replace(components, defaults={**components.defaults, "guidance_max_sigma": 0.8})
     explicit = latents(components, guidance_scale=5.0, guidance_max_sigma=0.8)

@@ -302,6 +302,7 @@ def test_imported_layers_equal_their_dense_forward(tmp_path):
 SMALL = dict(height=64, width=96, num_frames=9, num_inference_steps=2, guidance_scale=3.0)  # grid 3x4x6
 
 
+@pytest.mark.slow  # writes, loads and generates with a model directory
 def test_hybrid_import_loads_and_generates(base_dir, tmp_path, capsys):
     from pipelines.generate import GenerationRequest, generate
     from pipelines.generate import main as generate_main
@@ -563,6 +564,7 @@ def test_paths_and_formats_are_checked(base_dir, tmp_path, capsys):
         imp.load_checkpoint_tensors(tmp_path / "t.pt", state_dict_key="ema")
 
 
+@pytest.mark.slow  # Triton's interpreter on a CPU
 def test_fused_kernels_take_signed_unnormalised_mixing(gen):
     # the published mixing is partly negative with rows far from 1; the Triton path (on a GPU by default) must
     # use it as given too. Without a GPU this runs in Triton's interpreter (see conftest).

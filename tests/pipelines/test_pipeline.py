@@ -29,6 +29,7 @@ def components(tiny_components):
     return tiny_components
 
 
+@pytest.mark.slow  # generates videos with the tiny model
 def test_tiny_model_is_deterministic():
     a, b = build_tiny_components(seed=1), build_tiny_components(seed=1)
     for part in ("transformer", "vae", "text_encoder"):
@@ -38,6 +39,7 @@ def test_tiny_model_is_deterministic():
     assert not torch.equal(c["proj_out.weight"], a["transformer"].state_dict()["proj_out.weight"])
 
 
+@pytest.mark.slow  # generates videos with the tiny model
 def test_all_variants_generate_playable_mp4(components, tmp_path):
     first_inputs = {}
 
@@ -87,6 +89,7 @@ def test_all_variants_generate_playable_mp4(components, tmp_path):
     assert not np.allclose(results["mhla"].frames, results["linear"].frames)
 
 
+@pytest.mark.slow  # generates videos with the tiny model
 def test_same_seed_same_video_and_other_seed_differs(components):
     kw = dict(prompt="waves", variant="mhla", output_type="latent", **SMALL)
     a = generate(components, GenerationRequest(seed=3, **kw), show_progress=False)
@@ -96,6 +99,7 @@ def test_same_seed_same_video_and_other_seed_differs(components):
     assert not torch.equal(a.initial_noise, c.initial_noise)
 
 
+@pytest.mark.slow  # generates a video with the tiny model
 def test_uneven_grid_runs(components):
     # tiny analogue of 480x832 (21x30x52 tokens): 3x5x13 tokens, blocks that split 5 and 13 unevenly
     small = {**SMALL, "height": 80, "width": 208}
@@ -107,6 +111,7 @@ def test_uneven_grid_runs(components):
     assert "2x2x5 blocks (M=20) over a 3x5x13 grid" in result.timing.layout
 
 
+@pytest.mark.slow  # generates a video with the tiny model
 def test_few_frames_shrink_the_layout(components):
     model = build_tiny_transformer(seed=2)
     convert_self_attention(model, "mhla", options=AttentionOptions(blocks=(3, 2, 2)))
@@ -161,6 +166,7 @@ def test_load_rejects_checkpoint_missing_parameters(tmp_path):
         load_transformer(tmp_path / "t")
 
 
+@pytest.mark.slow  # writes and reads back a whole model directory
 def test_local_model_dir_round_trip(components, tmp_path):
     from diffusers import WanPipeline
 
@@ -274,6 +280,7 @@ def test_cli_bad_input(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.slow  # starts the CLI
 def test_cli_writes_video_and_prints_timing(tmp_path, capsys):
     out = tmp_path / "fox.mp4"
     argv = [

@@ -92,6 +92,7 @@ def test_one_processor_instance_per_layer():
     assert len({id(p) for p in procs}) == 30
 
 
+@pytest.mark.slow  # generates with the tiny model
 def test_flash_matches_diffusers_processor():
     model = build_tiny_transformer(seed=4)
     reference = _forward(model)

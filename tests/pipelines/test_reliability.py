@@ -147,6 +147,7 @@ def test_unreadable_weight_files_are_named(saved_mhla, tmp_path, damage):
         load_transformer(folder, dtype="float32", device="cpu")
 
 
+@pytest.mark.slow  # generates with the tiny model
 def test_latents_that_turn_non_finite_stop_generation_without_a_video(
     saved_mhla, tmp_path, capsys, monkeypatch, tiny_components
 ):

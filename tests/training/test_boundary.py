@@ -118,6 +118,7 @@ def test_a_second_run_in_a_locked_run_dir_is_refused_naming_the_holder(tmp_path,
     assert not (run / "metrics.jsonl").exists()  # the refused run wrote nothing
 
 
+@pytest.mark.slow  # starts processes
 def test_a_lock_is_released_on_any_exit_and_a_dead_holders_lock_is_stale(tmp_path):
     from training.lock import RunLock, RunLockedError
 

@@ -297,6 +297,7 @@ def test_probe_finds_bad_videos_before_training(messy_folder, backend):
 TINY_CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "finetune" / "tiny.yaml")
 
 
+@pytest.mark.slow  # runs the precompute CLI
 def test_precompute_leaves_unreadable_videos_out_instead_of_repeating_a_good_one(messy_folder, tmp_path, capsys):
     from training import precompute
 

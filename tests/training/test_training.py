@@ -21,6 +21,8 @@ import torch
 from training import checkpoint as ckpt
 from training.config import load_config
 
+pytestmark = pytest.mark.slow  # trains the tiny recipe, starts processes
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "finetune" / "tiny.yaml")
 QUIET = ["log.tensorboard=false"]
@@ -473,7 +475,6 @@ def test_ema_and_lora_exclude_each_other():
         load_config(TINY, ["train.ema_decay=0.99", "train.trainable=lora"])
 
 
-@pytest.mark.slow
 def test_the_probe_is_logged_beside_the_eval_loss(tmp_path):
     run = tmp_path / "probe"
     proc = finetune(run, "train.steps=4", "validation.probe_every=2", "validation.probe_clips=2", "train.ema_decay=0.9")

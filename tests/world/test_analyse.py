@@ -33,6 +33,7 @@ def clips(request):
     ]
 
 
+@pytest.mark.slow  # reads real clips through the VAE
 def test_real_clips_score_perfectly(clips):
     seed, samples = clips
     verdicts = [analyse(s.frames, s.caption) for s in samples]
@@ -204,6 +205,7 @@ class _BlurVAE:
         return SimpleNamespace(sample=F.interpolate(z, scale_factor=(1, 8, 8), mode="nearest"))
 
 
+@pytest.mark.slow  # encodes and decodes every clip
 def test_vae_ceiling_is_perfect_on_real_clips_and_drops_for_a_blurring_vae():
     seed = int(np.random.default_rng().integers(1 << 30))
     data = SyntheticVideoDataset(12, seed=seed, split="validation", num_frames=17, height=64, width=80)
