@@ -182,13 +182,17 @@ def test_client_benchmark(server):
         client.predict("1x4", ["operator"], ["flash"], 1, api_name="/benchmark")
 
 
-def _browser():
+@pytest.fixture(scope="module")
+def sync_playwright():
+    """playwright's entry point; without Chromium or playwright the browser tests skip before the app starts."""
     if not Path(CHROMIUM).is_file():
         pytest.skip(f"no Chromium at {CHROMIUM} (Debian: apt-get install chromium; or set $CHROMIUM)")
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
-        pytest.skip("the playwright Python package is not installed (pip install playwright; no browser download)")
+        pytest.skip(
+            "the playwright Python package is not installed (pip install -r requirements-dev.txt; no browser download)"
+        )
     return sync_playwright
 
 
@@ -207,8 +211,7 @@ def _set_number(page, elem_id: str, value) -> None:
     box.press("Enter")
 
 
-def test_browser_streams_stops_and_shows_errors(server, tmp_path):
-    sync_playwright = _browser()
+def test_browser_streams_stops_and_shows_errors(sync_playwright, server, tmp_path):
     shot = Path(os.environ.get("APP_SCREENSHOT", tmp_path / "compare.png"))
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
@@ -293,8 +296,7 @@ def test_browser_streams_stops_and_shows_errors(server, tmp_path):
 STORED = BUILTIN_DIR / "examples" / "results.json"
 
 
-def test_browser_permalink_stored_examples_and_labels(server):
-    sync_playwright = _browser()
+def test_browser_permalink_stored_examples_and_labels(sync_playwright, server):
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
         try:
