@@ -566,8 +566,8 @@ def warm_up(models: AppModels, decodes: list[tuple[float, int]] | None = None) -
 
 
 class Warmup:
-    """:func:`warm_up` in a background thread, so the page answers at once (issue 38: a 41 s warm-up before the
-    server started made the page take 68 s). Requests wait for it (:meth:`wait`); the page says it is going.
+    """:func:`warm_up` in a background thread, so the page answers at once (a 41 s warm-up before the server
+    starts would make the page take 68 s). Requests wait for it (:meth:`wait`); the page says it is going.
     A warm-up that fails is logged and counts as done: requests then pay the cold caches, nothing worse."""
 
     def __init__(self, models: AppModels):

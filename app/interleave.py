@@ -165,7 +165,7 @@ def seconds_left(elapsed: float, fraction: float, decodes_left: int, decode_seco
     """The run's seconds left: the denoising still to come, from the share of steps done so far (``elapsed *
     (1 - fraction) / fraction``, once ``fraction`` >= 0.1; before that, no estimate), plus the video decodes
     still to come, ``decode_seconds`` each. Interleaved variants all decode after the last round, so leaving
-    the decodes out (as before issue 38) said "30 s left" with 46 s to go and "finishing" for 18 s. With
+    the decodes out would say "30 s left" with 46 s to go and "finishing" for 18 s. With
     ``decode_seconds`` unknown (None) the decodes are left out."""
     if fraction < 0.1:
         return None

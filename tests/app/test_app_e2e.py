@@ -355,11 +355,10 @@ def test_browser_permalink_stored_examples_and_labels(sync_playwright, server):
             browser.close()
 
 
-def test_browser_shows_only_this_request_s_results_and_an_honest_verdict(server):
+def test_browser_shows_only_this_request_s_results_and_an_honest_verdict(sync_playwright, server):
     """Issue 38 (1, 2, 4): a stored example is labelled as stored and vanishes when Generate is pressed; Stop
     before any variant finished leaves nothing on the page; a finished run leads with one verdict line; the
     GPU's committed numbers sit in their own section."""
-    sync_playwright = _browser()
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
         try:
