@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import RESULTS
+from pipelines.attention import VARIANTS
 
-VARIANTS = ("flash", "linear", "mhla", "mhla-hybrid")
 PROMPT = "a small red triangle moves down on a black background"
 
 

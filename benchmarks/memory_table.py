@@ -34,13 +34,13 @@ from pathlib import Path
 
 import torch
 
+from pipelines.attention import VARIANTS
 from pipelines.loading import WAN_CONFIGS
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GIB = 2**30
 BF16 = 2
 CARDS_GB = (24, 32, 48, 80)
-VARIANTS = ("flash", "linear", "mhla", "mhla-hybrid")
 MODES = ("none", "model", "group", "sequential")
 
 WAN22_5B = dict(

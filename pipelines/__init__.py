@@ -14,7 +14,16 @@ Built on diffusers' Wan (``WanTransformer3DModel``, ``AutoencoderKLWan``, UMT5) 
 
 from mhla import resample_mixing  # re-exported: older code imports it from here
 
-from .attention import VARIANTS, AttentionOptions, LinearSelfAttention, hybrid_layers
+from .attention import (
+    MHLA_VARIANTS,
+    VARIANT_SPECS,
+    VARIANTS,
+    AttentionOptions,
+    LinearSelfAttention,
+    VariantSpec,
+    hybrid_layers,
+    variant_spec,
+)
 from .builtin import BUILTIN_DIR, TINY_RANDOM
 from .convert import (
     convert_self_attention,
@@ -27,7 +36,7 @@ from .convert import (
 from .loading import WanComponents, load_components, load_transformer, save_transformer
 from .model_dir import check_model_dir
 from .pipeline import GenerationResult, NonFiniteLatentsError, model_request
-from .request import MHLA_VARIANTS, GenerationRequest, latent_grid
+from .request import GenerationRequest, latent_grid
 from .timing import Timing, format_comparison, format_timing
 from .video import read_video, write_frame_grid, write_gif, write_mp4
 
@@ -41,6 +50,9 @@ __all__ = [
     "model_request",
     "TINY_RANDOM",
     "VARIANTS",
+    "VARIANT_SPECS",
+    "VariantSpec",
+    "variant_spec",
     "AttentionOptions",
     "LinearSelfAttention",
     "Timing",

@@ -1,6 +1,6 @@
 """Self-attention variants of diffusers' Wan transformer, as attention processors.
 
-Four variants (``VARIANTS``):
+Four variants (``VARIANTS``; what each takes and runs: ``VARIANT_SPECS``):
 
 - ``flash``: softmax attention through diffusers' ``dispatch_attention_fn`` (its backends: torch SDPA by default,
   FlashAttention, xformers, ... chosen with ``set_attention_backend`` or ``AttentionOptions.softmax_backend``).
@@ -39,10 +39,61 @@ from mhla.rope import Rotary
 
 from .timing import AttentionTimer
 
-VARIANTS = ("flash", "linear", "mhla", "mhla-hybrid")
 OUTPUT_NORMS = ("rms_head", "none")
 # Which submodule of attn1 holds a layer's new parameters, by kind of linear attention.
 PARAM_ATTRS = {"mhla": "mhla", "linear": "linear_attn"}
+
+
+@dataclass(frozen=True)
+class VariantSpec:
+    """What a self-attention variant is, for every caller that checks or describes one.
+
+    Args:
+        name: the variant's name (``--variant``, ``GenerationRequest.variant``, a saved model's config).
+        param_kind: the kind of new parameters (a key of :data:`PARAM_ATTRS`) its linear-attention layers run
+            on; for a variant without such layers, the kind a switch from it would add.
+        linear: which layers run linear attention: ``"none"``, ``"all"`` or ``"hybrid"`` (a chosen list).
+        blocks: takes an MHLA block layout.
+        layers: takes an explicit list of its linear-attention layers.
+    """
+
+    name: str
+    param_kind: str
+    linear: str
+    blocks: bool
+    layers: bool
+
+    @property
+    def softmax_layers(self) -> bool:
+        """Keeps softmax self-attention layers."""
+        return self.linear != "all"
+
+
+# The variants, in the order the CLI and the app list them: the one place their names and rules are written.
+VARIANT_SPECS: dict[str, VariantSpec] = {
+    spec.name: spec
+    for spec in (
+        VariantSpec("flash", param_kind="mhla", linear="none", blocks=False, layers=False),
+        VariantSpec("linear", param_kind="linear", linear="all", blocks=False, layers=False),
+        VariantSpec("mhla", param_kind="mhla", linear="all", blocks=True, layers=False),
+        VariantSpec("mhla-hybrid", param_kind="mhla", linear="hybrid", blocks=True, layers=True),
+    )
+}
+VARIANTS = tuple(VARIANT_SPECS)
+# the names by role, for code that means one: SOFTMAX is a model as loaded, before any conversion
+SOFTMAX, LINEAR, MHLA, HYBRID = VARIANTS
+DEFAULT_VARIANT = HYBRID  # what the CLI generates when no variant is named
+MHLA_VARIANTS = tuple(v for v, spec in VARIANT_SPECS.items() if spec.blocks)  # take a block layout
+LAYERS_VARIANTS = tuple(v for v, spec in VARIANT_SPECS.items() if spec.layers)  # take an explicit layer list
+SOFTMAX_VARIANTS = tuple(v for v, spec in VARIANT_SPECS.items() if spec.softmax_layers)
+
+
+def variant_spec(variant: str) -> VariantSpec:
+    """The spec of ``variant``; raises ``ValueError`` naming it and the known variants."""
+    spec = VARIANT_SPECS.get(variant) if isinstance(variant, str) else None
+    if spec is None:
+        raise ValueError(f"unknown variant {variant!r}; expected one of {VARIANTS}")
+    return spec
 
 
 @dataclass(frozen=True)
@@ -114,9 +165,11 @@ def parameter_kind(variant: str) -> str:
     """The kind of new parameters (a key of :data:`PARAM_ATTRS`) that ``variant``'s linear-attention layers
     run on: ``"linear"`` for ``linear``, ``"mhla"`` for ``mhla`` and ``mhla-hybrid`` (and for ``flash``, which
     has none: the kind a switch from it would add)."""
-    if variant not in VARIANTS:
-        raise ValueError(f"unknown variant {variant!r}; expected one of {VARIANTS}")
-    return "linear" if variant == "linear" else "mhla"
+    return variant_spec(variant).param_kind
+
+
+def _names(variants: Iterable[str]) -> str:
+    return " and ".join(map(repr, variants))
 
 
 def hybrid_layers(num_layers: int, softmax_every: int = 3) -> list[int]:
@@ -129,19 +182,20 @@ def linear_layers_for(variant: str, num_layers: int, layers: Iterable[int] | Non
 
     ``layers`` (an explicit list) is accepted for ``mhla-hybrid`` only.
     """
-    if variant not in VARIANTS:
-        raise ValueError(f"unknown variant {variant!r}; expected one of {VARIANTS}")
-    if layers is not None and variant != "mhla-hybrid":
-        raise ValueError(f"an explicit layer list applies to 'mhla-hybrid' only, got layers={layers!r} for {variant!r}")
-    if variant == "flash":
+    spec = variant_spec(variant)
+    if layers is not None and not spec.layers:
+        raise ValueError(
+            f"an explicit layer list applies to {_names(LAYERS_VARIANTS)} only, got layers={layers!r} for {variant!r}"
+        )
+    if spec.linear == "none":
         return []
-    if variant in ("linear", "mhla"):
+    if spec.linear == "all":
         return list(range(num_layers))
     if layers is None:
         return hybrid_layers(num_layers)
     out = sorted({int(i) for i in layers})
     if not out:
-        raise ValueError("mhla-hybrid needs at least one MHLA layer, got an empty layer list")
+        raise ValueError(f"{variant} needs at least one MHLA layer, got an empty layer list")
     bad = [i for i in out if not 0 <= i < num_layers]
     if bad:
         raise ValueError(
@@ -172,9 +226,9 @@ def parse_layers(spec: str, num_layers: int | None = None) -> list[int]:
                 raise
             raise ValueError(f"layers must look like '1,2,4-6' (non-negative indices), got {spec!r}") from None
     if not out:
-        raise ValueError(f"layers {spec!r} names no layer; mhla-hybrid needs at least one MHLA layer, e.g. '1,2,4-5'")
+        raise ValueError(f"layers {spec!r} names no layer; {HYBRID} needs at least one MHLA layer, e.g. '1,2,4-5'")
     if num_layers is not None:
-        linear_layers_for("mhla-hybrid", num_layers, out)  # range check, naming the bad indices
+        linear_layers_for(HYBRID, num_layers, out)  # range check, naming the bad indices
     return sorted(set(out))
 
 
@@ -437,7 +491,7 @@ class SoftmaxSelfAttnProcessor(SelfAttentionProcessor):
     switches; torch's SDPA by default).
     """
 
-    variant = "flash"
+    variant = SOFTMAX
     _attention_backend: Any = None  # set by diffusers' ModelMixin.set_attention_backend / reset_attention_backend
 
     def __init__(self, context: SelfAttentionContext, layer: int, backend: str = "auto"):

@@ -21,7 +21,7 @@ from mhla.layout import Grid
 
 from .attention import (
     PARAM_ATTRS,
-    VARIANTS,
+    SOFTMAX,
     AttentionOptions,
     LinearSelfAttention,
     LinearSelfAttnProcessor,
@@ -29,6 +29,7 @@ from .attention import (
     SoftmaxSelfAttnProcessor,
     linear_layers_for,
     parameter_kind,
+    variant_spec,
 )
 
 if TYPE_CHECKING:
@@ -66,9 +67,9 @@ def self_attention_state(transformer: WanTransformer3DModel) -> dict[str, Any]:
     state = transformer.config.get(CONFIG_KEY) if hasattr(transformer.config, "get") else None
     if not state:
         return {
-            "variant": "flash",
+            "variant": SOFTMAX,
             "linear_layers": [],
-            "parameters": {"mhla": [], "linear": []},
+            "parameters": {kind: [] for kind in PARAM_ATTRS},
             "options": AttentionOptions().to_dict(),
         }
     return copy.deepcopy(dict(state))
@@ -167,8 +168,7 @@ def convert_layers(
     The model's class is left as it is: :func:`pipelines.convert.convert_self_attention` is this plus the
     switch to :class:`pipelines.model.MHLAWanTransformer3DModel`.
     """
-    if variant not in VARIANTS:
-        raise ValueError(f"unknown variant {variant!r}; expected one of {VARIANTS}")
+    variant_spec(variant)  # a known variant, or a ValueError naming it
     num_layers = len(transformer.blocks)
     targets = linear_layers_for(variant, num_layers, layers)
     state = self_attention_state(transformer)

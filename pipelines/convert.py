@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 from typing import TYPE_CHECKING
 
-from .attention import AttentionOptions
+from .attention import AttentionOptions, variant_spec
 from .conversion import (
     _CONTEXT_ATTR,
     _HOOK_ATTR,
@@ -101,7 +101,7 @@ def clone_transformer(transformer: WanTransformer3DModel) -> WanTransformer3DMod
         clone._forward_pre_hooks.pop(handle.id, None)  # the copied hook would write to the original's context
         clone._forward_pre_hooks_with_kwargs.pop(handle.id, None)
     state = self_attention_state(transformer)
-    layers = state["linear_layers"] if state["variant"] == "mhla-hybrid" else None
+    layers = state["linear_layers"] if variant_spec(state["variant"]).layers else None
     options = AttentionOptions.from_dict(state["options"])
     return convert_self_attention(clone, state["variant"], layers, options, allow_new_parameters=False)
 

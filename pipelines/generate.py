@@ -22,7 +22,16 @@ from typing import TYPE_CHECKING, Any
 
 import mhla
 
-from .attention import VARIANTS, AttentionOptions, parse_layers
+from .attention import (
+    DEFAULT_VARIANT,
+    LAYERS_VARIANTS,
+    MHLA_VARIANTS,
+    SOFTMAX,
+    VARIANTS,
+    AttentionOptions,
+    parse_layers,
+    variant_spec,
+)
 from .caching import cached, parse_cache
 from .errors import ModelError, check_seed, check_text, run_cli
 
@@ -36,7 +45,6 @@ from .pipeline import (  # noqa: F401
     model_request,
 )
 from .request import (  # noqa: F401
-    MHLA_VARIANTS,
     GenerationRequest,
     check_model_inputs,
     latent_grid,
@@ -148,12 +156,12 @@ def _variants(spec: str) -> list[str]:
     for v in names:
         if v not in VARIANTS:
             raise ValueError(f"unknown variant {v!r}; expected one of {', '.join(VARIANTS)} (or 'all')")
-    return names or ["mhla-hybrid"]
+    return names or [DEFAULT_VARIANT]
 
 
 def _blocks_for(variant: str, blocks: str | None) -> str | None:
     # with several variants, --blocks goes to the MHLA ones; with --variant flash alone it is an error
-    return blocks if variant in MHLA_VARIANTS else None
+    return blocks if variant_spec(variant).blocks else None
 
 
 def _out_path(out: str, variant: str, many: bool) -> Path:
@@ -228,15 +236,20 @@ def _preflight(args: argparse.Namespace) -> _Plan:
             )
         check_transformer_config(saved, Path(args.transformer) / "config.json", "--transformer")
         if args.variant is None:
-            args.variant = (saved.get("self_attention") or {"variant": "flash"})["variant"]
-    variants = _variants(args.variant or "mhla-hybrid")
+            args.variant = (saved.get("self_attention") or {"variant": SOFTMAX})["variant"]
+    variants = _variants(args.variant or DEFAULT_VARIANT)
     if args.model and args.model != TINY_RANDOM:
         check_model_dir(args.model)
     defaults, _, variant_dirs = model_settings(args.model)
-    if args.blocks and not any(v in MHLA_VARIANTS for v in variants):
-        raise ValueError(f"--blocks applies to the mhla and mhla-hybrid variants only, got --variant {args.variant}")
-    if args.layers is not None and variants != ["mhla-hybrid"]:
-        raise ValueError(f"--layers applies to --variant mhla-hybrid only, got --variant {args.variant}")
+    if args.blocks and not any(variant_spec(v).blocks for v in variants):
+        raise ValueError(
+            f"--blocks applies to the {' and '.join(MHLA_VARIANTS)} variants only, got --variant {args.variant}"
+        )
+    takes_layers = len(variants) == 1 and variant_spec(variants[0]).layers
+    if args.layers is not None and not takes_layers:
+        raise ValueError(
+            f"--layers applies to --variant {' or '.join(LAYERS_VARIANTS)} only, got --variant {args.variant}"
+        )
     index = model_architecture(args.model)  # the pipeline class, experts and image input, from model_index.json
     model_name = f"model {args.model!r}" if args.model else "the built-in model"
     names = dict(image="--image", layers_2="--layers-2")
@@ -244,8 +257,10 @@ def _preflight(args: argparse.Namespace) -> _Plan:
     check_model_inputs(
         GenerationRequest(args.prompt, image=args.image, layers_2=args.layers_2), index, model_name, **names
     )
-    if args.layers_2 is not None and variants != ["mhla-hybrid"]:
-        raise ValueError(f"--layers-2 applies to --variant mhla-hybrid only, got --variant {args.variant}")
+    if args.layers_2 is not None and not takes_layers:
+        raise ValueError(
+            f"--layers-2 applies to --variant {' or '.join(LAYERS_VARIANTS)} only, got --variant {args.variant}"
+        )
     layers = None if args.layers is None else parse_layers(args.layers, model_num_layers(args.model, args.transformer))
     layers_2 = None
     if args.layers_2 is not None:

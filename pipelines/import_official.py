@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .attention import AttentionOptions, hybrid_layers
+from .attention import HYBRID, MHLA, AttentionOptions, hybrid_layers, variant_spec
 from .convert import convert_self_attention
 from .errors import run_cli
 from .loading import save_transformer
@@ -382,9 +382,9 @@ def plan_import(
     layers = sorted(mhla_keys)
     full, half = list(range(num_layers)), hybrid_layers(num_layers)
     if layers == full:
-        variant = "mhla"
+        variant = MHLA
     elif layers == half:
-        variant = "mhla-hybrid"
+        variant = HYBRID
     else:
         found = _layer_list(layers) if layers else "no layer"
         raise ValueError(
@@ -392,9 +392,9 @@ def plan_import(
             f"layout: expected them in all {num_layers} layers (full MHLA) or in layers {_layer_list(half)} "
             "(hybrid: every layer but 0, 3, 6, ...)"
         )
-    if hybrid is True and variant != "mhla-hybrid":
+    if hybrid is True and variant != HYBRID:
         raise ValueError(f"--hybrid was given, but the checkpoint is full MHLA (MHLA keys in all {num_layers} layers)")
-    if hybrid is False and variant != "mhla":
+    if hybrid is False and variant != MHLA:
         raise ValueError(
             f"a full MHLA checkpoint was expected, but it is the hybrid (MHLA keys in layers {_layer_list(layers)})"
         )
@@ -475,7 +475,7 @@ def build_transformer(
 
     config = {k: v for k, v in transformer_config.items() if not k.startswith("_") and k != "self_attention"}
     model = WanTransformer3DModel.from_config(config).eval()
-    layers = plan.mhla_layers if plan.variant == "mhla-hybrid" else None
+    layers = plan.mhla_layers if variant_spec(plan.variant).layers else None
     convert_self_attention(model, plan.variant, layers, plan.options)
     state = {}
     for ours, theirs in plan.names.items():

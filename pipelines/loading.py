@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
+from .attention import SOFTMAX
 from .builtin import BUILTIN_DIR, TINY_RANDOM, builtin_available, builtin_variant_dirs
 from .convert import CONFIG_KEY, convert_self_attention
 from .model_dir import (
@@ -336,7 +337,7 @@ def build_random_wan(
         text_encoder=text_encoder.to(dtype),
         vae=vae,
         scheduler=UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0),
-        transformer=convert_self_attention(_cast(transformer, device, dtype), "flash"),
+        transformer=convert_self_attention(_cast(transformer, device, dtype), SOFTMAX),
         source=f"Wan2.1-T2V-{size.upper()} architecture with RANDOM weights",
         random_weights=True,
         device=device,
@@ -377,7 +378,7 @@ def load_components(
         if expert == "transformer_2":
             raise ValueError("expert 'transformer_2': the tiny random model has one transformer")
         parts = build_tiny_components(seed)
-        transformer = convert_self_attention(_cast(parts["transformer"], device, dtype), "flash")
+        transformer = convert_self_attention(_cast(parts["transformer"], device, dtype), SOFTMAX)
         return WanComponents(
             tokenizer=parts["tokenizer"],
             text_encoder=parts["text_encoder"].to(device, dtype),

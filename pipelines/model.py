@@ -26,7 +26,7 @@ from typing import Any
 from diffusers import ModelMixin, WanTransformer3DModel
 from diffusers.configuration_utils import register_to_config
 
-from .attention import AttentionOptions
+from .attention import SOFTMAX, AttentionOptions, variant_spec
 from .conversion import CONFIG_KEY, add_attention_parameters, convert_layers
 
 # diffusers resolves a model_index.json entry ["pipelines.model", "MHLAWanTransformer3DModel"] by importing this
@@ -87,13 +87,13 @@ class MHLAWanTransformer3DModel(WanTransformer3DModel):  # type: ignore[misc]  #
         )
         state = check_state(self_attention, num_layers)
         if state is None:
-            convert_layers(self, "flash")
+            convert_layers(self, SOFTMAX)
             return
         options = AttentionOptions.from_dict(state["options"])
         # every parameter holder the record names (a model switched back to flash keeps its mixing matrices)
         for kind, layers in state["parameters"].items():
             add_attention_parameters(self, kind, layers, options)
-        layers = state["linear_layers"] if state["variant"] == "mhla-hybrid" else None
+        layers = state["linear_layers"] if variant_spec(state["variant"]).layers else None
         convert_layers(self, state["variant"], layers, options, allow_new_parameters=False)
 
 

@@ -17,7 +17,7 @@ import torch
 import mhla
 from mhla.mixing import reuse_constrained_mixing
 
-from .attention import AttentionOptions
+from .attention import AttentionOptions, variant_spec
 from .convert import (
     attention_context,
     attention_options,
@@ -112,10 +112,10 @@ def _hybrid_layers(
 ) -> list[int] | None:
     """The MHLA layers of mhla-hybrid: ``layers`` (the request's for this expert), else the model's own split
     (from its checkpoint, kept across switches to other variants), else None (the default split)."""
-    if request.variant != "mhla-hybrid" or layers is not None:
+    if not variant_spec(request.variant).layers or layers is not None:
         return layers
     state = self_attention_state(transformer)
-    if state["variant"] == "mhla-hybrid":
+    if variant_spec(state["variant"]).layers:
         return state["linear_layers"]
     if 0 < len(state["parameters"]["mhla"]) < len(transformer.blocks):
         return state["parameters"]["mhla"]
@@ -371,7 +371,7 @@ def generate(
     if resolved is not None:
         timing.layout = "; ".join(sorted(set().union(*(ctx.layouts for ctx in contexts)))) or "-"
         timing.num_blocks = resolved.layout.num_blocks
-    elif request.variant == "linear":
+    elif variant_spec(request.variant).param_kind == "linear":  # vanilla linear attention: no blocks
         timing.layout = "one global summary (M=1)"
         timing.num_blocks = 1
     timing.softmax_backend = next((ctx.softmax_backend for ctx in contexts if ctx.softmax_backend), None)

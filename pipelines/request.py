@@ -1,7 +1,7 @@
 """One generation request, checked once: what the CLI, the app and ``generate()`` all pass on.
 
 The latent-token grid of a video size is written here and nowhere else (:func:`latent_grid`), and so
-is the rule that a block layout applies to the MHLA variants only (:data:`MHLA_VARIANTS`).
+are the checks of a variant's blocks and layers against its spec (:data:`pipelines.attention.VARIANT_SPECS`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import mhla
 
-from .attention import VARIANTS
+from .attention import LAYERS_VARIANTS, MHLA_VARIANTS, SOFTMAX, VARIANTS, variant_spec
 
 if TYPE_CHECKING:
     from .model_dir import ModelIndex
@@ -21,8 +21,6 @@ if TYPE_CHECKING:
 # Wan2.1's VAE strides (4 in time, 8 in space); with the transformer's patch they fix the token grid.
 VAE_STRIDE = (4, 8, 8)
 OUTPUT_TYPES = ("np", "pil", "pt", "latent")
-# the variants that run MHLA layers, and so take a block layout
-MHLA_VARIANTS = ("mhla", "mhla-hybrid")
 # the fields a model gives a default to (None in a request: the model's)
 DEFAULTED = ("height", "width", "num_frames", "num_inference_steps", "guidance_scale", "guidance_max_sigma")
 
@@ -54,7 +52,7 @@ class GenerationRequest:
     num_frames: int | None = None
     num_inference_steps: int | None = None
     guidance_scale: float | None = None
-    variant: str = "flash"
+    variant: str = SOFTMAX
     # classifier-free guidance only at the steps whose noise level sigma (1 = pure noise, 0 = clean) is at
     # most this; the earlier, noisier steps take the conditional prediction alone (a guidance interval,
     # Kynkäänniemi et al., 2024). None: guidance at every step, as diffusers' WanPipeline.
@@ -119,12 +117,13 @@ class GenerationRequest:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.output_type not in OUTPUT_TYPES:
             raise ValueError(f"output_type must be one of {OUTPUT_TYPES}, got {self.output_type!r}")
-        if self.layers is not None and self.variant != "mhla-hybrid":
-            raise ValueError(f"layers apply to 'mhla-hybrid' only, got layers={self.layers!r} for {self.variant!r}")
-        if self.layers_2 is not None and self.variant != "mhla-hybrid":
-            raise ValueError(
-                f"layers_2 apply to 'mhla-hybrid' only, got layers_2={self.layers_2!r} for {self.variant!r}"
-            )
+        takes_layers = variant_spec(self.variant).layers
+        for name, layers in (("layers", self.layers), ("layers_2", self.layers_2)):
+            if layers is not None and not takes_layers:
+                raise ValueError(
+                    f"{name} apply to {' and '.join(map(repr, LAYERS_VARIANTS))} only, "
+                    f"got {name}={layers!r} for {self.variant!r}"
+                )
         check_image(self.image)
         height, width = cast(int, self.height), cast(int, self.width)  # checked above
         grid = latent_grid(height, width, frames, patch_size, vae_stride)

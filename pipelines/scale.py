@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .attention import SOFTMAX_VARIANTS
 from .memory import OFFLOAD_MODES, Offload, apply_offload, check_offload
 
 if TYPE_CHECKING:
@@ -30,7 +31,6 @@ if TYPE_CHECKING:
     from .request import GenerationRequest
 
 CP_MODES = ("ulysses", "ring")
-SOFTMAX_VARIANTS = ("flash", "mhla-hybrid")  # variants with softmax self-attention layers
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -337,7 +337,7 @@ def validate(cfg: DictConfig) -> None:
 
     for prompt in cfg.validation.prompts:
         check_text(prompt, "validation.prompts: a prompt")
-    from pipelines.attention import VARIANTS
+    from pipelines.attention import SOFTMAX, VARIANTS
 
     need(cfg.model.variant in VARIANTS, "model.variant", f"one of {VARIANTS}")
     need(cfg.model.dtype in MODEL_DTYPES, "model.dtype", f"one of {MODEL_DTYPES}")
@@ -371,7 +371,7 @@ def validate(cfg: DictConfig) -> None:
         )
     if cfg.transfer.steps:
         need(
-            cfg.model.variant != "flash",
+            cfg.model.variant != SOFTMAX,
             "model.variant",
             "a converted variant (attention transfer has no teacher to copy otherwise)",
         )
