@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import io
 import json
 import math
@@ -312,36 +313,28 @@ def sample_attributes(
     }
 
 
+# the second design, sized to what a 6-layer, width-128 model learns on 2 cores: one object
+# per clip, 48-64 px across at 128x160 (about 7 latent cells: radius 0.22 of the frame's short side),
+# no cyan (it fringed into blue and green), straight motions and static, plain backgrounds; the
+# size goes unsaid and a caption may leave out the default grey background
+_V2 = SyntheticWorld(
+    colours=("red", "yellow", "green", "blue", "purple"),
+    sizes=("big",),
+    motions=("left", "right", "up", "down", "static"),
+    backgrounds=("grey", "black", "white"),
+    max_objects=1,
+    short_captions=0.5,
+    default_background="grey",
+    size_words=False,
+)
 WORLDS: dict[str, SyntheticWorld] = {
     # the world the shipped built-in model was trained on: six colours, two sizes, eleven
     # motions, five backgrounds, 40% of clips with two objects
     "v1": SyntheticWorld(),
-    # the second design, sized to what a 6-layer, width-128 model learns on 2 cores: one object
-    # per clip, 48-64 px across at 128x160 (about 7 latent cells: radius 0.22 of the frame's short side),
-    # no cyan (it fringed into blue and green), straight motions and static, plain backgrounds; the
-    # size goes unsaid and a caption may leave out the default grey background
-    "v2": SyntheticWorld(
-        colours=("red", "yellow", "green", "blue", "purple"),
-        sizes=("big",),
-        motions=("left", "right", "up", "down", "static"),
-        backgrounds=("grey", "black", "white"),
-        max_objects=1,
-        short_captions=0.5,
-        default_background="grey",
-        size_words=False,
-    ),
-    # the third design: the second world's vocabulary with a larger object (radius 0.25 of the short
-    # side: 32 px across at 64x80, 8 latent cells of a 4x VAE), rendered at 64x80 and 9 frames
-    "v3": SyntheticWorld(
-        colours=("red", "yellow", "green", "blue", "purple"),
-        sizes=("huge",),
-        motions=("left", "right", "up", "down", "static"),
-        backgrounds=("grey", "black", "white"),
-        max_objects=1,
-        short_captions=0.5,
-        default_background="grey",
-        size_words=False,
-    ),
+    "v2": _V2,
+    # the third design: the second world with a larger object (radius 0.25 of the short side: 32 px
+    # across at 64x80, 8 latent cells of a 4x VAE), rendered at 64x80 and 9 frames
+    "v3": dataclasses.replace(_V2, sizes=("huge",)),
 }
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from factory import v3
-from world.synthetic import render_video, sample_attributes, world_named
+from world.synthetic import caption_for, render_video, sample_attributes, world_named
 
 
 def test_third_world_draws_one_large_object_at_64x80():
@@ -22,7 +22,10 @@ def test_third_world_draws_one_large_object_at_64x80():
         saturated = (frames.max(-1).astype(int) - frames.min(-1).astype(int)) > 60
         assert saturated.shape == (9, 64, 80)
         assert 400 < saturated[0].sum() < 1400, (a["objects"][0], saturated[0].sum())
-        assert "huge" not in a and all(w not in ("huge", "big") for w in str(a).split(" "))
+    captions = [
+        caption_for(sample_attributes(0, i, "train", world, 80 / 64), sizes=world.size_words) for i in range(20)
+    ]
+    assert not any(size in c.split() for c in captions for size in ("huge", "big"))  # one size: never named
 
 
 def test_context_free_text_encoder_keeps_each_word_to_its_row():
