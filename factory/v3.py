@@ -168,8 +168,24 @@ def init(model: Path = MODEL, next_dir: Path = NEXT, seed: int = 0) -> Path:
     return model
 
 
+def clips(num_clips: int, split: str = "validation"):
+    """``num_clips`` clips of the third world at this design's size (data seed 0): what the gate, the latent
+    statistics and the attention measurement read."""
+    from world.synthetic import SyntheticVideoDataset, world_named
+
+    d = DEFAULTS
+    return SyntheticVideoDataset(
+        num_clips,
+        num_frames=d["num_frames"],
+        height=d["height"],
+        width=d["width"],
+        split=split,
+        world=world_named(WORLD),
+    )
+
+
 @torch.no_grad()
-def latent_geometry(vae, num_clips: int = 64, seed: int = 0) -> dict:
+def latent_geometry(vae, num_clips: int = 64) -> dict:
     """How loud each attribute is in the normalised latents and in the pixels: for each of ``num_clips``
     validation clips of the third world and each attribute, the clip with that attribute swapped for the
     world's next value (same start, same background otherwise; :func:`training.probe.swapped`), and for motion the
@@ -177,18 +193,10 @@ def latent_geometry(vae, num_clips: int = 64, seed: int = 0) -> dict:
     change of the latent (posterior mean, normalised with the VAE's ``latents_mean``/``latents_std`` as the
     pipeline does) and of the pixels (in [-1, 1]). Returns both per attribute and the colour:shape ratios."""
     from training.probe import swapped
-    from world.synthetic import SyntheticVideoDataset, render_video, world_named
+    from world.synthetic import render_video, world_named
 
     world = world_named(WORLD)
-    data = SyntheticVideoDataset(
-        num_clips,
-        num_frames=DEFAULTS["num_frames"],
-        height=DEFAULTS["height"],
-        width=DEFAULTS["width"],
-        seed=seed,
-        split="validation",
-        world=world,
-    )
+    data = clips(num_clips)
     mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
     std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
 
@@ -230,12 +238,8 @@ def measure_statistics(vae, num_clips: int = 64) -> None:
     config (what the pipeline normalises with; a VAE run measures them only when it ends, so a checkpoint's are
     its initial ones)."""
     from training.vae import latent_statistics
-    from world.synthetic import SyntheticVideoDataset, world_named
 
-    d = DEFAULTS
-    data = SyntheticVideoDataset(
-        num_clips, num_frames=d["num_frames"], height=d["height"], width=d["width"], world=world_named(WORLD)
-    )
+    data = clips(num_clips, split="train")
     mean, std = latent_statistics(vae, data, num_clips)
     vae.register_to_config(latents_mean=mean, latents_std=std)
 
@@ -247,19 +251,10 @@ def gate(vae_dir: Path, num_clips: int = 64, out: Path | None = NEXT / "curves" 
     from diffusers import AutoencoderKLWan
 
     from factory.vae_ceiling import reconstruction_ceiling
-    from world.synthetic import SyntheticVideoDataset, world_named
 
     vae = AutoencoderKLWan.from_pretrained(str(vae_dir), dtype=torch.float32).eval()
     measure_statistics(vae)
-    data = SyntheticVideoDataset(
-        num_clips,
-        num_frames=DEFAULTS["num_frames"],
-        height=DEFAULTS["height"],
-        width=DEFAULTS["width"],
-        seed=0,
-        split="validation",
-        world=world_named(WORLD),
-    )
+    data = clips(num_clips)
     ceiling = reconstruction_ceiling(vae, data, range(num_clips))
     geometry = latent_geometry(vae, num_clips)
     ratio = geometry["ratio_of_ratios"]
@@ -332,7 +327,7 @@ def word_attention(
 
     from pipelines import load_components
     from training.encoding import Encoder
-    from world.synthetic import MOTION_PHRASES, SyntheticVideoDataset, caption_for, world_named
+    from world.synthetic import MOTION_PHRASES, caption_for, world_named
 
     world = world_named(WORLD)
     components = load_components(str(model_dir))
@@ -343,10 +338,7 @@ def word_attention(
     ).eval()
     length = components.defaults.get("max_sequence_length", DEFAULTS["max_sequence_length"])
     encoder = Encoder(components, length)
-    d = DEFAULTS
-    data = SyntheticVideoDataset(
-        num_clips, num_frames=d["num_frames"], height=d["height"], width=d["width"], split="validation", world=world
-    )
+    data = clips(num_clips)
     attrs = [data.attributes(i) for i in range(num_clips)]
     captions = [caption_for(a, sizes=world.size_words) for a in attrs]
     latents = encoder.latents(torch.stack([data[i]["video"] for i in range(num_clips)]))
