@@ -138,8 +138,12 @@ class MixingCoefficients(nn.Module):
 
     def forward(self) -> torch.Tensor:
         w = self.weight
+        # is_compiling() first: a compiled graph must not read the scope counter (TorchDynamo would guard on
+        # its value, which changes every call, and recompile the layer on every forward)
+        if torch.compiler.is_compiling():
+            return self._compute(w)
         scope = _REUSE_SCOPE[0]
-        if not scope or torch.compiler.is_compiling() or (torch.is_grad_enabled() and w.requires_grad):
+        if not scope or (torch.is_grad_enabled() and w.requires_grad):
             return self._compute(w)
         # inside reuse_constrained_mixing(): the weights are fixed, so the matrix is computed once per scope
         # (and again if the weight changes in place, moves or is replaced), not on every call of every layer
