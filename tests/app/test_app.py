@@ -96,6 +96,49 @@ def test_variant_notes(models):
         assert models.variants[name].transformer is models.components.transformer  # shared, not copied
 
 
+def _ssim_reference(x: np.ndarray, y: np.ndarray) -> float:
+    """SSIM written independently of app.quality: a whole-video float64 2D convolution with the full 11x11
+    Gaussian window (sigma 1.5), luma 0.299 R + 0.587 G + 0.114 B, valid positions, mean over everything."""
+    r = np.arange(11) - 5.0
+    w1 = np.exp(-(r**2) / (2 * 1.5**2))
+    w = torch.from_numpy(np.outer(w1, w1) / np.outer(w1, w1).sum())[None, None]
+
+    def luma(v):
+        v = v.astype(np.float64) / (255.0 if v.dtype == np.uint8 else 1.0)
+        return torch.from_numpy(0.299 * v[..., 0] + 0.587 * v[..., 1] + 0.114 * v[..., 2])[:, None]
+
+    a, b = luma(x), luma(y)
+    f = lambda t: torch.nn.functional.conv2d(t, w)  # noqa: E731
+    ma, mb = f(a), f(b)
+    va, vb, c = f(a * a) - ma**2, f(b * b) - mb**2, f(a * b) - ma * mb
+    c1, c2 = 0.01**2, 0.03**2
+    return float((((2 * ma * mb + c1) * (2 * c + c2)) / ((ma**2 + mb**2 + c1) * (va + vb + c2))).mean())
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.float32])
+def test_quality_measures_streamed_in_chunks_equal_whole_video_formulas(monkeypatch, dtype):
+    """PSNR, SSIM and the degenerate checks stream over a few frames at a time (a 81x480x832 video's SSIM
+    once wanted ~30 GB); with chunks of 1-2 frames forced they must give the whole-video numbers."""
+    rng = np.random.default_rng()
+    smooth = rng.random((7, 20, 24, 3)).cumsum(axis=2) / 24  # some structure for SSIM to see
+    noisy = np.clip(smooth + rng.normal(0, 0.05, smooth.shape), 0, 1)
+    if dtype == np.uint8:
+        smooth, noisy = (np.round(v * 255).astype(np.uint8) for v in (smooth, noisy))
+    else:
+        smooth, noisy = smooth.astype(np.float32), noisy.astype(np.float32)
+    scale = 255.0 if dtype == np.uint8 else 1.0
+    mse = np.mean((smooth.astype(np.float64) / scale - noisy.astype(np.float64) / scale) ** 2)
+    for chunk in (1 << 22, 20 * 24 * 3, 2 * 20 * 24 * 3 + 5):  # whole video, one frame, two frames
+        monkeypatch.setattr(quality, "CHUNK_VALUES", chunk)
+        assert quality.psnr(noisy, smooth) == pytest.approx(10 * math.log10(1 / mse), rel=1e-12)
+        assert quality.ssim(noisy, smooth) == pytest.approx(_ssim_reference(noisy, smooth), abs=2e-6)
+        assert quality.degenerate(noisy) is None
+        assert quality.degenerate(np.repeat(noisy[:1], 5, axis=0)) == "frozen"
+        black = np.zeros_like(noisy)
+        black[3, 5, 5] = 100 if dtype == np.uint8 else 100 / 255  # one grey pixel of 480: spread 0.018, blank
+        assert quality.degenerate(black) == "blank"
+
+
 @pytest.mark.slow  # generates every variant
 def test_compare_streams_every_variant_with_consistent_latency_and_quality(models, tmp_path):
     req = compare.check_request(models, "a red fox", "", 0, 2, 5.0, SMALLEST, list(VARIANTS), repeats=2)
@@ -231,7 +274,7 @@ def test_psnr_and_ssim_against_hand_computed_values():
     # SSIM = (2 * 0.5 * 0.25 + C1) / (0.5^2 + 0.25^2 + C1) * (C2 / C2)
     x, y = np.full((1, 12, 12, 3), 0.5), np.full((1, 12, 12, 3), 0.25)
     c1 = 0.01**2
-    assert quality.ssim(x, y) == pytest.approx((0.25 + c1) / (0.3125 + c1), rel=1e-9)
+    assert quality.ssim(x, y) == pytest.approx((0.25 + c1) / (0.3125 + c1), rel=1e-6)  # float32 blurs
     # uint8 frames are read as value / 255: 255 vs 0 is the largest error, PSNR 0 dB
     assert quality.psnr(np.full((1, 4, 4, 3), 255, np.uint8), np.zeros((1, 4, 4, 3), np.uint8)) == 0.0
     # a pattern against its negative: structure reversed, SSIM negative
