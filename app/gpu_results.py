@@ -47,6 +47,8 @@ def load(results: Path = RESULTS) -> list[GpuTable]:
         layers = (meta.get("transformer") or {}).get("num_layers")
         model = f"Wan2.1 {meta.get('config', '?')} transformer" + (f" ({layers} layers)" if layers else "")
         model += f", {meta.get('weights', 'weights unknown')}, {meta.get('dtype', '?')}"
+        compiled = meta.get("compile")
+        model += f", torch.compile {compiled} (every variant)" if compiled and compiled != "none" else ", eager"
         tables.append(
             GpuTable(
                 file=str(path.relative_to(results)),

@@ -24,6 +24,17 @@ def test_the_committed_h100_results_are_read_as_they_are():
     assert f"{mhla['speedup_vs_flash']:.2f}x" == "2.43x" and "2.43x" in text
 
 
+def test_a_compiled_run_says_so_and_an_eager_one_says_eager():
+    tables = {t.file: t for t in gpu_results.load()}
+    compiled = tables["h100-2026-11-26b/wan_step_1.3b_compiled-blocks_h100_20261126.json"]
+    eager = tables["h100-2026-11-26/wan_step_1.3b_h100_20261126.json"]
+    assert "torch.compile blocks" in compiled.model and "eager" not in compiled.model
+    assert eager.model.endswith(", eager")
+    rows = json.loads((RESULTS / compiled.file).read_text())["rows"]
+    mhla = next(r for r in rows if r["variant"] == "mhla")
+    assert f"{mhla['ms']:.1f}" in gpu_results.table_markdown(compiled)
+
+
 def test_cpu_and_unfinished_results_are_not_gpu_results(tmp_path):
     folder = tmp_path / "run"
     folder.mkdir()

@@ -397,3 +397,17 @@ def test_app_compare_smoke(tmp_path):
     assert set(levers["seconds_median"]) == {"float32", "float32 channels-last", "bfloat16"}
     md = out.with_suffix(".md").read_text()
     assert "| 2 | mhla |" in md and "VAE decode of one video" in md
+
+
+def test_video_checks_benchmark_times_every_check_and_refuses_bad_sizes(tmp_path):
+    from benchmarks import video_checks
+
+    out = tmp_path / "vc"
+    result = video_checks.main(["--sizes", "3x16x24,2x8x8", "--repeats", "1", "--out", str(out)])
+    assert [(r["size"], r["check"]) for r in result["rows"]] == [
+        (size, check) for size in ("3x16x24", "2x8x8") for check in ("degenerate", "psnr", "ssim")
+    ]
+    saved = json.loads(out.with_suffix(".json").read_text())
+    assert saved["meta"]["complete"] and len(saved["rows"]) == 6
+    with pytest.raises(SystemExit, match="FRAMESxHEIGHTxWIDTH"):
+        video_checks.main(["--sizes", "81x480", "--out", str(out)])
