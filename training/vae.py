@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
+from pipelines.outputs import write_text_atomic
 from training import checkpoint as ckpt
 from training.config import lr_multiplier
 from training.data import ResumableSampler
@@ -141,7 +142,9 @@ def train_vae(cfg) -> int:
         raise ValueError("task=vae needs model.path: a model directory whose vae/ to train")
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    # every file the run writes is listed in its run manifest first: overwrite=true removes those, nothing else
+    ckpt.record_run_files(run_dir, "config.yaml", "metrics.jsonl", "final/vae", "final/.vae.tmp", folders=("final",))
+    write_text_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(cfg))
     torch.manual_seed(cfg.train.seed)
     generator = torch.Generator().manual_seed(cfg.train.seed)
     dataset = build_dataset(cfg)

@@ -79,6 +79,14 @@ def test_vae_task_trains_installs_with_statistics_and_resumes(fresh_model_dir, t
     assert main([*args, "train.steps=3", "resume=latest", "train.precision=bf16"]) == 0
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
+    # the run lists what it wrote: overwrite=true replaces those and keeps a file of one's own
+    listed = set(json.loads((run / "run_files.json").read_text())["written"])
+    assert {"config.yaml", "metrics.jsonl", "final/vae"} <= listed and any(n.startswith("checkpoints/") for n in listed)
+    (run / "notes.txt").write_text("mine")
+    assert main([*args, "train.steps=1", "resume=null", "overwrite=true"]) == 0
+    assert (run / "notes.txt").read_text() == "mine"
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1]
 
 
 def test_vae_decoder_task_keeps_the_encoder_and_latent_statistics(fresh_model_dir, tmp_path):
