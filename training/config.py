@@ -89,11 +89,14 @@ DEFAULTS: dict = {
     # a transformer trained on those latents stays valid while the decoder improves)
     # latent_noise: Gaussian noise added to the posterior mean before decoding, in units of each latent channel's
     # std over the batch (the decoder then also decodes the imperfect latents a transformer generates)
+    # edge_weight: L1 of the frames' horizontal and vertical pixel differences (object-weighted like the rest):
+    # corners and edges are a few pixels of a frame, so plain pixel losses let them go soft
     "vae": {
         "crop": 64,
         "kl_weight": 1e-6,
         "object_weight": 10.0,
         "latent_noise": 0.0,
+        "edge_weight": 0.0,
         "stats_samples": 64,
         "export": None,
         "trainable": "all",
@@ -225,6 +228,7 @@ RANGES: dict[str, tuple] = {
     "vae.kl_weight": (0, True, None),
     "vae.object_weight": (0, True, None),
     "vae.latent_noise": (0, True, None),
+    "vae.edge_weight": (0, True, None),
     "vae.stats_samples": (1, True, None),
 }
 # list keys -> the type of their items

@@ -74,6 +74,31 @@ def test_vae_loss_latent_noise_changes_the_decoded_latent_reproducibly():
     assert float(noisy1) != float(clean)
 
 
+def test_vae_loss_edge_term_is_the_weighted_l1_of_neighbour_differences():
+    """Written apart from training.vae: finite differences of the reconstruction and of the video along width
+    and height, weighted by the larger object weight of the two pixels, averaged, summed, times edge_weight."""
+    from training.vae import decode_unclamped, vae_loss
+
+    vae = _tiny_vae()
+    video = torch.rand(2, 3, 5, 16, 16) * 2 - 1
+    video[:, 0, :, 4:9, 4:9] = 1.0  # a saturated square: object pixels weigh 1 + 2
+    video[:, 1:, :, 4:9, 4:9] = -1.0
+    with torch.no_grad():
+        base, _ = vae_loss(vae, video, 1e-6, 2.0)
+        with_edges, _ = vae_loss(vae, video, 1e-6, 2.0, edge_weight=0.7)
+        recon = decode_unclamped(vae, vae.encode(video).latent_dist.mean)
+    w = 1.0 + 2.0 * ((video.max(1, keepdim=True).values - video.min(1, keepdim=True).values) > 0.5).float()
+    term = 0.0
+    for axis in (-1, -2):
+        n = video.shape[axis]
+        a, b = (t.narrow(axis, 1, n - 1) for t in (recon, video))
+        c, d = (t.narrow(axis, 0, n - 1) for t in (recon, video))
+        pair = torch.max(w.narrow(axis, 1, n - 1), w.narrow(axis, 0, n - 1))
+        term += float((((a - c) - (b - d)).abs() * pair).mean())
+    assert float(with_edges) == pytest.approx(float(base) + 0.7 * term, rel=1e-5)
+    assert term > 0
+
+
 def test_vae_latent_noise_is_a_checked_config_key():
     from training.config import load_config
 
