@@ -58,6 +58,19 @@ class Timer:
         return start.elapsed_time(end)
 
 
+def compiled_graphs() -> int:
+    """Graphs TorchDynamo has compiled in this process so far (0 when torch.compile never ran). A timed run of
+    a compiled model must not change it: a graph compiled while timing means the times include compiling (a
+    guard that fails on every call once made compiled MHLA look no faster than softmax)."""
+    import sys
+
+    if "torch._dynamo" not in sys.modules:
+        return 0
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 def measure(fn, device: torch.device, warmup: int, repeats: int, timer: Timer | None = None) -> dict:
     """Median (and min, spread) of ``repeats`` timed runs after ``warmup`` runs, and the peak memory
     the runs allocate above what was allocated before them (CUDA only; ``None`` on a CPU)."""
@@ -68,6 +81,7 @@ def measure(fn, device: torch.device, warmup: int, repeats: int, timer: Timer | 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
+    graphs = compiled_graphs()
     times = [timer(fn) for _ in range(repeats)]
     out = {
         "ms": statistics.median(times),
@@ -76,6 +90,7 @@ def measure(fn, device: torch.device, warmup: int, repeats: int, timer: Timer | 
         "repeats": repeats,
         "peak_mib": None,
         "peak_total_mib": None,
+        "graphs_compiled_while_timed": compiled_graphs() - graphs,
     }
     if device.type == "cuda":
         out["peak_mib"] = (torch.cuda.max_memory_allocated(device) - base) / 2**20

@@ -10,9 +10,12 @@
 #   5. compile  benchmarks.wan_step --compile blocks: the step torch.compile'd per variant at 81x480x800,
 #               softmax (cuDNN) first, MHLA second (the issue's target: MHLA >= 3x the same-compiled cuDNN);
 #               cut short by the budget, its partial JSON keeps the variants it finished
-# Expected times on an H100 (estimates, not measured): kernels ~110 s (105 s on 2026-11-26), model ~60 s
-# (15 GB written), cli ~90 s (4 VAE decodes at 81x480x832 dominate), app ~80 s, compile ~100-200 s.
-#   6. cp       benchmarks.context_parallel over NCCL: only where there are 2+ GPUs (else "skipped: 1 GPU")
+# Measured on an H100 (2026-11-26, benchmarks/results/h100-2026-11-26b/): kernels 118 s, model 36 s, cli 56 s,
+# app 152 s before the app's per-video checks streamed over frames (~75 s expected now), compile 60-67 s.
+#   6. op       benchmarks.attention: the operator alone, forward, bf16, B=1, 12 heads x 128, fused MHLA and linear
+#               against cuDNN softmax at 2,048, 4,096 and 31,500 tokens (the issue's targets: MHLA <= 0.3 ms at
+#               31,500, never slower than cuDNN from 2,048 up); ~30-60 s
+#   7. cp       benchmarks.context_parallel over NCCL: only where there are 2+ GPUs (else "skipped: 1 GPU")
 # Longer extras, not in the default list: tests (the other GPU tests), wan (eager step, 2 sizes, fwd and
 # fwd+bwd), profile, attention. Name stages as one comma list: `bash benchmarks/run_gpu.sh kernels,compile`.
 #
@@ -33,7 +36,7 @@
 # skipped); 2 for an unknown stage. DRY_RUN=1 prints each stage's command and runs none (tests/benchmarks/
 # test_run_gpu.py checks those commands' arguments on a CPU, so the script cannot break silently).
 # Limits (seconds): BUDGET_S (whole call, default 540), and per stage KERNELS_S, MODEL_S, CLI_S, APP_S,
-# COMPILE_S, CP_S, TESTS_S, WAN_S, PROFILE_S, ATTENTION_S; each is cut to what is left of BUDGET_S.
+# COMPILE_S, OP_S, CP_S, TESTS_S, WAN_S, PROFILE_S, ATTENTION_S; each is cut to what is left of BUDGET_S.
 set -u
 cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/results/gpu_run}"
@@ -52,8 +55,9 @@ BUDGET_S="${BUDGET_S:-540}"
 KERNELS_S="${KERNELS_S:-150}"
 MODEL_S="${MODEL_S:-100}"
 CLI_S="${CLI_S:-130}"
-APP_S="${APP_S:-100}"
+APP_S="${APP_S:-150}"
 COMPILE_S="${COMPILE_S:-200}"
+OP_S="${OP_S:-90}"
 CP_S="${CP_S:-150}"
 TESTS_S="${TESTS_S:-200}"
 WAN_S="${WAN_S:-500}"
@@ -62,7 +66,7 @@ ATTENTION_S="${ATTENTION_S:-400}"
 MODEL_DIR="${MODEL_DIR:-/tmp/wan2.1-1.3b-RANDOM}"
 CLI_STEPS="${CLI_STEPS:-2}"
 PROMPT="a red fox runs through fresh snow, morning light"
-ALL="kernels,model,cli,app,compile,cp"
+ALL="kernels,model,cli,app,compile,op,cp"
 EXTRA="tests,wan,profile,attention"
 STAGES=",${1:-$ALL},"
 for s in $(echo "${STAGES//,/ }"); do
@@ -174,6 +178,11 @@ if [[ $STAGES == *,compile,* ]] && fused_path_ok; then
     run_stage "compile" "$COMPILE_S" python3 -m benchmarks.wan_step --config 1.3b --sizes 81x480x800 --passes fwd \
         --variants flash,mhla,linear,mhla-hybrid --softmax-backend sdpa_cudnn --compile blocks --warmup 1 --repeats 3 \
         --out-dir "$OUT"
+fi
+if [[ $STAGES == *,op,* ]] && fused_path_ok; then
+    run_stage "op" "$OP_S" python3 -m benchmarks.attention --dtype bf16 --heads 12 --dim 128 \
+        --grids 2x32x32,4x32x32,21x30x50 --passes fwd --impls triton --softmax-backends sdpa_cudnn \
+        --warmup 3 --repeats 10 --out-dir "$OUT" --tag operator_h100
 fi
 if [[ $STAGES == *,cp,* ]]; then
     if [ "$GPUS" -ge 2 ]; then

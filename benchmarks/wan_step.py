@@ -47,6 +47,7 @@ from .common import (
     DTYPES,
     RESULTS,
     Timer,
+    compiled_graphs,
     cpu_caveat,
     default_tag,
     dtype_name,
@@ -310,14 +311,18 @@ def main(argv=None) -> dict:
                     write_partial(args.out_dir, tag, meta, rows)
             if pending:
                 times = {id(row): [] for row, _, _ in pending}
+                graphs = {id(row): 0 for row, _, _ in pending}
                 for _ in range(repeats):
                     for row, variant, fn in pending:
                         set_variant(model, variant)
+                        before = compiled_graphs()
                         times[id(row)].append(timer(fn))
+                        graphs[id(row)] += compiled_graphs() - before
                         model.zero_grad(set_to_none=True)
                 for row, variant, fn in pending:
                     ts = times[id(row)]
                     row.update(ms=statistics.median(ts), ms_min=min(ts), ms_max=max(ts), repeats=repeats)
+                    row["graphs_compiled_while_timed"] = graphs[id(row)]
                     row.update(peak_mib=None, peak_total_mib=None)
                     set_variant(model, variant)
                     ctx.layouts.clear()
@@ -392,8 +397,10 @@ def markdown(rows: list[dict], meta: dict) -> str:
             lines.append(f"| {r['pass']} | {size} | {r['tokens']} | {r['variant']} | skipped | | | | | | |")
             continue
         peak = r.get("peak_total_mib")
+        recompiles = r.get("graphs_compiled_while_timed")
+        flag = f" (RECOMPILED x{recompiles} while timed)" if recompiles else ""
         lines.append(
-            f"| {r['pass']} | {size} | {r['tokens']} | {r['variant']} | {r['ms']:.1f} | "
+            f"| {r['pass']} | {size} | {r['tokens']} | {r['variant']}{flag} | {r['ms']:.1f} | "
             f"{_fmt(r.get('speedup_vs_flash'), '.2f', 'x')} | {_fmt(r.get('projected_s'), '.1f')} | "
             f"{_fmt(r.get('attn_ms'), '.1f')} | {_fmt(r.get('other_ms'), '.1f')} | "
             f"{_fmt(None if peak is None else peak / 1024, '.1f')} | {r.get('softmax_backend') or ''} |"
@@ -478,5 +485,16 @@ def eval_tokens(grid: str) -> int:
     return f * h * w
 
 
+def recompiled(rows: list[dict]) -> list[str]:
+    """The rows whose timed runs compiled graphs (their times include compiling): ``variant pass size (n)``."""
+    return [
+        f"{r['variant']} {r['pass']} {r['size'] or r['grid']} ({r['graphs_compiled_while_timed']})"
+        for r in rows
+        if r.get("graphs_compiled_while_timed")
+    ]
+
+
 if __name__ == "__main__":
-    main()
+    bad = recompiled(main()["rows"])
+    if bad:  # the results are written (and flagged per row); the exit status says they are not timings
+        raise SystemExit(f"torch.compile compiled graphs during the timed runs of {', '.join(bad)}: not steady-state")

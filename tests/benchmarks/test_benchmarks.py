@@ -411,3 +411,22 @@ def test_video_checks_benchmark_times_every_check_and_refuses_bad_sizes(tmp_path
     assert saved["meta"]["complete"] and len(saved["rows"]) == 6
     with pytest.raises(SystemExit, match="FRAMESxHEIGHTxWIDTH"):
         video_checks.main(["--sizes", "81x480", "--out", str(out)])
+
+
+@pytest.mark.slow  # compiles every variant (aot_eager on a CPU)
+def test_wan_step_compiled_timings_are_steady_state(tmp_path, monkeypatch):
+    """A compiled step's timed runs compile nothing (else they time the compiler): counted per row, flagged in
+    the table, and the script's exit status fails. Every variant, switching processors between timed runs."""
+    import torch
+
+    monkeypatch.setenv("MHLA_COMPILE_BACKEND", "aot_eager")
+    torch._dynamo.reset()
+    argv = ["--device", "cpu", "--config", "tiny", "--layers", "2", "--grids", "2x4x6", "--text-len", "16"]
+    argv += ["--passes", "fwd", "--compile", "blocks", "--warmup", "1", "--repeats", "2"]
+    result = wan_step.main([*argv, "--out-dir", str(tmp_path), "--tag", "c"])
+    assert len(result["rows"]) == 4
+    assert all(r["graphs_compiled_while_timed"] == 0 for r in result["rows"]), result["rows"]
+    assert wan_step.recompiled(result["rows"]) == []
+    flagged = [{**result["rows"][0], "graphs_compiled_while_timed": 3}]
+    assert wan_step.recompiled(flagged) == [f"{flagged[0]['variant']} fwd 2x4x6 (3)"]
+    assert "RECOMPILED x3 while timed" in wan_step.markdown(flagged, result["meta"])

@@ -67,6 +67,11 @@ def check_python_command(argv: list[str]) -> None:
             cp_main(["--help"])
         flags = [a for a in args if a.startswith("--")]
         assert all(f in text.getvalue() for f in flags), flags
+    elif module == "benchmarks.attention":
+        from benchmarks.attention import build_parser as attention_parser
+
+        parsed = attention_parser().parse_args(args)
+        assert parsed.passes and parsed.softmax_backends and parsed.impls
     elif module == "benchmarks.check_fused":
         assert args == []
     else:
@@ -78,7 +83,7 @@ def test_dry_run_commands_parse_in_order(tmp_path):
     assert rc == 0, out
     found = commands(out)
     order = [n for n in found if n != "fused path check"]
-    assert order == ["kernels", "model", "cli", "app", "compile", "cp"], order
+    assert order == ["kernels", "model", "cli", "app", "compile", "op", "cp"], order
     for argv in found.values():
         check_python_command(argv)
     assert "| stage | result | s |" in out and "exit status 0" in out
