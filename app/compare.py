@@ -340,7 +340,7 @@ class VariantRun:
     def paired_steps(self) -> list[float]:
         """The steps that enter the paired speedups: each run's first step is a warm-up (new shapes, cold
         caches) and is left out, unless it is the only one."""
-        return [s for t in self.timings for s in (t.steps[1:] if len(t.steps) > 1 else t.steps)]
+        return [s for t in self.timings for s in t.warm_steps]
 
     def stage(self, name: str) -> Spread:
         """A stage's seconds over the repeats: ``total``, ``text_encoding``, ``denoising``, ``vae_decode``,
@@ -816,8 +816,7 @@ def result_from_dict(record: dict, folder: Path) -> CompareResult:
         return None if not name else folder / Path(name).name
 
     def timing(d: dict) -> Timing:
-        d = {k: v for k, v in d.items() if k != "per_step"}
-        return Timing(**{**d, "grid": tuple(d["grid"])})
+        return Timing.from_dict(d)
 
     req = dict(record["request"])
     request = CompareRequest(**{**req, "preset": tuple(req["preset"])})

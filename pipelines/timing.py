@@ -11,7 +11,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -154,16 +154,41 @@ class Timing:
 
     @property
     def per_step(self) -> float:
+        """Mean seconds per denoising step, the first (cold) step included."""
         return sum(self.steps) / len(self.steps) if self.steps else 0.0
+
+    @property
+    def warm_steps(self) -> list[float]:
+        """The steps that say how fast a step is: the first is a warm-up (new shapes, cold caches, kernel
+        compiles) and is left out, unless it is the only one. The CLI and the app both time by this rule."""
+        return self.steps[1:] if len(self.steps) > 1 else list(self.steps)
+
+    @property
+    def step(self) -> float:
+        """Median seconds of the warm steps (0.0 without steps)."""
+        return statistics.median(self.warm_steps) if self.steps else 0.0
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Timing:
+        """The inverse of :meth:`as_dict`: its derived keys (``per_step``, ``step``) are left out."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: tuple(v) if k == "grid" else v for k, v in d.items() if k in names})
 
     def as_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
         d["per_step"] = self.per_step
+        d["step"] = self.step
         return d
 
 
 def _peak(b: int | None) -> str:
     return "n/a (CPU)" if b is None else f"{b / 2**30:.2f} GiB"
+
+
+def _step_text(timing: Timing) -> str:
+    if len(timing.steps) < 2:
+        return f"{timing.step:.3f} s (one step: no warm-up left out)"
+    return f"{timing.step:.3f} s (median of steps 2-{len(timing.steps)}; the first, a warm-up: {timing.steps[0]:.3f} s)"
 
 
 def format_timing(timing: Timing) -> str:
@@ -178,7 +203,7 @@ def format_timing(timing: Timing) -> str:
         ("total", f"{timing.total:.3f} s"),
         ("text encoding", f"{timing.text_encoding:.3f} s"),
         ("denoising", f"{timing.denoising:.3f} s ({len(timing.steps)} steps)"),
-        ("per step", f"{timing.per_step:.3f} s"),
+        ("per step", _step_text(timing)),
         ("inside self-attention", f"{timing.self_attention:.3f} s ({timing.self_attention_calls} calls)"),
         ("VAE decode", f"{timing.vae_decode:.3f} s"),
         ("peak GPU memory", _peak(timing.peak_memory_bytes)),
@@ -188,9 +213,26 @@ def format_timing(timing: Timing) -> str:
 
 
 def format_comparison(timings: list[Timing]) -> str:
-    """Several generations side by side, one row per variant (for READMEs and benchmarks)."""
-    head = ("variant", "tokens", "M", "total s", "text s", "denoise s", "step s", "attn s", "VAE s", "peak", "softmax")
+    """Several generations side by side, one row per variant (for READMEs and benchmarks). "step s" is the
+    median warm step (:attr:`Timing.step`, the first step left out as the app does), "first s" the first step;
+    "vs <first variant>" is the first row's warm step over this row's (flash, when flash ran)."""
+    head = (
+        "variant",
+        "tokens",
+        "M",
+        "total s",
+        "text s",
+        "denoise s",
+        "first s",
+        "step s",
+        f"vs {timings[0].variant}" if timings else "vs first",
+        "attn s",
+        "VAE s",
+        "peak",
+        "softmax",
+    )
     rows = [head]
+    base = timings[0].step if timings else 0.0
     for t in timings:
         rows.append(
             (
@@ -200,7 +242,9 @@ def format_comparison(timings: list[Timing]) -> str:
                 f"{t.total:.3f}",
                 f"{t.text_encoding:.3f}",
                 f"{t.denoising:.3f}",
-                f"{t.per_step:.3f}",
+                f"{t.steps[0]:.3f}" if t.steps else "-",
+                f"{t.step:.3f}",
+                f"{base / t.step:.2f}x" if base > 0 and t.step > 0 else "-",
                 f"{t.self_attention:.3f}",
                 f"{t.vae_decode:.3f}",
                 "-" if t.peak_memory_bytes is None else f"{t.peak_memory_bytes / 2**30:.2f}G",
