@@ -172,7 +172,8 @@ class Timing:
     def from_dict(cls, d: dict[str, Any]) -> Timing:
         """The inverse of :meth:`as_dict`: its derived keys (``per_step``, ``step``) are left out."""
         names = {f.name for f in fields(cls)}
-        return cls(**{k: tuple(v) if k == "grid" else v for k, v in d.items() if k in names})
+        kept: dict[str, Any] = {k: tuple(v) if k == "grid" else v for k, v in d.items() if k in names}
+        return cls(**kept)
 
     def as_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
