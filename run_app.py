@@ -96,8 +96,8 @@ def compose(model, variant_dirs, random_weights, device, dtype, decode_dtype="au
 
 
 def main(argv=None) -> int:
-    """Serves the app, behind the error boundary of :func:`pipelines.errors.run_cli` (exit codes there)."""
-    from pipelines.errors import run_cli
+    """Serves the app, behind the error boundary of :func:`common.errors.run_cli` (exit codes there)."""
+    from common.errors import run_cli
 
     return run_cli(_main, argv, prog="run_app")
 

@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 
 import mhla
+from common.outputs import write_text_atomic
+from common.timing import device_name, time_call
 from pipelines import VARIANTS, convert_self_attention, current_variant
-from pipelines.outputs import write_text_atomic
-from pipelines.timing import device_name, time_call
 
 from . import inputs
 from .compare import VARIANT_COLOURS

@@ -28,10 +28,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipelines import VARIANTS, GenerationRequest, Timing, model_request, write_mp4
+from common.timing import Spread, Timing, device_name, spread
+from common.video import to_uint8, write_mp4
+from pipelines import VARIANTS, GenerationRequest, model_request
 from pipelines.pipeline import generate
-from pipelines.timing import Spread, device_name, spread
-from pipelines.video import to_uint8
 
 from . import inputs, quality
 from .interleave import NOISY, PairedSpeedup, Turns, paired_speedup
@@ -1150,7 +1150,7 @@ def store_examples(
     were measured on. The page opens with them (:func:`load_stored`)."""
     import datetime as dt
 
-    from pipelines import read_video
+    from common.video import read_video
 
     d = models.components.defaults
     preset = (d["num_frames"], d["height"], d["width"])

@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipelines.errors import check_text
+from common.errors import check_text
 
 if TYPE_CHECKING:
     from PIL import Image

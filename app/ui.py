@@ -20,8 +20,8 @@ from pathlib import Path
 
 import gradio as gr
 
+from common.timing import device_name
 from pipelines import VARIANTS
-from pipelines.timing import device_name
 
 from . import bench, compare, gpu_results, inputs
 from .compare import VARIANT_COLOURS

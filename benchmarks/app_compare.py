@@ -4,7 +4,7 @@
     python -m benchmarks.app_compare --decode-dtype float32       # a lever: the VAE in float32
     python -m benchmarks.app_compare --requests 5 --out benchmarks/results/app_compare_cpu
 
-Loads the model as ``run_app.py`` does (the built-in model by default, with its analyser), warms up once
+Loads the model as the launcher does (``app.models.load_app_models``; the built-in model by default, with its analyser), warms up once
 (as the app does at start, timed apart), then sends identical requests one after another and prints, per
 request: the wall time to the first and to the last video, the machine load (1-minute average over the
 cores) before it, each variant's speedup per denoising step over flash with its 95% interval, its end-to-end
@@ -97,11 +97,14 @@ def main(argv=None) -> int:
     from benchmarks.device_shims import install
 
     print(install(), flush=True)  # before app.compare imports the mp4 writer
-    import run_app
     from app import compare
+    from app.models import load_app_models
+    from world.analyse import strict_verdicts
 
     t0 = time.perf_counter()
-    models = run_app.compose(args.model, {}, None, "auto", "auto", args.decode_dtype)
+    models = load_app_models(args.model, {}, None, "auto", "auto", args.decode_dtype)
+    if models.builtin:  # as the launcher composes the app: the built-in model's world judges its videos
+        models.judge = strict_verdicts
     loaded = time.perf_counter() - t0
     warm = compare.warm_up(models)
     d = models.components.defaults

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from pipelines.outputs import atomic_write, write_text_atomic
-from pipelines.timing import device_name  # the one owner (the CPU's model name from /proc/cpuinfo)
+from common.outputs import atomic_write, write_text_atomic
+from common.timing import device_name  # the one owner (the CPU's model name from /proc/cpuinfo)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

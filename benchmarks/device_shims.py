@@ -1,7 +1,7 @@
 """What the GPU machine lacks, stood in for by the benchmarks (never by the product).
 
 The device image has no ``imageio-ffmpeg`` (its wheel, about 27 MiB with its ffmpeg, does not fit the
-64 MiB that travels with a ~62 MB working tree), so :func:`pipelines.video.write_mp4` cannot run there.
+64 MiB that travels with a ~62 MB working tree), so :func:`common.video.write_mp4` cannot run there.
 :func:`install` then replaces it, for the benchmark's process only, with an mp4v writer through OpenCV
 (``opencv-python-headless`` is in the image) that says so; the product's writer is untouched elsewhere.
 """
@@ -21,7 +21,7 @@ def write_mp4_cv2(path: str | Path, frames: Any, fps: float = 16, comment: str |
     """mp4 (MPEG-4 part 2, 'mp4v') through OpenCV; raises unless every frame was written and reads back."""
     import cv2  # type: ignore[import-not-found, unused-ignore]
 
-    from pipelines.video import to_uint8
+    from common.video import to_uint8
 
     pixels = to_uint8(frames)
     path = Path(path)
@@ -42,9 +42,7 @@ def install() -> str:
     """Replaces the mp4 writer where imageio-ffmpeg is missing; returns a line saying which writer runs."""
     if mp4_writer_available():
         return "mp4 writer: imageio-ffmpeg (the product's)"
-    import pipelines
-    import pipelines.video
+    import common.video
 
-    pipelines.video.write_mp4 = write_mp4_cv2  # type: ignore[assignment]
-    pipelines.write_mp4 = write_mp4_cv2  # type: ignore[attr-defined]
+    common.video.write_mp4 = write_mp4_cv2  # type: ignore[assignment]
     return "mp4 writer: OpenCV mp4v STAND-IN (no imageio-ffmpeg on this machine; the product's writer did not run)"

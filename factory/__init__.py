@@ -32,7 +32,7 @@ def output_path(out: str | Path, suffix: str) -> Path:
 def write_json(out: str | Path, result: dict) -> Path:
     """Writes ``result`` to ``<out>.json`` (folders made as needed) and returns that path: the commands'
     ``--out``."""
-    from pipelines.outputs import write_text_atomic
+    from common.outputs import write_text_atomic
 
     path = output_path(out, ".json")
     return write_text_atomic(path, json.dumps(result, indent=1) + "\n")

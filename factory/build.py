@@ -40,8 +40,8 @@ from pathlib import Path
 
 import torch
 
+from common.outputs import atomic_dir
 from pipelines.builtin import BUILTIN_BLOCK_SHAPE, BUILTIN_DEFAULTS, BUILTIN_DIR, VARIANTS_SUBDIR
-from pipelines.outputs import atomic_dir
 from training import checkpoint as ckpt
 from world.synthetic import BACKGROUNDS, COLOURS, MOTION_PHRASES, SHAPES, SIZES
 
@@ -399,8 +399,8 @@ def build(until: str, force: list[str]) -> int:
 
 
 def main(argv=None) -> int:
-    """``python -m factory``, behind the error boundary of :func:`pipelines.errors.run_cli` (exit codes there)."""
-    from pipelines.errors import run_cli
+    """``python -m factory``, behind the error boundary of :func:`common.errors.run_cli` (exit codes there)."""
+    from common.errors import run_cli
 
     return run_cli(_main, argv, prog="factory")
 

@@ -16,9 +16,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from pipelines.errors import run_cli
-from pipelines.outputs import atomic_write, write_text_atomic
-from pipelines.video import check_output_path
+from common.errors import run_cli
+from common.outputs import atomic_write, write_text_atomic
+from common.video import check_output_path
 
 
 def read_metrics(path: str | Path) -> list[dict]:

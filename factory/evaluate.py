@@ -40,11 +40,11 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from common.outputs import atomic_write, write_text_atomic
 from factory import output_path, write_json
 from factory.vae_ceiling import reconstruction_ceiling, to_frames
 from pipelines import BUILTIN_DIR, VARIANTS, GenerationRequest, load_components, load_transformer
 from pipelines.builtin import builtin_info
-from pipelines.outputs import atomic_write, write_text_atomic
 from pipelines.pipeline import generate
 from training.encoding import Encoder
 from training.flow import FlowMatching
@@ -413,8 +413,8 @@ def plot(res: dict, path: Path) -> None:
 
 
 def main(argv=None) -> int:
-    """``python -m factory.evaluate``, behind the error boundary of :func:`pipelines.errors.run_cli` (exit codes there)."""
-    from pipelines.errors import run_cli
+    """``python -m factory.evaluate``, behind the error boundary of :func:`common.errors.run_cli` (exit codes there)."""
+    from common.errors import run_cli
 
     return run_cli(_main, argv, prog="factory.evaluate")
 

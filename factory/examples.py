@@ -90,8 +90,8 @@ def write_examples(model_dir: Path, chosen: list[dict], source: str, evaluation:
 
 
 def main(argv=None) -> int:
-    """``python -m factory.examples``, behind the error boundary of :func:`pipelines.errors.run_cli` (exit codes there)."""
-    from pipelines.errors import run_cli
+    """``python -m factory.examples``, behind the error boundary of :func:`common.errors.run_cli` (exit codes there)."""
+    from common.errors import run_cli
 
     return run_cli(_main, argv, prog="factory.examples")
 

@@ -55,8 +55,8 @@ def frame_statistics(real: torch.Tensor, generated: torch.Tensor) -> dict:
 
 
 def main(argv=None) -> int:
-    """``python -m factory.latent_stats``, behind the error boundary of :func:`pipelines.errors.run_cli` (exit codes there)."""
-    from pipelines.errors import run_cli
+    """``python -m factory.latent_stats``, behind the error boundary of :func:`common.errors.run_cli` (exit codes there)."""
+    from common.errors import run_cli
 
     return run_cli(_main, argv, prog="factory.latent_stats")
 

@@ -47,8 +47,8 @@ def run(run_dir: Path, *overrides: str) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    """``python -m factory.transfer_study``, behind the error boundary of :func:`pipelines.errors.run_cli` (exit codes there)."""
-    from pipelines.errors import run_cli
+    """``python -m factory.transfer_study``, behind the error boundary of :func:`common.errors.run_cli` (exit codes there)."""
+    from common.errors import run_cli
 
     return run_cli(_main, argv, prog="factory.transfer_study")
 

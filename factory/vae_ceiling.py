@@ -109,8 +109,8 @@ def reconstruction_ceiling(vae, dataset, indices, keep: list[np.ndarray] | None 
 
 
 def main(argv=None) -> int:
-    """``python -m factory.vae_ceiling``, behind the error boundary of :func:`pipelines.errors.run_cli` (exit codes there)."""
-    from pipelines.errors import run_cli
+    """``python -m factory.vae_ceiling``, behind the error boundary of :func:`common.errors.run_cli` (exit codes there)."""
+    from common.errors import run_cli
 
     return run_cli(_main, argv, prog="factory.vae_ceiling")
 

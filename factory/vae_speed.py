@@ -58,8 +58,8 @@ def time_encodes(vae, video: torch.Tensor, precision: str, repeats: int) -> list
 
 
 def main(argv=None) -> int:
-    """``python -m factory.vae_speed``, behind the error boundary of :func:`pipelines.errors.run_cli` (exit codes there)."""
-    from pipelines.errors import run_cli
+    """``python -m factory.vae_speed``, behind the error boundary of :func:`common.errors.run_cli` (exit codes there)."""
+    from common.errors import run_cli
 
     return run_cli(_main, argv, prog="factory.vae_speed")
 

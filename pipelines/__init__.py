@@ -9,7 +9,6 @@ Built on diffusers' Wan (``WanTransformer3DModel``, ``AutoencoderKLWan``, UMT5) 
 - :mod:`pipelines.request`: :class:`GenerationRequest` (checked once, before any model work) and :func:`latent_grid`.
 - :mod:`pipelines.pipeline`: ``generate()`` (one video, timed stage by stage); import it from there
   (``from pipelines.pipeline import generate``): ``pipelines.generate`` is its command line, a module.
-- :mod:`pipelines.video`, :mod:`pipelines.timing`: writing videos, timing tables.
 """
 
 from mhla import resample_mixing  # re-exported: older code imports it from here
@@ -37,8 +36,6 @@ from .loading import WanComponents, load_components, load_transformer, save_tran
 from .model_dir import check_model_dir
 from .pipeline import GenerationResult, NonFiniteLatentsError, model_request
 from .request import GenerationRequest, latent_grid
-from .timing import Timing, format_comparison, format_timing
-from .video import read_video, write_frame_grid, write_gif, write_mp4
 
 __all__ = [
     "BUILTIN_DIR",
@@ -55,24 +52,17 @@ __all__ = [
     "variant_spec",
     "AttentionOptions",
     "LinearSelfAttention",
-    "Timing",
     "WanComponents",
     "check_model_dir",
     "convert_self_attention",
     "current_variant",
-    "format_comparison",
-    "format_timing",
     "hybrid_layers",
     "load_components",
     "load_transformer",
     "model_blocks",
-    "read_video",
     "resample_mixing",
     "resolve_model_blocks",
     "save_transformer",
     "self_attention_state",
     "set_variant",
-    "write_frame_grid",
-    "write_gif",
-    "write_mp4",
 ]

@@ -33,11 +33,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import mhla
+from common.timing import AttentionTimer
 from mhla.compiled import attention_op
 from mhla.layout import Grid
 from mhla.rope import Rotary
-
-from .timing import AttentionTimer
 
 OUTPUT_NORMS = ("rms_head", "none")
 # Which submodule of attn1 holds a layer's new parameters, by kind of linear attention.

@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import mhla
+from common.errors import ModelError, check_seed, check_text, run_cli
+from common.timing import format_comparison, format_timing
 
 from .attention import (
     DEFAULT_VARIANT,
@@ -33,7 +35,6 @@ from .attention import (
     variant_spec,
 )
 from .caching import cached, parse_cache
-from .errors import ModelError, check_seed, check_text, run_cli
 
 # the library's names, for code that imports them from here
 from .pipeline import (  # noqa: F401
@@ -52,7 +53,6 @@ from .request import (  # noqa: F401
 )
 from .scale import Scale, check_scale, model_num_heads
 from .scale import add_arguments as add_scale_arguments
-from .timing import format_comparison, format_timing
 
 if TYPE_CHECKING:
     import torch
@@ -206,6 +206,8 @@ class _Plan:
 def _preflight(args: argparse.Namespace) -> _Plan:
     """Checks everything that needs no model (config files are read, no weights); raises ValueError or
     FileNotFoundError naming the bad value."""
+    from common.video import check_fps, check_output_path
+
     from .builtin import TINY_RANDOM
     from .loading import (
         model_architecture,
@@ -218,7 +220,6 @@ def _preflight(args: argparse.Namespace) -> _Plan:
         saved_transformer_config,
     )
     from .model_dir import check_model_dir, check_transformer_config
-    from .video import check_fps, check_output_path
 
     check_text(args.prompt, "--prompt")
     check_text(args.negative_prompt, "--negative-prompt")
@@ -373,7 +374,7 @@ def _load(args: argparse.Namespace, plan: _Plan) -> WanComponents:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The command, behind the error boundary of :func:`pipelines.errors.run_cli` (exit codes there)."""
+    """The command, behind the error boundary of :func:`common.errors.run_cli` (exit codes there)."""
     return run_cli(_main, argv, prog="pipelines.generate")
 
 
@@ -389,8 +390,9 @@ def _main(argv: Sequence[str]) -> int:
 
 
 def _run(args: argparse.Namespace, plan: _Plan, scale: Scale) -> int:
+    from common.video import write_frame_grid, write_gif, write_mp4
+
     from .loading import load_transformer
-    from .video import write_frame_grid, write_gif, write_mp4
 
     say = print if scale.main else _quiet  # only process 0 prints and writes files
     components = _load(args, plan)
@@ -463,7 +465,7 @@ def _write_npy(path: Path, frames: Any) -> Path:
     """``frames`` as a float32 .npy array, written atomically."""
     import numpy as np
 
-    from .outputs import atomic_write
+    from common.outputs import atomic_write
 
     with atomic_write(path) as tmp:
         with open(tmp, "wb") as f:

@@ -56,12 +56,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from common.errors import run_cli
+from common.outputs import resolve_output_folder, write_text_atomic
+
 from .attention import HYBRID, MHLA, AttentionOptions, hybrid_layers, variant_spec
 from .convert import convert_self_attention
-from .errors import run_cli
 from .loading import save_transformer
 from .model_dir import check_finite, check_model_dir, check_weight_files, read_json
-from .outputs import resolve_output_folder, write_text_atomic
 
 if TYPE_CHECKING:
     from diffusers import WanTransformer3DModel
@@ -199,9 +200,9 @@ def load_checkpoint_tensors(
 
 def _strip_wrappers(names: Iterable[str]) -> dict[str, str]:
     """``{clean name: stored name}`` with wrapper prefixes (:data:`_WRAPPER_PREFIXES`) removed. Two stored
-    names for one weight (``module.x`` beside ``x``) raise :class:`pipelines.errors.ModelError` naming the first
+    names for one weight (``module.x`` beside ``x``) raise :class:`common.errors.ModelError` naming the first
     few: which copy is the trained one cannot be known."""
-    from .errors import ModelError
+    from common.errors import ModelError
 
     out: dict[str, str] = {}
     twice: list[str] = []
@@ -622,7 +623,7 @@ def _parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The command, behind the error boundary of :func:`pipelines.errors.run_cli` (exit codes there)."""
+    """The command, behind the error boundary of :func:`common.errors.run_cli` (exit codes there)."""
     return run_cli(_main, argv, prog="pipelines.import_official")
 
 

@@ -241,7 +241,7 @@ def save_transformer(transformer: WanTransformer3DModel, path: str | Path, **kwa
     variant travels in ``config.json`` under the class that restores it (see :mod:`pipelines.model`).
     Atomic: written to a temporary folder beside ``path`` and renamed into place when complete, so an earlier
     save there is replaced only by a whole one (a folder holding anything else is refused, never deleted)."""
-    from .outputs import atomic_dir, check_replaceable
+    from common.outputs import atomic_dir, check_replaceable
 
     check_replaceable(path, MODEL_FILE_PATTERNS)
     with atomic_dir(path) as tmp:

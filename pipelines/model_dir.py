@@ -316,12 +316,12 @@ def _first(keys: Iterable[str], n: int = 4) -> str:
 def check_weights_match(
     expected: set[str], files: list[Path], source: str, optional: Callable[[str], bool] = lambda key: False
 ) -> None:
-    """Raises :class:`pipelines.errors.ModelError` naming the first few keys when the weight files hold
+    """Raises :class:`common.errors.ModelError` naming the first few keys when the weight files hold
     weights the model's config does not have (``optional(key)``: kept for later, e.g. attention parameters),
     lack weights it has, or hold a weight twice (in two shards). diffusers only warns of missing and unexpected
     keys (and this project mutes those warnings), so a config saying fewer layers than the weights would load
     with layers silently dropped."""
-    from .errors import ModelError
+    from common.errors import ModelError
 
     found, duplicated = weight_keys(files)
     missing = expected - found
@@ -352,7 +352,7 @@ def check_transformer_weights(folder: str | Path, config: dict[str, Any], extra:
     found = _layer_count(weight_keys(files)[0])
     said = config.get("num_layers")
     if found is not None and said != found:  # named as what it is, before the keys it makes missing or extra
-        from .errors import ModelError
+        from common.errors import ModelError
 
         raise ModelError(
             f"transformer {str(folder)!r}: the number of layers differs: {said} in config.json (num_layers), "

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 import mhla
+from common.timing import Timing, sync
 from mhla.mixing import reuse_constrained_mixing
 
 from .attention import AttentionOptions, variant_spec
@@ -26,7 +27,6 @@ from .convert import (
     self_attention_state,
 )
 from .request import GenerationRequest, check_model_inputs
-from .timing import Timing, sync
 
 if TYPE_CHECKING:
     from diffusers import WanTransformer3DModel

@@ -200,8 +200,8 @@ def save_tiny_model(architecture: str, out: str | Path, seed: int = 0, num_layer
     """Writes the tiny ``architecture`` pipeline (:func:`build_tiny_pipeline`) as a diffusers model directory at
     ``out`` (``save_pretrained``, safetensors, written atomically; an earlier tiny model there is replaced) with
     :data:`TINY_INFO` beside ``model_index.json``. Returns ``out``."""
-    from .errors import BadInputError
-    from .outputs import atomic_dir
+    from common.errors import BadInputError
+    from common.outputs import atomic_dir
 
     if architecture not in TINY_ARCHITECTURES:
         raise BadInputError(f"--architecture must be one of {', '.join(TINY_ARCHITECTURES)}, got {architecture!r}")
@@ -222,7 +222,7 @@ def save_tiny_model(architecture: str, out: str | Path, seed: int = 0, num_layer
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m pipelines.tiny --architecture ARCH --out DIR``: a tiny random-weight model directory."""
-    from .errors import run_cli
+    from common.errors import run_cli
 
     return run_cli(_main, argv, prog="pipelines.tiny")
 

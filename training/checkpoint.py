@@ -135,7 +135,7 @@ def _read_run_files(run_dir: Path) -> tuple[set[str], set[str]] | None:
         if not all(isinstance(x, str) for x in [*written, *folders]):
             raise TypeError("a path that is not text")
     except (ValueError, KeyError, TypeError) as e:
-        from pipelines.errors import BadInputError
+        from common.errors import BadInputError
 
         raise BadInputError(
             f"{str(path)!r} is not a readable run manifest ({e}); expected the list of files a run wrote (remove "
@@ -163,7 +163,7 @@ def record_run_files(run_dir: str | Path, *written: str, folders: tuple[str, ...
     """Adds paths (relative to ``run_dir``) to the run manifest before they are written, so that a crash never
     leaves a file of the run unlisted. ``folders``: folders made to hold them (removed only when empty). Only
     the main process calls it."""
-    from pipelines.outputs import write_text_atomic
+    from common.outputs import write_text_atomic
 
     run_dir = Path(run_dir)
     found = _read_run_files(run_dir)
@@ -210,7 +210,7 @@ def check_new_run(run_dir: str | Path, resume: str | None, overwrite: bool) -> l
     written, _ = listed if listed is not None else _legacy_run_files(run_dir)
     foreign = _unlisted(run_dir, written)
     if foreign:
-        from pipelines.errors import BadInputError
+        from common.errors import BadInputError
 
         raise BadInputError(
             f"overwrite=true would replace files in run_dir {str(run_dir)!r} that the earlier run did not write: "
@@ -298,7 +298,7 @@ def finish_checkpoint(run_dir, step: int, keep: int | None = None) -> Path:
 def save_state(state: dict, path: str | Path) -> None:
     """``torch.save``; a full disk (torch's zip writer reports it as a RuntimeError) is an OutputError naming
     ``path`` (exit 4)."""
-    from pipelines.errors import OutputError, write_failure
+    from common.errors import OutputError, write_failure
 
     try:
         torch.save(state, path)
@@ -315,7 +315,7 @@ def load_state(path: str | Path) -> dict:
     BadInputError naming it (exit 2)."""
     import pickle
 
-    from pipelines.errors import BadInputError, unpickling_reason
+    from common.errors import BadInputError, unpickling_reason
 
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
@@ -409,7 +409,7 @@ def read_metrics(path: str | Path) -> tuple[list[tuple[str, int | float]], bool]
     """The rows of a run's ``metrics.jsonl`` as ``(line, step)`` and whether its last line is a half-written row
     (a crash mid-append; it is dropped with a warning naming the file). Any other line that is not a JSON
     object with a numeric ``step`` is a BadInputError naming the file and line (exit 2)."""
-    from pipelines.errors import BadInputError
+    from common.errors import BadInputError
 
     path = Path(path)
     try:
@@ -449,7 +449,7 @@ def trim_metrics(path: str | Path, step: int) -> int:
     """A resumed run drops the ``metrics.jsonl`` rows logged after its checkpoint's ``step`` (the part of the
     interrupted run that is redone), so every step appears once, and a half-written last row (see
     :func:`read_metrics`). Atomic; returns the number of rows dropped."""
-    from pipelines.outputs import write_text_atomic
+    from common.outputs import write_text_atomic
 
     path = Path(path)
     if not path.is_file():

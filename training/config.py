@@ -337,7 +337,7 @@ def validate(cfg: DictConfig) -> None:
     )
     need(cfg.train.steps >= 1, "train.steps", "at least 1")
     need(all(0 <= s <= 2**63 - 1 for s in cfg.validation.seeds), "validation.seeds", "seeds in [0, 2**63 - 1]")
-    from pipelines.errors import check_text
+    from common.errors import check_text
 
     for prompt in cfg.validation.prompts:
         check_text(prompt, "validation.prompts: a prompt")

@@ -129,8 +129,8 @@ def _find_manifest(root: Path, layout: str) -> Path | None:
 
 def _caption_ok(caption: str) -> bool:
     """No control characters (NUL, escape: they end up in file metadata and tokenizers); tab and newline pass
-    (the same rule as prompts: :func:`pipelines.errors.check_text`)."""
-    from pipelines.errors import check_text
+    (the same rule as prompts: :func:`common.errors.check_text`)."""
+    from common.errors import check_text
 
     try:
         check_text(caption, "caption")

@@ -35,6 +35,9 @@ from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
+from common.errors import ModelError, OutputError, run_cli, write_failure
+from common.outputs import write_text_atomic
+from common.video import write_mp4
 from pipelines import (
     AttentionOptions,
     GenerationRequest,
@@ -45,10 +48,7 @@ from pipelines import (
     save_transformer,
 )
 from pipelines.attention import PARAM_ATTRS, LinearSelfAttention
-from pipelines.errors import ModelError, OutputError, run_cli, write_failure
-from pipelines.outputs import write_text_atomic
 from pipelines.pipeline import generate
-from pipelines.video import write_mp4
 from training import checkpoint as ckpt
 from training.config import load_config, lr_multiplier
 from training.data import BatchEncoder, ResumableSampler, build_dataset, build_validation_dataset, collate
@@ -254,7 +254,7 @@ def digest(model) -> str:
 
 def main(argv=None) -> int:
     """``python -m training.finetune --config FILE [key=value ...]``, behind the error boundary of
-    :func:`pipelines.errors.run_cli` (exit codes there; 3: non-finite losses, 4: a checkpoint could not be written)."""
+    :func:`common.errors.run_cli` (exit codes there; 3: non-finite losses, 4: a checkpoint could not be written)."""
     return run_cli(_main, argv, prog="training.finetune")
 
 

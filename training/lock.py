@@ -19,8 +19,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from pipelines.errors import BadInputError, describe_os_error
-from pipelines.outputs import resolve_output_folder
+from common.errors import BadInputError, describe_os_error
+from common.outputs import resolve_output_folder
 from training.checkpoint import LOCK_FILE
 
 

@@ -24,9 +24,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from common.errors import run_cli
+from common.outputs import atomic_write, ensure_output_folder, resolve_output_folder, write_text_atomic
 from pipelines import load_components
-from pipelines.errors import run_cli
-from pipelines.outputs import atomic_write, ensure_output_folder, resolve_output_folder, write_text_atomic
 from training.config import load_config
 from training.encoding import Encoder
 
@@ -83,7 +83,7 @@ def stale_cache(out: str | Path, cfg) -> str | None:
 
 
 def main(argv=None) -> int:
-    """``python -m training.precompute``, behind the error boundary of :func:`pipelines.errors.run_cli`."""
+    """``python -m training.precompute``, behind the error boundary of :func:`common.errors.run_cli`."""
     return run_cli(_main, argv, prog="training.precompute")
 
 

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
-from pipelines.outputs import write_text_atomic
+from common.outputs import write_text_atomic
 from training import checkpoint as ckpt
 from training.config import lr_multiplier
 from training.data import ResumableSampler
@@ -320,8 +320,8 @@ def _replace(src: Path, dst: Path) -> None:
 
 def main(argv=None) -> int:
     """``python -m training.vae --config configs/builtin/vae.yaml [key=value ...]``: trains ``model.path``'s VAE
-    (behind the error boundary of :func:`pipelines.errors.run_cli`; the run folder is locked for the run)."""
-    from pipelines.errors import run_cli
+    (behind the error boundary of :func:`common.errors.run_cli`; the run folder is locked for the run)."""
+    from common.errors import run_cli
 
     return run_cli(_main, argv, prog="training.vae")
 

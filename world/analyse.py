@@ -400,14 +400,14 @@ def score(verdicts: list[dict]) -> dict:
 
 
 def main(argv=None) -> int:
-    """``python -m world.analyse``, behind the error boundary of :func:`pipelines.errors.run_cli` (exit codes there)."""
-    from pipelines.errors import run_cli
+    """``python -m world.analyse``, behind the error boundary of :func:`common.errors.run_cli` (exit codes there)."""
+    from common.errors import run_cli
 
     return run_cli(_main, argv, prog="world.analyse")
 
 
 def _main(argv=None) -> int:
-    from pipelines.video import read_video
+    from common.video import read_video
 
     p = argparse.ArgumentParser(prog="python -m world.analyse", description=__doc__.split("\n\n")[0])
     p.add_argument("video")

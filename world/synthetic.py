@@ -533,7 +533,7 @@ class SyntheticVideoDataset(Dataset):
 
 def write_mp4(path: str | Path, frames: np.ndarray, fps: float = 16) -> None:
     """Writes uint8 ``(T, H, W, 3)`` frames as H.264 mp4 at near-lossless quality so colours survive."""
-    from pipelines.video import write_mp4 as write_video
+    from common.video import write_mp4 as write_video
 
     frames = np.asarray(frames)
     if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8:
@@ -577,7 +577,7 @@ def write_dataset(
     """
     from tqdm import tqdm
 
-    from pipelines.outputs import write_text_atomic
+    from common.outputs import write_text_atomic
 
     if num_samples < 1:
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
@@ -604,17 +604,17 @@ def write_dataset(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m world.synthetic``, behind the error boundary of :func:`pipelines.errors.run_cli` (exit codes there)."""
-    from pipelines.errors import run_cli
+    """``python -m world.synthetic``, behind the error boundary of :func:`common.errors.run_cli` (exit codes there)."""
+    from common.errors import run_cli
 
     return run_cli(_main, argv, prog="world.synthetic")
 
 
 def check_arguments(args: argparse.Namespace) -> None:
     """The command's values, before any work: ValueError naming the option and what was expected."""
-    from pipelines.errors import check_seed
-    from pipelines.outputs import resolve_output_folder
-    from pipelines.video import check_fps
+    from common.errors import check_seed
+    from common.outputs import resolve_output_folder
+    from common.video import check_fps
 
     if args.num < 1:
         raise ValueError(f"--num {args.num}: expected at least 1 video")

@@ -10,9 +10,10 @@ import torch
 
 from app import bench, compare, quality
 from app.models import CONVERTED_NOTE, load_app_models, parse_variant_dirs
-from pipelines import VARIANTS, read_video
+from common.timing import spread
+from common.video import read_video
+from pipelines import VARIANTS
 from pipelines.loading import build_random_wan
-from pipelines.timing import spread
 
 SMALLEST = compare.preset_key(compare.PRESETS[0])
 
@@ -202,7 +203,7 @@ def test_compare_streams_every_variant_with_consistent_latency_and_quality(model
 
 
 def _timed(name, *runs_steps):
-    from pipelines import Timing
+    from common.timing import Timing
 
     timings = [Timing(name, "cpu", "float32", total=sum(s) + 1, steps=list(s), denoising=sum(s)) for s in runs_steps]
     return compare.VariantRun(name, "", timings=timings)
@@ -508,7 +509,7 @@ def test_a_variant_failing_unexpectedly_keeps_the_others_and_shows_no_server_pat
 
 
 def test_time_call_and_device_name():
-    from pipelines.timing import device_name, time_call
+    from common.timing import device_name, time_call
 
     calls = []
     s = time_call(lambda: calls.append(1), "cpu", warmup=2, repeats=3)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelines import read_video
+from common.video import read_video
 from pipelines.builtin import BUILTIN_DIR, builtin_available
 
 pytestmark = pytest.mark.slow  # drives a browser against a launched app

@@ -340,8 +340,8 @@ def test_held_out_combination_gets_an_object_of_its_colour(builtin):
 
 @needs_builtin
 def test_cli_runs_each_variant_from_its_fine_tuned_transformer(tmp_path, capsys):
+    from common.video import read_video
     from pipelines.generate import main
-    from pipelines.video import read_video
 
     out = tmp_path / "v.mp4"
     argv = ["--prompt", "a blue circle moves up", "--variant", "all", "--steps", "2", "--out", str(out)]

@@ -227,7 +227,7 @@ def test_a_failing_video_writer_is_an_error_never_wrote(tmp_path, monkeypatch, c
 def test_a_full_disk_fails_generate_with_exit_4_and_keeps_the_earlier_video(tmp_path, capsys):
     """Issue 39, class 1: on a full disk (a small tmpfs) the CLI printed "wrote" with exit 0 and the earlier
     mp4 was replaced by an unreadable 12 KB file."""
-    from pipelines.video import read_video, write_mp4
+    from common.video import read_video, write_mp4
     from tests.fulldisk import full_disk
 
     with full_disk(tmp_path / "disk") as disk:

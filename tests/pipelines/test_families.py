@@ -16,6 +16,7 @@ import torch
 from PIL import Image
 
 import mhla
+from common.video import read_video
 from pipelines import generate as cli
 from pipelines.attention import LinearSelfAttnProcessor, hybrid_layers
 from pipelines.convert import convert_self_attention, current_variant, self_attention_state
@@ -25,7 +26,6 @@ from pipelines.pipeline import fit_image, generate
 from pipelines.request import GenerationRequest, latent_grid
 from pipelines.tiny import TINY_ARCHITECTURES, TINY_INFO, save_tiny_model
 from pipelines.tiny import main as tiny_main
-from pipelines.video import read_video
 from tests.pipelines.cli_spy import run_cli
 
 LAYERS = 6  # each expert of the tiny folders

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from common.video import read_video, write_frame_grid, write_gif, write_mp4
 from pipelines.attention import AttentionOptions
 from pipelines.convert import convert_self_attention, current_variant, self_attention_state, set_variant
 from pipelines.generate import main, validate_request
@@ -16,7 +17,6 @@ from pipelines.loading import check_model_dir, load_components, load_transformer
 from pipelines.pipeline import generate
 from pipelines.request import GenerationRequest
 from pipelines.tiny import build_tiny_components, build_tiny_transformer
-from pipelines.video import read_video, write_frame_grid, write_gif, write_mp4
 
 SMALL = dict(height=64, width=96, num_frames=9, num_inference_steps=2, guidance_scale=4.0)
 

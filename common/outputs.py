@@ -2,7 +2,7 @@
 (not empty; the size a text should have; for a video, that it decodes with the frames written), flushed to
 disk, renamed into place only then. A writer that fails, writes short or writes something unreadable (ffmpeg
 on a full disk reports "No space left on device" but exits as if it had written), or a SIGTERM (which the
-error boundary of :mod:`pipelines.errors` turns into an exception), leaves the earlier file byte-identical,
+error boundary of :mod:`common.errors` turns into an exception), leaves the earlier file byte-identical,
 no temporary file behind, and raises :class:`OutputError` (exit 4). Temporary names fit the file system's
 name limit; an output name over it is refused before any work (:func:`check_name_fits`).
 

@@ -1,5 +1,5 @@
 """Writing generated frames: mp4 (imageio + its bundled ffmpeg), GIF, or one PNG with a grid of frames; each
-written atomically (:mod:`pipelines.outputs`) and checked before it replaces anything: the mp4 must decode
+written atomically (:mod:`common.outputs`) and checked before it replaces anything: the mp4 must decode
 with the number of frames written, the GIF hold them all, the PNG be a whole image. ffmpeg on a full disk
 prints "No space left on device" and exits as if it had written; the check catches that (exit 4), and an
 earlier file is replaced only by a complete one."""

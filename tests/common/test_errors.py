@@ -1,4 +1,4 @@
-"""The error boundary (pipelines.errors.run_cli) and atomic outputs (pipelines.outputs), on their own (issue 30)."""
+"""The error boundary (common.errors.run_cli) and atomic outputs (common.outputs), on their own (issue 30)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import signal
 import numpy as np
 import pytest
 
-from pipelines import errors, outputs
-from pipelines.video import write_frame_grid, write_gif, write_mp4
+from common import errors, outputs
+from common.video import write_frame_grid, write_gif, write_mp4
 
 
 @pytest.fixture(autouse=True)
@@ -187,7 +187,7 @@ def test_a_symlink_loop_is_refused_before_any_work(tmp_path):
     (tmp_path / "b").symlink_to(tmp_path / "a")
     with pytest.raises(ValueError, match="symbolic link loop"):
         outputs.resolve_output_folder(tmp_path / "a" / "videos")
-    from pipelines.video import check_output_path
+    from common.video import check_output_path
 
     with pytest.raises(ValueError, match="symbolic link loop"):
         check_output_path(tmp_path / "a" / "videos" / "x.mp4")
@@ -230,7 +230,7 @@ def test_a_full_disk_never_replaces_an_earlier_video_gif_or_png(tmp_path):
         assert disk.files() == ["v.gif", "v.mp4", "v.png"]  # no temporary left behind
         disk.release()
         write_mp4(paths[0], noise)  # with room again, the same write succeeds and decodes whole
-        from pipelines.video import read_video
+        from common.video import read_video
 
         assert len(read_video(paths[0])) == 33
 
@@ -284,7 +284,7 @@ def test_a_text_output_of_the_wrong_size_is_not_renamed(tmp_path):
 def test_a_longest_allowed_output_name_is_written_and_a_longer_one_refused_before_any_work(tmp_path):
     """A 255-byte output name failed only after the whole run: the temporary name added to it was over the
     file system's limit. Temporary names are now cut to fit; a name over the limit is refused first."""
-    from pipelines.video import check_output_path
+    from common.video import check_output_path
 
     limit = outputs.name_max(tmp_path)
     name = "v" * (limit - 4) + ".mp4"

@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 
-from pipelines.timing import Timing, format_comparison, format_timing
+from common.timing import Timing, format_comparison, format_timing
 
 
 def _timing(variant: str, steps: list[float]) -> Timing:
