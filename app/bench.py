@@ -24,6 +24,7 @@ import mhla
 from common.outputs import write_text_atomic
 from common.timing import device_name, time_call
 from pipelines import VARIANTS, convert_self_attention, current_variant
+from pipelines.attention import SOFTMAX
 
 from . import inputs
 from .compare import VARIANT_COLOURS
@@ -243,7 +244,7 @@ def figure(result: dict):
         for name in dict.fromkeys(r["variant"] for r in rows):
             pts = [(r["tokens"], r["ms"]) for r in rows if r["variant"] == name and "ms" in r]
             if pts:  # one colour per variant, as on the Compare tab (the softmax operator is flash's)
-                colour = VARIANT_COLOURS.get("flash" if name == "softmax" else name)
+                colour = VARIANT_COLOURS.get(SOFTMAX if name == "softmax" else name)
                 ax.plot(*zip(*pts), marker="o", label=name, color=colour)
         done = [r for r in rows if "ms" in r]
         if done:

@@ -31,6 +31,7 @@ import torch
 from common.timing import Spread, Timing, device_name, spread
 from common.video import to_uint8, write_mp4
 from pipelines import VARIANTS, GenerationRequest, model_request
+from pipelines.attention import HYBRID, LINEAR, MHLA, MHLA_VARIANTS, SOFTMAX
 from pipelines.pipeline import generate
 
 from . import inputs, quality
@@ -69,8 +70,8 @@ def preset_label(models: AppModels, preset: tuple[int, int, int]) -> str:
     preset gets with the loaded model (its patch, and the MHLA layout generate() uses, shrunk to fit)."""
     frames, height, width = preset
     grid = models.grid(height, width, frames)
-    ms = {v: models.num_blocks(grid, v) for v in ("mhla", "mhla-hybrid")}
-    m = str(ms["mhla"]) if len(set(ms.values())) == 1 else f"{ms['mhla']} (mhla), {ms['mhla-hybrid']} (mhla-hybrid)"
+    ms = {v: models.num_blocks(grid, v) for v in MHLA_VARIANTS}
+    m = str(ms[MHLA]) if len(set(ms.values())) == 1 else ", ".join(f"{n} ({v})" for v, n in ms.items())
     return f"{frames} frames, {height}x{width}: {math.prod(grid):,} tokens ({'x'.join(map(str, grid))}), M={m}"
 
 
@@ -381,7 +382,7 @@ class CompareResult:
     def speedups(self, run: VariantRun) -> tuple[PairedSpeedup | None, float | None]:
         """``(denoising, end_to_end)`` of ``run`` over flash: per denoising step from the paired steps
         (:func:`app.interleave.paired_speedup`), and flash's median end-to-end time over the variant's."""
-        flash = self.run("flash")
+        flash = self.run(SOFTMAX)
         if not (flash and flash.timings and run.timings) or run is flash:
             return None, None
         a, b = flash.paired_steps, run.paired_steps
@@ -721,8 +722,8 @@ def iter_compare(
             videos[name] = frames
             # here, in this variant's turn, not in the consumer's thread: there it would slow the next
             # variant's VAE decode (measured: the later a variant decoded, the slower)
-            if name != "flash" and "flash" in videos:
-                run.psnr, run.ssim = quality.psnr(frames, videos["flash"]), quality.ssim(frames, videos["flash"])
+            if name != SOFTMAX and SOFTMAX in videos:
+                run.psnr, run.ssim = quality.psnr(frames, videos[SOFTMAX]), quality.ssim(frames, videos[SOFTMAX])
         except RunCancelled:
             outcome = "cancelled"
         except Exception as e:  # noqa: BLE001 - one variant's failure must not lose the others' results
@@ -768,11 +769,11 @@ def iter_compare(
 
 def _agreement(result: CompareResult, videos: dict[str, np.ndarray]) -> None:
     """PSNR and SSIM of each finished video against flash's, where both exist and it is not yet computed."""
-    reference = videos.get("flash")
+    reference = videos.get(SOFTMAX)
     if reference is None:
         return
     for run in result.runs:
-        if run.variant != "flash" and run.psnr is None and run.variant in videos:
+        if run.variant != SOFTMAX and run.psnr is None and run.variant in videos:
             run.psnr = quality.psnr(videos[run.variant], reference)
             run.ssim = quality.ssim(videos[run.variant], reference)
 
@@ -841,7 +842,7 @@ def result_from_dict(record: dict, folder: Path) -> CompareResult:
 
 # one colour per variant everywhere: columns, charts (the Benchmark tab's too), the side-by-side labels
 # (Tableau 10: distinct for colour-blind readers, readable on light and dark backgrounds)
-VARIANT_COLOURS = {"flash": "#4c78a8", "linear": "#f58518", "mhla": "#54a24b", "mhla-hybrid": "#e45756"}
+VARIANT_COLOURS = {SOFTMAX: "#4c78a8", LINEAR: "#f58518", MHLA: "#54a24b", HYBRID: "#e45756"}
 
 
 def _peak(t: Timing) -> str:
@@ -894,7 +895,7 @@ def variant_markdown(run: VariantRun, result: CompareResult | None = None) -> st
     elif run.judged:
         lines.append(f"- against the prompt: {quality.NOT_JUDGED}")
     lines.append(f"- denoising step: **{_ms(s.median)}** median, ±{s.relative:.0%} ({s.n} steps)")
-    if result is not None and run.variant != "flash":
+    if result is not None and run.variant != SOFTMAX:
         den, e2e = result.speedups(run)
         if den is not None:
             lines.append(
@@ -954,10 +955,10 @@ def table_rows(result: CompareResult) -> list[list]:
             [
                 r.variant,
                 r.verdict or "video (this model has no analyser)",
-                "reference" if r.variant == "flash" else _speedup(den),
+                "reference" if r.variant == SOFTMAX else _speedup(den),
                 round(r.stage("total").median, 2),
-                "reference" if r.variant == "flash" else ("-" if e2e is None else f"{e2e:.2f}x"),
-                agreement_text(r) or ("reference" if r.variant == "flash" else "-"),
+                "reference" if r.variant == SOFTMAX else ("-" if e2e is None else f"{e2e:.2f}x"),
+                agreement_text(r) or ("reference" if r.variant == SOFTMAX else "-"),
             ]
         )
     return rows
@@ -1117,7 +1118,7 @@ def speedup_figure(result: CompareResult):
     ax.errorbar(names, med, yerr=err, fmt="none", ecolor=CHART_INK, capsize=6, lw=1.2)
     for x, (r, s) in enumerate(zip(done, stats, strict=True)):
         den, _ = result.speedups(r)
-        label = "flash" if r.variant == "flash" else (f"{den.estimate:.2f}x" if den else "")
+        label = SOFTMAX if r.variant == SOFTMAX else (f"{den.estimate:.2f}x" if den else "")
         if den is not None and den.noisy:
             label += "?"
         ax.annotate(

@@ -22,6 +22,7 @@ import gradio as gr
 
 from common.timing import device_name
 from pipelines import VARIANTS
+from pipelines.attention import MHLA, SOFTMAX
 
 from . import bench, compare, gpu_results, inputs
 from .compare import VARIANT_COLOURS
@@ -753,7 +754,7 @@ def build_demo(
                 levels = gr.CheckboxGroup(
                     ["operator", "transformer forward"], value=["operator", "transformer forward"], label="Levels"
                 )
-                bench_variants = gr.CheckboxGroup(list(VARIANTS), value=["flash", "mhla"], label="Transformer variants")
+                bench_variants = gr.CheckboxGroup(list(VARIANTS), value=[SOFTMAX, MHLA], label="Transformer variants")
                 bench_repeats = gr.Slider(
                     1, 20, 3 if models.device.type == "cpu" else 10, step=1, label="Repeats (median)"
                 )

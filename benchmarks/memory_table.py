@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from pipelines.attention import VARIANTS
+from pipelines.attention import HYBRID, LINEAR, MHLA, SOFTMAX, VARIANTS, variant_spec
 from pipelines.loading import WAN_CONFIGS
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -167,7 +167,8 @@ def activation_bytes(config: dict, tokens: int, variant: str, num_blocks: int) -
     residual = tokens * d * (2 + 4)
     softmax = tokens * d * 16
     linear = tokens * d * 24 + num_blocks * config["num_attention_heads"] * config["attention_head_dim"] ** 2 * 4
-    attention = softmax if variant == "flash" else max(softmax, linear) if variant == "mhla-hybrid" else linear
+    spec = variant_spec(variant)  # softmax layers only, linear-attention layers only, or both kinds
+    attention = softmax if spec.linear == "none" else max(softmax, linear) if spec.softmax_layers else linear
     ffn = tokens * config["ffn_dim"] * 4
     return residual + max(attention, ffn)
 
@@ -242,7 +243,7 @@ def count_all() -> dict:
 def _spread(rows: list[dict]) -> float:
     """The largest difference in peak between MHLA and linear attention or the hybrid, over every setting."""
     peak = {(r["model"], r["resolution"], r["offload"], r["variant"]): r["peak_gb"] for r in rows}
-    return max(abs(v - peak[(*k[:3], "mhla")]) for k, v in peak.items() if k[3] in ("linear", "mhla-hybrid"))
+    return max(abs(v - peak[(*k[:3], MHLA)]) for k, v in peak.items() if k[3] in (LINEAR, HYBRID))
 
 
 def _billions(count: dict) -> str:
@@ -279,7 +280,7 @@ def markdown(rows: list[dict], counts: dict) -> str:
             r["offload"]
         ] = r
     for (model, res, tokens, variant), by_mode in cells.items():
-        if variant not in ("flash", "mhla"):
+        if variant not in (SOFTMAX, MHLA):
             continue
         shown = []
         for mode in MODES:

@@ -35,10 +35,11 @@ from pathlib import Path
 
 import torch
 
+from mhla.checks import COMPILE_MODES
 from mhla.layout import parse_grid
 from mhla.triton_ops import tuned_launches
 from pipelines import AttentionOptions, convert_self_attention, set_variant
-from pipelines.attention import VARIANTS, linear_layers_for
+from pipelines.attention import HYBRID, LINEAR, MHLA, SOFTMAX, VARIANTS, linear_layers_for
 from pipelines.convert import attention_context
 from pipelines.loading import WAN_CONFIGS
 from pipelines.tiny import TINY_TRANSFORMER
@@ -73,10 +74,10 @@ GPU_SIZES = "81x480x800,81x480x832"
 CPU_GRIDS = "3x8x8"
 VAE_STRIDE = (4, 8, 8)
 # Paper Table 5: 50-step latency in seconds of the fine-tuned Wan2.1-1.3B at 31,500 tokens (GPU not named)
-PAPER_SECONDS = {"flash": 166, "linear": 82, "mhla": 81, "mhla-hybrid": 103}
+PAPER_SECONDS = {SOFTMAX: 166, LINEAR: 82, MHLA: 81, HYBRID: 103}
 PAPER_GRID = "21x30x50"
 # Targets for the forward at 31,500 tokens (speedup vs the fastest softmax)
-TARGETS = {"mhla": 2.5, "mhla-hybrid": 1.7}
+TARGETS = {MHLA: 2.5, HYBRID: 1.7}
 
 
 def parse_size(text: str) -> tuple[int, int, int]:
@@ -180,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-save", action="store_true")
     p.add_argument(
         "--compile",
-        choices=("none", "blocks", "full"),
+        choices=("none", *COMPILE_MODES),
         default="none",
         help="torch.compile the transformer (mhla.compiled.compile_transformer): its repeated blocks or the whole "
         "forward; the warm-up runs include the compile, the breakdown is skipped (its timers would break graphs)",
@@ -218,8 +219,8 @@ def main(argv=None) -> dict:
     num_layers = config["num_layers"]
     options = AttentionOptions(blocks=args.blocks, softmax_backend=args.softmax_backend)
     # one set of weights: add vanilla-linear and MHLA parameters once, then only switch processors
-    convert_self_attention(model, "linear", options=options)
-    convert_self_attention(model, "mhla", options=options)
+    convert_self_attention(model, LINEAR, options=options)
+    convert_self_attention(model, MHLA, options=options)
     if args.grad_ckpt:
         model.enable_gradient_checkpointing()
     if args.compile != "none":
@@ -244,7 +245,7 @@ def main(argv=None) -> dict:
         "text_len": args.text_len,
         "blocks": args.blocks,
         "softmax_backend_requested": args.softmax_backend,
-        "hybrid_mhla_layers": linear_layers_for("mhla-hybrid", num_layers),
+        "hybrid_mhla_layers": linear_layers_for(HYBRID, num_layers),
         "warmup": warmup,
         "repeats": repeats,
         "attention_options": options.to_dict(),
@@ -279,8 +280,8 @@ def main(argv=None) -> dict:
                     "variant": variant,
                     "pass": pass_,
                     "batch": batch,
-                    "mhla_layers": len(linear_layers_for(variant, num_layers)) if variant != "linear" else 0,
-                    "linear_layers": num_layers if variant == "linear" else 0,
+                    "mhla_layers": len(linear_layers_for(variant, num_layers)) if variant != LINEAR else 0,
+                    "linear_layers": num_layers if variant == LINEAR else 0,
                 }
                 try:
                     fn = forward_fn(model, inputs) if pass_ == "fwd" else train_fn(model, inputs)
@@ -351,7 +352,7 @@ def main(argv=None) -> dict:
 def add_speedups(rows: list[dict]) -> None:
     """``speedup_vs_flash`` (flash's time over the row's, same grid and pass) and, for forward rows,
     ``memory_vs_flash`` (peak over flash's peak)."""
-    flash = {(r["grid"], r["pass"]): r for r in rows if r["variant"] == "flash" and "ms" in r}
+    flash = {(r["grid"], r["pass"]): r for r in rows if r["variant"] == SOFTMAX and "ms" in r}
     for r in rows:
         ref = flash.get((r["grid"], r["pass"]))
         if "ms" not in r:
@@ -414,14 +415,14 @@ def markdown(rows: list[dict], meta: dict) -> str:
             "| variant | paper s | paper vs flash | measured s (transformer only) | measured vs flash | target |",
             "|---|---:|---:|---:|---:|---|",
         ]
-        linear = next((r for r in paper if r["variant"] == "linear"), None)
+        linear = next((r for r in paper if r["variant"] == LINEAR), None)
         for r in paper:
             p = PAPER_SECONDS.get(r["variant"])
             target = f">= {TARGETS[r['variant']]}x" if r["variant"] in TARGETS else ""
-            if r["variant"] == "mhla" and linear:
+            if r["variant"] == MHLA and linear:
                 target += f"; within 5% of linear ({r['ms'] / linear['ms'] - 1:+.1%})"
             lines.append(
-                f"| {r['variant']} | {p} | {PAPER_SECONDS['flash'] / p:.2f}x | {r['projected_s']:.1f} | "
+                f"| {r['variant']} | {p} | {PAPER_SECONDS[SOFTMAX] / p:.2f}x | {r['projected_s']:.1f} | "
                 f"{_fmt(r.get('speedup_vs_flash'), '.2f', 'x')} | {target} |"
             )
     lines += [

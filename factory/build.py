@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from common.outputs import atomic_dir
+from pipelines.attention import SOFTMAX, VARIANTS
 from pipelines.builtin import BUILTIN_BLOCK_SHAPE, BUILTIN_DEFAULTS, BUILTIN_DIR, VARIANTS_SUBDIR
 from training import checkpoint as ckpt
 from world.synthetic import BACKGROUNDS, COLOURS, MOTION_PHRASES, SHAPES, SIZES
@@ -50,7 +51,7 @@ WORK = Path("runs/builtin")
 MODEL = WORK / "model"
 CACHE = WORK / "cache-train"
 CONFIGS = Path("configs/builtin")
-CONVERSIONS = ("linear", "mhla", "mhla-hybrid")
+CONVERSIONS = tuple(v for v in VARIANTS if v != SOFTMAX)  # the variants fine-tuned from the base
 VAE_STAGES = ("vae", "vae-17f", "vae-decoder")
 STAGES = ("init", "vae", "vae-17f", "data", "base", *CONVERSIONS, "vae-decoder", "assemble")
 

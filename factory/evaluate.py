@@ -44,6 +44,7 @@ from common.outputs import atomic_write, write_text_atomic
 from factory import output_path, write_json
 from factory.vae_ceiling import reconstruction_ceiling, to_frames
 from pipelines import BUILTIN_DIR, VARIANTS, GenerationRequest, load_components, load_transformer
+from pipelines.attention import HYBRID, LINEAR, MHLA, SOFTMAX
 from pipelines.builtin import builtin_info
 from pipelines.pipeline import generate
 from training.encoding import Encoder
@@ -51,7 +52,7 @@ from training.flow import FlowMatching
 from world.analyse import ANALYSER_VERSION, ATTRIBUTES, analyse, score
 from world.synthetic import WORLDS, SyntheticVideoDataset
 
-NAMES = {"flash": "softmax (FA)", "linear": "linear", "mhla": "MHLA", "mhla-hybrid": "MHLA-hybrid"}
+NAMES = {SOFTMAX: "softmax (FA)", LINEAR: "linear", MHLA: "MHLA", HYBRID: "MHLA-hybrid"}
 
 
 def variant_transformers(components, variants: list[str]) -> dict:
@@ -60,7 +61,7 @@ def variant_transformers(components, variants: list[str]) -> dict:
     for v in variants:
         if v in components.variant_dirs:
             out[v] = load_transformer(components.variant_dirs[v], dtype=components.dtype, device=components.device)
-        elif v == "flash":
+        elif v == SOFTMAX:
             out[v] = components.transformer
         else:
             raise ValueError(
@@ -428,7 +429,7 @@ def _main(argv=None) -> int:
         help="a transformer folder that replaces the model directory's (a stage's checkpoint, e.g. "
         "runs/builtin-v2/base2/checkpoints/step-0001000/transformer, its EMA); with --variants flash",
     )
-    p.add_argument("--variants", default="flash,linear,mhla,mhla-hybrid")
+    p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--num-prompts", type=int, default=24, help="validation captions to generate")
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--steps", type=int, default=None, help="denoising steps (default: the model's)")
@@ -476,7 +477,7 @@ def _main(argv=None) -> int:
         p.error(f"--guidance takes distinct finite scales >= 0, got {args.guidance}")
     if args.guidance_max_sigma is not None and not 0 <= args.guidance_max_sigma <= 1:
         p.error(f"--guidance-max-sigma must be in [0, 1], got {args.guidance_max_sigma}")
-    if args.transformer and [v for v in args.variants.split(",") if v] != ["flash"]:
+    if args.transformer and [v for v in args.variants.split(",") if v] != [SOFTMAX]:
         p.error(
             f"--transformer is evaluated as flash only (its conversions are not trained), got --variants {args.variants}"
         )

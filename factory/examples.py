@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from pipelines import BUILTIN_DIR
+from pipelines.attention import SOFTMAX
 from world.analyse import ATTRIBUTES, parse_caption
 
 
@@ -41,7 +42,7 @@ def prompt_scores(videos: list[dict]) -> dict[str, dict]:
     }
 
 
-def choose(evaluation: dict, variant: str = "flash", count: int = 4) -> list[dict]:
+def choose(evaluation: dict, variant: str = SOFTMAX, count: int = 4) -> list[dict]:
     """The ``count`` best prompts of an evaluation for ``variant`` (see the module's docstring), best first."""
     rows = evaluation.get("variants", {})
     if variant not in rows or "per_video" not in rows[variant]:
@@ -102,7 +103,7 @@ def _main(argv=None) -> int:
     p.add_argument(
         "--model", default=None, help="model directory whose builtin.json gets them (default: assets/builtin)"
     )
-    p.add_argument("--variant", default="flash", help="the variant whose videos rank the prompts")
+    p.add_argument("--variant", default=SOFTMAX, help="the variant whose videos rank the prompts")
     p.add_argument("--count", type=int, default=4)
     args = p.parse_args(argv)
     if args.count < 1:

@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 
 from factory import write_json
 from pipelines import BUILTIN_DIR, VARIANTS, GenerationRequest, load_components
+from pipelines.attention import SOFTMAX
 from pipelines.pipeline import generate
 from training.encoding import Encoder
 from world.synthetic import WORLDS, SyntheticVideoDataset
@@ -64,7 +65,7 @@ def main(argv=None) -> int:
 def _main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m factory.latent_stats", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="model directory (default: the built-in model in assets/builtin)")
-    p.add_argument("--variant", default="flash", choices=VARIANTS)
+    p.add_argument("--variant", default=SOFTMAX, choices=VARIANTS)
     p.add_argument("--num-prompts", type=int, default=6)
     p.add_argument("--data-seed", type=int, default=0)
     p.add_argument("--world", choices=sorted(WORLDS), default="v1", help="the synthetic world (world.synthetic.WORLDS)")

@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 from factory.build import CONVERSIONS, TRANSFORMER
+from pipelines.attention import SOFTMAX
 from pipelines.builtin import BUILTIN_DIR, VARIANTS_SUBDIR
 from pipelines.conversion import CONFIG_KEY
 
@@ -150,7 +151,7 @@ def save_variant(variant: str, checkpoint: Path, next_dir: Path = NEXT_DIR) -> P
     folder = checkpoint / "transformer" if (checkpoint / "transformer").is_dir() else checkpoint
     config = folder / "config.json"
     if config.is_file():
-        got = (json.loads(config.read_text()).get(CONFIG_KEY) or {}).get("variant", "flash")
+        got = (json.loads(config.read_text()).get(CONFIG_KEY) or {}).get("variant", SOFTMAX)
         if got != variant:
             raise ValueError(f"{folder} holds a {got!r} transformer, not {variant!r}")
     return save(f"{VARIANTS_SUBDIR}/{variant}", folder, next_dir, half=True)

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from pipelines.attention import LINEAR, MHLA
+
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 
@@ -76,7 +78,7 @@ def _main(argv=None) -> int:
     base = work / "base" / "checkpoints" / f"step-{args.base_steps:07d}" / "transformer"
 
     rows = []
-    for variant in ("mhla", "linear"):
+    for variant in (MHLA, LINEAR):
         for transfer in (0, args.transfer_steps):
             name = f"{variant}{'+transfer' if transfer else ''}"
             m = run(

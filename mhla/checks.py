@@ -11,6 +11,16 @@ import torch
 
 from .rope import Rotary
 
+# torch.compile of a transformer (mhla.compiled.compile_transformer): its repeated blocks or the whole forward.
+# Here, not in mhla.compiled, so that a command line can offer them without registering the custom ops.
+COMPILE_MODES = ("blocks", "full")
+
+
+def check_compile_mode(mode: str) -> None:
+    """Raises ValueError unless ``mode`` is one of :data:`COMPILE_MODES`."""
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"compile mode must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
+
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """Raises ValueError unless q, k, v are floating ``(B, N, H, D)`` on one device, with matching batch,

@@ -14,6 +14,7 @@ from typing import cast
 
 import torch
 
+from .checks import check_compile_mode
 from .layout import Grid, cached_layout, fit_blocks
 from .mixing import resample_mixing
 from .ops import linear_attention, mhla_attention
@@ -181,9 +182,6 @@ def attention_op(
     )
 
 
-COMPILE_MODES = ("blocks", "full")
-
-
 def compile_transformer(
     model: torch.nn.Module, mode: str = "blocks", backend: str | None = None, fullgraph: bool = False
 ) -> torch.nn.Module:
@@ -204,8 +202,7 @@ def compile_transformer(
     if getattr(model, "_mhla_compiled", None) == (mode, backend, fullgraph):
         return model
 
-    if mode not in COMPILE_MODES:
-        raise ValueError(f"compile mode must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
+    check_compile_mode(mode)
     config = torch._dynamo.config
     for name in ("recompile_limit", "cache_size_limit"):  # the newer name and the older one
         if hasattr(config, name):

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import mhla
 from common.errors import ModelError, check_seed, check_text, run_cli
 from common.timing import format_comparison, format_timing
+from mhla.checks import COMPILE_MODES
 
 from .attention import (
     DEFAULT_VARIANT,
@@ -140,7 +141,7 @@ def _parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--compile",
-        choices=("none", "blocks", "full"),
+        choices=("none", *COMPILE_MODES),
         default="none",
         help="torch.compile the transformer (the attention kernels as custom ops): its repeated blocks (one "
         "compile for all layers) or the whole forward; the first step of each variant includes the compile",

@@ -11,6 +11,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from pipelines.attention import MHLA, SOFTMAX, VARIANTS
+
 DEFAULTS: dict = {
     "task": "transformer",  # transformer (flow matching) | vae (train model.path's VAE, see training/vae.py)
     "run_dir": "runs/finetune",
@@ -25,7 +27,7 @@ DEFAULTS: dict = {
         "expert": None,
         "transformer": None,  # optional: start from this transformer folder (e.g. a previous run's checkpoint)
         "seed": 0,  # weights of the tiny model
-        "variant": "mhla",  # flash | linear | mhla | mhla-hybrid
+        "variant": MHLA,  # one of pipelines.attention.VARIANTS
         "layers": None,  # MHLA layers of mhla-hybrid, e.g. [1, 2, 4, 5]; null = all but 0, 3, 6, ...
         "blocks": None,  # MHLA layout, e.g. "7x3x5"; null = the default rule for the training grid
         "attention": {},  # pipelines.AttentionOptions overrides: normalize, feature_map, output_norm, ...
@@ -341,8 +343,6 @@ def validate(cfg: DictConfig) -> None:
 
     for prompt in cfg.validation.prompts:
         check_text(prompt, "validation.prompts: a prompt")
-    from pipelines.attention import SOFTMAX, VARIANTS
-
     need(cfg.model.variant in VARIANTS, "model.variant", f"one of {VARIANTS}")
     need(cfg.model.dtype in MODEL_DTYPES, "model.dtype", f"one of {MODEL_DTYPES}")
     need(

@@ -8,6 +8,7 @@ import warnings
 import pytest
 import torch
 
+from mhla.checks import COMPILE_MODES
 from mhla.compiled import compile_transformer
 from pipelines import VARIANTS, convert_self_attention
 from pipelines.tiny import build_tiny_transformer
@@ -48,6 +49,21 @@ def test_compiled_transformer_matches_eager(variant, mode):
 def test_compile_mode_checked():
     with pytest.raises(ValueError, match="compile mode"):
         compile_transformer(torch.nn.Linear(2, 2), "everything")
+
+
+@pytest.mark.parametrize("mode", ["none", *COMPILE_MODES])
+def test_the_cli_and_the_step_benchmark_offer_the_compile_modes_of_the_operator(mode, capsys):
+    """One list of modes: each is taken by both command lines, and anything else is refused by both."""
+    from benchmarks.wan_step import build_parser
+    from pipelines.generate import _parse_args
+
+    prompt = ["--prompt", "a red square"]
+    assert _parse_args([*prompt, "--compile", mode]).compile == mode
+    assert build_parser().parse_args(["--compile", mode]).compile == mode
+    for parse, argv in ((_parse_args, prompt), (build_parser().parse_args, [])):
+        with pytest.raises(SystemExit):
+            parse([*argv, "--compile", "everything"])
+        assert "invalid choice: 'everything'" in capsys.readouterr().err
 
 
 @pytest.mark.slow
