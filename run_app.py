@@ -15,6 +15,7 @@ import argparse
 import os
 import sys
 import threading
+import time
 
 # before gradio is imported: no analytics calls (the app must run with no network at all)
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
@@ -67,6 +68,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         "group (block-level group offloading), sequential (one layer's weights at a time); default none",
     )
     p.add_argument("--vae-tiling", action="store_true", help="decode videos in overlapping 256 px tiles")
+    from pipelines.generate import add_speed_arguments
+
+    add_speed_arguments(p)  # --cache, --compile: the generation CLI's definitions and checks
     p.add_argument(
         "--max-tokens",
         type=int,
@@ -82,12 +86,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def compose(model, variant_dirs, random_weights, device, dtype, decode_dtype="auto", offload="none", vae_tiling=False):
+def compose(
+    model,
+    variant_dirs,
+    random_weights,
+    device,
+    dtype,
+    decode_dtype="auto",
+    offload="none",
+    vae_tiling=False,
+    compile="none",
+    cache=None,
+):
     """The app's models, with the analyser of the built-in model's world as their ``judge`` when that model is
     served (its verdict column). The composition happens here so that ``app/`` imports nothing beside it."""
     from app.models import load_app_models
 
-    models = load_app_models(model, variant_dirs, random_weights, device, dtype, decode_dtype, offload, vae_tiling)
+    models = load_app_models(
+        model, variant_dirs, random_weights, device, dtype, decode_dtype, offload, vae_tiling, compile, cache
+    )
     if models.builtin:
         from world.analyse import strict_verdicts
 
@@ -132,24 +149,13 @@ def _main(argv) -> int:
                 f"--store-examples: model {args.model!r} is image-to-video; its runs need an uploaded first frame, "
                 "so it has no stored example results"
             )
-    models = compose(
-        args.model,
-        variant_dirs,
-        args.random_weights,
-        args.device,
-        args.dtype,
-        args.decode_dtype,
-        args.offload,
-        args.vae_tiling,
-    )
-    cpu = models.device.type == "cpu"
-    max_tokens = args.max_tokens if args.max_tokens is not None else (CPU_MAX_TOKENS if cpu else None)
-    max_bench = args.max_bench_tokens if args.max_bench_tokens is not None else (16384 if cpu else None)
-
     from app.compare import Warmup, store_examples, warm_up
-    from app.ui import CSS, QUEUE_SIZE, THEME, build_demo
+    from app.models import describe_app_models
 
+    load_args = (args.model, variant_dirs, args.random_weights, args.device, args.dtype)
+    memory_args = (args.offload, args.vae_tiling, args.compile, args.cache)
     if args.store_examples:
+        models = compose(*load_args, args.decode_dtype, *memory_args)
         # once, before the stored runs: none of them pays for cold caches
         print(f"warm-up: {warm_up(models):.1f} s")
         if models.stored_dir is None:
@@ -160,14 +166,29 @@ def _main(argv) -> int:
         print(f"wrote {path} and its videos ({size / 1024:.0f} KB in all)")
         return 0
 
-    # in the background: the page answers at once and says so; runs wait for it, so none pays for cold caches
-    # (the text encoder, VAE and each variant's first step)
-    warmup = Warmup(models).start()
-    print("warm-up: started in the background (runs wait for it)")
-    demo = build_demo(models, max_tokens=max_tokens, max_bench_tokens=max_bench, warmup=warmup)
-    print(f"model: {models.components.source} on {models.device}" + (f" ({models.memory})" if models.memory else ""))
-    if models.random_note:
-        print(f"NOTE: {models.random_note}")
+    # The page is served from the model's files (what it shows before a weight loads), then the models load and
+    # warm up in the background: importing diffusers and loading took about half of a 29 s start, the page
+    # answers in about half that. Runs wait for both, and the page says what is going on.
+    facts = describe_app_models(*load_args, *memory_args)
+    cpu = facts.device.type == "cpu"
+    max_tokens = args.max_tokens if args.max_tokens is not None else (CPU_MAX_TOKENS if cpu else None)
+    max_bench = args.max_bench_tokens if args.max_bench_tokens is not None else (16384 if cpu else None)
+
+    def load():
+        started = time.monotonic()
+        models = compose(*load_args, args.decode_dtype, *memory_args)
+        print(f"model loaded in {time.monotonic() - started:.1f} s (in the background); warming up", flush=True)
+        return models
+
+    from app.ui import CSS, QUEUE_SIZE, THEME, build_demo
+
+    warmup = Warmup.loading(load)
+    demo = build_demo(facts, max_tokens=max_tokens, max_bench_tokens=max_bench, warmup=warmup)
+    print(f"model: {facts.source} on {facts.device}" + (f" ({facts.memory})" if facts.memory else ""))
+    if facts.speed:
+        print(f"speed: {facts.speed}")
+    if facts.random_note:
+        print(f"NOTE: {facts.random_note}")
     if not args.share:
         # gradio's own lines would suggest "share=True in launch()"; this launcher's flag is --share
         print(f"serving on http://{args.host}:{args.port} (a public link: --share)", flush=True)
@@ -181,7 +202,11 @@ def _main(argv) -> int:
         css=CSS,
         ssr_mode=False,
         footer_links=["api", "settings"],
+        prevent_thread_lock=True,  # returns once the server answers: then the models load
     )
+    warmup.start()
+    print("loading the model and warming up in the background (runs wait for them)", flush=True)
+    demo.block_thread()
     return 0
 
 

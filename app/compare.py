@@ -32,6 +32,7 @@ from common.timing import Spread, Timing, device_name, spread
 from common.video import to_uint8, write_mp4
 from pipelines import VARIANTS, GenerationRequest, model_request
 from pipelines.attention import HYBRID, LINEAR, MHLA, MHLA_VARIANTS, SOFTMAX
+from pipelines.caching import cached
 from pipelines.pipeline import generate
 
 from . import inputs, quality
@@ -370,6 +371,7 @@ class CompareResult:
     load: str = ""  # the machine's load when the run started, e.g. "load 1.9 on 2 cores"
     side_by_side: Path | None = None  # every variant's video in one labelled mp4
     measured: str = ""  # for a stored result: where and when it was measured
+    speed: str = ""  # --compile / --cache as the page words them (app.models.speed_note); '' when neither is on
 
     def run(self, variant: str) -> VariantRun | None:
         return next((r for r in self.runs if r.variant == variant), None)
@@ -537,7 +539,12 @@ def _generate(models: AppModels, request: CompareRequest, variant: str, steps: i
         ),
         vm.transformer,
     )
-    return generate(models.components, checked, transformer=vm.transformer, show_progress=False)
+    if models.compile != "none":  # as the CLI's --compile: lazily, the first call compiles (once per variant)
+        from mhla.compiled import compile_transformer
+
+        compile_transformer(vm.transformer, models.compile)
+    with cached(vm.transformer, models.cache, steps):  # as the CLI's --cache; nothing when None
+        return generate(models.components, checked, transformer=vm.transformer, show_progress=False)
 
 
 # "untrained attention parameters": each converted variant's column already says "converted, not fine-tuned"
@@ -569,14 +576,30 @@ def warm_up(models: AppModels, decodes: list[tuple[float, int]] | None = None) -
 class Warmup:
     """:func:`warm_up` in a background thread, so the page answers at once (a 41 s warm-up before the server
     starts would make the page take 68 s). Requests wait for it (:meth:`wait`); the page says it is going.
-    A warm-up that fails is logged and counts as done: requests then pay the cold caches, nothing worse."""
+    A warm-up that fails is logged and counts as done: requests then pay the cold caches, nothing worse.
 
-    def __init__(self, models: AppModels):
-        self._models = models
+    :meth:`loading` makes one that first loads the models (``load()``), so that the page can be served from
+    the model's files (:class:`app.models.ModelFacts`) before diffusers is even imported; a load that fails
+    is logged, named on the page, and every run is refused with it."""
+
+    def __init__(self, models: AppModels | None = None, load: Callable[[], AppModels] | None = None):
+        if (models is None) == (load is None):
+            raise ValueError("Warmup needs the loaded models or a function that loads them, not both")
+        self.models = models
+        self._load = load
+        self._loaded = threading.Event()
+        if models is not None:
+            self._loaded.set()
         self._done = threading.Event()
         self.started: float | None = None
-        self.seconds: float | None = None  # how long it took, once done
+        self.load_seconds: float | None = None  # how long loading took, once loaded (None: nothing to load)
+        self.error: str | None = None  # why loading failed
+        self.seconds: float | None = None  # how long the warm-up took, once done
         self.decodes: list[tuple[float, int]] = []  # (seconds, pixels) of its video decode
+
+    @classmethod
+    def loading(cls, load: Callable[[], AppModels]) -> Warmup:
+        return cls(load=load)
 
     def start(self) -> Warmup:
         self.started = time.monotonic()
@@ -585,12 +608,32 @@ class Warmup:
 
     def _run(self) -> None:
         try:
-            self.seconds = warm_up(self._models, self.decodes)
+            if self._load is not None:
+                try:
+                    self.models = self._load()
+                    self.load_seconds = time.monotonic() - (self.started or 0.0)
+                    log.info("models loaded: %.1f s (in the background)", self.load_seconds)
+                except Exception as e:  # noqa: BLE001 - named on the page; runs are refused with it
+                    log.exception("loading the models failed")
+                    self.error = f"{type(e).__name__}: {_without_paths(str(e))[:300]}"
+                    return
+                finally:
+                    self._loaded.set()
+            assert self.models is not None
+            self.seconds = warm_up(self.models, self.decodes)
             log.info("warm-up: %.1f s (in the background)", self.seconds)
         except Exception:  # noqa: BLE001 - a failed warm-up only means cold caches
             log.exception("warm-up failed; requests pay the cold caches")
         finally:
             self._done.set()
+
+    @property
+    def loaded(self) -> bool:
+        """Loading is over (the models are here, or :attr:`error` says why not)."""
+        return self._loaded.is_set()
+
+    def wait_loaded(self, timeout: float | None = None) -> bool:
+        return self._loaded.wait(timeout)
 
     @property
     def done(self) -> bool:
@@ -600,10 +643,20 @@ class Warmup:
         return self._done.wait(timeout)
 
     def note(self) -> str:
-        """The page's line while it runs ('' once done)."""
+        """The page's line while it loads or warms up ('' once done; the error when loading failed)."""
+        if self.error is not None:
+            return (
+                f"✖ **The model could not be loaded** ({self.error}); runs are refused. The details are in the "
+                "server's log."
+            )
         if self.done:
             return ""
         since = 0.0 if self.started is None else time.monotonic() - self.started
+        if not self.loaded:
+            return (
+                f"**Loading the model** in the background ({since:.0f} s so far; a warm-up follows). The page "
+                "works now: pick an example, write a prompt; Generate waits for the model."
+            )
         return (
             f"**Warming up** in the background ({since:.0f} s so far: one step per variant and one decode, so "
             "that no run pays for cold caches). The page works now; Generate waits for the warm-up to finish."
@@ -661,6 +714,7 @@ def iter_compare(
         list(models.notes),
         interleaved=interleaved,
         load=machine_load(),
+        speed=models.speed,
     )
     turns = Turns(names)
     events: queue.Queue = queue.Queue()
@@ -798,6 +852,7 @@ def result_to_dict(result: CompareResult) -> dict:
         "interleaved": result.interleaved,
         "load": result.load,
         "measured": result.measured,
+        "speed": result.speed,
         "side_by_side": result.side_by_side.name if result.side_by_side else None,
         "runs": [
             {
@@ -835,6 +890,7 @@ def result_from_dict(record: dict, folder: Path) -> CompareResult:
         load=record.get("load", ""),
         side_by_side=path(record.get("side_by_side")),
         measured=record.get("measured", ""),
+        speed=record.get("speed", ""),
     )
 
 

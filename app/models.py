@@ -12,10 +12,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
+import mhla
 from pipelines import (
     VARIANTS,
     WanComponents,
@@ -24,9 +26,12 @@ from pipelines import (
     load_transformer,
     resolve_model_blocks,
 )
-from pipelines.builtin import BUILTIN_DIR, builtin_examples
+from pipelines.attention import LINEAR, SOFTMAX
+from pipelines.builtin import BUILTIN_DIR, TINY_RANDOM, builtin_available, builtin_examples
+from pipelines.conversion import model_blocks
 from pipelines.convert import attention_options
 from pipelines.loading import WAN_CONFIGS, build_random_wan
+from pipelines.model_dir import ModelIndex
 
 STORED_SUBDIR = "examples"  # beside the model's components: the example prompts' precomputed results
 CONVERTED_NOTE = "converted, not fine-tuned: latency is real, quality is not"
@@ -66,8 +71,52 @@ class VariantModel:
     kind: str  # short form for tables: "base", "converted", "fine-tuned" (+ ", random" for random weights)
 
 
+class _ModelQuestions:
+    """What the page asks of a model, answered the same way before its weights load (:class:`ModelFacts`, from
+    its files) and after (:class:`AppModels`): both give ``patch``, ``vae_stride``, ``index``, ``source`` and
+    ``examples``."""
+
+    patch: tuple[int, int, int]
+    vae_stride: tuple[int, int, int]
+    index: ModelIndex
+    source: str
+    examples: list[str]
+
+    def grid(self, height: int, width: int, num_frames: int) -> tuple[int, int, int]:
+        return latent_grid(height, width, num_frames, self.patch, self.vae_stride)
+
+    def fits(self, height: int, width: int) -> bool:
+        """Whether a video size divides into this model's tokens (VAE stride x patch on each side)."""
+        _, sh, sw = self.vae_stride
+        return height % (sh * self.patch[1]) == 0 and width % (sw * self.patch[2]) == 0
+
+    @property
+    def needs_image(self) -> bool:
+        """An image-to-video model: every run starts from an uploaded first frame."""
+        return self.index.image_to_video
+
+    @property
+    def takes_image(self) -> bool:
+        """The page shows the image input: an image-to-video model, or Wan2.2-TI2V (optional there)."""
+        return self.index.takes_image
+
+    @property
+    def builtin(self) -> bool:
+        """True for the built-in model (its example prompts; run_app.py gives it its analyser as ``judge``)."""
+        return self.source.startswith("built-in model")
+
+    @property
+    def example_prompts(self) -> list[str]:
+        return self.examples or (BUILTIN_PROMPTS if self.builtin else GENERAL_PROMPTS)
+
+    @property
+    def example_prompt(self) -> str:
+        """A prompt this model can draw, for messages."""
+        return self.example_prompts[0]
+
+
 @dataclass
-class AppModels:
+class AppModels(_ModelQuestions):
     components: WanComponents
     variants: dict[str, VariantModel]
     random_note: str | None = None  # set when every video is noise (tiny model, --random-weights)
@@ -82,38 +131,47 @@ class AppModels:
     stored_dir: Path | None = None
     # offload hooks and VAE tiling applied at start (pipelines.memory), as the page's model line shows them
     memory: str = ""
+    # the CLI's --compile (none, blocks, full) and --cache (pipelines.caching.CacheSpec or None), for every run
+    compile: str = "none"
+    cache: Any = None
+
+    @property
+    def speed(self) -> str:
+        return speed_note(self.compile, self.cache)
 
     @property
     def device(self) -> torch.device:
         return self.components.device
 
     @property
-    def patch(self) -> tuple[int, int, int]:
+    def dtype(self) -> torch.dtype:
+        return self.components.dtype
+
+    @property
+    def source(self) -> str:  # type: ignore[override]
+        return self.components.source
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.components.defaults
+
+    @property
+    def index(self) -> ModelIndex:  # type: ignore[override]
+        return self.components.index
+
+    @property
+    def patch(self) -> tuple[int, int, int]:  # type: ignore[override]
         return tuple(self.components.transformer.config.patch_size)
 
     @property
-    def vae_stride(self) -> tuple[int, int, int]:
+    def vae_stride(self) -> tuple[int, int, int]:  # type: ignore[override]
         """The VAE's strides (time, height, width): 4 x 8 x 8 for Wan2.1's, 4 x 16 x 16 for Wan2.2-TI2V's."""
         vae = self.components.vae.config
         return (vae.scale_factor_temporal, vae.scale_factor_spatial, vae.scale_factor_spatial)
 
-    def grid(self, height: int, width: int, num_frames: int) -> tuple[int, int, int]:
-        return latent_grid(height, width, num_frames, self.patch, self.vae_stride)
-
-    def fits(self, height: int, width: int) -> bool:
-        """Whether a video size divides into this model's tokens (VAE stride x patch on each side)."""
-        _, sh, sw = self.vae_stride
-        return height % (sh * self.patch[1]) == 0 and width % (sw * self.patch[2]) == 0
-
     @property
-    def needs_image(self) -> bool:
-        """An image-to-video model: every run starts from an uploaded first frame."""
-        return self.components.index.image_to_video
-
-    @property
-    def takes_image(self) -> bool:
-        """The page shows the image input: an image-to-video model, or Wan2.2-TI2V (optional there)."""
-        return self.components.index.takes_image
+    def variant_notes(self) -> dict[str, str]:
+        return {name: v.note for name, v in self.variants.items()}
 
     def num_blocks(self, grid, variant: str = "mhla") -> int:
         """The M that ``generate()`` runs ``variant`` (an MHLA variant) with on ``grid``, by the same rule
@@ -122,19 +180,41 @@ class AppModels:
         transformer = self.variants[variant].transformer
         return resolve_model_blocks(transformer, grid, block_shape=self.components.block_shape).layout.num_blocks
 
-    @property
-    def builtin(self) -> bool:
-        """True for the built-in model (its example prompts; run_app.py gives it its analyser as ``judge``)."""
-        return self.components.source.startswith("built-in model")
+
+@dataclass
+class ModelFacts(_ModelQuestions):
+    """What the page is built from, read from the model's files without loading a weight or importing diffusers
+    (:func:`describe_app_models`): the launcher serves the page from these while :func:`load_app_models` runs in
+    the background (importing diffusers and loading take most of the start). The loaded :class:`AppModels`
+    answers every question the page asks the same way (tests/app/test_start.py)."""
+
+    source: str
+    device: torch.device
+    dtype: torch.dtype
+    defaults: dict[str, Any]
+    patch: tuple[int, int, int]
+    vae_stride: tuple[int, int, int]
+    block_shape: tuple[int, int, int]
+    index: ModelIndex
+    variant_notes: dict[str, str]
+    own_blocks: dict[str, Any]  # each variant's transformer's own MHLA blocks once loaded (None: it has none)
+    random_note: str | None = None
+    notes: list[str] = field(default_factory=list)
+    examples: list[str] = field(default_factory=list)
+    stored_dir: Path | None = None
+    memory: str = ""
+    kinds: dict[str, str] = field(default_factory=dict)  # VariantModel.kind by variant
+    folders: dict[str, Path] = field(default_factory=dict)  # the fine-tuned transformers' folders by variant
+    compile: str = "none"
+    cache: Any = None
 
     @property
-    def example_prompts(self) -> list[str]:
-        return self.examples or (BUILTIN_PROMPTS if self.builtin else GENERAL_PROMPTS)
+    def speed(self) -> str:
+        return speed_note(self.compile, self.cache)
 
-    @property
-    def example_prompt(self) -> str:
-        """A prompt this model can draw, for messages."""
-        return self.example_prompts[0]
+    def num_blocks(self, grid, variant: str = "mhla") -> int:
+        """As :meth:`AppModels.num_blocks`, from the transformers' configs."""
+        return mhla.resolve_blocks(grid, None, self.own_blocks[variant], self.block_shape).layout.num_blocks
 
 
 DECODE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -194,6 +274,139 @@ def prepare_converted(components: WanComponents, names: list[str]) -> None:
         convert_self_attention(transformer, "flash", options=options)
 
 
+def speed_note(compile: str = "none", cache=None) -> str:
+    """The page's words for ``--compile`` and ``--cache`` ('' when neither is on): a cached step is approximate."""
+    parts = [] if compile == "none" else [f"torch.compile: {compile} (the first step of a new size compiles)"]
+    if cache is not None:
+        parts.append(
+            f"step cache: {cache.describe()}"
+            + ("" if cache.kind == "mag-calibrate" else " (a skipped step reuses cached residuals: approximate)")
+        )
+    return " · ".join(parts)
+
+
+SHARED_NOTE = (
+    "variants without a fine-tuned checkpoint share the base transformer, switched in place at each run "
+    "(conversion adds only small attention parameters)"
+)
+
+
+def describe_app_models(
+    model: str | Path | None = None,
+    variant_dirs: dict[str, Path] | None = None,
+    random_weights: str | None = None,
+    device="auto",
+    dtype="auto",
+    offload: str = "none",
+    vae_tiling: bool = False,
+    compile: str = "none",
+    cache=None,
+) -> ModelFacts:
+    """What :func:`load_app_models` will serve with the same arguments, read from config files only (no weights,
+    no diffusers import: well under a second); the arguments are checked as there, before anything loads."""
+    if compile not in ("none", "blocks", "full"):
+        raise ValueError(f"compile must be none, blocks or full, got {compile!r}")
+    from pipelines.loading import (
+        model_architecture,
+        model_patch_size,
+        model_settings,
+        model_source,
+        model_vae_stride,
+        random_wan_source,
+        resolve_device,
+        resolve_dtype,
+        saved_transformer_config,
+    )
+    from pipelines.memory import Offload, check_offload
+    from pipelines.model_dir import check_model_dir
+    from pipelines.tiny import TINY_INFO, WAN_DEFAULTS
+
+    run_device = resolve_device(device)
+    check_offload(offload, run_device)
+    dtype = resolve_dtype(dtype, run_device)  # the execution device's (auto: bf16 on a GPU), wherever they load
+    if model is not None and random_weights is not None:
+        raise ValueError("--model and --random-weights exclude each other: random weights replace the model's")
+    base_config = None
+    if random_weights is not None:
+        if random_weights not in WAN_CONFIGS:
+            raise ValueError(
+                f"random-weight Wan2.1 size must be one of {', '.join(WAN_CONFIGS)}, got {random_weights!r}"
+            )
+        source, random = random_wan_source(random_weights), True
+        defaults, block_shape, shipped = dict(WAN_DEFAULTS), (3, 10, 10), {}
+        patch, stride, index = tuple(WAN_CONFIGS[random_weights]["patch_size"]), (4, 8, 8), ModelIndex()
+    else:
+        resolved = model if model is not None else (BUILTIN_DIR if builtin_available() else TINY_RANDOM)
+        tiny = str(resolved) == TINY_RANDOM
+        if not tiny:
+            check_model_dir(resolved)
+            base_config = saved_transformer_config(Path(resolved) / "transformer")
+        source = model_source(resolved)
+        random = tiny or (Path(resolved) / TINY_INFO).is_file()
+        defaults, block_shape, shipped = model_settings(resolved)
+        patch, stride, index = model_patch_size(resolved), model_vae_stride(resolved), model_architecture(resolved)
+    folders = {**shipped, **(variant_dirs or {})}
+    noise = "; RANDOM weights: the video is noise" if random else ""
+    notes, kinds, configs = {}, {}, {}
+    for name in VARIANTS:
+        folder = folders.get(name)
+        if folder is not None:
+            notes[name], kinds[name] = f"fine-tuned: {_shown(folder)}", "fine-tuned"
+            configs[name] = saved_transformer_config(folder) or {}
+        elif name == SOFTMAX:
+            notes[name] = "RANDOM weights: the video is noise" if random else f"base weights: {source}"
+            kinds[name] = "base, random" if random else "base"
+        else:
+            notes[name], kinds[name] = CONVERTED_NOTE + noise, "converted, random" if random else "converted"
+    # the base transformer's own blocks, after prepare_converted gave it the default size's when an MHLA variant
+    # shares it (the same rule, on its config)
+    base = SimpleConfig(base_config or {})
+    shared = [name for name in VARIANTS if name != SOFTMAX and name not in folders]
+    base_blocks = model_blocks(base)
+    if any(name != LINEAR for name in shared):
+        grid = latent_grid(defaults["height"], defaults["width"], defaults["num_frames"], patch, stride)
+        base_blocks = mhla.resolve_blocks(grid, None, base_blocks, block_shape).blocks
+    own_blocks = {
+        name: model_blocks(SimpleConfig(configs[name])) if name in configs else base_blocks for name in VARIANTS
+    }
+    if random_weights is not None:
+        random_note = (
+            f"Wan2.1 {random_weights.upper()} architecture with RANDOM weights: latency is true-size, "
+            "every video is noise (text encoder is a small stand-in, its time is not the real one)"
+        )
+    else:
+        random_note = f"{source}: every video is noise, made to test the plumbing" if random else None
+    model_dir = BUILTIN_DIR if model is None else Path(model)
+    return ModelFacts(
+        source=source,
+        device=run_device,
+        dtype=dtype,
+        defaults=defaults,
+        patch=patch,
+        vae_stride=stride,
+        block_shape=tuple(block_shape),
+        index=index,
+        variant_notes=notes,
+        own_blocks=own_blocks,
+        random_note=random_note,
+        notes=[SHARED_NOTE] if shared else [],
+        examples=[] if random else builtin_examples(model_dir),
+        stored_dir=None if random or not model_dir.is_dir() else model_dir / STORED_SUBDIR,
+        memory=Offload(offload, run_device, vae_tiling).describe(),
+        kinds=kinds,
+        folders=folders,
+        compile=compile,
+        cache=cache,
+    )
+
+
+class SimpleConfig:
+    """A transformer's ``config.json`` where the conversion's readers expect the model (they read ``.config``)."""
+
+    def __init__(self, config: dict[str, Any]):
+        self.config = config
+
+
 def load_app_models(
     model: str | Path | None = None,
     variant_dirs: dict[str, Path] | None = None,
@@ -203,71 +416,54 @@ def load_app_models(
     decode_dtype: str = "auto",
     offload: str = "none",
     vae_tiling: bool = False,
+    compile: str = "none",
+    cache=None,
 ) -> AppModels:
     """Loads once what every request shares. ``model``: a local Wan2.1 T2V diffusers dir (None: the built-in
     model, ``"tiny-random"``: the tiny random-weight one); ``variant_dirs``: fine-tuned transformers by
     variant (default: those the model ships, e.g. the built-in model's); ``random_weights``:
     ``1.3b``/``14b`` (excludes ``model``); ``decode_dtype``: the VAE's dtype (``auto``: bfloat16 on a CPU, see
     :func:`decode_dtype_for`); ``offload``, ``vae_tiling``: :func:`pipelines.memory.apply_offload`, applied once
-    after loading (the components load on the CPU when offloaded)."""
-    from pipelines.loading import resolve_device, resolve_dtype
-    from pipelines.memory import apply_offload, check_offload
+    after loading (the components load on the CPU when offloaded); ``compile``, ``cache``: the generation CLI's
+    ``--compile`` and ``--cache`` (a :class:`pipelines.caching.CacheSpec`), for every run (app.compare._generate).
+    The page's notes are :func:`describe_app_models`' for the same arguments."""
+    from pipelines.memory import apply_offload
 
-    run_device = resolve_device(device)
-    check_offload(offload, run_device)
-    dtype = resolve_dtype(dtype, run_device)  # the execution device's (auto: bf16 on a GPU), wherever they load
+    facts = describe_app_models(model, variant_dirs, random_weights, device, dtype, offload, vae_tiling, compile, cache)
+    run_device, dtype = facts.device, facts.dtype
     device = torch.device("cpu") if offload != "none" else run_device
-    if model is not None and random_weights is not None:
-        raise ValueError("--model and --random-weights exclude each other: random weights replace the model's")
     if random_weights is not None:
         components = build_random_wan(random_weights, device, dtype)
-        random_note = (
-            f"Wan2.1 {random_weights.upper()} architecture with RANDOM weights: latency is true-size, "
-            "every video is noise (text encoder is a small stand-in, its time is not the real one)"
-        )
     else:
         components = load_components(model, dtype=dtype, device=device)
-        random_note = (
-            f"{components.source}: every video is noise, made to test the plumbing"
-            if components.random_weights
-            else None
-        )
     vae_dtype = decode_dtype_for(run_device, components.dtype, decode_dtype)
     if vae_dtype != components.vae.dtype:
         # WanPipeline casts the latents to the VAE's dtype before decoding. torch's own .to(): diffusers' override
         # only adds a warning about modules to keep in float32, and the Wan VAE lists none
         torch.nn.Module.to(components.vae, vae_dtype)
-    variant_dirs = {**components.variant_dirs, **(variant_dirs or {})}
     variants = {}
-    random_weights = components.random_weights
-    noise = "; RANDOM weights: the video is noise" if random_weights else ""
     for name in VARIANTS:
-        folder = (variant_dirs or {}).get(name)
+        folder = facts.folders.get(name)
         if folder is not None:
             transformer = load_transformer(folder, dtype=components.dtype, device=components.device)
-            variants[name] = VariantModel(name, transformer, f"fine-tuned: {_shown(folder)}", "fine-tuned")
-        elif name == "flash":
-            note = "RANDOM weights: the video is noise" if random_weights else f"base weights: {components.source}"
-            variants[name] = VariantModel(
-                name, components.transformer, note, "base, random" if random_weights else "base"
-            )
         else:
-            kind = "converted, random" if random_weights else "converted"
-            variants[name] = VariantModel(name, components.transformer, CONVERTED_NOTE + noise, kind)
+            transformer = components.transformer
+        variants[name] = VariantModel(name, transformer, facts.variant_notes[name], facts.kinds[name])
     shared = [k for k, v in variants.items() if k != "flash" and v.transformer is components.transformer]
     if shared:
         prepare_converted(components, shared)
-    notes = []
-    if any(v.transformer is components.transformer for k, v in variants.items() if k != "flash"):
-        notes.append(
-            "variants without a fine-tuned checkpoint share the base transformer, switched in place at each run "
-            "(conversion adds only small attention parameters)"
-        )
     memory = ""
     if offload != "none" or vae_tiling:
         transformers = [v.transformer for v in variants.values()]
         memory = apply_offload(components, offload, run_device, vae_tiling, transformers).describe()
-    examples = [] if components.random_weights else builtin_examples(BUILTIN_DIR if model is None else model)
-    model_dir = BUILTIN_DIR if model is None else Path(model)
-    stored_dir = None if components.random_weights or not model_dir.is_dir() else model_dir / STORED_SUBDIR
-    return AppModels(components, variants, random_note, notes, examples=examples, stored_dir=stored_dir, memory=memory)
+    return AppModels(
+        components,
+        variants,
+        facts.random_note,
+        facts.notes,
+        examples=facts.examples,
+        stored_dir=facts.stored_dir,
+        memory=memory,
+        compile=compile,
+        cache=cache,
+    )

@@ -27,7 +27,7 @@ from pipelines.attention import MHLA, SOFTMAX
 from . import bench, compare, gpu_results, inputs
 from .compare import VARIANT_COLOURS
 from .interleave import Countdown, seconds_left
-from .models import AppModels
+from .models import AppModels, ModelFacts
 
 # System fonts: the default theme pulls Google Fonts, and the app must work with no network at all.
 THEME = gr.themes.Default(
@@ -83,7 +83,8 @@ def table_device(result: compare.CompareResult) -> str:
     if not result.runs:
         return ""
     where = result.measured or f"measured live on {result.device}" + (f", {result.load}" if result.load else "")
-    return f"\n\n_Timings in this table: {where}._"
+    speed = f" With {result.speed}." if result.speed else ""
+    return f"\n\n_Timings in this table: {where}.{speed}_"
 
 
 def gpu_panel(tables: list[gpu_results.GpuTable], tab: str) -> None:
@@ -98,21 +99,22 @@ def gpu_panel(tables: list[gpu_results.GpuTable], tab: str) -> None:
             gr.Markdown(text, elem_id=f"gpu-results-text-{tab}")
 
 
-def _default_preset(models: AppModels, max_tokens: int | None) -> str:
+def _default_preset(models: AppModels | ModelFacts, max_tokens: int | None) -> str:
     """The model's own default size when it is a preset and allowed here, else the smallest preset."""
-    d = models.components.defaults
+    d = models.defaults
     own = (d.get("num_frames"), d.get("height"), d.get("width"))
     if own in compare.PRESETS and (max_tokens is None or compare.preset_tokens(models, own) <= max_tokens):
         return compare.preset_key(own)
     return compare.preset_key(compare.PRESETS[0])
 
 
-def header_markdown(models: AppModels) -> str:
-    c = models.components
+def header_markdown(models: AppModels | ModelFacts) -> str:
     lines = [
         "# Wan2.1 text-to-video: FlashAttention vs linear attention vs MHLA",
-        f"Model: **{c.source}** · device: **{device_name(models.device)}** · dtype: {str(c.dtype).replace('torch.', '')}"
-        + (f" · memory: {models.memory}" if models.memory else ""),
+        f"Model: **{models.source}** · device: **{device_name(models.device)}** · dtype: "
+        f"{str(models.dtype).replace('torch.', '')}"
+        + (f" · memory: {models.memory}" if models.memory else "")
+        + (f" · {models.speed}" if models.speed else ""),
     ]
     lines += [f"_{n}_" for n in models.notes]
     return "\n\n".join(lines)
@@ -227,7 +229,7 @@ class _Queue:
             self.running_since = None
 
 
-def _stored_copies(models: AppModels, folder: Path) -> dict[str, compare.CompareResult]:
+def _stored_copies(models: AppModels | ModelFacts, folder: Path) -> dict[str, compare.CompareResult]:
     """The stored example results, their videos copied into the app's own output folder (gradio serves files
     from there; the model's folder may lie anywhere)."""
     stored = compare.load_stored(models.stored_dir)
@@ -241,19 +243,31 @@ def _stored_copies(models: AppModels, folder: Path) -> dict[str, compare.Compare
 
 
 def build_demo(
-    models: AppModels,
+    models: AppModels | ModelFacts,
     max_tokens: int | None = None,
     max_bench_tokens: int | None = None,
     out_root: Path | None = None,
     warmup: compare.Warmup | None = None,
 ) -> gr.Blocks:
-    """The app's page. ``max_tokens``/``max_bench_tokens``: largest request accepted (None: no limit).
+    """The app's page. ``models``: the loaded models, or their :class:`~app.models.ModelFacts` while ``warmup``
+    loads them in the background (the page is built from either; runs wait for the loaded ones).
+    ``max_tokens``/``max_bench_tokens``: largest request accepted (None: no limit).
     ``out_root``: where videos and benchmark files are written (a fresh temporary folder by default).
     ``warmup``: the background warm-up the server started with (runs wait for it; the page says it is going)."""
+    if isinstance(models, ModelFacts) and warmup is None:
+        raise ValueError("a page built from a model's facts needs the Warmup that loads the model")
     out_root = Path(out_root or tempfile.mkdtemp(prefix="mhla-app-"))
     # where gradio's upload route puts files: the only place an uploaded first frame may be read from
     upload_dirs = [Path(gr.utils.get_upload_folder())]
-    defaults = models.components.defaults
+    page = models  # what the page is built from and shows before the models are loaded
+    defaults = page.defaults
+
+    def loaded() -> AppModels | None:
+        """The loaded models (None while they load, or when loading failed: ``warmup.error``)."""
+        if isinstance(models, AppModels):
+            return models
+        return warmup.models if warmup is not None and warmup.loaded else None
+
     runs = _Runs()
     # finished runs by compare.request_key: a permalink to one of them opens with its results (this server only)
     finished: dict[str, tuple[compare.CompareResult, str]] = {}
@@ -261,7 +275,7 @@ def build_demo(
 
     def key_of(req: compare.CompareRequest) -> str:
         return compare.request_key(
-            str(models.components.source),
+            str(page.source),
             req.prompt,
             req.seed,
             req.num_inference_steps,
@@ -272,7 +286,7 @@ def build_demo(
 
     decode_clock = _DecodeClock()
     line = _Queue()
-    stored = _stored_copies(models, out_root / "stored")
+    stored = _stored_copies(page, out_root / "stored")
     gpu_tables = gpu_results.load()  # committed files, read once
     # the outputs after the status line: headline, (column, video, details) per variant, summary, table,
     # details table, chart, side-by-side file
@@ -288,7 +302,7 @@ def build_demo(
             outs += [
                 gr.Column(visible=chosen),
                 str(run.video) if run and run.video else None,
-                compare.variant_markdown(run, result) if run else f"### {name}\n_{models.variants[name].note}_\n\n…",
+                compare.variant_markdown(run, result) if run else f"### {name}\n_{page.variant_notes[name]}_\n\n…",
             ]
         outs += [
             compare.summary_markdown(result),
@@ -307,7 +321,7 @@ def build_demo(
             outs += [
                 gr.skip() if variants is None else gr.Column(visible=name in variants),
                 None,
-                f"### {name}\n_{models.variants[name].note}_\n\n…",
+                f"### {name}\n_{page.variant_notes[name]}_\n\n…",
             ]
         return outs + ["", "", {"headers": compare.ALL_HEADERS, "data": []}, None, None]
 
@@ -329,6 +343,11 @@ def build_demo(
     ):
         """Generates the prompt with each chosen variant (same seed) and yields the page as each one is done.
         ``image``: the first frame, an input only for a model that takes one (gradio's upload, not trusted)."""
+        while warmup is not None and not warmup.wait_loaded(POLL_SECONDS):  # the page was served before the model
+            yield [warmup.note()] + [gr.skip()] * n_outputs
+        models = loaded()
+        if models is None:
+            raise gr.Error(warmup.note() if warmup else "the model is not loaded", print_exception=False)
         try:
             req = compare.check_request(
                 models,
@@ -482,7 +501,9 @@ def build_demo(
         note = f"{len(text):,} / {compare.MAX_PROMPT_CHARS:,} characters"
         if len(text) > compare.MAX_PROMPT_CHARS:
             note = f"✖ {note}: too long"
-        vocab = compare.vocabulary_note(models, compare.unknown_words(models, text[: compare.MAX_PROMPT_CHARS]))
+        models = loaded()  # the tokenizer says which words it knows: nothing to say before it is loaded
+        words = compare.unknown_words(models, text[: compare.MAX_PROMPT_CHARS]) if models and text else []
+        vocab = compare.vocabulary_note(models, words) if models else ""
         return note + (f" · {vocab}" if vocab else "")
 
     def on_load(request: gr.Request):
@@ -490,7 +511,7 @@ def build_demo(
         stored result of its prompt, or of the first example when the link names no prompt."""
         params = dict(getattr(request, "query_params", None) or {})
         fields, problems = compare.parse_permalink(params)
-        prompt_value = fields.get("prompt") or (models.example_prompts[0] if stored else None)
+        prompt_value = fields.get("prompt") or (page.example_prompts[0] if stored else None)
         values = [
             prompt_value if prompt_value is not None else gr.skip(),
             fields.get("seed", gr.skip()),
@@ -515,7 +536,7 @@ def build_demo(
         run_here = None
         if not problems and {"prompt", "seed", "steps", "guidance", "preset", "variants"} <= set(fields):
             key = compare.request_key(
-                str(models.components.source),
+                str(page.source),
                 fields["prompt"],
                 fields["seed"],
                 fields["steps"],
@@ -541,6 +562,9 @@ def build_demo(
         if warmup is not None and not warmup.done:
             progress(None, desc="waiting for the warm-up to finish")
             warmup.wait()
+        models = loaded()
+        if models is None:
+            raise gr.Error(warmup.note() if warmup else "the model is not loaded", print_exception=False)
         try:
             result = bench.run_benchmark(
                 models,
@@ -563,7 +587,7 @@ def build_demo(
 
     # delete_cache: gradio copies every returned video into its cache; drop copies older than a day, hourly
     with gr.Blocks(title="MHLA video: attention variants side by side", delete_cache=(3600, 86400)) as demo:
-        gr.Markdown(header_markdown(models))
+        gr.Markdown(header_markdown(page))
         # while the background warm-up runs: a visible line, refreshed each second until it is done
         warm_note = gr.Markdown(warmup.note() if warmup else "", elem_id="warmup-note")
         if warmup is not None:
@@ -574,8 +598,8 @@ def build_demo(
 
             warm_timer.tick(on_warm_tick, None, [warm_note, warm_timer], queue=False, api_visibility="private")
             demo.load(on_warm_tick, None, [warm_note, warm_timer], queue=False, api_visibility="private")
-        if models.random_note:
-            gr.Markdown(f"**{models.random_note}.**", elem_classes="random-note", elem_id="random-note")
+        if page.random_note:
+            gr.Markdown(f"**{page.random_note}.**", elem_classes="random-note", elem_id="random-note")
         with gr.Tab("Compare"):
             with gr.Row():
                 with gr.Column(scale=3) as prompt_column:
@@ -599,18 +623,18 @@ def build_demo(
                     image = gr.Image(
                         type="filepath",
                         sources=["upload"],
-                        label="First frame" + (" (required)" if models.needs_image else " (optional)"),
+                        label="First frame" + (" (required)" if page.needs_image else " (optional)"),
                         elem_id="image",
                         height=200,
-                        visible=models.takes_image,
+                        visible=page.takes_image,
                     )
                 with gr.Column(scale=2):
                     preset = gr.Dropdown(
-                        compare.preset_choices(models, max_tokens),
-                        value=_default_preset(models, max_tokens),
+                        compare.preset_choices(page, max_tokens),
+                        value=_default_preset(page, max_tokens),
                         label="Frames and resolution (latent tokens, MHLA blocks M)",
                         elem_id="preset",
-                        info=compare.presets_left_out(models, max_tokens),
+                        info=compare.presets_left_out(page, max_tokens),
                     )
                     variants = gr.CheckboxGroup(
                         list(VARIANTS), value=list(VARIANTS), label="Variants", elem_id="variants"
@@ -662,7 +686,7 @@ def build_demo(
                             elem_id=f"video-{name}",
                         )
                         md = gr.Markdown(
-                            f"### {name}\n_{models.variants[name].note}_",
+                            f"### {name}\n_{page.variant_notes[name]}_",
                             label=f"{name} details",
                             elem_id=f"latency-{name}",
                             elem_classes="variant-info",
@@ -686,7 +710,7 @@ def build_demo(
                 )
             with prompt_column:  # under the prompt box (made here: it fills the outputs defined above)
                 gr.Examples(
-                    models.example_prompts,
+                    page.example_prompts,
                     inputs=[prompt],
                     outputs=[status, headline, *columns, summary, table, details, chart, side_by_side],
                     fn=show_stored,
@@ -714,7 +738,7 @@ def build_demo(
             run = started.then(
                 on_compare,
                 [prompt, negative, seed, steps, guidance, preset, variants, repeats]
-                + ([image] if models.takes_image else []),  # the API's inputs stay as they were for other models
+                + ([image] if page.takes_image else []),  # the API's inputs stay as they were for other models
                 outputs,
                 concurrency_id="device",  # one run at a time: compare and benchmark share the device
                 concurrency_limit=1,
@@ -750,13 +774,13 @@ def build_demo(
                 "Sizes are latent-token grids `FxHxW`; a size that does not fit ends its series."
             )
             with gr.Row():
-                grids = gr.Textbox(bench.default_grids(models.device), label="Token grids (FxHxW, comma-separated)")
+                grids = gr.Textbox(bench.default_grids(page.device), label="Token grids (FxHxW, comma-separated)")
                 levels = gr.CheckboxGroup(
                     ["operator", "transformer forward"], value=["operator", "transformer forward"], label="Levels"
                 )
                 bench_variants = gr.CheckboxGroup(list(VARIANTS), value=[SOFTMAX, MHLA], label="Transformer variants")
                 bench_repeats = gr.Slider(
-                    1, 20, 3 if models.device.type == "cpu" else 10, step=1, label="Repeats (median)"
+                    1, 20, 3 if page.device.type == "cpu" else 10, step=1, label="Repeats (median)"
                 )
             bench_button = gr.Button("Run benchmark", variant="primary", elem_id="bench")
             bench_status = gr.Markdown(

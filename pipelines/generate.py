@@ -131,6 +131,16 @@ def _parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=None,
         help="also write the decoded frames here as a float32 .npy array (frames, height, width, 3) in [0, 1]",
     )
+    add_speed_arguments(p)  # --cache, --compile (the app's too)
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--debug", action="store_true", help="print the traceback of an unexpected error")
+    add_scale_arguments(p)  # --offload, --vae-tiling, --context-parallel, --cp-degree (pipelines/scale.py)
+    return p.parse_args(argv)
+
+
+def add_speed_arguments(p: argparse.ArgumentParser) -> None:
+    """``--cache`` and ``--compile``, as this CLI and the app (``run_app.py``) take them: a bad value is refused
+    by argparse with a message naming it (``parse_cache`` and the choices)."""
     p.add_argument(
         "--cache",
         type=parse_cache,
@@ -146,10 +156,6 @@ def _parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="torch.compile the transformer (the attention kernels as custom ops): its repeated blocks (one "
         "compile for all layers) or the whole forward; the first step of each variant includes the compile",
     )
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--debug", action="store_true", help="print the traceback of an unexpected error")
-    add_scale_arguments(p)  # --offload, --vae-tiling, --context-parallel, --cp-degree (pipelines/scale.py)
-    return p.parse_args(argv)
 
 
 def _variants(spec: str) -> list[str]:

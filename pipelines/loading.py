@@ -115,6 +115,27 @@ def saved_transformer_config(folder: str | Path | None) -> dict[str, Any] | None
     return read_json(config, "transformer config") if config is not None and config.is_file() else None
 
 
+def model_source(model_dir: str | Path | None, seed: int = 0) -> str:
+    """The name :func:`load_components` gives a model (``WanComponents.source``), read without loading it
+    (``seed``: the tiny random model's)."""
+    if model_dir is None:
+        model_dir = BUILTIN_DIR if builtin_available() else TINY_RANDOM
+    if str(model_dir) == TINY_RANDOM:
+        return f"tiny random-weight Wan2.1 (seed {seed}, RANDOM weights)"
+    root = Path(model_dir)
+    if (root / "builtin.json").is_file():
+        return f"built-in model ({root.name}: trained on synthetic moving shapes)"
+    if (root / TINY_INFO).is_file():
+        architecture = read_json(root / TINY_INFO, "tiny model description").get("architecture", "Wan")
+        return f"tiny random-weight {architecture} {str(root)!r} (RANDOM weights)"
+    return str(root)
+
+
+def random_wan_source(size: str) -> str:
+    """The name of :func:`build_random_wan`'s model."""
+    return f"Wan2.1-T2V-{size.upper()} architecture with RANDOM weights"
+
+
 def model_patch_size(model_dir: str | Path | None, transformer_dir: str | Path | None = None) -> tuple[int, int, int]:
     """The transformer's patch ``(t, h, w)``, read from config files without loading anything.
 
@@ -338,7 +359,7 @@ def build_random_wan(
         vae=vae,
         scheduler=UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0),
         transformer=convert_self_attention(_cast(transformer, device, dtype), SOFTMAX),
-        source=f"Wan2.1-T2V-{size.upper()} architecture with RANDOM weights",
+        source=random_wan_source(size),
         random_weights=True,
         device=device,
         dtype=dtype,
@@ -385,7 +406,7 @@ def load_components(
             vae=parts["vae"].to(device),
             scheduler=parts["scheduler"],
             transformer=transformer,
-            source=f"tiny random-weight Wan2.1 (seed {seed}, RANDOM weights)",
+            source=model_source(TINY_RANDOM, seed),
             random_weights=True,
             device=device,
             dtype=dtype,
@@ -415,13 +436,8 @@ def load_components(
     )
     image_encoder, image_processor = _load_image_encoder(root, device) if index.image_encoder else (None, None)
     defaults, block_shape, variant_dirs = model_settings(root)
-    source = str(root)
+    source = model_source(root)
     random_weights = (root / TINY_INFO).is_file()
-    if (root / "builtin.json").is_file():
-        source = f"built-in model ({root.name}: trained on synthetic moving shapes)"
-    elif random_weights:
-        architecture = read_json(root / TINY_INFO, "tiny model description").get("architecture", "Wan")
-        source = f"tiny random-weight {architecture} {str(root)!r} (RANDOM weights)"
     return WanComponents(
         tokenizer=tokenizer,
         text_encoder=text_encoder,

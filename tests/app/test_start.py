@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from app import compare
-from app.models import load_app_models
+from app.models import describe_app_models, load_app_models
 
 SMALLEST = compare.preset_key(compare.PRESETS[0])
 
@@ -93,8 +93,8 @@ def test_the_warm_up_measures_a_decode(models):
 
 @pytest.mark.slow  # starts the launcher
 def test_the_launcher_serves_before_the_warm_up_and_stops_cleanly(tmp_path):
-    """The page answers while the warm-up may still run; SIGTERM then exits 143 (not an abort from the teardown
-    under the warm-up's thread), and the log names --share, not gradio's share=True."""
+    """The page answers before the models load (and while they load or warm up); SIGTERM then exits 143 (not an
+    abort from the teardown under the loading thread), and the log names --share, not gradio's share=True."""
     import os
     import socket
     import subprocess
@@ -126,13 +126,18 @@ def test_the_launcher_serves_before_the_warm_up_and_stops_cleanly(tmp_path):
                         break
             except OSError:
                 time.sleep(0.3)
+        while time.monotonic() < deadline and "model loaded in" not in log.read_text():
+            assert proc.poll() is None, log.read_text()
+            time.sleep(0.3)
         proc.terminate()
         assert proc.wait(timeout=60) == 143, log.read_text()
+        text = log.read_text()
+        # the page is served first, from the model's files; the models load after it started serving (issue 38 (3))
+        assert text.index("serving on") < text.index("model loaded in"), text
     finally:
         if proc.poll() is None:
             proc.kill()
-    text = log.read_text()
-    assert "warm-up: started in the background" in text and "--share" in text and "share=True" not in text
+    assert "--share" in text and "share=True" not in text
 
 
 def test_a_permalink_opens_with_the_results_of_the_same_request_run_here(models, tmp_path):
@@ -153,3 +158,90 @@ def test_a_permalink_opens_with_the_results_of_the_same_request_run_here(models,
     assert "as run on this server" in status and isinstance(video, str) and video.endswith("flash.mp4")
     other = fns["on_load"](SimpleNamespace(session_hash="other", query_params={**link, "seed": "4"}))
     assert "press **Generate** to run it" in other[6] and not isinstance(other[6 + 3], str)
+
+
+def _page_answers(m, max_tokens=compare.CPU_MAX_TOKENS) -> dict:
+    """Everything the page is built from: what a model's facts must say as the loaded models do."""
+    return {
+        "source": m.source,
+        "device": m.device,
+        "dtype": m.dtype,
+        "defaults": m.defaults,
+        "patch": m.patch,
+        "vae_stride": m.vae_stride,
+        "index": m.index,
+        "notes": m.notes,
+        "random_note": m.random_note,
+        "variant notes": m.variant_notes,
+        "examples": m.example_prompts,
+        "builtin": m.builtin,
+        "stored": m.stored_dir,
+        "memory": m.memory,
+        "image": (m.needs_image, m.takes_image),
+        "presets": compare.preset_choices(m, max_tokens),
+        "every preset's label": [compare.preset_label(m, p) for p in compare.PRESETS if m.fits(p[1], p[2])],
+        "left out": compare.presets_left_out(m, max_tokens),
+    }
+
+
+@pytest.mark.parametrize(
+    "model, options",
+    [
+        ("tiny-random", {}),
+        (None, {}),  # the built-in model: fine-tuned variants with their own MHLA layouts
+        ("tiny-random", {"offload": "sequential", "vae_tiling": True}),
+    ],
+    ids=["tiny-random", "built-in", "tiny-random offloaded"],
+)
+def test_the_page_built_before_loading_shows_what_the_loaded_models_would(model, options):
+    """Issue 38 (3): the launcher builds the page from the model's files (no diffusers import, no weights) and
+    loads the models after it is served; every value the page shows is the loaded models' (the labels' M too)."""
+    facts = describe_app_models(model, device="cpu", **options)
+    loaded = load_app_models(model, device="cpu", **options)
+    assert _page_answers(facts) == _page_answers(loaded)
+    assert len(_page_answers(facts)["presets"]) >= 3
+
+
+def test_the_page_is_served_while_the_models_load_and_a_run_waits_for_them(models, tmp_path, monkeypatch):
+    from app.ui import build_demo
+
+    release = threading.Event()
+    monkeypatch.setattr(compare, "warm_up", lambda m, decodes=None: 0.1)
+    warmup = compare.Warmup.loading(lambda: release.wait(30) and models).start()
+    demo = build_demo(
+        describe_app_models("tiny-random"), max_tokens=compare.CPU_MAX_TOKENS, out_root=tmp_path, warmup=warmup
+    )
+    props = {c.get("props", {}).get("elem_id"): c.get("props", {}) for c in demo.config["components"]}
+    assert "Loading the model" in props["warmup-note"]["value"] and "Generate waits" in props["warmup-note"]["value"]
+    fns = {getattr(f.fn, "__name__", ""): f.fn for f in demo.fns.values()}
+    assert fns["prompt_note"]("a red fox") == "9 / 2,000 characters"  # no tokenizer yet: no vocabulary note
+    request = SimpleNamespace(session_hash="load", query_params={})
+    run = fns["on_compare"]("a red fox", "", 0, 1, 5.0, SMALLEST, ["flash"], 1, request=request)
+    assert "Loading the model" in next(run)[0] and "Loading the model" in next(run)[0]  # waiting, nothing run
+    assert not warmup.loaded and warmup.models is None
+    release.set()
+    statuses = [values[0] for values in run]
+    assert statuses[-1].startswith("Done: 1 variant(s)") and warmup.models is models and warmup.load_seconds > 0
+    note, timer = fns["on_warm_tick"]()
+    assert note == "" and not timer.active
+
+
+def test_a_model_that_fails_to_load_is_named_and_runs_are_refused(tmp_path):
+    import gradio as gr
+
+    from app.ui import build_demo
+
+    def broken():
+        raise FileNotFoundError("/secret/place/transformer/diffusion_pytorch_model.safetensors is truncated")
+
+    warmup = compare.Warmup.loading(broken).start()
+    assert warmup.wait(10) and warmup.loaded and warmup.models is None
+    note = warmup.note()
+    assert "could not be loaded" in note and "FileNotFoundError" in note and "/secret" not in note
+    demo = build_demo(describe_app_models("tiny-random"), out_root=tmp_path, warmup=warmup)
+    fns = {getattr(f.fn, "__name__", ""): f.fn for f in demo.fns.values()}
+    run = fns["on_compare"](
+        "a red fox", "", 0, 1, 5.0, SMALLEST, ["flash"], 1, request=SimpleNamespace(session_hash="x")
+    )
+    with pytest.raises(gr.Error, match="could not be loaded"):
+        next(run)
