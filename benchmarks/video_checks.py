@@ -52,7 +52,15 @@ def main(argv=None) -> dict:
     if args.threads < 1 or args.repeats < 1:
         raise SystemExit(f"--threads and --repeats must be >= 1, got {args.threads} and {args.repeats}")
     sizes = [parse_size(s.strip()) for s in args.sizes.split(",") if s.strip()]
+    threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
+    try:
+        return _run(args, sizes)
+    finally:
+        torch.set_num_threads(threads)  # a caller's process keeps its own setting
+
+
+def _run(args: argparse.Namespace, sizes: list[tuple[int, int, int]]) -> dict:
     rng = np.random.default_rng(0)
     rows = []
     for f, h, w in sizes:

@@ -430,3 +430,13 @@ def test_wan_step_compiled_timings_are_steady_state(tmp_path, monkeypatch):
     flagged = [{**result["rows"][0], "graphs_compiled_while_timed": 3}]
     assert wan_step.recompiled(flagged) == [f"{flagged[0]['variant']} fwd 2x4x6 (3)"]
     assert "RECOMPILED x3 while timed" in wan_step.markdown(flagged, result["meta"])
+
+
+def test_video_checks_keeps_the_callers_thread_count(tmp_path):
+    import torch
+
+    from benchmarks import video_checks
+
+    before = torch.get_num_threads()
+    video_checks.main(["--sizes", "2x8x8", "--repeats", "1", "--threads", "1", "--out", str(tmp_path / "v")])
+    assert torch.get_num_threads() == before

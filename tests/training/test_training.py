@@ -112,7 +112,10 @@ def test_kill_and_resume_gives_the_same_parameters(tmp_path):
 
     run = tmp_path / "killed"
     cmd = [sys.executable, str(ROOT / "training" / "finetune.py"), "--config", TINY, f"run_dir={run}", *QUIET, *steps]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # the same intra-op thread count as this process's straight and resumed runs: a reduction split over another
+    # number of threads sums in another order (a CI run failed here once its pytest process ran with another)
+    env = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()))
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
     while time.time() < deadline and not (run / "checkpoints" / "step-0000006").exists():
         time.sleep(0.05)
