@@ -689,6 +689,7 @@ def iter_compare(
     progress: Callable[[str, float], None] | None = None,
     cancel: threading.Event | None = None,
     fps: int = 16,
+    variant_steps: Callable[[dict[str, tuple[int, int]]], None] | None = None,
 ) -> Iterator[CompareResult]:
     """Runs the chosen variants with the same seed and yields a snapshot of the result each time one is
     done (the page fills its column at once); writes one mp4 per variant and one side by side.
@@ -698,8 +699,9 @@ def iter_compare(
     ``k`` for the speedup's interval. Variants that share one transformer (converted in place at each run)
     cannot interleave: they run one after another (``CompareResult.interleaved`` is then False). No warm-up
     generation per request (:func:`warm_up` runs once when the app starts); each run's first step is left
-    out of the paired speedups instead. ``progress(text, fraction)`` gets readable stages. Setting
-    ``cancel`` stops the run before the next transformer call; the last snapshot then has ``stopped`` set.
+    out of the paired speedups instead. ``progress(text, fraction)`` gets readable stages, and
+    ``variant_steps({variant: (steps done, steps in all)})`` each variant's own count at the same moments (the
+    page's bar per column while they take turns). Setting ``cancel`` stops the run before the next transformer call; the last snapshot then has ``stopped`` set.
     A variant that fails (out of memory, anything raised inside generation) gets its error in its
     :class:`VariantRun`; the others run.
     """
@@ -725,6 +727,8 @@ def iter_compare(
     videos: dict[str, np.ndarray] = {}  # uint8 frames by variant: PSNR/SSIM reference, side-by-side video
 
     def report(text: str) -> None:
+        if variant_steps is not None:  # first: the status line that follows shows these counts
+            variant_steps({n: (done[n], request.repeats * steps) for n in names})
         if progress is not None:
             progress(text, sum(done.values()) / total)
 
@@ -1235,6 +1239,24 @@ def store_examples(
     path = folder / STORED_FILE
     path.write_text(json.dumps({"results": records}, indent=1) + "\n")
     return path
+
+
+def stored_side_by_side(result: CompareResult, folder: Path, fps: int = 16) -> Path | None:
+    """The side-by-side video of a stored result, made from its variants' stored videos into ``folder`` (the
+    store keeps only those: the side-by-side would double its size); None when fewer than two videos."""
+    from common.video import read_video
+
+    videos = {r.variant: read_video(r.video) for r in result.runs if r.video is not None and r.video.is_file()}
+    if len(videos) < 2:
+        return None
+    folder.mkdir(parents=True, exist_ok=True)
+    req = result.request
+    return write_mp4(
+        folder / "side_by_side.mp4",
+        side_by_side_frames(videos),
+        fps=fps,
+        comment=f"{', '.join(videos)} | seed {req.seed} | {req.prompt} (stored example)",
+    )
 
 
 def load_stored(folder: Path | None) -> dict[str, CompareResult]:

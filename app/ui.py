@@ -177,6 +177,14 @@ class _DecodeClock:
             return None if self._rate is None else self._rate * pixels
 
 
+def progress_markdown(name: str, note: str, done: int, total: int, width: int = 20) -> str:
+    """A running variant's column: its denoising steps done of its steps, as a bar, then that it decodes."""
+    filled = round(width * done / total) if total else 0
+    bar = "█" * filled + "░" * (width - filled)
+    stage = "decoding its video" if total and done >= total else "denoising"
+    return f"### {name}\n_{note}_\n\n`{bar}` {done}/{total} steps · {stage}"
+
+
 def _status(
     text: str,
     started: float,
@@ -397,6 +405,7 @@ def build_demo(
                     out_root / "compare",
                     progress=lambda t, f: events.put(("progress", (t, f))),
                     cancel=stop,
+                    variant_steps=lambda counts: events.put(("steps", counts)),
                 ):
                     events.put(("result", snapshot))
             except BaseException as e:  # noqa: BLE001 - reported to the page below, without details
@@ -414,6 +423,19 @@ def build_demo(
         worker = threading.Thread(target=work, name="compare", daemon=True)
         worker.start()
         text, fraction, last, shown = "starting", 0.0, None, 0.0
+        counts: dict[str, tuple[int, int]] = {}  # each variant's steps done and in all
+
+        def columns_in_progress() -> list:
+            """Each running variant's column: its steps done of its steps, as a bar (finished ones: unchanged)."""
+            finished = {r.variant for r in last.runs} if last else set()
+            outs: list = []
+            for name in VARIANTS:
+                if name in counts and name not in finished:
+                    outs += [gr.skip(), gr.skip(), progress_markdown(name, page.variant_notes[name], *counts[name])]
+                else:
+                    outs += [gr.skip()] * 3
+            return outs
+
         try:
             while True:
                 try:
@@ -422,6 +444,9 @@ def build_demo(
                     kind, payload = "tick", None
                 if kind == "progress":
                     text, fraction = payload
+                elif kind == "steps":
+                    counts = payload
+                    continue
                 elif kind == "result":
                     last, shown = payload, time.monotonic()
                     runs.finished(session, stop, last)
@@ -440,9 +465,10 @@ def build_demo(
                 # that was on its way while the run was being cancelled (a race seen under load)
                 if stop.is_set():
                     continue
-                if time.monotonic() - shown >= POLL_SECONDS:  # the stage line, at most twice a second
+                if time.monotonic() - shown >= POLL_SECONDS:  # the stage line and the bars, at most twice a second
                     shown = time.monotonic()
-                    yield [_status(text, started, fraction, countdown, *decodes())] + [gr.skip()] * n_outputs
+                    status_line = _status(text, started, fraction, countdown, *decodes())
+                    yield [status_line, gr.skip(), *columns_in_progress()] + [gr.skip()] * 5
         finally:
             stop.set()  # the page went away or Stop cancelled this generator: end the worker's run too
             worker.join()
@@ -488,11 +514,17 @@ def build_demo(
         status = f"**Stopped** by you: {done} finished in this run and are shown; the others did not run."
         return [gr.Button(interactive=True)] + outputs_for(last, status)
 
+    stored_lock = threading.Lock()
+
     def show_stored(prompt):
-        """The stored result of an example prompt (computed by ``python run_app.py --store-examples``)."""
+        """The stored result of an example prompt (computed by ``python run_app.py --store-examples``), with its
+        side-by-side video (made from the stored videos the first time it is shown: not at start)."""
         result = stored.get(prompt.strip() if isinstance(prompt, str) else "")
         if result is None:
             return ["Press **Generate** to run this prompt."] + [gr.skip()] * n_outputs
+        with stored_lock:
+            if result.side_by_side is None and result.runs and result.runs[0].video is not None:
+                result.side_by_side = compare.stored_side_by_side(result, result.runs[0].video.parent)
         return outputs_for(result, f"Showing the stored result of this example ({result.measured}).")
 
     def prompt_note(prompt):

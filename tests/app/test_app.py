@@ -628,3 +628,37 @@ def test_a_stored_example_says_it_is_stored(models, tmp_path):
     result.measured = "measured on cpu (2 cores), load 6.1, 2026-11-25"
     label = stored_label(result)
     assert "Stored example, not a run of yours" in label and "2026-11-25" in label and '"a fox"' in label
+
+
+def test_a_stored_example_opens_with_its_side_by_side_video(models, tmp_path):
+    """Issue 38 (6): the stored examples' side-by-side panel was empty (the store keeps only each variant's
+    video); the page makes it from them the first time the example is shown."""
+    from types import SimpleNamespace
+
+    from app.ui import build_demo
+
+    folder = tmp_path / "examples"
+    compare.store_examples(models, folder, models.example_prompts[:1])  # the one the page opens with
+    demo = build_demo(replace(models, stored_dir=folder), max_tokens=compare.CPU_MAX_TOKENS, out_root=tmp_path / "o")
+    fns = {getattr(f.fn, "__name__", ""): f.fn for f in demo.fns.values()}
+    page = _page(demo, fns["on_load"](SimpleNamespace(session_hash="s", query_params={}))[6:-1])
+    assert page["status"].startswith("Showing the stored result")
+    side = read_video(page["Side-by-side video (every variant, labelled)"])
+    width = models.defaults["width"]
+    assert side.shape[2] == len(VARIANTS) * width + 2 * (len(VARIANTS) - 1)  # every variant, with its gaps
+    flash = read_video(page["flash video"])
+    assert side.shape[0] == flash.shape[0] and side.shape[1] > flash.shape[1]  # a label strip above the videos
+    assert not str(page["Side-by-side video (every variant, labelled)"]).startswith(str(folder))  # a copy's
+
+
+def test_the_committed_examples_name_the_softmax_backend_as_a_fresh_run_here_does():
+    """Issue 38 (6): the stored results said "sdpa_flash" (an older dispatch), fresh runs "sdpa"."""
+    from pipelines.builtin import BUILTIN_DIR
+
+    stored = compare.load_stored(BUILTIN_DIR / "examples")
+    assert stored, "the built-in model's examples are committed"
+    fresh = load_app_models("tiny-random")
+    d = fresh.defaults
+    request = compare.CompareRequest("a fox", "", 0, 1, 5.0, (d["num_frames"], d["height"], d["width"]), ["flash"])
+    backend = compare._generate(fresh, request, "flash", 1).timing.softmax_backend
+    assert backend and {r.softmax_backend for r in stored.values()} == {backend}

@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 
 APP = Path(__file__).resolve().parents[2] / "app"
-# characters DejaVu Sans draws (checked with fc-list ':charset=XXXX'): marks, arrows, the warning sign
-DRAWN = set("✓✗✖⚠…·±→←↑↓×—–−≥≤°µ")
+# characters DejaVu Sans draws (checked with fc-list ':charset=XXXX'): marks, arrows, the warning sign, the
+# progress bars' full and light-shade blocks (2588, 2591)
+DRAWN = set("✓✗✖⚠…·±→←↑↓×—–−≥≤°µ█░")
 
 
 @pytest.mark.parametrize("path", sorted(APP.glob("*.py")), ids=lambda p: p.name)

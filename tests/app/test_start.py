@@ -245,3 +245,34 @@ def test_a_model_that_fails_to_load_is_named_and_runs_are_refused(tmp_path):
     )
     with pytest.raises(gr.Error, match="could not be loaded"):
         next(run)
+
+
+def test_each_variant_reports_its_own_steps_done(models, tmp_path):
+    """Issue 38 (3): during a run every variant's steps done of its steps, from iter_compare to the column."""
+    from app.ui import progress_markdown
+
+    req = compare.check_request(models, "a red fox", "", 0, 3, 5.0, SMALLEST, ["flash", "mhla"])
+    seen: list[dict] = []
+    list(compare.iter_compare(models, req, tmp_path, variant_steps=lambda c: seen.append(dict(c))))
+    for name in ("flash", "mhla"):
+        done = [c[name] for c in seen]
+        assert all(total == 3 for _, total in done) and done[-1] == (3, 3)
+        assert [d for d, _ in done] == sorted(d for d, _ in done)  # never goes back
+        assert {d for d, _ in done} == {0, 1, 2, 3}  # every step is seen
+    text = progress_markdown("mhla", "fine-tuned", 7, 20)
+    assert text.startswith("### mhla\n_fine-tuned_") and "`███████░░░░░░░░░░░░░` 7/20 steps · denoising" in text
+    assert "20/20 steps · decoding its video" in progress_markdown("mhla", "x", 20, 20)
+
+
+def test_the_columns_show_each_variants_bar_while_it_runs(models, tmp_path, monkeypatch):
+    from app import ui
+
+    monkeypatch.setattr(ui, "POLL_SECONDS", 0.0)  # every event refreshes the page (a tiny run is quick)
+    demo = ui.build_demo(models, max_tokens=compare.CPU_MAX_TOKENS, out_root=tmp_path)
+    fns = {getattr(f.fn, "__name__", ""): f.fn for f in demo.fns.values()}
+    request = SimpleNamespace(session_hash="bars", query_params={})
+    pages = list(fns["on_compare"]("a red fox", "", 0, 3, 5.0, SMALLEST, ["flash", "mhla"], 1, request=request))
+    flash_md, mhla_md = 2 + 2, 2 + 3 * 2 + 2  # status, headline, then (column, video, details) per variant
+    bars = [p[mhla_md] for p in pages if isinstance(p[mhla_md], str) and "steps ·" in p[mhla_md]]
+    assert any("0/3 steps" in b for b in bars) and any("3/3 steps · decoding its video" in b for b in bars)
+    assert "steps ·" not in pages[-1][flash_md] and "steps ·" not in pages[-1][mhla_md]  # the results replace them

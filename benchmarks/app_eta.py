@@ -1,0 +1,85 @@
+"""The page's time-left estimate against the time a run really took, through the page's own handler.
+
+    python -m benchmarks.app_eta                        # the built-in model, its defaults, 4 variants, 2 requests
+    python -m benchmarks.app_eta --model tiny-random --requests 1
+
+Loads the models and warms up as ``run_app.py`` does (the warm-up's decode is the first decode estimate), then
+sends identical requests through the Compare handler of the page (``app.ui.build_demo``), reading every status
+line's "about N s left" with the second it was shown. When the run is over, each estimate is set against the
+time that was really left: printed at 10%, 25%, 50%, 75% and 90% of the run, with the largest error from the
+first estimate on. A benchmark prints; it asserts nothing about time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import tempfile
+import time
+from types import SimpleNamespace
+
+LEFT = re.compile(r"about (\d+) s left|(finishing)")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.app_eta", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="as run_app.py --model (default: the built-in model)")
+    p.add_argument("--requests", type=int, default=2)
+    p.add_argument("--prompt", default="a small red triangle moves down on a black background")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from app import compare
+    from app.models import load_app_models
+    from app.ui import build_demo
+
+    models = load_app_models(args.model)
+    warmup = compare.Warmup(models).start()
+    warmup.wait()
+    d = models.defaults
+    preset = compare.preset_key((d["num_frames"], d["height"], d["width"]))
+    demo = build_demo(models, out_root=tempfile.mkdtemp(prefix="app-eta-"), warmup=warmup)
+    on_compare = next(f.fn for f in demo.fns.values() if getattr(f.fn, "__name__", "") == "on_compare")
+    print(f"model: {models.source}; preset {preset}, {d['num_inference_steps']} steps, every variant")
+    for i in range(args.requests):
+        load = os.getloadavg()[0] / (os.cpu_count() or 1)
+        shown: list[tuple[float, float]] = []  # (second of the run, seconds said to be left)
+        started = time.monotonic()
+        for page in on_compare(
+            args.prompt,
+            "",
+            i,
+            d["num_inference_steps"],
+            d["guidance_scale"],
+            preset,
+            list(models.variants),
+            1,
+            request=SimpleNamespace(session_hash=f"eta{i}", query_params={}),
+        ):
+            m = LEFT.search(page[0]) if isinstance(page[0], str) else None
+            if m and page[0].startswith("**Running"):
+                shown.append((time.monotonic() - started, 0.0 if m.group(2) else float(m.group(1))))
+        total = time.monotonic() - started
+        print(f"request {i + 1}: {total:.1f} s, load {load:.2f} per core at its start; {len(shown)} estimates")
+        if not shown:
+            continue
+        errors = [(t, left, total - t) for t, left in shown]
+        for share in (0.1, 0.25, 0.5, 0.75, 0.9):
+            t, left, truth = min(errors, key=lambda e: abs(e[0] - share * total))
+            print(
+                f"  at {t:5.1f} s ({share:.0%}): said {left:4.0f} s left, {truth:5.1f} s were: {left / truth - 1:+.0%}"
+            )
+        worst = max(errors, key=lambda e: abs(e[1] - e[2]) / max(e[2], 1.0))
+        t, left, truth = worst
+        print(
+            f"  first estimate at {shown[0][0]:.1f} s; largest error at {t:.1f} s: said {left:.0f} s, "
+            f"{truth:.1f} s were ({(left - truth) / max(truth, 1.0):+.0%})"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
