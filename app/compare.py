@@ -1209,15 +1209,31 @@ def store_examples(
     """Runs a 4-variant compare at the model's defaults for each prompt and stores the results in ``folder``
     (``results.json`` and small mp4s named ``<example>-<variant>.mp4``), with the machine, load and date they
     were measured on. The page opens with them (:func:`load_stored`)."""
+
+    d = models.components.defaults
+    preset = (d["num_frames"], d["height"], d["width"])
+    # the new store is built beside the old one and swapped in whole when every example is done: a run that is
+    # stopped or fails part-way leaves the stored results (and their videos) as they were
+    folder = Path(folder)
+    staging = folder.with_name(f".{folder.name}.new")
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
+    try:
+        _store_into(models, staging, prompts, preset, progress)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    _swap_in(staging, folder)
+    return folder / STORED_FILE
+
+
+def _store_into(models: AppModels, staging: Path, prompts: list[str], preset, progress) -> None:
     import datetime as dt
 
     from common.video import read_video
 
     d = models.components.defaults
-    preset = (d["num_frames"], d["height"], d["width"])
-    folder.mkdir(parents=True, exist_ok=True)
-    for old in folder.glob("*.mp4"):
-        old.unlink()
     records = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, prompt in enumerate(prompts):
@@ -1231,14 +1247,30 @@ def store_examples(
             result.measured = f"measured on {result.device}, {result.load}, {date}"
             for run in result.runs:
                 if run.video is not None:
-                    small = folder / f"{i}-{run.variant}.mp4"
+                    small = staging / f"{i}-{run.variant}.mp4"
                     write_mp4(small, read_video(run.video), quality=STORED_QUALITY, comment=f"{run.variant} | {prompt}")
                     run.video = small
             result.side_by_side = None  # a fresh run makes it; stored, it would double the size
-            records.append(result_to_dict(result))
-    path = folder / STORED_FILE
-    path.write_text(json.dumps({"results": records}, indent=1) + "\n")
-    return path
+            records.append(result_to_dict(result))  # videos by file name: valid in the folder they move to
+    (staging / STORED_FILE).write_text(json.dumps({"results": records}, indent=1) + "\n")
+
+
+def _swap_in(staging: Path, folder: Path) -> None:
+    """Puts the complete ``staging`` folder at ``folder``. Files of ``folder`` that are not the store's (anything
+    but its mp4s and results file) are carried over; the old folder is removed only after the new one is in
+    place (a crash between the two renames leaves it as ``.<name>.old``)."""
+    if folder.is_dir():
+        for other in folder.iterdir():
+            if other.suffix != ".mp4" and other.name != STORED_FILE and not (staging / other.name).exists():
+                (shutil.copytree if other.is_dir() else shutil.copy2)(other, staging / other.name)
+        old = folder.with_name(f".{folder.name}.old")
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(folder, old)
+        os.replace(staging, folder)
+        shutil.rmtree(old)
+    else:
+        os.replace(staging, folder)
 
 
 def stored_side_by_side(result: CompareResult, folder: Path, fps: int = 16) -> Path | None:

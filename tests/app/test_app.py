@@ -546,6 +546,35 @@ def test_stored_example_results_round_trip(models, tmp_path):
     assert compare.load_stored(None) == {} and compare.load_stored(tmp_path / "nothing") == {}
 
 
+def test_storing_examples_that_fails_part_way_keeps_the_stored_results(models, tmp_path, monkeypatch):
+    """``--store-examples`` stopped or failing on its second prompt: the earlier store, its videos and a file of
+    one's own stay as they were; a complete run replaces the store and keeps that file."""
+    folder = tmp_path / "examples"
+    compare.store_examples(models, folder, ["a red fox"])
+    (folder / "NOTES.txt").write_text("mine")
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    real = compare.run_compare
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # Ctrl-C during the second example
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(compare, "run_compare", failing)
+    with pytest.raises(KeyboardInterrupt):
+        compare.store_examples(models, folder, ["a blue square", "a green circle"])
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    assert list(compare.load_stored(folder)) == ["a red fox"] and sorted(p.name for p in tmp_path.iterdir()) == [
+        "examples"
+    ]
+    monkeypatch.setattr(compare, "run_compare", real)
+    compare.store_examples(models, folder, ["a blue square"])
+    assert list(compare.load_stored(folder)) == ["a blue square"] and (folder / "NOTES.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["examples"]  # no staging or old folder left
+
+
 @pytest.mark.slow  # generates with the tiny model
 def test_after_stop_the_run_streams_nothing_that_could_overwrite_the_stopped_line(models, tmp_path):
     """Stop's status line is the last word on the page: once Stop is pressed the compare generator yields no
