@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from common.outputs import replace_dir
 from common.timing import Spread, Timing, device_name, spread
 from common.video import to_uint8, write_mp4
 from pipelines import VARIANTS, GenerationRequest, model_request
@@ -1263,14 +1264,7 @@ def _swap_in(staging: Path, folder: Path) -> None:
         for other in folder.iterdir():
             if other.suffix != ".mp4" and other.name != STORED_FILE and not (staging / other.name).exists():
                 (shutil.copytree if other.is_dir() else shutil.copy2)(other, staging / other.name)
-        old = folder.with_name(f".{folder.name}.old")
-        if old.exists():
-            shutil.rmtree(old)
-        os.replace(folder, old)
-        os.replace(staging, folder)
-        shutil.rmtree(old)
-    else:
-        os.replace(staging, folder)
+    replace_dir(staging, folder)
 
 
 def stored_side_by_side(result: CompareResult, folder: Path, fps: int = 16) -> Path | None:

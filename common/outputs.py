@@ -246,3 +246,22 @@ def ensure_output_folder(folder: str | Path) -> Path:
     except OSError as e:
         raise OutputError(f"could not make the output folder {str(folder)!r}: {describe_os_error(e)}") from e
     return folder
+
+
+def replace_dir(src: Path, dst: Path) -> None:
+    """Puts the complete folder ``src`` at ``dst`` without a moment with neither: an existing ``dst`` is renamed
+    to ``.<name>.old``, ``src`` renamed into place, then the old one removed (a crash between the two renames
+    leaves it at ``.<name>.old``)."""
+    import os
+    import shutil
+
+    src, dst = Path(src), Path(dst)
+    if not dst.exists():
+        os.replace(src, dst)
+        return
+    old = dst.with_name(f".{dst.name}.old")
+    if old.exists():
+        shutil.rmtree(old)
+    os.replace(dst, old)
+    os.replace(src, dst)
+    shutil.rmtree(old)

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from common.outputs import replace_dir
+
 STATE_FILE = "training_state.pt"
 LOCK_FILE = ".lock"  # training.lock's file, kept by clear_run
 MANIFEST = "manifest.json"
@@ -279,15 +281,7 @@ def finish_checkpoint(run_dir, step: int, keep: int | None = None) -> Path:
     final = checkpoint_dir(run_dir, step)
     tmp = pending_dir(run_dir, step)
     write_manifest(tmp)
-    if final.exists():  # a re-run of the same step replaces it, still without a window of no checkpoint
-        old = final.parent / f".{final.name}.old"
-        if old.exists():
-            shutil.rmtree(old)
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, final)
+    replace_dir(tmp, final)  # a re-run of the same step replaces it, still without a window of no checkpoint
     if keep:
         for stale in list_checkpoints(run_dir)[:-keep]:
             if stale != final:

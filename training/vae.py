@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import time
 from pathlib import Path
@@ -36,7 +35,7 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
-from common.outputs import write_text_atomic
+from common.outputs import replace_dir, write_text_atomic
 from training import checkpoint as ckpt
 from training.config import lr_multiplier
 from training.data import ResumableSampler
@@ -272,7 +271,7 @@ def train_vae(cfg) -> int:
     vae.save_pretrained(str(tmp), safe_serialization=True)
     record = {"steps": step, "psnr_db": round(psnr, 2), "run": str(run_dir), "trainable": cfg.vae.trainable}
     (tmp / "trained.json").write_text(json.dumps({**record, "history": history}) + "\n")
-    _replace(tmp, final)
+    replace_dir(tmp, final)
     targets = [final]
     if cfg.vae.export:  # e.g. the model directory's vae/: copied beside it, then swapped in
         export = Path(cfg.vae.export)
@@ -280,7 +279,7 @@ def train_vae(cfg) -> int:
         if staged.exists():
             shutil.rmtree(staged)
         shutil.copytree(final, staged)
-        _replace(staged, export)
+        replace_dir(staged, export)
         targets.append(export)
     print("wrote " + ", ".join(map(str, targets)))
     return 0
@@ -309,13 +308,6 @@ def vae_runs(trained_json: Path) -> dict[str, int]:
             kept = [k for k in kept if k.get("trainable") != "decoder"]
         kept.append(r)
     return {str(Path(r["run"])): r["steps"] for r in kept}
-
-
-def _replace(src: Path, dst: Path) -> None:
-    """Puts the complete folder ``src`` at ``dst`` (the old ``dst``, if any, is removed first)."""
-    if dst.exists():
-        shutil.rmtree(dst)
-    os.replace(src, dst)
 
 
 def main(argv=None) -> int:

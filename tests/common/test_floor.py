@@ -49,3 +49,18 @@ def test_each_package_imports_only_the_floors_below_it(package, allowed):
 def test_the_reader_sees_lazy_imports():
     """The check above could pass by reading nothing: ``world`` does import ``common`` inside its functions."""
     assert "common" in project_imports("world")["world/synthetic.py"]
+
+
+def test_replace_dir_puts_the_new_folder_in_place_and_leaves_no_old_one(tmp_path):
+    from common.outputs import replace_dir
+
+    dst, src = tmp_path / "store", tmp_path / "new"
+    dst.mkdir(), src.mkdir()
+    (dst / "a.txt").write_text("old")
+    (src / "b.txt").write_text("new")
+    replace_dir(src, dst)
+    assert [p.name for p in dst.iterdir()] == ["b.txt"] and sorted(p.name for p in tmp_path.iterdir()) == ["store"]
+    fresh = tmp_path / "fresh"
+    (tmp_path / "other").mkdir()
+    replace_dir(tmp_path / "other", fresh)
+    assert fresh.is_dir() and not (tmp_path / "other").exists()
