@@ -142,9 +142,9 @@ def _main(argv) -> int:
         from pipelines import check_model_dir
 
         check_model_dir(args.model)
-        from pipelines.loading import model_architecture
+        from pipelines.model_dir import ModelDir
 
-        if args.store_examples and model_architecture(args.model).image_to_video:
+        if args.store_examples and ModelDir(args.model).index.image_to_video:
             raise ValueError(
                 f"--store-examples: model {args.model!r} is image-to-video; its runs need an uploaded first frame, "
                 "so it has no stored example results"

@@ -306,20 +306,10 @@ def describe_app_models(
     no diffusers import: well under a second); the arguments are checked as there, before anything loads."""
     if compile not in ("none", "blocks", "full"):
         raise ValueError(f"compile must be none, blocks or full, got {compile!r}")
-    from pipelines.loading import (
-        model_architecture,
-        model_patch_size,
-        model_settings,
-        model_source,
-        model_vae_stride,
-        random_wan_source,
-        resolve_device,
-        resolve_dtype,
-        saved_transformer_config,
-    )
+    from pipelines.loading import random_wan_source, resolve_device, resolve_dtype
     from pipelines.memory import Offload, check_offload
-    from pipelines.model_dir import check_model_dir
-    from pipelines.tiny import TINY_INFO, WAN_DEFAULTS
+    from pipelines.model_dir import ModelDir, check_model_dir, saved_transformer_config
+    from pipelines.tiny import WAN_DEFAULTS
 
     run_device = resolve_device(device)
     check_offload(offload, run_device)
@@ -333,18 +323,16 @@ def describe_app_models(
                 f"random-weight Wan2.1 size must be one of {', '.join(WAN_CONFIGS)}, got {random_weights!r}"
             )
         source, random = random_wan_source(random_weights), True
-        defaults, block_shape, shipped = dict(WAN_DEFAULTS), (3, 10, 10), {}
+        defaults, block_shape, shipped = dict(WAN_DEFAULTS), mhla.PAPER_BLOCK_SHAPE, {}
         patch, stride, index = tuple(WAN_CONFIGS[random_weights]["patch_size"]), (4, 8, 8), ModelIndex()
     else:
-        resolved = model if model is not None else (BUILTIN_DIR if builtin_available() else TINY_RANDOM)
-        tiny = str(resolved) == TINY_RANDOM
-        if not tiny:
-            check_model_dir(resolved)
-            base_config = saved_transformer_config(Path(resolved) / "transformer")
-        source = model_source(resolved)
-        random = tiny or (Path(resolved) / TINY_INFO).is_file()
-        defaults, block_shape, shipped = model_settings(resolved)
-        patch, stride, index = model_patch_size(resolved), model_vae_stride(resolved), model_architecture(resolved)
+        described = ModelDir(model)
+        if described.path is not None:
+            check_model_dir(described.path)
+            base_config = described.transformer_config()
+        source, random = described.source(), described.random_weights
+        defaults, block_shape, shipped = described.defaults, described.block_shape, described.variant_dirs
+        patch, stride, index = described.shape().patch, described.vae_stride, described.index
     folders = {**shipped, **(variant_dirs or {})}
     noise = "; RANDOM weights: the video is noise" if random else ""
     notes, kinds, configs = {}, {}, {}

@@ -58,7 +58,7 @@ def decode_levers(models, rounds: int = 3) -> dict:
         if isinstance(m, torch.nn.Conv3d):
             m.weight.data = m.weight.data.contiguous(memory_format=torch.channels_last_3d)
     bf = torch.nn.Module.to(copy.deepcopy(vae32), torch.bfloat16)
-    stride = vae32.config.scale_factor_temporal, vae32.config.scale_factor_spatial
+    stride = models.components.vae_stride
     f = (d["num_frames"] - 1) // stride[0] + 1
     z = torch.randn(1, vae32.config.z_dim, f, d["height"] // stride[1], d["width"] // stride[1])
     z_cl = z.contiguous(memory_format=torch.channels_last_3d)

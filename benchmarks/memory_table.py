@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from mhla import PAPER_BLOCK_SHAPE
 from pipelines.attention import HYBRID, LINEAR, MHLA, SOFTMAX, VARIANTS, variant_spec
 from pipelines.loading import WAN_CONFIGS
 
@@ -159,7 +160,7 @@ def token_grid(model: Model, height: int, width: int) -> tuple[int, int, int]:
 
 def blocks_for(grid: tuple[int, int, int]) -> int:
     """M for the estimate: blocks of about 3x10x10 tokens (the paper's 105 at 21x30x50)."""
-    return math.prod(max(1, round(g / b)) for g, b in zip(grid, (3, 10, 10)))
+    return math.prod(max(1, round(g / b)) for g, b in zip(grid, PAPER_BLOCK_SHAPE))
 
 
 def activation_bytes(config: dict, tokens: int, variant: str, num_blocks: int) -> int:

@@ -52,7 +52,7 @@ from .request import (  # noqa: F401
     latent_grid,
     validate_request,
 )
-from .scale import Scale, check_scale, model_num_heads
+from .scale import Scale, check_scale
 from .scale import add_arguments as add_scale_arguments
 
 if TYPE_CHECKING:
@@ -176,14 +176,15 @@ def _out_path(out: str, variant: str, many: bool) -> Path:
     return path.with_name(f"{path.stem}_{variant}{path.suffix}") if many else path
 
 
-def _check_trained_blocks(request: GenerationRequest, transformer_dir: str | Path | None) -> None:
+def _check_trained_blocks(
+    request: GenerationRequest, transformer_dir: str | Path | None, config: dict[str, Any] | None
+) -> None:
     """A fine-tuned MHLA transformer's mixing coefficients are M x M for its own block layout: another
-    ``--blocks`` (the checked request's, parsed) would need new ones, so it is refused before anything loads."""
+    ``--blocks`` (the checked request's, parsed) would need new ones, so it is refused before anything loads.
+    ``config``: ``transformer_dir``'s ``config.json``."""
     if not request.uses_blocks or request.blocks is None or transformer_dir is None:
         return
-    from .loading import saved_transformer_config
-
-    state = (saved_transformer_config(transformer_dir) or {}).get("self_attention")
+    state = (config or {}).get("self_attention")
     if not state or not state["parameters"]["mhla"]:
         return  # a softmax or linear transformer: converted afresh with the requested blocks
     trained = state["options"].get("blocks")
@@ -216,17 +217,8 @@ def _preflight(args: argparse.Namespace) -> _Plan:
     from common.video import check_fps, check_output_path
 
     from .builtin import TINY_RANDOM
-    from .loading import (
-        model_architecture,
-        model_num_layers,
-        model_patch_size,
-        model_settings,
-        model_vae_stride,
-        resolve_device,
-        resolve_dtype,
-        saved_transformer_config,
-    )
-    from .model_dir import check_model_dir, check_transformer_config
+    from .loading import resolve_device, resolve_dtype
+    from .model_dir import ModelDir, check_model_dir, check_transformer_config
 
     check_text(args.prompt, "--prompt")
     check_text(args.negative_prompt, "--negative-prompt")
@@ -235,8 +227,9 @@ def _preflight(args: argparse.Namespace) -> _Plan:
         check_fps(args.fps)
     except ValueError:
         raise ValueError(f"--fps {args.fps}: expected a frame rate > 0 (e.g. 16)") from None
+    folder = ModelDir(args.model)  # what the model's files say, each read once
     if args.transformer:
-        saved = saved_transformer_config(args.transformer)
+        saved = folder.transformer_config(args.transformer)
         if saved is None:
             raise FileNotFoundError(
                 f"--transformer {args.transformer!r} has no config.json; expected a folder written by "
@@ -248,7 +241,7 @@ def _preflight(args: argparse.Namespace) -> _Plan:
     variants = _variants(args.variant or DEFAULT_VARIANT)
     if args.model and args.model != TINY_RANDOM:
         check_model_dir(args.model)
-    defaults, _, variant_dirs = model_settings(args.model)
+    shape, defaults, variant_dirs = folder.shape(args.transformer), folder.defaults, folder.variant_dirs
     if args.blocks and not any(variant_spec(v).blocks for v in variants):
         raise ValueError(
             f"--blocks applies to the {' and '.join(MHLA_VARIANTS)} variants only, got --variant {args.variant}"
@@ -258,7 +251,7 @@ def _preflight(args: argparse.Namespace) -> _Plan:
         raise ValueError(
             f"--layers applies to --variant {' or '.join(LAYERS_VARIANTS)} only, got --variant {args.variant}"
         )
-    index = model_architecture(args.model)  # the pipeline class, experts and image input, from model_index.json
+    index = folder.index  # the pipeline class, experts and image input, from model_index.json
     model_name = f"model {args.model!r}" if args.model else "the built-in model"
     names = dict(image="--image", layers_2="--layers-2")
     # --image and --layers-2 against the model, before the image file is read (the request is checked again below)
@@ -269,15 +262,15 @@ def _preflight(args: argparse.Namespace) -> _Plan:
         raise ValueError(
             f"--layers-2 applies to --variant {' or '.join(LAYERS_VARIANTS)} only, got --variant {args.variant}"
         )
-    layers = None if args.layers is None else parse_layers(args.layers, model_num_layers(args.model, args.transformer))
+    layers = None if args.layers is None else parse_layers(args.layers, shape.num_layers)
     layers_2 = None
     if args.layers_2 is not None:
         try:
-            layers_2 = parse_layers(args.layers_2, model_num_layers(args.model, part="transformer_2"))
+            layers_2 = parse_layers(args.layers_2, folder.shape(part="transformer_2").num_layers)
         except ValueError as e:
             raise ValueError(f"--layers-2 {args.layers_2!r} (the second expert's): {e}") from None
     image = _read_image(args.image) if args.image is not None else None
-    geometry = model_patch_size(args.model, args.transformer), model_vae_stride(args.model)
+    geometry = shape.patch, folder.vae_stride
     requests = []
     for v in variants:
         request = GenerationRequest(
@@ -298,7 +291,8 @@ def _preflight(args: argparse.Namespace) -> _Plan:
         ).with_defaults(defaults)
         request = request.check(*geometry)
         check_model_inputs(request, index, model_name, **names)
-        _check_trained_blocks(request, args.transformer or variant_dirs.get(v))
+        trained = args.transformer or variant_dirs.get(v)
+        _check_trained_blocks(request, trained, folder.transformer_config(trained) if trained else None)
         requests.append(request)
     overrides = dict(
         normalize=None if args.normalizer is None else args.normalizer == "on",
@@ -323,7 +317,7 @@ def _preflight(args: argparse.Namespace) -> _Plan:
         else None
     )
     device = resolve_device(args.device)
-    scale = check_scale(args, requests, device, model_num_heads(args.model, args.transformer))
+    scale = check_scale(args, requests, device, shape.num_heads)
     device = scale.run_device(device)
     return _Plan(requests, outputs, overrides, device, resolve_dtype(args.dtype, device), scale, frames_npy)
 

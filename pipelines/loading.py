@@ -18,20 +18,23 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
+from mhla import PAPER_BLOCK_SHAPE
+
 from .attention import SOFTMAX
-from .builtin import BUILTIN_DIR, TINY_RANDOM, builtin_available, builtin_variant_dirs
+from .builtin import BUILTIN_DIR, TINY_RANDOM, builtin_available
 from .convert import CONFIG_KEY, convert_self_attention
 from .model_dir import (
+    ModelDir,
     ModelIndex,
     check_finite,
     check_model_dir,
     check_weight_files,
     read_json,
-    read_model_index,
     require_key,
+    vae_strides,
     weight_files,
 )
-from .tiny import TINY_BLOCK_SHAPE, TINY_DEFAULTS, TINY_INFO, TINY_TRANSFORMER, WAN_DEFAULTS, build_tiny_components
+from .tiny import TINY_BLOCK_SHAPE, TINY_DEFAULTS, TINY_INFO, WAN_DEFAULTS, build_tiny_components
 
 if TYPE_CHECKING:
     from diffusers import AutoencoderKLWan, SchedulerMixin, WanTransformer3DModel
@@ -61,7 +64,7 @@ class WanComponents:
     device: torch.device
     dtype: torch.dtype
     defaults: dict[str, Any] = field(default_factory=dict)
-    block_shape: tuple[int, int, int] = (3, 10, 10)
+    block_shape: tuple[int, int, int] = PAPER_BLOCK_SHAPE
     variant_dirs: dict[str, Path] = field(default_factory=dict)
     index: ModelIndex = field(default_factory=ModelIndex)
     transformer_2: WanTransformer3DModel | None = None
@@ -74,110 +77,20 @@ class WanComponents:
         return self.index.pipeline_class
 
     @property
+    def vae_stride(self) -> tuple[int, int, int]:
+        """The VAE's strides ``(time, height, width)``: 4 x 8 x 8 for Wan2.1's, 4 x 16 x 16 for Wan2.2-TI2V's."""
+        return vae_strides(self.vae.config)
+
+    @property
     def latent_channels(self) -> int:
         """Channels of the denoised latents: the VAE's ``z_dim`` (an image-to-video transformer takes more, the
         first-frame condition and its mask concatenated to them)."""
         return int(self.vae.config.z_dim)
 
 
-def model_architecture(model_dir: str | Path | None) -> ModelIndex:
-    """The architecture a model directory's ``model_index.json`` names, read without loading anything
-    (``None`` and ``"tiny-random"``: Wan2.1 text-to-video); ValueError for a pipeline class this product does
-    not run, naming it and the supported ones."""
-    if model_dir is None or str(model_dir) == TINY_RANDOM:
-        return ModelIndex()
-    return read_model_index(model_dir)
-
-
-def model_settings(model_dir: str | Path | None) -> tuple[dict[str, Any], tuple[int, int, int], dict[str, Path]]:
-    """``(defaults, block_shape, variant_dirs)`` of a model, read without loading it.
-
-    ``None`` is the built-in model (or the tiny random one if ``assets/builtin`` is absent),
-    ``"tiny-random"`` the tiny random-weight model. A directory with a ``builtin.json`` (the built-in
-    model's layout) takes its generation defaults, MHLA block shape and ``variants/`` from there;
-    any other directory is a Wan2.1 release (480x832, 81 frames, 50 steps, the paper's 3x10x10 blocks).
-    """
-    if model_dir is None:
-        model_dir = BUILTIN_DIR if builtin_available() else TINY_RANDOM
-    if str(model_dir) == TINY_RANDOM or (Path(model_dir) / TINY_INFO).is_file():
-        return dict(TINY_DEFAULTS), TINY_BLOCK_SHAPE, {}
-    info = Path(model_dir) / "builtin.json"
-    if info.is_file():
-        meta = read_json(info, "model description")
-        defaults, block_shape = require_key(meta, "defaults", info), require_key(meta, "block_shape", info)
-        return dict(defaults), tuple(block_shape), builtin_variant_dirs(model_dir)
-    return dict(WAN_DEFAULTS), (3, 10, 10), {}
-
-
-def saved_transformer_config(folder: str | Path | None) -> dict[str, Any] | None:
-    """A transformer folder's ``config.json`` as a dict (None if there is none), without loading weights."""
-    config = Path(folder) / "config.json" if folder is not None else None
-    return read_json(config, "transformer config") if config is not None and config.is_file() else None
-
-
-def model_source(model_dir: str | Path | None, seed: int = 0) -> str:
-    """The name :func:`load_components` gives a model (``WanComponents.source``), read without loading it
-    (``seed``: the tiny random model's)."""
-    if model_dir is None:
-        model_dir = BUILTIN_DIR if builtin_available() else TINY_RANDOM
-    if str(model_dir) == TINY_RANDOM:
-        return f"tiny random-weight Wan2.1 (seed {seed}, RANDOM weights)"
-    root = Path(model_dir)
-    if (root / "builtin.json").is_file():
-        return f"built-in model ({root.name}: trained on synthetic moving shapes)"
-    if (root / TINY_INFO).is_file():
-        architecture = read_json(root / TINY_INFO, "tiny model description").get("architecture", "Wan")
-        return f"tiny random-weight {architecture} {str(root)!r} (RANDOM weights)"
-    return str(root)
-
-
 def random_wan_source(size: str) -> str:
     """The name of :func:`build_random_wan`'s model."""
     return f"Wan2.1-T2V-{size.upper()} architecture with RANDOM weights"
-
-
-def model_patch_size(model_dir: str | Path | None, transformer_dir: str | Path | None = None) -> tuple[int, int, int]:
-    """The transformer's patch ``(t, h, w)``, read from config files without loading anything.
-
-    ``transformer_dir`` (a fine-tuned transformer) wins over ``model_dir``'s; ``None`` is the default model
-    (as :func:`model_settings`); a folder without a readable config is taken as Wan2.1's ``(1, 2, 2)``.
-    """
-    if model_dir is None:
-        model_dir = BUILTIN_DIR if builtin_available() else TINY_RANDOM
-    tiny = str(model_dir) == TINY_RANDOM
-    config = saved_transformer_config(transformer_dir) or (
-        None if tiny else saved_transformer_config(Path(model_dir) / "transformer")
-    )
-    if config is not None:
-        where = Path(transformer_dir) if transformer_dir else Path(model_dir) / "transformer"
-        return tuple(require_key(config, "patch_size", where / "config.json"))
-    return tuple(TINY_TRANSFORMER["patch_size"]) if tiny else (1, 2, 2)
-
-
-def model_num_layers(
-    model_dir: str | Path | None, transformer_dir: str | Path | None = None, part: str = "transformer"
-) -> int:
-    """The transformer's number of layers, read from config files as :func:`model_patch_size` reads the patch
-    (``part="transformer_2"``: the second expert's, in ``model_dir``)."""
-    if model_dir is None:
-        model_dir = BUILTIN_DIR if builtin_available() else TINY_RANDOM
-    tiny = str(model_dir) == TINY_RANDOM
-    where = Path(transformer_dir) if transformer_dir else (None if tiny else Path(model_dir) / part)
-    config = saved_transformer_config(where)
-    if where is not None and config is not None:  # no folder, no config
-        return int(require_key(config, "num_layers", where / "config.json"))
-    return int(TINY_TRANSFORMER["num_layers"]) if tiny else 30
-
-
-def model_vae_stride(model_dir: str | Path | None) -> tuple[int, int, int]:
-    """The VAE's strides ``(time, height, width)`` read from ``vae/config.json`` without loading it (Wan2.1's
-    ``(4, 8, 8)`` for the tiny random model and when the config does not say)."""
-    if model_dir is None:
-        model_dir = BUILTIN_DIR if builtin_available() else TINY_RANDOM
-    config_file = None if str(model_dir) == TINY_RANDOM else Path(model_dir) / "vae" / "config.json"
-    config = read_json(config_file, "VAE config") if config_file is not None and config_file.is_file() else {}
-    spatial = int(config.get("scale_factor_spatial") or 8)
-    return (int(config.get("scale_factor_temporal") or 4), spatial, spatial)
 
 
 def resolve_device(device: str | torch.device | None = None) -> torch.device:
@@ -377,8 +290,8 @@ def load_components(
     """Loads a local Wan directory; ``None`` loads the built-in model (``assets/builtin``: trained
     on synthetic moving shapes); ``"tiny-random"`` builds the tiny random-weight model (tests, smoke runs).
 
-    A directory is read as its ``model_index.json`` says (:func:`model_architecture`, checked before anything
-    loads): ``WanPipeline`` or ``WanImageToVideoPipeline``, each transformer (``transformer``, and
+    A directory is read as its files say (:class:`pipelines.model_dir.ModelDir`; the pipeline class is checked
+    before anything loads): ``WanPipeline`` or ``WanImageToVideoPipeline``, each transformer (``transformer``, and
     ``transformer_2`` when named) through :func:`load_transformer` (a converted one comes back as its variant),
     the image encoder and processor when named.
 
@@ -406,7 +319,7 @@ def load_components(
             vae=parts["vae"].to(device),
             scheduler=parts["scheduler"],
             transformer=transformer,
-            source=model_source(TINY_RANDOM, seed),
+            source=ModelDir(TINY_RANDOM).source(seed),
             random_weights=True,
             device=device,
             dtype=dtype,
@@ -415,7 +328,8 @@ def load_components(
         )
 
     root = check_model_dir(model_dir)
-    index = read_model_index(root)  # an unsupported pipeline class is named here, before any weights load
+    folder = ModelDir(root)
+    index = folder.index  # an unsupported pipeline class is named here, before any weights load
     from diffusers import AutoencoderKLWan
     from transformers import AutoTokenizer, UMT5EncoderModel
 
@@ -435,9 +349,8 @@ def load_components(
         else None
     )
     image_encoder, image_processor = _load_image_encoder(root, device) if index.image_encoder else (None, None)
-    defaults, block_shape, variant_dirs = model_settings(root)
-    source = model_source(root)
-    random_weights = (root / TINY_INFO).is_file()
+    source = folder.source()
+    random_weights = folder.random_weights
     return WanComponents(
         tokenizer=tokenizer,
         text_encoder=text_encoder,
@@ -448,9 +361,9 @@ def load_components(
         random_weights=random_weights,
         device=device,
         dtype=dtype,
-        defaults=defaults,
-        block_shape=block_shape,
-        variant_dirs=variant_dirs,
+        defaults=folder.defaults,
+        block_shape=folder.block_shape,
+        variant_dirs=folder.variant_dirs,
         index=index,
         transformer_2=transformer_2,
         image_encoder=image_encoder,

@@ -1,4 +1,5 @@
-"""What a model directory on disk must hold, and checks of its files before anything is loaded.
+"""What a model directory on disk must hold, what it says (:class:`ModelDir`), and checks of its files before
+anything is loaded.
 
 Used by every model source in :mod:`pipelines.loading` and by :mod:`pipelines.builtin`; reads only
 config files and safetensors headers (and, in :func:`check_finite`, tensors already loaded).
@@ -7,12 +8,17 @@ config files and safetensors headers (and, in :func:`check_finite`, tensors alre
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from mhla import PAPER_BLOCK_SHAPE
+
+from .tiny import TINY_BLOCK_SHAPE, TINY_DEFAULTS, TINY_INFO, TINY_TRANSFORMER, WAN_DEFAULTS
 
 WEIGHTS = ("diffusion_pytorch_model.safetensors", "model.safetensors")
 # What a diffusers-format Wan directory must contain (a Wan2.2-A14B's transformer_2 and a Wan2.1-I2V's image
@@ -371,3 +377,138 @@ def _layer_count(keys: Iterable[str]) -> int | None:
     no key names a layer."""
     indices = [int(k.split(".")[1]) for k in keys if k.startswith("blocks.") and k.split(".")[1].isdigit()]
     return max(indices) + 1 if indices else None
+
+
+def vae_strides(config: Mapping[str, Any]) -> tuple[int, int, int]:
+    """A Wan VAE's strides ``(time, height, width)`` from its config (a loaded VAE's ``config`` or its
+    ``config.json``): 4 x 8 x 8 for Wan2.1's, 4 x 16 x 16 for Wan2.2-TI2V's; Wan2.1's where the config is silent."""
+    spatial = int(config.get("scale_factor_spatial") or 8)
+    return (int(config.get("scale_factor_temporal") or 4), spatial, spatial)
+
+
+class ModelDir:
+    """A model as its files describe it, read without loading a weight: each file once, when first asked.
+
+    ``model_dir``: a local diffusers Wan directory; ``"tiny-random"`` (the tiny random-weight model, no folder);
+    ``None``: the built-in model (the tiny random one where ``assets/builtin`` is absent). What a directory
+    does not say is Wan2.1's (480x832, 81 frames, 50 steps, the paper's 3x10x10 blocks, patch 1x2x2, VAE 4x8x8,
+    30 layers, 12 heads); the tiny random model's own values for ``"tiny-random"`` and a folder written by
+    ``python -m pipelines.tiny``. A transformer folder (``transformer_dir``: a fine-tuned one) wins over the
+    model's own for the patch, the layers and the heads."""
+
+    def __init__(self, model_dir: str | Path | None = None):
+        from .builtin import BUILTIN_DIR, TINY_RANDOM, builtin_available  # builtin imports this module
+
+        if model_dir is None:
+            model_dir = BUILTIN_DIR if builtin_available() else TINY_RANDOM
+        self.tiny_random = str(model_dir) == TINY_RANDOM
+        self.path: Path | None = None if self.tiny_random else Path(model_dir)
+        self._configs: dict[Path, dict[str, Any] | None] = {}
+
+    def __repr__(self) -> str:
+        return f"ModelDir({'tiny-random' if self.path is None else str(self.path)!r})"
+
+    @cached_property
+    def index(self) -> ModelIndex:
+        """The architecture ``model_index.json`` names (Wan2.1 text-to-video for the tiny random model);
+        ValueError for a pipeline class this product does not run."""
+        return ModelIndex() if self.path is None else read_model_index(self.path)
+
+    @cached_property
+    def random_weights(self) -> bool:
+        """The tiny random-weight model, or a folder written by ``python -m pipelines.tiny``: videos are noise."""
+        return self.path is None or (self.path / TINY_INFO).is_file()
+
+    def source(self, seed: int = 0) -> str:
+        """The name :func:`pipelines.loading.load_components` gives the model (``WanComponents.source``);
+        ``seed``: the tiny random model's."""
+        if self.path is None:
+            return f"tiny random-weight Wan2.1 (seed {seed}, RANDOM weights)"
+        if (self.path / "builtin.json").is_file():
+            return f"built-in model ({self.path.name}: trained on synthetic moving shapes)"
+        if self.random_weights:
+            architecture = read_json(self.path / TINY_INFO, "tiny model description").get("architecture", "Wan")
+            return f"tiny random-weight {architecture} {str(self.path)!r} (RANDOM weights)"
+        return str(self.path)
+
+    @cached_property
+    def _settings(self) -> tuple[dict[str, Any], tuple[int, int, int], dict[str, Path]]:
+        from .builtin import builtin_variant_dirs
+
+        if self.random_weights:
+            return dict(TINY_DEFAULTS), TINY_BLOCK_SHAPE, {}
+        assert self.path is not None
+        info = self.path / "builtin.json"
+        if info.is_file():  # the built-in model's layout: its defaults, block shape and variants/
+            meta = read_json(info, "model description")
+            defaults, block_shape = require_key(meta, "defaults", info), require_key(meta, "block_shape", info)
+            return dict(defaults), tuple(block_shape), builtin_variant_dirs(self.path)
+        return dict(WAN_DEFAULTS), PAPER_BLOCK_SHAPE, {}
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        """Generation defaults: height, width, num_frames, num_inference_steps, guidance_scale (a copy)."""
+        return dict(self._settings[0])
+
+    @property
+    def block_shape(self) -> tuple[int, int, int]:
+        """The target block shape in tokens of the default MHLA layout."""
+        return self._settings[1]
+
+    @property
+    def variant_dirs(self) -> dict[str, Path]:
+        """The fine-tuned transformer folders the model ships, by variant (the built-in model's)."""
+        return dict(self._settings[2])
+
+    @cached_property
+    def vae_stride(self) -> tuple[int, int, int]:
+        """The VAE's strides ``(time, height, width)`` from ``vae/config.json``."""
+        config_file = None if self.path is None else self.path / "vae" / "config.json"
+        config = read_json(config_file, "VAE config") if config_file is not None and config_file.is_file() else {}
+        return vae_strides(config)
+
+    def transformer_config(self, folder: str | Path | None = None, part: str = "transformer") -> dict[str, Any] | None:
+        """The ``config.json`` of a transformer folder (``folder``: a fine-tuned one), else of the model's ``part``
+        (``transformer`` or ``transformer_2``); None where there is none. Each file is read once."""
+        where = Path(folder) if folder is not None else None if self.path is None else self.path / part
+        if where is None:
+            return None
+        if where not in self._configs:
+            self._configs[where] = saved_transformer_config(where)
+        return self._configs[where]
+
+    def shape(self, transformer_dir: str | Path | None = None, part: str = "transformer") -> TransformerShape:
+        """The transformer's patch, layers and heads: ``transformer_dir``'s (a fine-tuned one) where it has a
+        config, else the model's ``part``'s."""
+        config = self.transformer_config(transformer_dir) if transformer_dir is not None else None
+        where = Path(transformer_dir) if config is not None and transformer_dir is not None else None
+        if config is None and self.path is not None:
+            config, where = self.transformer_config(part=part), self.path / part
+        if config is None or where is None:
+            config, where = TINY_TRANSFORMER if self.path is None else WAN_TRANSFORMER, Path("-")
+        file = where / "config.json"
+        t, h, w = (int(p) for p in require_key(config, "patch_size", file))
+        return TransformerShape(
+            patch=(t, h, w),
+            num_layers=int(require_key(config, "num_layers", file)),
+            num_heads=int(require_key(config, "num_attention_heads", file)),
+        )
+
+
+@dataclass(frozen=True)
+class TransformerShape:
+    """What a transformer's config says of its shape: ``patch`` ``(t, h, w)``, ``num_layers``, ``num_heads``."""
+
+    patch: tuple[int, int, int]
+    num_layers: int
+    num_heads: int
+
+
+# what a model folder whose transformer has no config is taken as: Wan2.1-T2V-1.3B's
+WAN_TRANSFORMER = {"patch_size": (1, 2, 2), "num_layers": 30, "num_attention_heads": 12}
+
+
+def saved_transformer_config(folder: str | Path | None) -> dict[str, Any] | None:
+    """A transformer folder's ``config.json`` as a dict (None if there is none), without loading weights."""
+    config = Path(folder) / "config.json" if folder is not None else None
+    return read_json(config, "transformer config") if config is not None and config.is_file() else None

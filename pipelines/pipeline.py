@@ -82,9 +82,9 @@ def model_request(
     ``components.transformer``) and VAE strides, and :func:`check_model_inputs` against its architecture (an
     image for an image-to-video model, none for a text-to-video one; ``layers_2`` for a second expert)."""
     transformer = components.transformer if transformer is None else transformer
-    vae = components.vae
-    stride = (vae.config.scale_factor_temporal, vae.config.scale_factor_spatial, vae.config.scale_factor_spatial)
-    checked = request.with_defaults(components.defaults).check(tuple(transformer.config.patch_size), stride)
+    checked = request.with_defaults(components.defaults).check(
+        tuple(transformer.config.patch_size), components.vae_stride
+    )
     check_model_inputs(checked, components.index, f"model {components.source!r}")
     return checked
 
@@ -290,7 +290,7 @@ def generate(
     sync(device)
     t_text = time.perf_counter()
 
-    stride = components.vae.config.scale_factor_temporal, components.vae.config.scale_factor_spatial
+    stride = components.vae_stride
     latent_frames = (num_frames - 1) // stride[0] + 1
     # the latents the pipeline denoises: WanPipeline's have the transformer's input channels; an
     # image-to-video transformer takes more (the image's latents and a mask concatenated), so there the VAE's

@@ -18,7 +18,6 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -227,20 +226,3 @@ def check_scale(
     scale.context_parallel, scale.degree = mode, degree
     scale.rank, scale.world, scale.local_rank = rank, world, local_rank
     return scale
-
-
-def model_num_heads(model_dir: str | Path | None, transformer_dir: str | Path | None = None) -> int:
-    """The transformer's attention heads, read from config files (as :func:`pipelines.loading.model_num_layers`)."""
-    from .builtin import BUILTIN_DIR, TINY_RANDOM, builtin_available
-    from .loading import saved_transformer_config
-    from .model_dir import require_key
-    from .tiny import TINY_TRANSFORMER
-
-    if model_dir is None:
-        model_dir = BUILTIN_DIR if builtin_available() else TINY_RANDOM
-    tiny = str(model_dir) == TINY_RANDOM
-    where = Path(transformer_dir) if transformer_dir else (None if tiny else Path(model_dir) / "transformer")
-    config = saved_transformer_config(where)
-    if where is not None and config is not None:
-        return int(require_key(config, "num_attention_heads", where / "config.json"))
-    return int(TINY_TRANSFORMER["num_attention_heads"]) if tiny else 12

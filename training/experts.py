@@ -21,9 +21,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from pipelines.builtin import BUILTIN_DIR, TINY_RANDOM, builtin_available
-from pipelines.loading import model_vae_stride
-from pipelines.model_dir import read_json, read_model_index
+from pipelines.model_dir import ModelDir, read_json
 
 ROLE = {"transformer": "the high-noise expert", "transformer_2": "the low-noise expert"}
 
@@ -66,22 +64,15 @@ class TrainingTarget:
         return f"{self.architecture}, expert {self.expert} ({ROLE[self.expert]}: {side})"
 
 
-def _model_root(cfg: DictConfig) -> Path | None:
-    """The model directory on disk, or None for the tiny random model (and the built-in one when absent)."""
-    path = cfg.model.path
-    if path is None:
-        return BUILTIN_DIR if builtin_available() else None
-    return None if str(path) == TINY_RANDOM else Path(path)
-
-
 def read_target(cfg: DictConfig) -> TrainingTarget:
     """The run's :class:`TrainingTarget` from ``model.path``'s config files (``model_index.json``, the scheduler's and
     the VAE's config), checked against ``model.expert``: a model with two experts needs one named, a model with one
     transformer takes none. Raises ValueError naming the key, its value and what was expected."""
     expert = cfg.model.get("expert")
-    root = _model_root(cfg)
+    model = ModelDir(cfg.model.path)
+    root = model.path  # None for the tiny random model (and the built-in one when absent)
     # the model directory's architecture, as generation reads it (pipelines.model_dir; a bad index is named there)
-    index = read_model_index(root) if root is not None and (root / "model_index.json").is_file() else None
+    index = model.index if root is not None and (root / "model_index.json").is_file() else None
     present = ("transformer", "transformer_2") if index is not None and index.transformer_2 else ("transformer",)
     boundary = index.boundary_ratio if index is not None else None
     expand = bool(index is not None and index.expand_timesteps)
@@ -126,7 +117,7 @@ def read_target(cfg: DictConfig) -> TrainingTarget:
         boundary_ratio=None if boundary is None else float(boundary),
         expand_timesteps=expand,
         num_train_timesteps=steps,
-        vae_stride=model_vae_stride(cfg.model.path),
+        vae_stride=model.vae_stride,
     )
 
 
@@ -135,7 +126,7 @@ def expert_folder(cfg: DictConfig, target: TrainingTarget) -> Path | None:
     (None for the tiny random model)."""
     if cfg.model.transformer:
         return Path(cfg.model.transformer)
-    root = _model_root(cfg)
+    root = ModelDir(cfg.model.path).path
     return None if root is None else root / target.expert
 
 

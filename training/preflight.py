@@ -13,8 +13,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 import mhla
 from pipelines import AttentionOptions, latent_grid
 from pipelines.attention import linear_layers_for
-from pipelines.loading import model_num_layers, model_patch_size, model_settings, saved_transformer_config
-from pipelines.model_dir import check_transformer_config, read_json
+from pipelines.model_dir import ModelDir, check_transformer_config, read_json, saved_transformer_config
 from training.experts import TrainingTarget, expert_folder, read_target
 
 # the keys that decide the converted transformer's parameters: a resume must keep them
@@ -48,10 +47,10 @@ def planned_blocks(
     the starting transformer's own, else the default for the model's block shape). The grid comes from the clip
     size, the VAE's strides (16x for Wan2.2-TI2V's) and the expert's patch."""
     target = read_target(cfg) if target is None else target
-    patch = model_patch_size(cfg.model.path, expert_folder(cfg, target))
-    grid = latent_grid(cfg.data.height, cfg.data.width, cfg.data.num_frames, tuple(patch), target.vae_stride)
-    block_shape = model_settings(cfg.model.path)[1]
-    resolved = mhla.resolve_blocks(grid, cfg.model.blocks or None, _own_blocks(cfg, target), block_shape)
+    model = ModelDir(cfg.model.path)
+    patch = model.shape(expert_folder(cfg, target)).patch
+    grid = latent_grid(cfg.data.height, cfg.data.width, cfg.data.num_frames, patch, target.vae_stride)
+    resolved = mhla.resolve_blocks(grid, cfg.model.blocks or None, _own_blocks(cfg, target), model.block_shape)
     return grid, tuple(resolved.blocks)
 
 
@@ -114,8 +113,9 @@ def check_model_plan(cfg: DictConfig) -> None:
     target = read_target(cfg)  # model.expert against the model's transformers
     check_expert_run(cfg, target)
     folder = expert_folder(cfg, target)
-    num_layers = model_num_layers(cfg.model.path, folder)
-    check_clip_size(cfg, target, model_patch_size(cfg.model.path, folder))
+    shape = ModelDir(cfg.model.path).shape(folder)
+    num_layers = shape.num_layers
+    check_clip_size(cfg, target, shape.patch)
     layers = list(cfg.model.layers) if cfg.model.layers is not None else None
     try:
         linear_layers_for(cfg.model.variant, num_layers, layers)

@@ -356,9 +356,13 @@ def test_cli_runs_each_variant_from_its_fine_tuned_transformer(tmp_path, capsys)
 @needs_builtin
 def test_cli_checks_blocks_on_the_builtin_models_token_grid(tmp_path, capsys):
     from pipelines.generate import main
-    from pipelines.loading import model_patch_size
+    from pipelines.model_dir import ModelDir
 
-    assert model_patch_size(None) == (1, 1, 1) == model_patch_size("tiny-random", BUILTIN_DIR / "variants" / "mhla")
+    assert (
+        ModelDir(None).shape().patch
+        == (1, 1, 1)
+        == ModelDir("tiny-random").shape(BUILTIN_DIR / "variants" / "mhla").patch
+    )
     base = ["--prompt", "a red square", "--variant", "mhla", "--out", str(tmp_path / "v.mp4"), "--no-progress"]
     assert main([*base, "--blocks", "1x17x1"]) == 2  # the built-in grid is 5x16x20 tokens (patch 1x1x1)
     assert "blocks '1x17x1' do not fit 17 frames at 128x160" in capsys.readouterr().err

@@ -20,8 +20,8 @@ from common.video import read_video
 from pipelines import generate as cli
 from pipelines.attention import LinearSelfAttnProcessor, hybrid_layers
 from pipelines.convert import convert_self_attention, current_variant, self_attention_state
-from pipelines.loading import load_components, model_architecture, model_vae_stride
-from pipelines.model_dir import check_model_dir
+from pipelines.loading import load_components
+from pipelines.model_dir import ModelDir, check_model_dir
 from pipelines.pipeline import fit_image, generate
 from pipelines.request import GenerationRequest, latent_grid
 from pipelines.tiny import TINY_ARCHITECTURES, TINY_INFO, save_tiny_model
@@ -107,7 +107,7 @@ def test_folders_name_their_architecture(folders, architecture):
     from diffusers import DiffusionPipeline
 
     expected = EXPECTED[architecture]
-    index = model_architecture(folders[architecture])
+    index = ModelDir(folders[architecture]).index
     assert index.pipeline_class == expected["pipeline_class"]
     assert index.transformer_2 == expected["transformer_2"]
     assert index.expand_timesteps == expected["expand_timesteps"]
@@ -162,7 +162,7 @@ def test_a_missing_second_expert_is_named(folders, tmp_path):
 def test_tiny_command_writes_a_folder_and_refuses_others(tmp_path, capsys):
     out = tmp_path / "ti2v"
     assert tiny_main(["--architecture", "wan2.2-ti2v", "--out", str(out), "--layers", "2"]) == 0
-    assert model_architecture(out).expand_timesteps and check_model_dir(out) == out
+    assert ModelDir(out).index.expand_timesteps and check_model_dir(out) == out
     assert json.loads((out / "transformer" / "config.json").read_text())["num_layers"] == 2
     assert tiny_main(["--architecture", "wan2.2-ti2v", "--out", str(out), "--layers", "3"]) == 0  # replaces its own
     assert json.loads((out / "transformer" / "config.json").read_text())["num_layers"] == 3
@@ -181,7 +181,7 @@ def test_ti2v_5b_block_layout_the_papers_way(tmp_path):
     # the 5B's VAE config says 16x spatial (diffusers' AutoencoderKLWan of Wan2.2), read without loading
     (tmp_path / "vae").mkdir()
     (tmp_path / "vae" / "config.json").write_text(json.dumps({"scale_factor_spatial": 16, "scale_factor_temporal": 4}))
-    stride = model_vae_stride(tmp_path)
+    stride = ModelDir(tmp_path).vae_stride
     grid = latent_grid(704, 1280, 121, (1, 2, 2), stride)
     assert stride == (4, 16, 16) and grid == (31, 22, 40)  # 31x44x80 latents, patched 1x2x2
     blocks = mhla.resolve_blocks(grid).blocks  # the default rule, aiming at the paper's 3x10x10-token blocks
