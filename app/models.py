@@ -27,7 +27,7 @@ from pipelines import (
     resolve_model_blocks,
 )
 from pipelines.attention import LINEAR, SOFTMAX
-from pipelines.builtin import BUILTIN_DIR, TINY_RANDOM, builtin_available, builtin_examples
+from pipelines.builtin import BUILTIN_DIR, builtin_examples
 from pipelines.conversion import model_blocks
 from pipelines.convert import attention_options
 from pipelines.loading import WAN_CONFIGS, build_random_wan

@@ -34,7 +34,7 @@ from .model_dir import (
     vae_strides,
     weight_files,
 )
-from .tiny import TINY_BLOCK_SHAPE, TINY_DEFAULTS, TINY_INFO, WAN_DEFAULTS, build_tiny_components
+from .tiny import TINY_BLOCK_SHAPE, TINY_DEFAULTS, WAN_DEFAULTS, build_tiny_components
 
 if TYPE_CHECKING:
     from diffusers import AutoencoderKLWan, SchedulerMixin, WanTransformer3DModel
