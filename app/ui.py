@@ -16,6 +16,7 @@ import tempfile
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import gradio as gr
@@ -250,6 +251,23 @@ def _stored_copies(models: AppModels | ModelFacts, folder: Path) -> dict[str, co
     return stored
 
 
+@dataclass
+class PageSource:
+    """What every tab is built from: the models (or their :class:`~app.models.ModelFacts` while ``warmup`` loads
+    them), the warm-up, the folder files are written to, the committed GPU results (read once)."""
+
+    models: AppModels | ModelFacts
+    warmup: compare.Warmup | None
+    out_root: Path
+    gpu_tables: list[gpu_results.GpuTable]
+
+    def loaded(self) -> AppModels | None:
+        """The loaded models (None while they load, or when loading failed: ``warmup.error``)."""
+        if isinstance(self.models, AppModels):
+            return self.models
+        return self.warmup.models if self.warmup is not None and self.warmup.loaded else None
+
+
 def build_demo(
     models: AppModels | ModelFacts,
     max_tokens: int | None = None,
@@ -265,16 +283,42 @@ def build_demo(
     if isinstance(models, ModelFacts) and warmup is None:
         raise ValueError("a page built from a model's facts needs the Warmup that loads the model")
     out_root = Path(out_root or tempfile.mkdtemp(prefix="mhla-app-"))
+    source = PageSource(models, warmup, out_root, gpu_results.load())
+
+    # delete_cache: gradio copies every returned video into its cache; drop copies older than a day, hourly
+    with gr.Blocks(title="MHLA video: attention variants side by side", delete_cache=(3600, 86400)) as demo:
+        gr.Markdown(header_markdown(models))
+        warmup_line(demo, warmup)
+        if models.random_note:
+            gr.Markdown(f"**{models.random_note}.**", elem_classes="random-note", elem_id="random-note")
+        compare_tab(demo, source, max_tokens)
+        benchmark_tab(source, max_bench_tokens)
+    return demo
+
+
+def warmup_line(demo: gr.Blocks, warmup: compare.Warmup | None) -> None:
+    """While the background warm-up runs: a visible line, refreshed each second until it is done."""
+    warm_note = gr.Markdown(warmup.note() if warmup else "", elem_id="warmup-note")
+    if warmup is None:
+        return
+    warm_timer = gr.Timer(1.0, active=not warmup.done)
+
+    def on_warm_tick():
+        return warmup.note(), gr.Timer(active=not warmup.done)
+
+    warm_timer.tick(on_warm_tick, None, [warm_note, warm_timer], queue=False, api_visibility="private")
+    demo.load(on_warm_tick, None, [warm_note, warm_timer], queue=False, api_visibility="private")
+
+
+def compare_tab(demo: gr.Blocks, source: PageSource, max_tokens: int | None) -> None:
+    """The Compare tab: the request form, a column per variant streamed as each finishes, the verdict, tables,
+    chart and side-by-side video; stored examples and permalinks. ``max_tokens``: largest request accepted."""
+    models, warmup, out_root, loaded = source.models, source.warmup, source.out_root, source.loaded
     # where gradio's upload route puts files: the only place an uploaded first frame may be read from
     upload_dirs = [Path(gr.utils.get_upload_folder())]
     page = models  # what the page is built from and shows before the models are loaded
     defaults = page.defaults
-
-    def loaded() -> AppModels | None:
-        """The loaded models (None while they load, or when loading failed: ``warmup.error``)."""
-        if isinstance(models, AppModels):
-            return models
-        return warmup.models if warmup is not None and warmup.loaded else None
+    gpu_tables = source.gpu_tables
 
     runs = _Runs()
     # finished runs by compare.request_key: a permalink to one of them opens with its results (this server only)
@@ -295,7 +339,6 @@ def build_demo(
     decode_clock = _DecodeClock()
     line = _Queue()
     stored = _stored_copies(page, out_root / "stored")
-    gpu_tables = gpu_results.load()  # committed files, read once
     # the outputs after the status line: headline, (column, video, details) per variant, summary, table,
     # details table, chart, side-by-side file
     n_outputs = 3 * len(VARIANTS) + 6
@@ -590,6 +633,176 @@ def build_demo(
             shown[0] = "Restored from the link: press **Generate** to run it."
         return values + shown + [prompt_note(prompt_value or "")]
 
+    with gr.Tab("Compare"):
+        with gr.Row():
+            with gr.Column(scale=3) as prompt_column:
+                prompt = gr.Textbox(
+                    label="Prompt",
+                    lines=2,
+                    elem_id="prompt",
+                    placeholder="Describe the video to generate (or pick an example below)",
+                    info=f"at most {compare.MAX_PROMPT_CHARS:,} characters",
+                )
+                note = gr.Markdown(prompt_note(""), elem_id="prompt-note")
+                negative = gr.Textbox(
+                    "",
+                    label="Negative prompt (optional)",
+                    lines=1,
+                    elem_id="negative",
+                    placeholder="what the video should not show",
+                )
+                # only for a model that takes a first frame (image-to-video, Wan2.2-TI2V); gradio's own
+                # upload (no URL or server path), checked again in compare.check_request
+                image = gr.Image(
+                    type="filepath",
+                    sources=["upload"],
+                    label="First frame" + (" (required)" if page.needs_image else " (optional)"),
+                    elem_id="image",
+                    height=200,
+                    visible=page.takes_image,
+                )
+            with gr.Column(scale=2):
+                preset = gr.Dropdown(
+                    compare.preset_choices(page, max_tokens),
+                    value=_default_preset(page, max_tokens),
+                    label="Frames and resolution (latent tokens, MHLA blocks M)",
+                    elem_id="preset",
+                    info=compare.presets_left_out(page, max_tokens),
+                )
+                variants = gr.CheckboxGroup(list(VARIANTS), value=list(VARIANTS), label="Variants", elem_id="variants")
+                with gr.Row():
+                    # precision=None: 1.5 reaches the check and is refused, not rounded to 2
+                    seed = gr.Number(0, label="Seed", precision=None, minimum=0, elem_id="seed")
+                    dice = gr.Button("Random seed", size="sm", elem_id="random-seed", scale=0)
+                with gr.Row():
+                    # numbers, not sliders: a slider clamps 1000 steps to 100 in the browser; out-of-range
+                    # values must reach the check and be refused with a message
+                    steps = gr.Number(
+                        defaults["num_inference_steps"],
+                        precision=None,
+                        elem_id="steps",
+                        label="Steps",
+                        info=f"1 to {compare.MAX_STEPS}",
+                    )
+                    guidance = gr.Number(
+                        defaults["guidance_scale"],
+                        precision=None,
+                        step=0.5,
+                        elem_id="guidance",
+                        label="Guidance",
+                        info=f"0 to {compare.MAX_GUIDANCE:g}",
+                    )
+                    repeats = gr.Number(
+                        1,
+                        precision=None,
+                        elem_id="repeats",
+                        label="Repeats",
+                        info=f"timed runs per variant, 1 to {compare.MAX_REPEATS}",
+                    )
+        with gr.Row():
+            run_button = gr.Button("Generate with each variant", variant="primary", elem_id="generate", scale=3)
+            stop_button = gr.Button("Stop", variant="stop", elem_id="stop", scale=1)
+        status = gr.Markdown(label="status", elem_id="status", min_height=50, container=True, padding=True)
+        headline = gr.Markdown(label="headline", elem_id="headline")
+        columns = []
+        with gr.Row(equal_height=False):
+            for name in VARIANTS:
+                with gr.Column(min_width=200, elem_id=f"col-{name}") as col:
+                    video = gr.Video(
+                        label=f"{name} video",
+                        autoplay=True,
+                        loop=True,
+                        interactive=False,
+                        height=260,
+                        elem_id=f"video-{name}",
+                    )
+                    md = gr.Markdown(
+                        f"### {name}\n_{page.variant_notes[name]}_",
+                        label=f"{name} details",
+                        elem_id=f"latency-{name}",
+                        elem_classes="variant-info",
+                    )
+                columns += [col, video, md]
+        table = gr.Markdown(label="By variant, best against the prompt first", elem_id="table")
+        with gr.Row():
+            chart = gr.Plot(label="denoising step latency", show_label=False, elem_id="chart")
+            side_by_side = gr.File(
+                label="Side-by-side video (every variant, labelled)", interactive=False, elem_id="side-by-side"
+            )
+        summary = gr.Markdown(label="summary", elem_id="summary")
+        gpu_panel(gpu_tables, "compare")
+        with gr.Accordion("All measurements", open=False, elem_id="details"):
+            details = gr.Dataframe(
+                headers=compare.ALL_HEADERS,
+                label="All measurements by variant",
+                show_label=False,
+                elem_id="details-table",
+                wrap=True,
+            )
+        with prompt_column:  # under the prompt box (made here: it fills the outputs defined above)
+            gr.Examples(
+                page.example_prompts,
+                inputs=[prompt],
+                outputs=[status, headline, *columns, summary, table, details, chart, side_by_side],
+                fn=show_stored,
+                run_on_click=True,
+                cache_examples=False,
+                label="Example prompts (open with their stored results; Generate runs them afresh)",
+                api_visibility="private",
+            )
+        outputs = [status, headline, *columns, summary, table, details, chart, side_by_side]
+
+        # typing, an example or a permalink: the count and the vocabulary note follow
+        prompt.change(prompt_note, prompt, note, queue=False, api_visibility="private", trigger_mode="always_last")
+        dice.click(lambda: random.randrange(2**31), None, seed, queue=False, api_visibility="private")
+        # a click clears the page at once: a stored example or an earlier run never waits in line beside it
+        started = run_button.click(
+            lambda chosen: [
+                gr.Button(interactive=False),
+                *cleared(chosen if isinstance(chosen, list) else [], line.join()),
+            ],
+            variants,
+            [run_button, *outputs],
+            queue=False,
+            api_visibility="private",
+        )
+        run = started.then(
+            on_compare,
+            [prompt, negative, seed, steps, guidance, preset, variants, repeats]
+            + ([image] if page.takes_image else []),  # the API's inputs stay as they were for other models
+            outputs,
+            concurrency_id="device",  # one run at a time: compare and benchmark share the device
+            concurrency_limit=1,
+            show_progress="hidden",  # the status line says the stage and the time left (gradio's ETA was wrong)
+            api_name="compare",
+            preprocess=False,  # raw values reach app.inputs' checks: a list prompt is refused, not str()-ed
+        )
+        for after in (run.then, run.failure):  # gradio 6 skips .then after an error: enable on both
+            after(lambda: gr.Button(interactive=True), None, run_button, queue=False, api_visibility="private")
+        # the address bar becomes the permalink of the request just run (restored by on_load)
+        run.then(
+            None,
+            [prompt, seed, steps, guidance, preset, variants],
+            None,
+            js=PERMALINK_JS,
+            queue=False,
+            api_visibility="private",
+        )
+        stop_button.click(on_stop, None, [run_button, *outputs], cancels=[run], queue=False, api_visibility="private")
+        demo.load(
+            on_load,
+            None,
+            [prompt, seed, steps, guidance, preset, variants, *outputs, note],
+            queue=False,
+            api_visibility="private",
+        )
+
+
+def benchmark_tab(source: PageSource, max_bench_tokens: int | None) -> None:
+    """The Benchmark tab: operator and transformer-forward latency against sequence length, measured live.
+    ``max_bench_tokens``: largest grid accepted."""
+    page, warmup, out_root, loaded = source.models, source.warmup, source.out_root, source.loaded
+
     def on_bench(grids, levels, variants, repeats, progress=gr.Progress()):  # noqa: B008
         if warmup is not None and not warmup.done:
             progress(None, desc="waiting for the warm-up to finish")
@@ -617,219 +830,32 @@ def build_demo(
         )
         return status, bench.figure(result), bench.table(result), [str(f) for f in files]
 
-    # delete_cache: gradio copies every returned video into its cache; drop copies older than a day, hourly
-    with gr.Blocks(title="MHLA video: attention variants side by side", delete_cache=(3600, 86400)) as demo:
-        gr.Markdown(header_markdown(page))
-        # while the background warm-up runs: a visible line, refreshed each second until it is done
-        warm_note = gr.Markdown(warmup.note() if warmup else "", elem_id="warmup-note")
-        if warmup is not None:
-            warm_timer = gr.Timer(1.0, active=not warmup.done)
-
-            def on_warm_tick():
-                return warmup.note(), gr.Timer(active=not warmup.done)
-
-            warm_timer.tick(on_warm_tick, None, [warm_note, warm_timer], queue=False, api_visibility="private")
-            demo.load(on_warm_tick, None, [warm_note, warm_timer], queue=False, api_visibility="private")
-        if page.random_note:
-            gr.Markdown(f"**{page.random_note}.**", elem_classes="random-note", elem_id="random-note")
-        with gr.Tab("Compare"):
-            with gr.Row():
-                with gr.Column(scale=3) as prompt_column:
-                    prompt = gr.Textbox(
-                        label="Prompt",
-                        lines=2,
-                        elem_id="prompt",
-                        placeholder="Describe the video to generate (or pick an example below)",
-                        info=f"at most {compare.MAX_PROMPT_CHARS:,} characters",
-                    )
-                    note = gr.Markdown(prompt_note(""), elem_id="prompt-note")
-                    negative = gr.Textbox(
-                        "",
-                        label="Negative prompt (optional)",
-                        lines=1,
-                        elem_id="negative",
-                        placeholder="what the video should not show",
-                    )
-                    # only for a model that takes a first frame (image-to-video, Wan2.2-TI2V); gradio's own
-                    # upload (no URL or server path), checked again in compare.check_request
-                    image = gr.Image(
-                        type="filepath",
-                        sources=["upload"],
-                        label="First frame" + (" (required)" if page.needs_image else " (optional)"),
-                        elem_id="image",
-                        height=200,
-                        visible=page.takes_image,
-                    )
-                with gr.Column(scale=2):
-                    preset = gr.Dropdown(
-                        compare.preset_choices(page, max_tokens),
-                        value=_default_preset(page, max_tokens),
-                        label="Frames and resolution (latent tokens, MHLA blocks M)",
-                        elem_id="preset",
-                        info=compare.presets_left_out(page, max_tokens),
-                    )
-                    variants = gr.CheckboxGroup(
-                        list(VARIANTS), value=list(VARIANTS), label="Variants", elem_id="variants"
-                    )
-                    with gr.Row():
-                        # precision=None: 1.5 reaches the check and is refused, not rounded to 2
-                        seed = gr.Number(0, label="Seed", precision=None, minimum=0, elem_id="seed")
-                        dice = gr.Button("Random seed", size="sm", elem_id="random-seed", scale=0)
-                    with gr.Row():
-                        # numbers, not sliders: a slider clamps 1000 steps to 100 in the browser; out-of-range
-                        # values must reach the check and be refused with a message
-                        steps = gr.Number(
-                            defaults["num_inference_steps"],
-                            precision=None,
-                            elem_id="steps",
-                            label="Steps",
-                            info=f"1 to {compare.MAX_STEPS}",
-                        )
-                        guidance = gr.Number(
-                            defaults["guidance_scale"],
-                            precision=None,
-                            step=0.5,
-                            elem_id="guidance",
-                            label="Guidance",
-                            info=f"0 to {compare.MAX_GUIDANCE:g}",
-                        )
-                        repeats = gr.Number(
-                            1,
-                            precision=None,
-                            elem_id="repeats",
-                            label="Repeats",
-                            info=f"timed runs per variant, 1 to {compare.MAX_REPEATS}",
-                        )
-            with gr.Row():
-                run_button = gr.Button("Generate with each variant", variant="primary", elem_id="generate", scale=3)
-                stop_button = gr.Button("Stop", variant="stop", elem_id="stop", scale=1)
-            status = gr.Markdown(label="status", elem_id="status", min_height=50, container=True, padding=True)
-            headline = gr.Markdown(label="headline", elem_id="headline")
-            columns = []
-            with gr.Row(equal_height=False):
-                for name in VARIANTS:
-                    with gr.Column(min_width=200, elem_id=f"col-{name}") as col:
-                        video = gr.Video(
-                            label=f"{name} video",
-                            autoplay=True,
-                            loop=True,
-                            interactive=False,
-                            height=260,
-                            elem_id=f"video-{name}",
-                        )
-                        md = gr.Markdown(
-                            f"### {name}\n_{page.variant_notes[name]}_",
-                            label=f"{name} details",
-                            elem_id=f"latency-{name}",
-                            elem_classes="variant-info",
-                        )
-                    columns += [col, video, md]
-            table = gr.Markdown(label="By variant, best against the prompt first", elem_id="table")
-            with gr.Row():
-                chart = gr.Plot(label="denoising step latency", show_label=False, elem_id="chart")
-                side_by_side = gr.File(
-                    label="Side-by-side video (every variant, labelled)", interactive=False, elem_id="side-by-side"
-                )
-            summary = gr.Markdown(label="summary", elem_id="summary")
-            gpu_panel(gpu_tables, "compare")
-            with gr.Accordion("All measurements", open=False, elem_id="details"):
-                details = gr.Dataframe(
-                    headers=compare.ALL_HEADERS,
-                    label="All measurements by variant",
-                    show_label=False,
-                    elem_id="details-table",
-                    wrap=True,
-                )
-            with prompt_column:  # under the prompt box (made here: it fills the outputs defined above)
-                gr.Examples(
-                    page.example_prompts,
-                    inputs=[prompt],
-                    outputs=[status, headline, *columns, summary, table, details, chart, side_by_side],
-                    fn=show_stored,
-                    run_on_click=True,
-                    cache_examples=False,
-                    label="Example prompts (open with their stored results; Generate runs them afresh)",
-                    api_visibility="private",
-                )
-            outputs = [status, headline, *columns, summary, table, details, chart, side_by_side]
-
-            # typing, an example or a permalink: the count and the vocabulary note follow
-            prompt.change(prompt_note, prompt, note, queue=False, api_visibility="private", trigger_mode="always_last")
-            dice.click(lambda: random.randrange(2**31), None, seed, queue=False, api_visibility="private")
-            # a click clears the page at once: a stored example or an earlier run never waits in line beside it
-            started = run_button.click(
-                lambda chosen: [
-                    gr.Button(interactive=False),
-                    *cleared(chosen if isinstance(chosen, list) else [], line.join()),
-                ],
-                variants,
-                [run_button, *outputs],
-                queue=False,
-                api_visibility="private",
+    with gr.Tab("Benchmark"):
+        gr.Markdown(
+            "Latency against sequence length, measured live here: the attention operator alone (softmax "
+            "through its fastest backend, linear, MHLA) and one forward of the loaded transformer per variant. "
+            "Sizes are latent-token grids `FxHxW`; a size that does not fit ends its series."
+        )
+        with gr.Row():
+            grids = gr.Textbox(bench.default_grids(page.device), label="Token grids (FxHxW, comma-separated)")
+            levels = gr.CheckboxGroup(
+                ["operator", "transformer forward"], value=["operator", "transformer forward"], label="Levels"
             )
-            run = started.then(
-                on_compare,
-                [prompt, negative, seed, steps, guidance, preset, variants, repeats]
-                + ([image] if page.takes_image else []),  # the API's inputs stay as they were for other models
-                outputs,
-                concurrency_id="device",  # one run at a time: compare and benchmark share the device
-                concurrency_limit=1,
-                show_progress="hidden",  # the status line says the stage and the time left (gradio's ETA was wrong)
-                api_name="compare",
-                preprocess=False,  # raw values reach app.inputs' checks: a list prompt is refused, not str()-ed
-            )
-            for after in (run.then, run.failure):  # gradio 6 skips .then after an error: enable on both
-                after(lambda: gr.Button(interactive=True), None, run_button, queue=False, api_visibility="private")
-            # the address bar becomes the permalink of the request just run (restored by on_load)
-            run.then(
-                None,
-                [prompt, seed, steps, guidance, preset, variants],
-                None,
-                js=PERMALINK_JS,
-                queue=False,
-                api_visibility="private",
-            )
-            stop_button.click(
-                on_stop, None, [run_button, *outputs], cancels=[run], queue=False, api_visibility="private"
-            )
-            demo.load(
-                on_load,
-                None,
-                [prompt, seed, steps, guidance, preset, variants, *outputs, note],
-                queue=False,
-                api_visibility="private",
-            )
-        with gr.Tab("Benchmark"):
-            gr.Markdown(
-                "Latency against sequence length, measured live here: the attention operator alone (softmax "
-                "through its fastest backend, linear, MHLA) and one forward of the loaded transformer per variant. "
-                "Sizes are latent-token grids `FxHxW`; a size that does not fit ends its series."
-            )
-            with gr.Row():
-                grids = gr.Textbox(bench.default_grids(page.device), label="Token grids (FxHxW, comma-separated)")
-                levels = gr.CheckboxGroup(
-                    ["operator", "transformer forward"], value=["operator", "transformer forward"], label="Levels"
-                )
-                bench_variants = gr.CheckboxGroup(list(VARIANTS), value=[SOFTMAX, MHLA], label="Transformer variants")
-                bench_repeats = gr.Slider(
-                    1, 20, 3 if page.device.type == "cpu" else 10, step=1, label="Repeats (median)"
-                )
-            bench_button = gr.Button("Run benchmark", variant="primary", elem_id="bench")
-            bench_status = gr.Markdown(
-                label="status", elem_id="bench-status", min_height=70, container=True, padding=True
-            )
-            bench_plot = gr.Plot(label="Latency vs tokens (log-log)")
-            bench_table = gr.Dataframe(headers=list(bench.FIELDS), label="Results", elem_id="bench-table")
-            bench_files = gr.File(label="Download JSON / CSV", file_count="multiple", interactive=False)
-            gpu_panel(gpu_tables, "bench")
-            bench_button.click(
-                on_bench,
-                [grids, levels, bench_variants, bench_repeats],
-                [bench_status, bench_plot, bench_table, bench_files],
-                concurrency_id="device",
-                concurrency_limit=1,
-                show_progress_on=[bench_status],
-                api_name="benchmark",
-                preprocess=False,  # raw values reach the checks: repeats=2.7 is refused, not truncated
-            )
-    return demo
+            bench_variants = gr.CheckboxGroup(list(VARIANTS), value=[SOFTMAX, MHLA], label="Transformer variants")
+            bench_repeats = gr.Slider(1, 20, 3 if page.device.type == "cpu" else 10, step=1, label="Repeats (median)")
+        bench_button = gr.Button("Run benchmark", variant="primary", elem_id="bench")
+        bench_status = gr.Markdown(label="status", elem_id="bench-status", min_height=70, container=True, padding=True)
+        bench_plot = gr.Plot(label="Latency vs tokens (log-log)")
+        bench_table = gr.Dataframe(headers=list(bench.FIELDS), label="Results", elem_id="bench-table")
+        bench_files = gr.File(label="Download JSON / CSV", file_count="multiple", interactive=False)
+        gpu_panel(source.gpu_tables, "bench")
+        bench_button.click(
+            on_bench,
+            [grids, levels, bench_variants, bench_repeats],
+            [bench_status, bench_plot, bench_table, bench_files],
+            concurrency_id="device",
+            concurrency_limit=1,
+            show_progress_on=[bench_status],
+            api_name="benchmark",
+            preprocess=False,  # raw values reach the checks: repeats=2.7 is refused, not truncated
+        )

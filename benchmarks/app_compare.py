@@ -98,6 +98,7 @@ def main(argv=None) -> int:
 
     print(install(), flush=True)  # before app.compare imports the mp4 writer
     from app import compare
+    from common.timing import device_name
     from app.models import load_app_models
     from world.analyse import strict_verdicts
 
@@ -167,7 +168,7 @@ def main(argv=None) -> int:
     record = {
         "what": "app Compare end to end (app.compare.iter_compare), identical requests in a row",
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": f"{compare.device_name(models.device)}, {os.cpu_count()} cores, {platform.machine()}",
+        "machine": f"{device_name(models.device)}, {os.cpu_count()} cores, {platform.machine()}",
         "torch": torch.__version__,
         "model": models.components.source,
         "decode_dtype": str(models.components.vae.dtype).replace("torch.", ""),

@@ -327,14 +327,14 @@ def test_spread_is_median_and_quartiles():
 
 @pytest.mark.slow  # generates every variant
 def test_compare_reports_a_failing_variant_and_goes_on(models, tmp_path, monkeypatch):
-    real = compare.generate
+    real = compare.engine.generate
 
     def failing(components, request, **kw):
         if request.variant == "linear":
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 40.00 GiB")
         return real(components, request, **kw)
 
-    monkeypatch.setattr(compare, "generate", failing)
+    monkeypatch.setattr(compare.engine, "generate", failing)
     req = compare.check_request(models, "a fox", "", 1, 1, 5.0, SMALLEST, ["flash", "linear", "mhla"])
     result = compare.run_compare(models, req, tmp_path)
     by = {r.variant: r for r in result.runs}
@@ -487,7 +487,7 @@ def test_huge_prompts_are_refused_with_the_limit(models):
 
 @pytest.mark.slow  # generates with the tiny model
 def test_a_variant_failing_unexpectedly_keeps_the_others_and_shows_no_server_path(models, tmp_path, monkeypatch):
-    real = compare.generate
+    real = compare.engine.generate
     secret = str(tmp_path / "venv" / "lib" / "python3.11" / "site-packages" / "x.py")
 
     def failing(components, request, **kw):
@@ -497,7 +497,7 @@ def test_a_variant_failing_unexpectedly_keeps_the_others_and_shows_no_server_pat
             raise ValueError(f"weights in {secret} are bad")
         return real(components, request, **kw)
 
-    monkeypatch.setattr(compare, "generate", failing)
+    monkeypatch.setattr(compare.engine, "generate", failing)
     req = compare.check_request(models, "a fox " * 300, "", 1, 1, 5.0, SMALLEST, ["flash", "linear", "mhla"])
     result = compare.run_compare(models, req, tmp_path / "out")
     by = {r.variant: r for r in result.runs}
@@ -562,14 +562,14 @@ def test_storing_examples_that_fails_part_way_keeps_the_stored_results(models, t
             raise KeyboardInterrupt  # Ctrl-C during the second example
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(compare, "run_compare", failing)
+    monkeypatch.setattr(compare.store, "run_compare", failing)
     with pytest.raises(KeyboardInterrupt):
         compare.store_examples(models, folder, ["a blue square", "a green circle"])
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
     assert list(compare.load_stored(folder)) == ["a red fox"] and sorted(p.name for p in tmp_path.iterdir()) == [
         "examples"
     ]
-    monkeypatch.setattr(compare, "run_compare", real)
+    monkeypatch.setattr(compare.store, "run_compare", real)
     compare.store_examples(models, folder, ["a blue square"])
     assert list(compare.load_stored(folder)) == ["a blue square"] and (folder / "NOTES.txt").read_text() == "mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["examples"]  # no staging or old folder left
@@ -689,5 +689,5 @@ def test_the_committed_examples_name_the_softmax_backend_as_a_fresh_run_here_doe
     fresh = load_app_models("tiny-random")
     d = fresh.defaults
     request = compare.CompareRequest("a fox", "", 0, 1, 5.0, (d["num_frames"], d["height"], d["width"]), ["flash"])
-    backend = compare._generate(fresh, request, "flash", 1).timing.softmax_backend
+    backend = compare.engine._generate(fresh, request, "flash", 1).timing.softmax_backend
     assert backend and {r.softmax_backend for r in stored.values()} == {backend}

@@ -28,7 +28,7 @@ def _frames(models, variant: str, cache=None, compile="none") -> np.ndarray:
     )
     models.cache, models.compile = cache, compile
     try:
-        return compare._generate(models, request, variant, STEPS).frames  # the app's one call of generate()
+        return compare.engine._generate(models, request, variant, STEPS).frames  # the app's one call of generate()
     finally:
         models.cache, models.compile = None, "none"
 

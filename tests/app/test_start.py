@@ -20,7 +20,7 @@ def models():
 
 def test_the_warm_up_runs_in_the_background(models, monkeypatch):
     release = threading.Event()
-    monkeypatch.setattr(compare, "warm_up", lambda m, decodes=None: release.wait(10) and 1.5)
+    monkeypatch.setattr(compare.engine, "warm_up", lambda m, decodes=None: release.wait(10) and 1.5)
     started = time.monotonic()
     warmup = compare.Warmup(models).start()
     assert time.monotonic() - started < 1.0 and not warmup.done  # start() returns at once
@@ -33,7 +33,7 @@ def test_a_failed_warm_up_counts_as_done(models, monkeypatch):
     def broken(m, decodes=None):
         raise RuntimeError("no")
 
-    monkeypatch.setattr(compare, "warm_up", broken)
+    monkeypatch.setattr(compare.engine, "warm_up", broken)
     warmup = compare.Warmup(models).start()
     assert warmup.wait(10) and warmup.seconds is None and warmup.note() == ""
 
@@ -42,7 +42,7 @@ def test_a_run_waits_for_the_warm_up_and_says_so(models, tmp_path, monkeypatch):
     from app.ui import build_demo
 
     release = threading.Event()
-    monkeypatch.setattr(compare, "warm_up", lambda m, decodes=None: release.wait(30) and 0.1)
+    monkeypatch.setattr(compare.engine, "warm_up", lambda m, decodes=None: release.wait(30) and 0.1)
     warmup = compare.Warmup(models).start()
     demo = build_demo(models, max_tokens=compare.CPU_MAX_TOKENS, out_root=tmp_path, warmup=warmup)
     props = {c.get("props", {}).get("elem_id"): c.get("props", {}) for c in demo.config["components"]}
@@ -206,7 +206,7 @@ def test_the_page_is_served_while_the_models_load_and_a_run_waits_for_them(model
     from app.ui import build_demo
 
     release = threading.Event()
-    monkeypatch.setattr(compare, "warm_up", lambda m, decodes=None: 0.1)
+    monkeypatch.setattr(compare.engine, "warm_up", lambda m, decodes=None: 0.1)
     warmup = compare.Warmup.loading(lambda: release.wait(30) and models).start()
     demo = build_demo(
         describe_app_models("tiny-random"), max_tokens=compare.CPU_MAX_TOKENS, out_root=tmp_path, warmup=warmup

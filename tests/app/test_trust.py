@@ -143,7 +143,7 @@ def test_permalink_round_trip(monkeypatch):
         needs_image=False,
         takes_image=False,
     )
-    monkeypatch.setattr(compare, "preset_tokens", lambda m, p: 1600)
+    monkeypatch.setattr(compare.request, "preset_tokens", lambda m, p: 1600)
     req = compare.CompareRequest(
         "a small red triangle moves down & left?", "", 123, 17, 4.5, (17, 128, 160), ["flash", "mhla"]
     )

@@ -1,0 +1,133 @@
+"""The Compare tab's logic: one prompt and seed through several self-attention variants, timed and
+measured against flash. Plain functions over :mod:`pipelines`' public API, one module per idea, each
+importing only those before it:
+
+- :mod:`.request`: presets, the checks a request passes before anything runs, vocabulary, permalinks;
+- :mod:`.engine`: the turn-taking run (:func:`iter_compare`, one snapshot per finished variant), warm-up;
+- :mod:`.report`: a result as the page shows it (columns, tables, headline, summary, chart);
+- :mod:`.store`: a result as a JSON record, and the example prompts' stored results.
+
+This module names their public API; the UI calls it and shows what :func:`iter_compare` yields.
+"""
+
+from __future__ import annotations
+
+from .engine import (
+    KEEP_RUNS,
+    VARIANT_COLOURS,
+    CompareResult,
+    RunCancelled,
+    VariantRun,
+    Warmup,
+    iter_compare,
+    machine_load,
+    new_run_dir,
+    run_compare,
+    side_by_side_frames,
+    warm_up,
+)
+from .report import (
+    AGREEMENT_NOTE,
+    ALL_HEADERS,
+    CHART_INK,
+    DETAIL_HEADERS,
+    TABLE_HEADERS,
+    agreement_text,
+    attention_share,
+    detail_rows,
+    headline_markdown,
+    noise_warning,
+    speedup_figure,
+    summary_markdown,
+    table_markdown,
+    table_rows,
+    variant_markdown,
+)
+from .request import (
+    CPU_MAX_TOKENS,
+    MAX_GUIDANCE,
+    MAX_PROMPT_CHARS,
+    MAX_REPEATS,
+    MAX_STEPS,
+    PERMALINK_KEYS,
+    PRESETS,
+    CompareRequest,
+    check_request,
+    parse_permalink,
+    parse_preset,
+    permalink_query,
+    preset_choices,
+    preset_key,
+    preset_label,
+    preset_tokens,
+    presets_left_out,
+    request_key,
+    unknown_words,
+    vocabulary_note,
+)
+from .store import (
+    STORED_FILE,
+    STORED_QUALITY,
+    load_stored,
+    result_from_dict,
+    result_to_dict,
+    store_examples,
+    stored_side_by_side,
+)
+
+__all__ = [
+    "PRESETS",
+    "CPU_MAX_TOKENS",
+    "MAX_STEPS",
+    "MAX_GUIDANCE",
+    "MAX_REPEATS",
+    "MAX_PROMPT_CHARS",
+    "KEEP_RUNS",
+    "preset_key",
+    "preset_label",
+    "preset_tokens",
+    "preset_choices",
+    "presets_left_out",
+    "parse_preset",
+    "CompareRequest",
+    "check_request",
+    "unknown_words",
+    "vocabulary_note",
+    "PERMALINK_KEYS",
+    "permalink_query",
+    "request_key",
+    "parse_permalink",
+    "VARIANT_COLOURS",
+    "VariantRun",
+    "CompareResult",
+    "machine_load",
+    "RunCancelled",
+    "new_run_dir",
+    "warm_up",
+    "Warmup",
+    "side_by_side_frames",
+    "iter_compare",
+    "run_compare",
+    "attention_share",
+    "agreement_text",
+    "AGREEMENT_NOTE",
+    "variant_markdown",
+    "TABLE_HEADERS",
+    "DETAIL_HEADERS",
+    "table_rows",
+    "table_markdown",
+    "ALL_HEADERS",
+    "detail_rows",
+    "noise_warning",
+    "headline_markdown",
+    "summary_markdown",
+    "CHART_INK",
+    "speedup_figure",
+    "result_to_dict",
+    "result_from_dict",
+    "STORED_FILE",
+    "STORED_QUALITY",
+    "store_examples",
+    "stored_side_by_side",
+    "load_stored",
+]
