@@ -98,8 +98,8 @@ def main(argv=None) -> int:
 
     print(install(), flush=True)  # before app.compare imports the mp4 writer
     from app import compare
-    from common.timing import device_name
     from app.models import load_app_models
+    from common.timing import device_name
     from world.analyse import strict_verdicts
 
     t0 = time.perf_counter()
