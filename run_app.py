@@ -68,7 +68,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "group (block-level group offloading), sequential (one layer's weights at a time); default none",
     )
     p.add_argument("--vae-tiling", action="store_true", help="decode videos in overlapping 256 px tiles")
-    from pipelines.generate import add_speed_arguments
+    from pipelines.cli import add_speed_arguments
 
     add_speed_arguments(p)  # --cache, --compile: the generation CLI's definitions and checks
     p.add_argument(

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from common.errors import check_text
+from common.video import read_image
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -57,18 +58,14 @@ def choices(name: str, value: object, allowed: tuple[str, ...] | list[str]) -> l
     return list(value)
 
 
-# an uploaded first frame larger than this is refused (it is scaled to the video's size anyway)
-MAX_IMAGE_PIXELS = 64_000_000
-
-
 def image(name: str, value: object, upload_dirs: list[Path]) -> Image.Image | None:
     """The page's uploaded image as an RGB PIL image, or None when there is none.
 
     ``value`` is what gradio hands a handler without preprocessing: its own upload's file data (``{"path": ...}``,
     already copied into gradio's cache by gradio's upload route), or a PIL image from Python. The path is not
     trusted: it must lie inside one of ``upload_dirs`` (gradio's cache), be a file, decode as a picture and hold
-    at most :data:`MAX_IMAGE_PIXELS`; ValueError naming what is wrong otherwise (never the server's path)."""
-    from PIL import Image, UnidentifiedImageError
+    at most :data:`common.video.MAX_IMAGE_PIXELS`; ValueError naming what is wrong otherwise (never the server's path)."""
+    from PIL import Image
 
     if value is None:
         return None
@@ -80,17 +77,7 @@ def image(name: str, value: object, upload_dirs: list[Path]) -> Image.Image | No
     path = Path(raw).resolve()
     if not any(path.is_relative_to(Path(d).resolve()) for d in upload_dirs) or not path.is_file():
         raise ValueError(f"the {name} is not an upload of this page; upload the image again")
-    try:
-        with Image.open(path) as probe:
-            if probe.width * probe.height > MAX_IMAGE_PIXELS:
-                raise ValueError(
-                    f"the {name} is {probe.width}x{probe.height} pixels; at most {MAX_IMAGE_PIXELS:,} are accepted"
-                )
-            probe.verify()
-        with Image.open(path) as img:
-            return img.convert("RGB")
-    except (UnidentifiedImageError, OSError, SyntaxError, Image.DecompressionBombError):
-        raise ValueError(f"the {name} is not a readable image; expected a PNG, JPEG or WebP picture") from None
+    return read_image(path, f"the {name}", detail=False)  # never the server's path or the decoder's words
 
 
 def refused(message: str, title: str = "Bad input"):

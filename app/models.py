@@ -26,10 +26,9 @@ from pipelines import (
     load_transformer,
     resolve_model_blocks,
 )
-from pipelines.attention import LINEAR, SOFTMAX
+from pipelines.attention import LINEAR, MHLA, SOFTMAX
 from pipelines.builtin import BUILTIN_DIR, builtin_examples
-from pipelines.conversion import model_blocks
-from pipelines.convert import attention_options
+from pipelines.convert import attention_options, model_blocks
 from pipelines.loading import WAN_CONFIGS, build_random_wan
 from pipelines.model_dir import ModelIndex
 
@@ -173,7 +172,7 @@ class AppModels(_ModelQuestions):
     def variant_notes(self) -> dict[str, str]:
         return {name: v.note for name, v in self.variants.items()}
 
-    def num_blocks(self, grid, variant: str = "mhla") -> int:
+    def num_blocks(self, grid, variant: str = MHLA) -> int:
         """The M that ``generate()`` runs ``variant`` (an MHLA variant) with on ``grid``, by the same rule
         (:func:`pipelines.resolve_model_blocks`): the transformer's own layout when it has MHLA parameters, else
         the default with the model's block shape; shrunk to fit the grid."""
@@ -212,7 +211,7 @@ class ModelFacts(_ModelQuestions):
     def speed(self) -> str:
         return speed_note(self.compile, self.cache)
 
-    def num_blocks(self, grid, variant: str = "mhla") -> int:
+    def num_blocks(self, grid, variant: str = MHLA) -> int:
         """As :meth:`AppModels.num_blocks`, from the transformers' configs."""
         return mhla.resolve_blocks(grid, None, self.own_blocks[variant], self.block_shape).layout.num_blocks
 
@@ -261,8 +260,7 @@ def prepare_converted(components: WanComponents, names: list[str]) -> None:
     from pipelines import convert_self_attention
 
     d = components.defaults
-    vae = components.vae.config
-    stride = (vae.scale_factor_temporal, vae.scale_factor_spatial, vae.scale_factor_spatial)
+    stride = components.vae_stride
     # a two-expert model's second transformer runs every variant too (generate() converts both)
     for transformer in (t for t in (components.transformer, components.transformer_2) if t is not None):
         patch = tuple(transformer.config.patch_size)
@@ -270,8 +268,8 @@ def prepare_converted(components: WanComponents, names: list[str]) -> None:
         blocks = resolve_model_blocks(transformer, grid, block_shape=components.block_shape).blocks
         options = attention_options(transformer).replace(blocks=blocks)
         for name in names:
-            convert_self_attention(transformer, "linear" if name == "linear" else "mhla", options=options)
-        convert_self_attention(transformer, "flash", options=options)
+            convert_self_attention(transformer, LINEAR if name == LINEAR else MHLA, options=options)
+        convert_self_attention(transformer, SOFTMAX, options=options)
 
 
 def speed_note(compile: str = "none", cache=None) -> str:
@@ -437,7 +435,7 @@ def load_app_models(
         else:
             transformer = components.transformer
         variants[name] = VariantModel(name, transformer, facts.variant_notes[name], facts.kinds[name])
-    shared = [k for k, v in variants.items() if k != "flash" and v.transformer is components.transformer]
+    shared = [k for k, v in variants.items() if k != SOFTMAX and v.transformer is components.transformer]
     if shared:
         prepare_converted(components, shared)
     memory = ""

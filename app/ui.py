@@ -161,8 +161,9 @@ class _Runs:
 
 
 class _DecodeClock:
-    """Seconds per decoded pixel (frames x height x width) on this server: the warm-up's decode first, then
-    each finished run's (the estimate of the decodes a run has still to do)."""
+    """Seconds per pixel (frames x height x width) of a variant's tail on this server: the warm-up's VAE decode
+    first, then each finished run's tail (decode, video writing and checks: the estimate of what a run has still to
+    do after its steps)."""
 
     def __init__(self):
         self._rate: float | None = None
@@ -466,6 +467,7 @@ def compare_tab(demo: gr.Blocks, source: PageSource, max_tokens: int | None) -> 
         worker = threading.Thread(target=work, name="compare", daemon=True)
         worker.start()
         text, fraction, last, shown = "starting", 0.0, None, 0.0
+        denoised_at: float | None = None
         counts: dict[str, tuple[int, int]] = {}  # each variant's steps done and in all
 
         def columns_in_progress() -> list:
@@ -487,6 +489,8 @@ def compare_tab(demo: gr.Blocks, source: PageSource, max_tokens: int | None) -> 
                     kind, payload = "tick", None
                 if kind == "progress":
                     text, fraction = payload
+                    if fraction >= 1 and denoised_at is None:
+                        denoised_at = time.monotonic()  # every step done: what follows is the videos' tail
                 elif kind == "steps":
                     counts = payload
                     continue
@@ -519,9 +523,16 @@ def compare_tab(demo: gr.Blocks, source: PageSource, max_tokens: int | None) -> 
             line.end()
         if last is None:
             raise gr.Error("the run was stopped before any variant finished", title="Stopped", print_exception=False)
-        for r in last.runs:  # the next run's estimate of a decode: this server's latest
-            if r.timings:
-                decode_clock.add(r.stage("vae_decode").median, pixels)
+        # the next run's estimate of a variant's tail, this server's latest: with interleaved variants, everything
+        # after the last round (decodes, video writing, the checks, the side-by-side video) per variant; else the
+        # VAE decode alone (a sequential run's tails fall inside the steps' own extrapolation)
+        complete = not last.stopped and all(r.timings for r in last.runs) and len(last.runs) == len(req.variants)
+        if complete and last.interleaved and denoised_at is not None:
+            decode_clock.add((time.monotonic() - denoised_at) / len(req.variants), pixels)
+        else:
+            for r in last.runs:
+                if r.timings:
+                    decode_clock.add(r.stage("vae_decode").median, pixels)
         failed = [r.variant for r in last.runs if r.error]
         seconds = time.monotonic() - started
         if last.stopped:

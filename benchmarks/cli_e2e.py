@@ -1,4 +1,4 @@
-"""``python -m pipelines.generate`` end to end on a machine without imageio-ffmpeg (the GPU machine).
+"""``python -m pipelines.cli`` end to end on a machine without imageio-ffmpeg (the GPU machine).
 
     python -m benchmarks.cli_e2e --model /tmp/wan2.1-1.3b-RANDOM --variant all --prompt "..." \
         --frames 81 --height 480 --width 832 --steps 4 --out /tmp/cli.mp4 --no-progress
@@ -18,7 +18,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from benchmarks.device_shims import install
 
     print(install(), flush=True)
-    from pipelines.generate import main as cli
+    from pipelines.cli import main as cli
 
     return cli(list(sys.argv[1:] if argv is None else argv))
 

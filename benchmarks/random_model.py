@@ -6,7 +6,7 @@
 The real Wan2.1 architecture (transformer of ``--size``, diffusers' default ``AutoencoderKLWan``, which is
 Wan2.1's VAE, and a UMT5 encoder of UMT5-XXL's width: d_model 4096, 64 heads, d_ff 10240, 24 layers unless
 ``--text-encoder-layers`` says fewer) with RANDOM weights: every video it makes is noise; it exists so that
-``python -m pipelines.generate --model DIR`` and the app time text encoding, denoising and VAE decoding at
+``python -m pipelines.cli --model DIR`` and the app time text encoding, denoising and VAE decoding at
 the true size on a machine that cannot download. The tokenizer is byte-level (``ByT5Tokenizer``, no
 vocabulary file), so its token ids are not UMT5's; the encoder's cost per token is. Parts are built on
 the device directly (float32, then cast), then saved as safetensors; ``RANDOM_WEIGHTS.txt`` beside

@@ -3,7 +3,7 @@
 #   1. kernels  pytest -m gpu tests/mhla/test_triton.py: the compiled kernels against float64 formulas (~2 min)
 #   2. model    benchmarks.random_model: a random-weight Wan2.1-1.3B folder (transformer, Wan2.1's VAE,
 #               24-layer UMT5-XXL-sized text encoder) built on the GPU and saved; nothing downloaded
-#   3. cli      python -m pipelines.generate (through benchmarks.cli_e2e) on that folder, 81x480x832,
+#   3. cli      python -m pipelines.cli (through benchmarks.cli_e2e) on that folder, 81x480x832,
 #               every variant, CLI_STEPS steps: text encoding, denoising and VAE decode each timed
 #   4. app      benchmarks.app_compare: the app's Compare engine (app.compare.iter_compare) without gradio's
 #               server, every variant, on the same folder

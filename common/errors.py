@@ -2,7 +2,7 @@
 exit code, anything unexpected is one line and the path of a log file that holds the traceback.
 
     def main(argv=None) -> int:
-        return run_cli(_main, argv, prog="pipelines.generate")
+        return run_cli(_main, argv, prog="pipelines.cli")
 
 Exit codes (README, Reliability):
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -61,6 +62,38 @@ def check_fps(fps: object) -> float:
     if isinstance(fps, bool) or not isinstance(fps, int | float) or not math.isfinite(fps) or fps <= 0:
         raise ValueError(f"fps {fps!r}: expected a frame rate > 0 (e.g. 16)")
     return float(fps)
+
+
+# a first frame larger than this is refused, before it is decoded (it is scaled to the video's size anyway; PIL's
+# own limit warns at 89 MP and fails at twice that)
+MAX_IMAGE_PIXELS = 64_000_000
+
+
+def read_image(path: str | Path, label: str, detail: bool = True) -> Any:
+    """An image file as an RGB PIL image, checked before it is decoded: FileNotFoundError or ValueError when it is
+    missing, not a picture, truncated or over :data:`MAX_IMAGE_PIXELS`. ``label`` names it in every message
+    (``"--image 'a.png'"``, ``"the first frame"``); ``detail``: add the decoder's own words (not where the path
+    must stay private)."""
+    from PIL import Image, UnidentifiedImageError
+
+    file = Path(path)
+    if not file.is_file():
+        what = "is a folder" if file.is_dir() else "does not exist"
+        raise FileNotFoundError(f"{label} {what}; expected an image file (PNG, JPEG, WebP, ...)")
+    try:
+        with Image.open(file) as probe:
+            width, height = probe.size
+            if width * height > MAX_IMAGE_PIXELS:
+                raise ValueError(
+                    f"{label} is {width}x{height} pixels; expected at most {MAX_IMAGE_PIXELS:,} (it is scaled to "
+                    "the video's size anyway)"
+                )
+            probe.verify()  # structure and checksums, without decoding
+        with Image.open(file) as img:
+            return img.convert("RGB")  # decodes every pixel: a truncated file fails here
+    except (UnidentifiedImageError, OSError, SyntaxError, Image.DecompressionBombError) as e:
+        why = f" ({type(e).__name__}: {e})" if detail else ""
+        raise ValueError(f"{label} is not a readable image{why}; expected a PNG, JPEG or WebP picture") from None
 
 
 def to_uint8(frames: npt.ArrayLike) -> np.ndarray:

@@ -7,8 +7,8 @@ Built on diffusers' Wan (``WanTransformer3DModel``, ``AutoencoderKLWan``, UMT5) 
   :func:`resolve_model_blocks`, the block rule (:func:`mhla.resolve_blocks`) with the model's own blocks.
 - :mod:`pipelines.loading`: local Wan2.1 directories, the built-in model, transformer save/load.
 - :mod:`pipelines.request`: :class:`GenerationRequest` (checked once, before any model work) and :func:`latent_grid`.
-- :mod:`pipelines.pipeline`: ``generate()`` (one video, timed stage by stage); import it from there
-  (``from pipelines.pipeline import generate``): ``pipelines.generate`` is its command line, a module.
+- :mod:`pipelines.pipeline`: ``generate()`` (one video, timed stage by stage).
+- :mod:`pipelines.cli`: the command line (``python -m pipelines.cli``).
 """
 
 from mhla import resample_mixing  # re-exported: older code imports it from here

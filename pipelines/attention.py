@@ -95,6 +95,16 @@ def variant_spec(variant: str) -> VariantSpec:
     return spec
 
 
+def parse_variants(spec: str) -> list[str]:
+    """A command line's variant list: one name, names joined by commas, or ``all``; ValueError naming an unknown
+    one. Empty: :data:`DEFAULT_VARIANT`."""
+    names = list(VARIANTS) if spec == "all" else [v.strip() for v in spec.split(",") if v.strip()]
+    for v in names:
+        if v not in VARIANTS:
+            raise ValueError(f"unknown variant {v!r}; expected one of {', '.join(VARIANTS)} (or 'all')")
+    return names or [DEFAULT_VARIANT]
+
+
 @dataclass(frozen=True)
 class AttentionOptions:
     """How converted self-attention layers compute. Defaults are the paper's Wan settings.

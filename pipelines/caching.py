@@ -1,8 +1,8 @@
 """diffusers' step caches on any variant's transformer: FirstBlockCache and MagCache (the model's ``CacheMixin``).
 
-    python -m pipelines.generate ... --cache first-block:0.05     # skip the other blocks when block 0 barely moved
-    python -m pipelines.generate ... --cache mag-calibrate        # MagCache: no skipping, prints the model's ratios
-    python -m pipelines.generate ... --cache mag:0.06:ratios.json # MagCache with those ratios (a JSON list)
+    python -m pipelines.cli ... --cache first-block:0.05     # skip the other blocks when block 0 barely moved
+    python -m pipelines.cli ... --cache mag-calibrate        # MagCache: no skipping, prints the model's ratios
+    python -m pipelines.cli ... --cache mag:0.06:ratios.json # MagCache with those ratios (a JSON list)
 
 Both hook the transformer's blocks, not its attention: softmax, linear, MHLA and hybrid layers are cached
 alike (tests/pipelines/test_caching.py: equal to the uncached run when nothing is skipped, and skipping as

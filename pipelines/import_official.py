@@ -7,7 +7,7 @@
 (a ``mhla`` or ``mhla-hybrid`` model, see :mod:`pipelines.convert`), and ``scheduler/``, ``tokenizer/``,
 ``text_encoder/``, ``vae/`` come from ``--base`` (symlinked by default, copied with ``--components copy``), and
 ``model_index.json`` is the base's with the transformer entry naming
-:class:`pipelines.model.MHLAWanTransformer3DModel`. ``python -m pipelines.generate --model OUT``,
+:class:`pipelines.model.MHLAWanTransformer3DModel`. ``python -m pipelines.cli --model OUT``,
 ``pipelines.load_components(OUT)`` and diffusers' own ``WanPipeline.from_pretrained(OUT)`` load it like any other
 model; ``OUT/transformer`` alone loads with ``MHLAWanTransformer3DModel.from_pretrained`` (or
 ``pipelines.load_transformer``). ``OUT/import_official.json`` records where it came from.
@@ -609,7 +609,7 @@ def _parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--base", required=True, help="local diffusers-format Wan2.1-T2V-1.3B directory (config, VAE, text encoder)"
     )
-    p.add_argument("--out", required=True, help="new directory: a full model for `pipelines.generate --model OUT`")
+    p.add_argument("--out", required=True, help="new directory: a full model for `pipelines.cli --model OUT`")
     p.add_argument(
         "--hybrid", action="store_true", help="insist on the hybrid checkpoint (default: detected from the keys)"
     )
@@ -653,7 +653,7 @@ def _main(argv: Sequence[str]) -> int:
         f"imported {record['variant']} ({len(record['mhla_layers'])} MHLA layers, {b} blocks, {record['blocks_source']})"
     )
     print(
-        f"wrote {out}; run it with:  python -m pipelines.generate --model {out} --variant {record['variant']} "
+        f"wrote {out}; run it with:  python -m pipelines.cli --model {out} --variant {record['variant']} "
         '--height 480 --width 800 --frames 81 --prompt "..."'
     )
     return 0

@@ -27,7 +27,7 @@ from diffusers import ModelMixin, WanTransformer3DModel
 from diffusers.configuration_utils import register_to_config
 
 from .attention import SOFTMAX, AttentionOptions, variant_spec
-from .conversion import CONFIG_KEY, add_attention_parameters, convert_layers
+from .convert import CONFIG_KEY, add_attention_parameters, convert_layers
 
 # diffusers resolves a model_index.json entry ["pipelines.model", "MHLAWanTransformer3DModel"] by importing this
 # module and finding its loading method through the base classes it names here: ModelMixin must be one of them

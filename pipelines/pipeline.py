@@ -1,6 +1,6 @@
 """``generate()``: one video from a prompt with a chosen self-attention variant, timed stage by stage.
 
-The command line is :mod:`pipelines.generate`; the app and the training recipe's validation videos call
+The command line is :mod:`pipelines.cli`; the app and the training recipe's validation videos call
 :func:`generate` directly.
 """
 

@@ -9,11 +9,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import mhla
 
-from .attention import LAYERS_VARIANTS, MHLA_VARIANTS, SOFTMAX, VARIANTS, variant_spec
+from .attention import LAYERS_VARIANTS, MHLA_VARIANTS, SOFTMAX, VARIANTS
 
 if TYPE_CHECKING:
     from .model_dir import ModelIndex
@@ -117,7 +118,7 @@ class GenerationRequest:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.output_type not in OUTPUT_TYPES:
             raise ValueError(f"output_type must be one of {OUTPUT_TYPES}, got {self.output_type!r}")
-        takes_layers = variant_spec(self.variant).layers
+        takes_layers = self.variant in LAYERS_VARIANTS
         for name, layers in (("layers", self.layers), ("layers_2", self.layers_2)):
             if layers is not None and not takes_layers:
                 raise ValueError(
@@ -213,3 +214,25 @@ def validate_request(
     )
     # check() always sets the grid
     return cast(tuple[int, int, int], request.check(patch_size, vae_stride).grid)
+
+
+def check_trained_blocks(
+    request: GenerationRequest, transformer_dir: str | Path | None, config: dict[str, Any] | None
+) -> None:
+    """A fine-tuned MHLA transformer's mixing coefficients are M x M for its own block layout: another
+    ``--blocks`` (the checked request's, parsed) would need new ones, so it is refused before anything loads.
+    ``config``: ``transformer_dir``'s ``config.json``."""
+    if not request.uses_blocks or request.blocks is None or transformer_dir is None:
+        return
+    state = (config or {}).get("self_attention")
+    if not state or not state["parameters"]["mhla"]:
+        return  # a softmax or linear transformer: converted afresh with the requested blocks
+    trained = state["options"].get("blocks")
+    if trained is not None and tuple(trained) != tuple(request.blocks):
+        m = math.prod(trained)
+        raise ValueError(
+            f"--blocks {'x'.join(map(str, request.blocks))}: the {request.variant} transformer "
+            f"{str(transformer_dir)!r} was fine-tuned with "
+            f"{'x'.join(map(str, trained))} blocks (its mixing coefficients are {m}x{m}); leave --blocks unset, "
+            "or pass an unconverted (softmax) --transformer to convert it afresh with these blocks"
+        )

@@ -1,8 +1,8 @@
 """A generation beyond one GPU's memory or beyond one GPU: the CLI's ``--offload``, ``--vae-tiling``,
 ``--context-parallel`` and ``--cp-degree``.
 
-    python -m pipelines.generate ... --offload group --vae-tiling
-    torchrun --nproc-per-node 4 -m pipelines.generate ... --variant mhla --context-parallel ring
+    python -m pipelines.cli ... --offload group --vae-tiling
+    torchrun --nproc-per-node 4 -m pipelines.cli ... --variant mhla --context-parallel ring
 
 Offloading and tiling are :mod:`pipelines.memory` (diffusers' hooks, applied once after loading). Context
 parallelism is diffusers' ``transformer.enable_parallelism`` with a ``ContextParallelConfig`` (linear and MHLA
@@ -48,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=CP_MODES,
         default=None,
         help="split one video over the processes torchrun starts: ring (each holds a slice of the tokens) or "
-        "ulysses (each holds a share of the heads); e.g. torchrun --nproc-per-node 4 -m pipelines.generate ...",
+        "ulysses (each holds a share of the heads); e.g. torchrun --nproc-per-node 4 -m pipelines.cli ...",
     )
     p.add_argument(
         "--cp-degree",
@@ -178,7 +178,7 @@ def check_scale(
         return scale
     if mode not in CP_MODES:
         raise ValueError(f"--context-parallel {mode!r}: expected one of {', '.join(CP_MODES)}")
-    launch = f"torchrun --nproc-per-node N -m pipelines.generate ... --context-parallel {mode}"
+    launch = f"torchrun --nproc-per-node N -m pipelines.cli ... --context-parallel {mode}"
     if "WORLD_SIZE" not in env or "RANK" not in env:
         raise ValueError(
             f"--context-parallel {mode}: one process per device is needed, started by torchrun ({launch}); "

@@ -3,7 +3,7 @@
 A checkpoint is a folder ``<run>/checkpoints/step-0000100/`` holding
 
 - ``transformer/``: the model in the pipeline's save format (safetensors + the attention variant in
-  ``config.json``), loadable by ``pipelines.load_transformer`` and ``python -m pipelines.generate --transformer``;
+  ``config.json``), loadable by ``pipelines.load_transformer`` and ``python -m pipelines.cli --transformer``;
   ``transformer_2/`` instead for a Wan2.2-A14B run of the low-noise expert (``model.expert``: the folder the
   trained expert has in the model directory);
 - ``training_state.pt``: optimizer, LR schedule and step; ``rank<r>.pt``: each process's random

@@ -45,7 +45,7 @@ def check_python_command(argv: list[str]) -> None:
 
         parse_args(args)
     elif module == "benchmarks.cli_e2e":
-        from pipelines.generate import _parse_args
+        from pipelines.cli import _parse_args
 
         parsed = _parse_args(args)
         assert parsed.variant == "all" and (parsed.frames, parsed.height, parsed.width) == (81, 480, 832)

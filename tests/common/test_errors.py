@@ -52,10 +52,10 @@ def test_an_unexpected_failure_is_one_line_and_a_log_with_the_traceback(capsys, 
     def main(argv):
         raise TypeError("'NoneType' object is not subscriptable")
 
-    assert errors.run_cli(main, ["--x"], prog="pipelines.generate") == 1
+    assert errors.run_cli(main, ["--x"], prog="pipelines.cli") == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
-    logs = list(log_dir.glob("pipelines-generate-*.log"))
+    logs = list(log_dir.glob("pipelines-cli-*.log"))
     assert len(logs) == 1 and str(logs[0]) in err
     text = logs[0].read_text()
     assert "Traceback" in text and "TypeError" in text and "--x" in text

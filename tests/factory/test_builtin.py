@@ -309,7 +309,7 @@ def test_builtin_is_the_default_and_ships_every_variant(builtin):
 @needs_builtin
 def test_red_square_moves_right(builtin):
     """The default settings give a red object moving right for most seeds (2 of seeds 0, 1, 2), not by luck of one."""
-    from pipelines.generate import GenerationRequest, generate
+    from pipelines.cli import GenerationRequest, generate
 
     prompt = "a red square moves to the right"
     requests = [GenerationRequest(prompt=prompt, seed=s) for s in range(3)]
@@ -327,7 +327,7 @@ def test_held_out_combination_gets_an_object_of_its_colour(builtin):
     seen combinations other than the red square's (issue 17's pilots, session 5), so asserting the
     motion here would fail on the model as it ships.
     """
-    from pipelines.generate import GenerationRequest, generate
+    from pipelines.cli import GenerationRequest, generate
     from world.synthetic import SyntheticWorld
 
     assert SyntheticWorld().is_held_out({"colour": "green", "shape": "square", "motion": "right"})
@@ -341,7 +341,7 @@ def test_held_out_combination_gets_an_object_of_its_colour(builtin):
 @needs_builtin
 def test_cli_runs_each_variant_from_its_fine_tuned_transformer(tmp_path, capsys):
     from common.video import read_video
-    from pipelines.generate import main
+    from pipelines.cli import main
 
     out = tmp_path / "v.mp4"
     argv = ["--prompt", "a blue circle moves up", "--variant", "all", "--steps", "2", "--out", str(out)]
@@ -355,7 +355,7 @@ def test_cli_runs_each_variant_from_its_fine_tuned_transformer(tmp_path, capsys)
 
 @needs_builtin
 def test_cli_checks_blocks_on_the_builtin_models_token_grid(tmp_path, capsys):
-    from pipelines.generate import main
+    from pipelines.cli import main
     from pipelines.model_dir import ModelDir
 
     assert (

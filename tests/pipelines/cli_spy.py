@@ -1,11 +1,11 @@
 """The generation CLI run in the test's process, with a spy on its loader: the components it loaded, to inspect
 (the experts, their converted layers). Shared by the architecture tests."""
 
-from pipelines import generate as cli
+from pipelines import cli
 
 
 def run_cli(monkeypatch, argv):
-    """Runs ``pipelines.generate`` with ``argv``; asserts exit code 0; returns the components it loaded."""
+    """Runs ``pipelines.cli`` with ``argv``; asserts exit code 0; returns the components it loaded."""
     seen = []
     load = cli._load
 

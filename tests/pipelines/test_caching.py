@@ -112,7 +112,7 @@ def test_parse_cache(tmp_path):
 
 
 def test_cli_cache_option(tmp_path, capsys):
-    from pipelines.generate import main
+    from pipelines.cli import main
 
     out = tmp_path / "v.mp4"
     args = ["--model", "tiny-random", "--variant", "mhla", "--prompt", "a fox", "--steps", "3", "--no-progress"]

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-import pipelines.generate as gen
+import pipelines.cli as gen
 import pipelines.import_official as imp
 from tests.boundary import assert_refused
 

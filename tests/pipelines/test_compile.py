@@ -55,7 +55,7 @@ def test_compile_mode_checked():
 def test_the_cli_and_the_step_benchmark_offer_the_compile_modes_of_the_operator(mode, capsys):
     """One list of modes: each is taken by both command lines, and anything else is refused by both."""
     from benchmarks.wan_step import build_parser
-    from pipelines.generate import _parse_args
+    from pipelines.cli import _parse_args
 
     prompt = ["--prompt", "a red square"]
     assert _parse_args([*prompt, "--compile", mode]).compile == mode
@@ -68,7 +68,7 @@ def test_the_cli_and_the_step_benchmark_offer_the_compile_modes_of_the_operator(
 
 @pytest.mark.slow
 def test_cli_compile_option(tmp_path, capsys, monkeypatch):
-    from pipelines.generate import main
+    from pipelines.cli import main
 
     monkeypatch.setenv("MHLA_COMPILE_BACKEND", "aot_eager")
     torch._dynamo.reset()

@@ -17,7 +17,7 @@ from PIL import Image
 
 import mhla
 from common.video import read_video
-from pipelines import generate as cli
+from pipelines import cli
 from pipelines.attention import LinearSelfAttnProcessor, hybrid_layers
 from pipelines.convert import convert_self_attention, current_variant, self_attention_state
 from pipelines.loading import load_components

@@ -9,8 +9,8 @@ import pytest
 import torch
 from diffusers import WanPipeline
 
+from pipelines.cli import main, validate_request
 from pipelines.convert import set_variant
-from pipelines.generate import main, validate_request
 from pipelines.pipeline import generate
 from pipelines.request import GenerationRequest
 

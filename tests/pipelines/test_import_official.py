@@ -304,8 +304,8 @@ SMALL = dict(height=64, width=96, num_frames=9, num_inference_steps=2, guidance_
 
 @pytest.mark.slow  # writes, loads and generates with a model directory
 def test_hybrid_import_loads_and_generates(base_dir, tmp_path, capsys):
-    from pipelines.generate import GenerationRequest, generate
-    from pipelines.generate import main as generate_main
+    from pipelines.cli import GenerationRequest, generate
+    from pipelines.cli import main as generate_main
 
     ckpt = synthetic_checkpoint(build_tiny_transformer(num_layers=30), hybrid_layers(30), 6, seed=1)
     path = _checkpoint_file(tmp_path, ckpt)

@@ -11,8 +11,8 @@ import torch
 
 from common.video import read_video, write_frame_grid, write_gif, write_mp4
 from pipelines.attention import AttentionOptions
+from pipelines.cli import main, validate_request
 from pipelines.convert import convert_self_attention, current_variant, self_attention_state, set_variant
-from pipelines.generate import main, validate_request
 from pipelines.loading import check_model_dir, load_components, load_transformer, save_transformer
 from pipelines.pipeline import generate
 from pipelines.request import GenerationRequest

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import pipelines.generate as gen
+import pipelines.cli as gen
 from common.video import MAX_COMMENT_CHARS, check_output_path, read_video, write_mp4
 from pipelines.attention import AttentionOptions, parse_layers
 from pipelines.builtin import BUILTIN_DIR

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-import pipelines.generate as gen
+import pipelines.cli as gen
 import pipelines.loading
 from pipelines.request import GenerationRequest
 from pipelines.scale import Scale, check_scale
@@ -56,7 +56,7 @@ def test_scale_flags_are_refused_before_loading(extra, message, tmp_path, capsys
 def test_context_parallel_without_torchrun_is_refused_before_loading(tmp_path, capsys, no_loading):
     argv = [*TINY, "--variant", "mhla", "--out", f"{tmp_path}/v.mp4", "--context-parallel", "ring"]
     err = assert_refused(gen.main, argv, capsys, tmp_path)
-    assert "started by torchrun (torchrun --nproc-per-node N -m pipelines.generate" in err
+    assert "started by torchrun (torchrun --nproc-per-node N -m pipelines.cli" in err
     assert "single process" in err
 
 
@@ -165,15 +165,15 @@ def _generate(argv: list[str], tmp_path: Path, procs: int = 1) -> subprocess.Com
     env.pop("RANK", None)
     if procs > 1:
         launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs)]
-        cmd = [*launch, "-m", "pipelines.generate", *argv]
+        cmd = [*launch, "-m", "pipelines.cli", *argv]
     else:
-        cmd = [sys.executable, "-m", "pipelines.generate", *argv]
+        cmd = [sys.executable, "-m", "pipelines.cli", *argv]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.slow  # three launches of the tiny model, two of them 2 processes: about 40 s on a busy 2-core CPU
 def test_torchrun_context_parallel_video_equals_one_process(tmp_path):
-    """``torchrun --nproc-per-node 2 -m pipelines.generate ... --context-parallel ring|ulysses`` on the tiny model,
+    """``torchrun --nproc-per-node 2 -m pipelines.cli ... --context-parallel ring|ulysses`` on the tiny model,
     linear and MHLA in one call (the second conversion's processors get the parallel config too): the frames equal
     the single-process frames to float32 tolerance (ring: the block summaries are summed in another order, measured
     3e-6; Ulysses: the same arithmetic per head, measured 0). Only process 0 writes and prints."""

@@ -85,7 +85,7 @@ def test_tiny_recipe_learns_and_its_checkpoint_generates(tmp_path):
     found = ckpt.list_checkpoints(run)
     assert [p.name for p in found] == ["step-0000008", "step-0000016"]
     out = tmp_path / "ft.mp4"
-    from pipelines.generate import main as generate_main
+    from pipelines.cli import main as generate_main
 
     gen = in_process(
         generate_main,

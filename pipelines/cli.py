@@ -1,6 +1,6 @@
 """The command line of :func:`pipelines.pipeline.generate`: text to video with a chosen self-attention variant.
 
-    python -m pipelines.generate --prompt "a red square moves to the right" --variant mhla --out square.mp4
+    python -m pipelines.cli --prompt "a red square moves to the right" --variant mhla --out square.mp4
 
 Without ``--model`` the built-in model runs (``assets/builtin``); ``--model tiny-random`` is the tiny
 random-weight model (its video is noise, and says so). ``--model DIR`` runs the pipeline its ``model_index.json``
@@ -12,7 +12,6 @@ Everything cheap is checked before a model loads.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from collections.abc import Sequence
@@ -33,6 +32,7 @@ from .attention import (
     VARIANTS,
     AttentionOptions,
     parse_layers,
+    parse_variants,
     variant_spec,
 )
 from .caching import cached, parse_cache
@@ -49,6 +49,7 @@ from .pipeline import (  # noqa: F401
 from .request import (  # noqa: F401
     GenerationRequest,
     check_model_inputs,
+    check_trained_blocks,
     latent_grid,
     validate_request,
 )
@@ -63,7 +64,7 @@ if TYPE_CHECKING:
 
 def _parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m pipelines.generate",
+        prog="python -m pipelines.cli",
         description="Wan2.1 text-to-video with softmax ('flash'), linear, MHLA or hybrid MHLA self-attention.",
     )
     p.add_argument("--prompt", required=True)
@@ -158,44 +159,9 @@ def add_speed_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _variants(spec: str) -> list[str]:
-    names = list(VARIANTS) if spec == "all" else [v.strip() for v in spec.split(",") if v.strip()]
-    for v in names:
-        if v not in VARIANTS:
-            raise ValueError(f"unknown variant {v!r}; expected one of {', '.join(VARIANTS)} (or 'all')")
-    return names or [DEFAULT_VARIANT]
-
-
-def _blocks_for(variant: str, blocks: str | None) -> str | None:
-    # with several variants, --blocks goes to the MHLA ones; with --variant flash alone it is an error
-    return blocks if variant_spec(variant).blocks else None
-
-
 def _out_path(out: str, variant: str, many: bool) -> Path:
     path = Path(out)
     return path.with_name(f"{path.stem}_{variant}{path.suffix}") if many else path
-
-
-def _check_trained_blocks(
-    request: GenerationRequest, transformer_dir: str | Path | None, config: dict[str, Any] | None
-) -> None:
-    """A fine-tuned MHLA transformer's mixing coefficients are M x M for its own block layout: another
-    ``--blocks`` (the checked request's, parsed) would need new ones, so it is refused before anything loads.
-    ``config``: ``transformer_dir``'s ``config.json``."""
-    if not request.uses_blocks or request.blocks is None or transformer_dir is None:
-        return
-    state = (config or {}).get("self_attention")
-    if not state or not state["parameters"]["mhla"]:
-        return  # a softmax or linear transformer: converted afresh with the requested blocks
-    trained = state["options"].get("blocks")
-    if trained is not None and tuple(trained) != tuple(request.blocks):
-        m = math.prod(trained)
-        raise ValueError(
-            f"--blocks {'x'.join(map(str, request.blocks))}: the {request.variant} transformer "
-            f"{str(transformer_dir)!r} was fine-tuned with "
-            f"{'x'.join(map(str, trained))} blocks (its mixing coefficients are {m}x{m}); leave --blocks unset, "
-            "or pass an unconverted (softmax) --transformer to convert it afresh with these blocks"
-        )
 
 
 @dataclass
@@ -214,35 +180,39 @@ class _Plan:
 def _preflight(args: argparse.Namespace) -> _Plan:
     """Checks everything that needs no model (config files are read, no weights); raises ValueError or
     FileNotFoundError naming the bad value."""
-    from common.video import check_fps, check_output_path
+    from common.video import check_fps, check_output_path, read_image
 
     from .builtin import TINY_RANDOM
     from .loading import resolve_device, resolve_dtype
     from .model_dir import ModelDir, check_model_dir, check_transformer_config
 
+    # each file is asked once, in this order: the values alone, the model's files, the variant table, the
+    # request's checks, the image, the output paths, the device
     check_text(args.prompt, "--prompt")
     check_text(args.negative_prompt, "--negative-prompt")
     check_seed(args.seed)
-    try:
-        check_fps(args.fps)
-    except ValueError:
-        raise ValueError(f"--fps {args.fps}: expected a frame rate > 0 (e.g. 16)") from None
     folder = ModelDir(args.model)  # what the model's files say, each read once
+    saved = folder.transformer_config(args.transformer) if args.transformer else None
     if args.transformer:
-        saved = folder.transformer_config(args.transformer)
         if saved is None:
             raise FileNotFoundError(
                 f"--transformer {args.transformer!r} has no config.json; expected a folder written by "
                 "save_transformer (e.g. runs/<run>/checkpoints/step-XXXXXXX/transformer)"
             )
         check_transformer_config(saved, Path(args.transformer) / "config.json", "--transformer")
-        if args.variant is None:
-            args.variant = (saved.get("self_attention") or {"variant": SOFTMAX})["variant"]
-    variants = _variants(args.variant or DEFAULT_VARIANT)
     if args.model and args.model != TINY_RANDOM:
         check_model_dir(args.model)
-    shape, defaults, variant_dirs = folder.shape(args.transformer), folder.defaults, folder.variant_dirs
-    if args.blocks and not any(variant_spec(v).blocks for v in variants):
+    shape, defaults, index, stride = folder.shape(args.transformer), folder.defaults, folder.index, folder.vae_stride
+    experts_2 = folder.shape(part="transformer_2").num_layers if args.layers_2 is not None else None
+    trained = {name: folder.transformer_config(d) for name, d in folder.variant_dirs.items()}
+    if args.transformer:  # its own variant where none is named; it serves every variant asked for
+        args.variant = args.variant or (saved or {}).get("self_attention", {"variant": SOFTMAX})["variant"]
+        trained = dict.fromkeys(VARIANTS, saved)
+    trained_dirs = {name: args.transformer or folder.variant_dirs.get(name) for name in VARIANTS}
+
+    variants = parse_variants(args.variant or DEFAULT_VARIANT)
+    takes_blocks = {v: variant_spec(v).blocks for v in variants}
+    if args.blocks and not any(takes_blocks.values()):
         raise ValueError(
             f"--blocks applies to the {' and '.join(MHLA_VARIANTS)} variants only, got --variant {args.variant}"
         )
@@ -251,26 +221,34 @@ def _preflight(args: argparse.Namespace) -> _Plan:
         raise ValueError(
             f"--layers applies to --variant {' or '.join(LAYERS_VARIANTS)} only, got --variant {args.variant}"
         )
-    index = folder.index  # the pipeline class, experts and image input, from model_index.json
-    model_name = f"model {args.model!r}" if args.model else "the built-in model"
-    names = dict(image="--image", layers_2="--layers-2")
-    # --image and --layers-2 against the model, before the image file is read (the request is checked again below)
-    check_model_inputs(
-        GenerationRequest(args.prompt, image=args.image, layers_2=args.layers_2), index, model_name, **names
-    )
     if args.layers_2 is not None and not takes_layers:
         raise ValueError(
             f"--layers-2 applies to --variant {' or '.join(LAYERS_VARIANTS)} only, got --variant {args.variant}"
         )
     layers = None if args.layers is None else parse_layers(args.layers, shape.num_layers)
     layers_2 = None
-    if args.layers_2 is not None:
+    if args.layers_2 is not None and experts_2 is not None:
         try:
-            layers_2 = parse_layers(args.layers_2, folder.shape(part="transformer_2").num_layers)
+            layers_2 = parse_layers(args.layers_2, experts_2)
         except ValueError as e:
             raise ValueError(f"--layers-2 {args.layers_2!r} (the second expert's): {e}") from None
-    image = _read_image(args.image) if args.image is not None else None
-    geometry = shape.patch, folder.vae_stride
+    overrides = dict(
+        normalize=None if args.normalizer is None else args.normalizer == "on",
+        feature_map=args.feature_map,
+        output_norm=args.output_norm,
+        output_gate=args.output_gate,
+        softmax_backend=args.softmax_backend,
+    )
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    AttentionOptions(**overrides)  # validates the values
+
+    model_name = f"model {args.model!r}" if args.model else "the built-in model"
+    names = dict(image="--image", layers_2="--layers-2")
+    # --image and --layers-2 against the model, before the image file is read (the request is checked again below)
+    check_model_inputs(
+        GenerationRequest(args.prompt, image=args.image, layers_2=args.layers_2), index, model_name, **names
+    )
+    image = read_image(args.image, f"--image {args.image!r}") if args.image is not None else None
     requests = []
     for v in variants:
         request = GenerationRequest(
@@ -284,72 +262,45 @@ def _preflight(args: argparse.Namespace) -> _Plan:
             guidance_max_sigma=args.guidance_max_sigma,
             seed=args.seed,
             variant=v,
-            blocks=_blocks_for(v, args.blocks),
+            blocks=args.blocks if takes_blocks[v] else None,  # with several variants, the MHLA ones take it
             layers=layers,
             layers_2=layers_2,
             image=image,
         ).with_defaults(defaults)
-        request = request.check(*geometry)
+        request = request.check(shape.patch, stride)
         check_model_inputs(request, index, model_name, **names)
-        trained = args.transformer or variant_dirs.get(v)
-        _check_trained_blocks(request, trained, folder.transformer_config(trained) if trained else None)
+        check_trained_blocks(request, trained_dirs[v], trained.get(v))
         requests.append(request)
-    overrides = dict(
-        normalize=None if args.normalizer is None else args.normalizer == "on",
-        feature_map=args.feature_map,
-        output_norm=args.output_norm,
-        output_gate=args.output_gate,
-        softmax_backend=args.softmax_backend,
-    )
-    overrides = {k: v for k, v in overrides.items() if v is not None}
-    AttentionOptions(**overrides)  # validates the values
+
     if not str(args.out).lower().endswith(".mp4"):
         raise ValueError(f"--out must end in .mp4, got {args.out!r}")
-    many, outputs = len(variants) > 1, []
-    for v in variants:  # every file this run will write
-        mp4 = check_output_path(_out_path(args.out, v, many))
-        gif = check_output_path(_out_path(args.gif, v, many), (".gif",)) if args.gif else None
-        png = check_output_path(_out_path(args.grid_png, v, many), (".png",)) if args.grid_png else None
-        outputs.append((mp4, gif, png))
-    frames_npy = (
-        [check_output_path(_out_path(args.frames_npy, v, many), (".npy",)) for v in variants]
-        if args.frames_npy
-        else None
-    )
+    many = len(variants) > 1
+    paths = [
+        (
+            _out_path(args.out, v, many),
+            _out_path(args.gif, v, many) if args.gif else None,
+            _out_path(args.grid_png, v, many) if args.grid_png else None,
+            _out_path(args.frames_npy, v, many) if args.frames_npy else None,
+        )
+        for v in variants
+    ]
+    try:
+        check_fps(args.fps)
+    except ValueError:
+        raise ValueError(f"--fps {args.fps}: expected a frame rate > 0 (e.g. 16)") from None
+    outputs = [  # every file this run will write
+        (
+            check_output_path(mp4),
+            check_output_path(gif, (".gif",)) if gif else None,
+            check_output_path(png, (".png",)) if png else None,
+        )
+        for mp4, gif, png, _ in paths
+    ]
+    frames_npy = [check_output_path(npy, (".npy",)) for *_, npy in paths if npy is not None] or None
     device = resolve_device(args.device)
     scale = check_scale(args, requests, device, shape.num_heads)
     device = scale.run_device(device)
     return _Plan(requests, outputs, overrides, device, resolve_dtype(args.dtype, device), scale, frames_npy)
-
-
-# decoded images larger than this are refused (PIL's own limit warns at 89 MP and fails at twice that)
-MAX_IMAGE_PIXELS = 64_000_000
-
-
-def _read_image(path: str) -> Any:
-    """The ``--image`` file as an RGB PIL image, read before any model loads; FileNotFoundError or ValueError
-    naming the file when it is missing, not a picture, truncated or too large."""
-    from PIL import Image, UnidentifiedImageError
-
-    file = Path(path)
-    if not file.is_file():
-        what = "is a folder" if file.is_dir() else "does not exist"
-        raise FileNotFoundError(f"--image {path!r} {what}; expected an image file (PNG, JPEG, WebP, ...)")
-    try:
-        with Image.open(file) as probe:
-            size = probe.size
-            if size[0] * size[1] > MAX_IMAGE_PIXELS:
-                raise ValueError(
-                    f"--image {path!r} is {size[0]}x{size[1]} pixels; expected at most {MAX_IMAGE_PIXELS:,} (it is "
-                    "scaled to the video's size anyway)"
-                )
-            probe.verify()  # structure and checksums, without decoding
-        with Image.open(file) as img:
-            return img.convert("RGB")  # decodes every pixel: a truncated file fails here
-    except (UnidentifiedImageError, OSError, SyntaxError, Image.DecompressionBombError) as e:
-        raise ValueError(
-            f"--image {path!r} is not a readable image ({type(e).__name__}: {e}); expected a PNG, JPEG, WebP, ..."
-        ) from None
 
 
 def _load(args: argparse.Namespace, plan: _Plan) -> WanComponents:
@@ -376,7 +327,7 @@ def _load(args: argparse.Namespace, plan: _Plan) -> WanComponents:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The command, behind the error boundary of :func:`common.errors.run_cli` (exit codes there)."""
-    return run_cli(_main, argv, prog="pipelines.generate")
+    return run_cli(_main, argv, prog="pipelines.cli")
 
 
 def _main(argv: Sequence[str]) -> int:
