@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -35,6 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from common.outputs import atomic_dir
 from factory import write_json
 from factory.build import TEXT_ENCODER, TRANSFORMER, build_tokenizer, vae_settings
 from factory.next import NEXT_DIR
@@ -93,13 +93,17 @@ def init(model: Path = MODEL, next_dir: Path = NEXT, seed: int = 0) -> Path:
     one ``model`` already holds (a VAE run in progress installs there), else a fresh one), the transformer
     (``next_dir/transformer``, else ``transformer-ema``, when their patch is this design's; else a fresh one),
     Wan's UniPC flow scheduler and ``builtin.json`` with this design's defaults and block shape."""
+    laid: list[str] = []
+    with atomic_dir(model) as tmp:  # the old folder stays whole until the new one is
+        _lay_out(tmp, model, next_dir, seed, laid)
+    print(f"wrote {model} with {', '.join(laid)}")
+    return model
+
+
+def _lay_out(tmp: Path, model: Path, next_dir: Path, seed: int, laid: list[str]) -> None:
+    """:func:`init`'s parts, written into ``tmp``; ``laid`` gets where each came from."""
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
 
-    tmp = model.with_name(model.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    laid = []
     for part in ("tokenizer", "text_encoder"):
         if not (next_dir / part).is_dir():
             tokenizer = build_tokenizer()
@@ -161,11 +165,6 @@ def init(model: Path = MODEL, next_dir: Path = NEXT, seed: int = 0) -> Path:
         "rebuild": "python -m factory.v3 init (see configs/builtin/v3/)",
     }
     (tmp / "builtin.json").write_text(json.dumps(info, indent=1) + "\n")
-    if model.exists():
-        shutil.rmtree(model)
-    os.replace(tmp, model)
-    print(f"wrote {model} with {', '.join(laid)}")
-    return model
 
 
 def clips(num_clips: int, split: str = "validation"):

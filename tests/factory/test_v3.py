@@ -133,6 +133,22 @@ def test_init_writes_a_model_directory_of_this_design(tmp_path):
     )
 
 
+def test_an_init_that_fails_leaves_the_model_folder_as_it_was(tmp_path, monkeypatch):
+    model = v3.init(tmp_path / "model", next_dir=tmp_path / "next")
+    before = {p.relative_to(model): p.read_bytes() for p in model.rglob("*") if p.is_file()}
+
+    def half_written(tmp, *args):
+        (tmp / "builtin.json").write_text("{")  # a part written, then the failure
+        raise RuntimeError("stopped half-way")
+
+    monkeypatch.setattr(v3, "_lay_out", half_written)
+    with pytest.raises(RuntimeError, match="half-way"):
+        v3.init(model, next_dir=tmp_path / "next")
+    after = {p.relative_to(model): p.read_bytes() for p in model.rglob("*") if p.is_file()}
+    assert after == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "next"]  # no temporary folder left
+
+
 def test_word_attention_splits_every_layers_weights_over_the_caption_roles(tmp_path):
     model = v3.init(tmp_path / "model", next_dir=tmp_path / "next")
     result = v3.word_attention(model, num_clips=2)
