@@ -141,8 +141,12 @@ class Turns:
 
 
 class Countdown:
-    """Seconds left, shown so that it never rises: each new estimate is capped by the previous one minus
-    the time since (a decode whose length was underestimated shows "0 s left", never a rising figure)."""
+    """Seconds left, shown so that it counts down: a new estimate a little above the last one minus the time since
+    (within 15%, or 2 s) is capped by it, so the figure does not jitter up and down from step to step; one well
+    above it is shown, because the run did slow down (a loaded machine) and saying less would be wrong."""
+
+    RISE = 0.15  # a rise by more than this share (and more than RISE_S) is real, not jitter
+    RISE_S = 2.0
 
     def __init__(self, clock=time.monotonic):
         self._clock = clock
@@ -156,18 +160,23 @@ class Countdown:
             return None if self._left is None else max(0.0, self._left - (now - self._at))
         estimate = max(0.0, estimate)
         if self._left is not None:
-            estimate = min(estimate, max(0.0, self._left - (now - self._at)))
+            counted = max(0.0, self._left - (now - self._at))
+            if estimate <= counted * (1 + self.RISE) or estimate <= counted + self.RISE_S:
+                estimate = min(estimate, counted)
         self._left, self._at = estimate, now
         return estimate
 
 
-def seconds_left(elapsed: float, fraction: float, decodes_left: int, decode_seconds: float | None) -> float | None:
+def seconds_left(
+    elapsed: float, fraction: float, tails_left: int, tail_seconds: float | None, tail_elapsed: float = 0.0
+) -> float | None:
     """The run's seconds left: the denoising still to come, from the share of steps done so far (``elapsed *
-    (1 - fraction) / fraction``, once ``fraction`` >= 0.1; before that, no estimate), plus the video decodes
-    still to come, ``decode_seconds`` each. Interleaved variants all decode after the last round, so leaving
-    the decodes out would say "30 s left" with 46 s to go and "finishing" for 18 s. With
-    ``decode_seconds`` unknown (None) the decodes are left out."""
+    (1 - fraction) / fraction``, once ``fraction`` >= 0.1; before that, no estimate), plus the variants' tails
+    still to come (decode, video writing, checks), ``tail_seconds`` each, less ``tail_elapsed``: the seconds
+    already spent on them since the last step (interleaved variants all decode after the last round, so leaving
+    the tails out would say "30 s left" with 46 s to go and "finishing" for 18 s). With ``tail_seconds`` unknown
+    (None) the tails are left out."""
     if fraction < 0.1:
         return None
     denoising = elapsed * (1 - fraction) / fraction if fraction < 1 else 0.0
-    return denoising + max(0, decodes_left) * (decode_seconds or 0.0)
+    return denoising + max(0.0, max(0, tails_left) * (tail_seconds or 0.0) - tail_elapsed)

@@ -49,6 +49,8 @@ CSS = (
   #table th, #table td {padding: 4px !important; overflow-wrap: anywhere}
 }
 #prompt-note {min-height: 1.2em; font-size: 0.85rem}
+/* a phone's width: the preset's label (frames, size, tokens, grid, M) fits the dropdown in a smaller font */
+@media (max-width: 500px) {#preset input {font-size: 0.72rem}}
 """
     # one colour per variant everywhere: a bar over each column, as in the chart and the side-by-side video
     + "".join(
@@ -56,6 +58,7 @@ CSS = (
         for name, colour in VARIANT_COLOURS.items()
     )
 )
+SCROLL_TO_STATUS_JS = "() => { document.getElementById('status')?.scrollIntoView({behavior: 'smooth'}); }"
 # the URL query of the request just run, written into the address bar without a reload (see compare.parse_permalink)
 PERMALINK_JS = """
 (prompt, seed, steps, guidance, preset, variants) => {
@@ -194,12 +197,14 @@ def _status(
     countdown: Countdown,
     decodes_left: int = 0,
     decode_seconds: float | None = None,
+    tail_since: float | None = None,
 ) -> str:
     elapsed = time.monotonic() - started
     line = f"**Running:** {text} · {elapsed:.0f} s elapsed"
     # an estimate once a few steps of every variant are measured (before that it is a guess), with the video
     # decodes still to come; shown through a Countdown, so it never rises while a video decodes
-    left = countdown.update(seconds_left(elapsed, fraction, decodes_left, decode_seconds))
+    tail_elapsed = 0.0 if tail_since is None else time.monotonic() - tail_since
+    left = countdown.update(seconds_left(elapsed, fraction, decodes_left, decode_seconds, tail_elapsed))
     if left is not None:
         line += f", about {left:.0f} s left" if left >= 1 else ", finishing"
     return line
@@ -308,7 +313,9 @@ def warmup_line(demo: gr.Blocks, warmup: compare.Warmup | None) -> None:
         return warmup.note(), gr.Timer(active=not warmup.done)
 
     warm_timer.tick(on_warm_tick, None, [warm_note, warm_timer], queue=False, api_visibility="private")
-    demo.load(on_warm_tick, None, [warm_note, warm_timer], queue=False, api_visibility="private")
+    demo.load(
+        on_warm_tick, None, [warm_note, warm_timer], queue=False, api_visibility="private", show_progress="hidden"
+    )
 
 
 def compare_tab(demo: gr.Blocks, source: PageSource, max_tokens: int | None) -> None:
@@ -460,9 +467,15 @@ def compare_tab(demo: gr.Blocks, source: PageSource, max_tokens: int | None) -> 
         started = time.monotonic()
         countdown = Countdown()
 
-        def decodes() -> tuple[int, float | None]:
-            """The videos this run has still to decode, and one decode's seconds as measured on this server."""
-            return len(req.variants) - (len(last.runs) if last else 0), decode_clock.seconds(pixels)
+        # interleaved variants (each its own transformer) all decode after the last round, one after another
+        interleaved = len({id(models.variants[n].transformer) for n in req.variants}) == len(req.variants)
+
+        def decodes() -> tuple[int, float | None, float | None]:
+            """The variants' tails to count (decode, video, checks), one tail's seconds as measured on this server,
+            and since when the tails have been running (interleaved: all of them, from the last step on)."""
+            if interleaved and denoised_at is not None:
+                return len(req.variants), decode_clock.seconds(pixels), denoised_at
+            return len(req.variants) - (len(last.runs) if last else 0), decode_clock.seconds(pixels), None
 
         worker = threading.Thread(target=work, name="compare", daemon=True)
         worker.start()
@@ -806,7 +819,10 @@ def compare_tab(demo: gr.Blocks, source: PageSource, max_tokens: int | None) -> 
             [prompt, seed, steps, guidance, preset, variants, *outputs, note],
             queue=False,
             api_visibility="private",
+            show_progress="hidden",  # no spinner over the form while the link is read (the form is usable)
         )
+        # the results start below a 1400x900 window's fold: a click brings the status line and the columns into view
+        run_button.click(None, None, None, js=SCROLL_TO_STATUS_JS, queue=False, api_visibility="private")
 
 
 def benchmark_tab(source: PageSource, max_bench_tokens: int | None) -> None:

@@ -9,6 +9,7 @@ import os
 import queue
 import re
 import shutil
+import tempfile
 import threading
 import time
 import uuid
@@ -281,11 +282,36 @@ def _generate(models: AppModels, request: CompareRequest, variant: str, steps: i
 _UNTRAINED = r"variant '.*' added freshly initialised"
 
 
+def _video_tail(
+    models: AppModels,
+    request: CompareRequest,
+    run: VariantRun,
+    decoded: np.ndarray,
+    run_dir: Path,
+    fps: int,
+    reference: np.ndarray | None,
+) -> np.ndarray:
+    """What follows a variant's decode: its mp4, the degenerate-video check, the verdict against the prompt and,
+    with flash's video as ``reference`` (not for flash itself), PSNR and SSIM; into ``run``. Returns the frames."""
+    frames = to_uint8(decoded)
+    comment = f"{run.variant} | seed {request.seed} | {request.prompt}"
+    if models.random_note:
+        comment = f"{models.random_note} | {comment}"
+    run.video = write_mp4(run_dir / f"{run.variant}.mp4", frames, fps=fps, comment=comment)
+    run.degenerate = quality.degenerate(frames)
+    if models.judge is not None:
+        run.attributes = models.judge(frames, request.prompt)
+        run.judged = True
+    if run.variant != SOFTMAX and reference is not None:
+        run.psnr, run.ssim = quality.psnr(frames, reference), quality.ssim(frames, reference)
+    return frames
+
+
 def warm_up(models: AppModels, decodes: list[tuple[float, int]] | None = None) -> float:
     """One short untimed generation per variant at the model's default size (one step; the first also
     decodes, warming the shared text encoder and VAE), done once when the app starts so that no request pays
-    for it. Returns the seconds it took; ``decodes`` gets ``(seconds, pixels)`` of its video decode (the
-    page's first estimate of a decode's length)."""
+    for it. Returns the seconds it took; ``decodes`` gets ``(seconds, pixels)`` of a variant's tail: its video
+    decode, writing and checks (the page's first estimate of that tail's length)."""
     d = models.components.defaults
     preset = (d["num_frames"], d["height"], d["width"])
     request = CompareRequest(models.example_prompt, "", 0, 1, float(d["guidance_scale"]), preset, list(VARIANTS))
@@ -299,7 +325,14 @@ def warm_up(models: AppModels, decodes: list[tuple[float, int]] | None = None) -
         for i, name in enumerate(VARIANTS):
             out = _generate(models, request, name, 1, "np" if i == 0 else "latent")
             if i == 0 and decodes is not None and out.timing.vae_decode > 0:
-                decodes.append((out.timing.vae_decode, preset[0] * preset[1] * preset[2]))
+                # a variant's whole tail, as a run has it: the decode, then its video written and checked
+                # (against itself as the reference: the same work as against flash's)
+                tail = time.perf_counter()
+                with tempfile.TemporaryDirectory(prefix="mhla-warm-") as tmp:
+                    frames = to_uint8(out.frames)
+                    _video_tail(models, request, VariantRun(LINEAR, ""), frames, Path(tmp), 16, frames)
+                seconds = out.timing.vae_decode + time.perf_counter() - tail
+                decodes.append((seconds, preset[0] * preset[1] * preset[2]))
     return time.perf_counter() - start
 
 
@@ -498,20 +531,9 @@ def iter_compare(
                     run.timings.append(clock.timing(out.timing, start, time.perf_counter()))
             clock.check()
             report(f"{name}: writing video")
-            frames = to_uint8(out.frames)
-            comment = f"{name} | seed {request.seed} | {request.prompt}"
-            if models.random_note:
-                comment = f"{models.random_note} | {comment}"
-            run.video = write_mp4(run_dir / f"{name}.mp4", frames, fps=fps, comment=comment)
-            run.degenerate = quality.degenerate(frames)
-            if models.judge is not None:
-                run.attributes = models.judge(frames, request.prompt)
-                run.judged = True
-            videos[name] = frames
             # here, in this variant's turn, not in the consumer's thread: there it would slow the next
             # variant's VAE decode (measured: the later a variant decoded, the slower)
-            if name != SOFTMAX and SOFTMAX in videos:
-                run.psnr, run.ssim = quality.psnr(frames, videos[SOFTMAX]), quality.ssim(frames, videos[SOFTMAX])
+            videos[name] = _video_tail(models, request, run, out.frames, run_dir, fps, videos.get(SOFTMAX))
         except RunCancelled:
             outcome = "cancelled"
         except Exception as e:  # noqa: BLE001 - one variant's failure must not lose the others' results

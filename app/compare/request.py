@@ -45,13 +45,14 @@ def preset_key(preset: tuple[int, int, int]) -> str:
 
 
 def preset_label(models: AppModels, preset: tuple[int, int, int]) -> str:
-    """E.g. ``17 frames, 128x160: 1,600 tokens (5x16x20), M=40``: the tokens and the M that a run of this
+    """E.g. ``17x128x160: 1,600 tokens (5x16x20), M=40`` (frames x height x width): the tokens and the M that a run of this
     preset gets with the loaded model (its patch, and the MHLA layout generate() uses, shrunk to fit)."""
     frames, height, width = preset
     grid = models.grid(height, width, frames)
     ms = {v: models.num_blocks(grid, v) for v in MHLA_VARIANTS}
     m = str(ms[MHLA]) if len(set(ms.values())) == 1 else ", ".join(f"{n} ({v})" for v, n in ms.items())
-    return f"{frames} frames, {height}x{width}: {math.prod(grid):,} tokens ({'x'.join(map(str, grid))}), M={m}"
+    # short enough for a phone's dropdown: frames x height x width as the dropdown's title says, as permalinks
+    return f"{frames}x{height}x{width}: {math.prod(grid):,} tokens ({'x'.join(map(str, grid))}), M={m}"
 
 
 def preset_tokens(models: AppModels, preset: tuple[int, int, int]) -> int:

@@ -26,13 +26,13 @@ def models():
 @pytest.mark.slow  # generates with the tiny model
 def test_presets_name_the_tokens_and_the_m_that_runs(models, tmp_path):
     labels = dict((v, k) for k, v in compare.preset_choices(models))
-    assert labels["81x480x800"].startswith("81 frames, 480x800: 31,500 tokens (21x30x50), M=")
+    assert labels["81x480x800"].startswith("81x480x800: 31,500 tokens (21x30x50), M=")
     for p in compare.PRESETS:
         assert compare.parse_preset(compare.preset_key(p)) == p
     # the M in a label is the M generate() runs (the tiny model's layout, shrunk to the grid)
     req = compare.check_request(models, "a fox", "", 0, 1, 5.0, "9x64x96", ["mhla"])
     run = compare.run_compare(models, req, tmp_path).runs[0]
-    assert labels["9x64x96"] == f"9 frames, 64x96: 72 tokens (3x4x6), M={run.timing.num_blocks}"
+    assert labels["9x64x96"] == f"9x64x96: 72 tokens (3x4x6), M={run.timing.num_blocks}"
 
 
 def test_only_presets_within_the_token_limit_are_offered(models):

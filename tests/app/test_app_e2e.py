@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow  # drives a browser against a launched app
 ROOT = Path(__file__).resolve().parents[2]
 SMALLEST = "5x32x48"
 # tokens and M depend on the model's patch and block shape (the built-in model: 1x1x1, 48 tokens)
-SMALLEST_LABEL = re.compile(r"^5 frames, 32x48: \d+ tokens \(\dx\dx\d\), M=\d+$")
+SMALLEST_LABEL = re.compile(r"^5x32x48: \d+ tokens \(\dx\dx\d\), M=\d+$")
 TRAINED = builtin_available()  # the app serves the built-in model, else the tiny random one
 # the empty-prompt error suggests the model's first example: the built-in model's best prompt in its committed
 # evaluation (builtin.json's example_prompts, read here from the file), else the fixed list's first
@@ -335,6 +335,9 @@ def test_browser_permalink_stored_examples_and_labels(sync_playwright, server):
                         f"degenerate: {bad['degenerate']} video"
                         in page.locator(f"#latency-{bad['variant']}").inner_text()
                     )
+            # the preset's label is whole in its dropdown at a phone's width (it was cut at "..., M")
+            preset = page.locator("#preset input")
+            assert preset.evaluate("e => e.scrollWidth <= e.clientWidth"), preset.input_value()
             # the permalink restores prompt, seed, steps and variants
             page.goto(server + "?prompt=a+green+square+moves+up&seed=7&steps=3&variants=flash,mhla")
             page.wait_for_function("document.querySelector('#prompt textarea')?.value === 'a green square moves up'")
@@ -377,6 +380,12 @@ def test_browser_shows_only_this_request_s_results_and_an_honest_verdict(sync_pl
             page.get_by_role("option", name=SMALLEST_LABEL).click()
             _set_number(page, "steps", 100)
             page.locator("#generate").click()
+            # the status line and the top of the columns come into view (they start below a 1400x900 fold)
+            page.wait_for_function(
+                "() => { const r = document.querySelector('#status').getBoundingClientRect();"
+                " return r.top >= 0 && r.bottom <= window.innerHeight; }"
+            )
+            assert page.locator("#col-flash").evaluate("e => e.getBoundingClientRect().top < window.innerHeight")
             # at once: nothing from the stored example (its videos, headline, table) beside the new run
             page.wait_for_function("() => !document.querySelector('#video-flash video')?.getAttribute('src')")
             assert "Stored example" not in headline.inner_text() and "flash" not in page.locator("#table").inner_text()

@@ -83,17 +83,19 @@ def test_turns_go_round_robin_and_skip_a_worker_that_left():
         Turns(["a", "b"]).done("b")
 
 
-def test_countdown_never_rises():
+def test_countdown_counts_down_without_jitter_and_shows_a_real_slowdown():
     now = [0.0]
     c = Countdown(clock=lambda: now[0])
     assert c.update(None) is None  # nothing shown before the first estimate
     assert c.update(30.0) == 30.0
     now[0] = 5.0
-    assert c.update(40.0) == 25.0  # a higher estimate (a slow decode) is capped by the last one minus 5 s
+    assert c.update(26.0) == 25.0  # a little above the count (within 15% and 2 s): capped, no jitter
     now[0] = 6.0
     assert c.update(10.0) == 10.0  # a lower one is taken
-    now[0] = 20.0
-    assert c.update(None) == 0.0 and c.update(8.0) == 0.0  # never below zero, never back up
+    now[0] = 7.0
+    assert c.update(20.0) == 20.0  # twice the count: the run slowed down, and saying 9 s would be wrong
+    now[0] = 40.0
+    assert c.update(None) == 0.0 and c.update(1.0) == 0.0  # never below zero; 1 s above 0 is jitter
 
 
 # ---- degenerate videos ------------------------------------------------------------------------------------
