@@ -348,7 +348,12 @@ def test_browser_permalink_stored_examples_and_labels(sync_playwright, server):
                 for name in ("flash", "linear", "mhla", "mhla-hybrid")
             }
             assert checked == {"flash": True, "linear": False, "mhla": True, "mhla-hybrid": False}
-            # the prompt box shows its limit; a word the built-in model does not know is named
+            # the prompt box shows its limit; a word the built-in model does not know is named (the tokenizer says
+            # which words it knows: the note names them once the model is loaded, slow under load)
+            page.wait_for_function(
+                "() => !(document.querySelector('#warmup-note')?.innerText || '').includes('Loading the model')",
+                timeout=240_000,
+            )
             prompt.fill("a red fox moves up")
             note = page.locator("#prompt-note")
             note.filter(has_text="18 / 2,000 characters").wait_for()
