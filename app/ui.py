@@ -201,10 +201,13 @@ def _status(
 ) -> str:
     elapsed = time.monotonic() - started
     line = f"**Running:** {text} · {elapsed:.0f} s elapsed"
-    # an estimate once a few steps of every variant are measured (before that it is a guess), with the video
-    # decodes still to come; shown through a Countdown, so it never rises while a video decodes
+    # an estimate once a few steps of every variant are measured (before that it is a guess), with the variants'
+    # tails still to come. Once the tails have begun (``tail_since``), the steps' rate is the one measured before
+    # them: the last round's few steps wait behind the tails, and counting the tails' seconds as denoising would
+    # make the steps look many times slower
+    denoising = elapsed if tail_since is None else tail_since - started
     tail_elapsed = 0.0 if tail_since is None else time.monotonic() - tail_since
-    left = countdown.update(seconds_left(elapsed, fraction, decodes_left, decode_seconds, tail_elapsed))
+    left = countdown.update(seconds_left(denoising, fraction, decodes_left, decode_seconds, tail_elapsed))
     if left is not None:
         line += f", about {left:.0f} s left" if left >= 1 else ", finishing"
     return line
@@ -472,15 +475,16 @@ def compare_tab(demo: gr.Blocks, source: PageSource, max_tokens: int | None) -> 
 
         def decodes() -> tuple[int, float | None, float | None]:
             """The variants' tails to count (decode, video, checks), one tail's seconds as measured on this server,
-            and since when the tails have been running (interleaved: all of them, from the last step on)."""
-            if interleaved and denoised_at is not None:
-                return len(req.variants), decode_clock.seconds(pixels), denoised_at
+            and since when the tails have been running (interleaved: all of them, one after another, from the first
+            variant's last step on)."""
+            if interleaved and tails_at is not None:
+                return len(req.variants), decode_clock.seconds(pixels), tails_at
             return len(req.variants) - (len(last.runs) if last else 0), decode_clock.seconds(pixels), None
 
         worker = threading.Thread(target=work, name="compare", daemon=True)
         worker.start()
         text, fraction, last, shown = "starting", 0.0, None, 0.0
-        denoised_at: float | None = None
+        tails_at: float | None = None  # the first variant's steps done: its tail began (the others' wait behind it)
         counts: dict[str, tuple[int, int]] = {}  # each variant's steps done and in all
 
         def columns_in_progress() -> list:
@@ -502,10 +506,10 @@ def compare_tab(demo: gr.Blocks, source: PageSource, max_tokens: int | None) -> 
                     kind, payload = "tick", None
                 if kind == "progress":
                     text, fraction = payload
-                    if fraction >= 1 and denoised_at is None:
-                        denoised_at = time.monotonic()  # every step done: what follows is the videos' tail
                 elif kind == "steps":
                     counts = payload
+                    if tails_at is None and any(total and done >= total for done, total in counts.values()):
+                        tails_at = time.monotonic()
                     continue
                 elif kind == "result":
                     last, shown = payload, time.monotonic()
@@ -540,8 +544,8 @@ def compare_tab(demo: gr.Blocks, source: PageSource, max_tokens: int | None) -> 
         # after the last round (decodes, video writing, the checks, the side-by-side video) per variant; else the
         # VAE decode alone (a sequential run's tails fall inside the steps' own extrapolation)
         complete = not last.stopped and all(r.timings for r in last.runs) and len(last.runs) == len(req.variants)
-        if complete and last.interleaved and denoised_at is not None:
-            decode_clock.add((time.monotonic() - denoised_at) / len(req.variants), pixels)
+        if complete and last.interleaved and tails_at is not None:
+            decode_clock.add((time.monotonic() - tails_at) / len(req.variants), pixels)
         else:
             for r in last.runs:
                 if r.timings:
