@@ -50,7 +50,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--decode-dtype",
         default="auto",
-        help="the VAE's dtype: auto (bfloat16 on a CPU, where it decodes 2-3x faster; else the model's), float32, "
+        help="the VAE's dtype: auto (bfloat16 on a CPU with native bfloat16, where it decodes 2-3x faster; float32 "
+        "on other CPUs, where bfloat16 is emulated and 16x slower; else the model's), float32, "
         "bfloat16, float16",
     )
     p.add_argument(

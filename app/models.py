@@ -219,12 +219,23 @@ class ModelFacts(_ModelQuestions):
 DECODE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether oneDNN runs bfloat16 natively on this CPU (AVX512-BF16 or AMX); without it bfloat16 is emulated."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
 def decode_dtype_for(device: torch.device, dtype: torch.dtype, choice: str = "auto") -> torch.dtype:
-    """The VAE's dtype: ``choice`` by name, or for ``auto`` bfloat16 on a CPU (the Wan VAE's float32 3D
-    convolutions take PyTorch's slow path there, its bfloat16 ones oneDNN's: 2-3x faster decoding, 59 dB PSNR
-    against float32 on the built-in model; benchmarks/app_compare.py measures it), else the model's dtype."""
+    """The VAE's dtype: ``choice`` by name, or for ``auto`` bfloat16 on a CPU whose oneDNN runs bfloat16 natively
+    (the Wan VAE's float32 3D convolutions take PyTorch's slow path there, its bfloat16 ones oneDNN's: 2-3x faster
+    decoding, 59 dB PSNR against float32 on the built-in model), float32 on any other CPU (on an AVX2-only EPYC
+    bfloat16 decoded 9x128x160 in 31.8 s against float32's 2.0 s: emulated), else the model's dtype."""
     if choice == "auto":
-        return torch.bfloat16 if device.type == "cpu" else dtype
+        if device.type == "cpu":
+            return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+        return dtype
     if choice not in DECODE_DTYPES:
         raise ValueError(f"decode dtype must be auto or one of {', '.join(DECODE_DTYPES)}, got {choice!r}")
     return DECODE_DTYPES[choice]

@@ -90,3 +90,18 @@ def test_the_apps_compiled_runs_give_the_eager_videos(models, mode, monkeypatch)
         got = _frames(compiled, variant, compile=mode)
         np.testing.assert_allclose(got, want, atol=1e-4)
     assert compiled.components.transformer._mhla_compiled == (mode, "aot_eager", False)
+
+
+def test_auto_decodes_in_bfloat16_only_where_the_cpu_runs_it_natively(monkeypatch):
+    """An AVX2-only CPU emulates bfloat16: the VAE decoded 16x slower than in float32 there, so ``auto`` picks
+    float32; a CPU with native bfloat16 (oneDNN's AVX512-BF16/AMX) gets bfloat16; a GPU keeps the model's dtype."""
+    from app import models as app_models
+
+    assert isinstance(app_models.cpu_has_native_bf16(), bool)  # this machine's answer, whichever it is
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr(app_models, "cpu_has_native_bf16", lambda: False)
+    assert app_models.decode_dtype_for(cpu, torch.float32) == torch.float32
+    monkeypatch.setattr(app_models, "cpu_has_native_bf16", lambda: True)
+    assert app_models.decode_dtype_for(cpu, torch.float32) == torch.bfloat16
+    assert app_models.decode_dtype_for(gpu, torch.bfloat16) == torch.bfloat16
+    assert app_models.decode_dtype_for(cpu, torch.float32, "bfloat16") == torch.bfloat16  # asked for: given
