@@ -471,7 +471,7 @@ def compare_tab(demo: gr.Blocks, source: PageSource, max_tokens: int | None) -> 
         countdown = Countdown()
 
         # interleaved variants (each its own transformer) all decode after the last round, one after another
-        interleaved = len({id(models.variants[n].transformer) for n in req.variants}) == len(req.variants)
+        interleaved = compare.interleaves(models, req.variants)
 
         def decodes() -> tuple[int, float | None, float | None]:
             """The variants' tails to count (decode, video, checks), one tail's seconds as measured on this server,

@@ -19,6 +19,7 @@ from .engine import (
     RunCancelled,
     VariantRun,
     Warmup,
+    interleaves,
     iter_compare,
     machine_load,
     new_run_dir,
@@ -76,6 +77,7 @@ from .store import (
 )
 
 __all__ = [
+    "interleaves",
     "PRESETS",
     "CPU_MAX_TOKENS",
     "MAX_STEPS",

@@ -282,6 +282,12 @@ def _generate(models: AppModels, request: CompareRequest, variant: str, steps: i
 _UNTRAINED = r"variant '.*' added freshly initialised"
 
 
+def interleaves(models: AppModels, names: list[str]) -> bool:
+    """Whether these variants take turns step by step (each has its own transformer); else they run one after
+    another on the shared one."""
+    return len({id(models.variants[n].transformer) for n in names}) == len(names)
+
+
 def _video_tail(
     models: AppModels,
     request: CompareRequest,
@@ -477,7 +483,7 @@ def iter_compare(
     """
     run_dir = new_run_dir(out_root)
     names = list(request.variants)
-    interleaved = len({id(models.variants[n].transformer) for n in names}) == len(names)
+    interleaved = interleaves(models, names)
     result = CompareResult(
         request,
         [],
