@@ -2,6 +2,7 @@
 
     python -m benchmarks.app_eta                        # the built-in model, its defaults, 4 variants, 2 requests
     python -m benchmarks.app_eta --model tiny-random --requests 1
+    python -m benchmarks.app_eta --out benchmarks/results/app_eta_cpu      # also <out>.json and <out>.md
 
 Loads the models and warms up as ``run_app.py`` does (the warm-up's decode is the first decode estimate), then
 sends identical requests through the Compare handler of the page (``app.ui.build_demo``), reading every status
@@ -27,7 +28,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="as run_app.py --model (default: the built-in model)")
     p.add_argument("--requests", type=int, default=2)
     p.add_argument("--prompt", default="a small red triangle moves down on a black background")
-    return p.parse_args(argv)
+    p.add_argument("--out", default=None, help="also write <out>.json and <out>.md (a path without extension)")
+    args = p.parse_args(argv)
+    if args.requests < 1:
+        p.error(f"--requests {args.requests}: expected at least 1")
+    return args
 
 
 def main(argv=None) -> int:
@@ -44,6 +49,7 @@ def main(argv=None) -> int:
     demo = build_demo(models, out_root=tempfile.mkdtemp(prefix="app-eta-"), warmup=warmup)
     on_compare = next(f.fn for f in demo.fns.values() if getattr(f.fn, "__name__", "") == "on_compare")
     print(f"model: {models.source}; preset {preset}, {d['num_inference_steps']} steps, every variant")
+    rows: list[dict] = []
     for i in range(args.requests):
         load = os.getloadavg()[0] / (os.cpu_count() or 1)
         shown: list[tuple[float, float]] = []  # (second of the run, seconds said to be left)
@@ -64,21 +70,69 @@ def main(argv=None) -> int:
                 shown.append((time.monotonic() - started, 0.0 if m.group(2) else float(m.group(1))))
         total = time.monotonic() - started
         print(f"request {i + 1}: {total:.1f} s, load {load:.2f} per core at its start; {len(shown)} estimates")
+        row = {"request": i + 1, "seconds": round(total, 1), "load_per_core": round(load, 2), "estimates": len(shown)}
+        rows.append(row)
         if not shown:
             continue
         errors = [(t, left, total - t) for t, left in shown]
+        row["at"] = []
         for share in (0.1, 0.25, 0.5, 0.75, 0.9):
             t, left, truth = min(errors, key=lambda e: abs(e[0] - share * total))
             print(
                 f"  at {t:5.1f} s ({share:.0%}): said {left:4.0f} s left, {truth:5.1f} s were: {left / truth - 1:+.0%}"
             )
+            row["at"].append({"share": share, "second": round(t, 1), "said": left, "left": round(truth, 1)})
         worst = max(errors, key=lambda e: abs(e[1] - e[2]) / max(e[2], 1.0))
         t, left, truth = worst
         print(
             f"  first estimate at {shown[0][0]:.1f} s; largest error at {t:.1f} s: said {left:.0f} s, "
             f"{truth:.1f} s were ({(left - truth) / max(truth, 1.0):+.0%})"
         )
+        row.update(
+            first_estimate_s=round(shown[0][0], 1),
+            largest_error={"second": round(t, 1), "said": left, "left": round(truth, 1)},
+            largest_error_share=round((left - truth) / max(truth, 1.0), 3),
+        )
+    if args.out:
+        write(args, models, preset, rows)
     return 0
+
+
+def write(args, models, preset: str, rows: list[dict]) -> None:
+    """``<out>.json`` (machine, request, rows) and ``<out>.md`` (one line per request)."""
+    import torch
+
+    from benchmarks.common import environment, write_results
+
+    meta = {
+        **environment(torch.device("cpu")),
+        "model": str(models.source),
+        "preset": preset,
+        "steps": models.defaults["num_inference_steps"],
+        "variants": list(models.variants),
+        "prompt": args.prompt,
+        "command": "python -m benchmarks.app_eta " + " ".join(f"--{k} {v}" for k, v in vars(args).items() if v),
+    }
+    lines = [
+        f"# The page's time-left estimate against the time left ({meta['device']}, {meta['date']})",
+        "",
+        f"Model {meta['model']}, preset {preset}, {meta['steps']} steps, variants {', '.join(meta['variants'])}.",
+        "Each row: one request through the page's Compare handler; the estimate shown nearest 10/50/90% of the run,",
+        "and the largest error from the first estimate on (error = (said - left) / left).",
+        "",
+        "| request | seconds | load/core | first estimate at | at 10% | at 50% | at 90% | largest error |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        at = {a["share"]: a for a in r.get("at", [])}
+        cells = [f"{at[s]['said']:.0f} s said, {at[s]['left']:.0f} s left" if s in at else "-" for s in (0.1, 0.5, 0.9)]
+        worst = f"{r['largest_error_share']:+.0%} at {r['largest_error']['second']:.0f} s" if "at" in r else "-"
+        lines.append(
+            f"| {r['request']} | {r['seconds']} | {r['load_per_core']} | {r.get('first_estimate_s', '-')} s | "
+            f"{' | '.join(cells)} | {worst} |"
+        )
+    out = os.path.abspath(args.out)
+    write_results(os.path.dirname(out), os.path.basename(out), meta, rows, "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

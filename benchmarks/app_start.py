@@ -3,6 +3,7 @@
     python -m benchmarks.app_start                         # 5 starts of this checkout's app (the built-in model)
     python -m benchmarks.app_start --vs /path/to/other     # alternated with another checkout's (A B A B ...)
     python -m benchmarks.app_start --runs 3 -- --model tiny-random   # arguments after -- go to run_app.py
+    python -m benchmarks.app_start --out benchmarks/results/app_start_cpu   # also <out>.json and <out>.md
 
 Each start: a free 127.0.0.1 port, ``run_app.py`` in a fresh process, ``GET /`` every 0.1 s until it answers
 200 (the seconds to that are the figure), then, where the app prints it, the second at which the model is
@@ -32,6 +33,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--runs", type=int, default=5, help="starts per checkout")
     p.add_argument("--vs", type=Path, default=None, help="a second checkout, started in turn with this one")
     p.add_argument("--timeout", type=float, default=240.0, help="seconds a start may take before it counts failed")
+    p.add_argument("--out", default=None, help="also write <out>.json and <out>.md (a path without extension)")
     p.add_argument("app_args", nargs="*", help="after --: arguments for run_app.py")
     args = p.parse_args(argv)
     if args.runs < 1:
@@ -99,6 +101,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     roots = [ROOT] + ([args.vs.resolve()] if args.vs is not None else [])
     times: dict[Path, list[float]] = {r: [] for r in roots}
+    rows: list[dict] = []
     print(f"{'run':>3}  {'checkout':<40} {'page s':>7} {'loaded s':>9} {'load/core':>9}")
     for i in range(args.runs):
         for root in roots:
@@ -107,11 +110,57 @@ def main(argv=None) -> int:
             load = os.getloadavg()[0] / (os.cpu_count() or 1)
             shown = f"{loaded:9.1f}" if loaded is not None else f"{'-':>9}"
             print(f"{i + 1:>3}  {str(root)[-40:]:<40} {page:7.1f} {shown} {load:9.2f}", flush=True)
+            rows.append(
+                {
+                    "start": i + 1,
+                    "checkout": str(root),
+                    "page_s": round(page, 2),
+                    "loaded_s": None if loaded is None else round(loaded, 2),
+                    "load_per_core": round(load, 2),
+                }
+            )
     for root in roots:
         t = times[root]
         print(f"median {statistics.median(t):.1f} s (min {min(t):.1f}, max {max(t):.1f}) over {len(t)}: {root}")
     print(f"machine: {os.cpu_count()} cores; load average now {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    if args.out:
+        write(args, roots, times, rows)
     return 0
+
+
+def write(args, roots: list[Path], times: dict[Path, list[float]], rows: list[dict]) -> None:
+    """``<out>.json`` (machine, every start) and ``<out>.md`` (every start, the median per checkout)."""
+    import torch
+
+    from benchmarks.common import environment, write_results
+
+    meta = {
+        **environment(torch.device("cpu")),
+        "cores": os.cpu_count(),
+        "app_args": args.app_args,
+        "command": "python -m benchmarks.app_start --runs "
+        + str(args.runs)
+        + (f" --vs {args.vs}" if args.vs else "")
+        + (" -- " + " ".join(args.app_args) if args.app_args else ""),
+        "median_page_s": {str(r): round(statistics.median(times[r]), 2) for r in roots},
+    }
+    lines = [
+        f"# Seconds until run_app.py's page answers ({os.cpu_count()}-core {meta['device']}, {meta['date']})",
+        "",
+        f"`{meta['command']}`: a fresh process per start, GET / every 0.1 s until 200.",
+        "",
+        "| start | checkout | page answers (s) | model loaded (s) | load per core |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        loaded = "-" if r["loaded_s"] is None else f"{r['loaded_s']:.1f}"
+        lines.append(f"| {r['start']} | {r['checkout']} | {r['page_s']:.1f} | {loaded} | {r['load_per_core']} |")
+    lines.append("")
+    for root in roots:
+        t = times[root]
+        lines.append(f"Median {statistics.median(t):.1f} s (min {min(t):.1f}, max {max(t):.1f}) over {len(t)}: {root}")
+    out = os.path.abspath(args.out)
+    write_results(Path(out).parent, Path(out).name, meta, rows, "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@
     python -m factory.v3 gate runs/builtin-v3/vae/checkpoints/<latest>/vae   # the VAE gate: before any transformer
     python -m factory.v3 save-vae runs/builtin-v3/vae/checkpoints/<latest>   # -> assets/builtin-next/v3/vae
     python -m factory.v3 attention --transformer DIR   # the cross-attention's share on each caption word
+    python -m factory.v3 retime-vae --temporal-downsample false,true --out runs/builtin-v3/model5   # 9 -> 5 frames
 
 What caps the second design and what this design changes:
 
@@ -309,6 +310,51 @@ def save_vae(checkpoint: Path, next_dir: Path = NEXT) -> Path:
         shutil.rmtree(staged, ignore_errors=True)
 
 
+def retime_vae(vae_dir: Path, temperal_downsample: list[bool], out: Path, model: Path = MODEL) -> list[str]:
+    """A copy of the model folder ``model`` at ``out`` whose VAE is ``vae_dir``'s with other temporal strides
+    (``temperal_downsample``, one flag per downsampling), every layer's weights kept but the time convolutions a
+    stride no longer has (returned: their names). The spatial layers, channels and latent statistics stay, so a
+    VAE run continues from there (``configs/builtin/v3/vae5.yaml``); builtin.json's ``vae`` says the new strides.
+    Written through :func:`common.outputs.atomic_dir`: a failure leaves ``out`` as it was."""
+    from diffusers import AutoencoderKLWan
+    from safetensors.torch import load_file
+
+    cfg = json.loads((vae_dir / "config.json").read_text())
+    if len(temperal_downsample) != len(cfg["temperal_downsample"]):
+        raise ValueError(
+            f"temperal_downsample {temperal_downsample}: {vae_dir} has {len(cfg['temperal_downsample'])} "
+            "downsamplings, one flag each expected"
+        )
+    settings = {k: v for k, v in cfg.items() if not k.startswith("_")}
+    settings.update(temperal_downsample=list(temperal_downsample), scale_factor_temporal=2 ** sum(temperal_downsample))
+    vae = AutoencoderKLWan(**settings)
+    weights = {k: v.float() for k, v in load_file(str(vae_dir / "diffusion_pytorch_model.safetensors")).items()}
+    missing, dropped = vae.load_state_dict(weights, strict=False)
+    if missing:  # a stride added needs a time convolution nobody trained: not a transfer
+        raise ValueError(f"{vae_dir} has no weights for {', '.join(missing[:4])}: strides can only be taken away")
+    with atomic_dir(out) as tmp:
+        for part in sorted(model.iterdir()):
+            if part.name == "vae":
+                continue
+            (shutil.copytree if part.is_dir() else shutil.copy2)(part, tmp / part.name)
+        vae.save_pretrained(str(tmp / "vae"), safe_serialization=True)
+        info_path = tmp / "builtin.json"
+        if info_path.is_file():
+            info = json.loads(info_path.read_text())
+            info["vae"] = {**info.get("vae", {}), "temperal_downsample": list(temperal_downsample)}
+            info_path.write_text(json.dumps(info, indent=1) + "\n")
+    print(f"wrote {out}: {vae_dir}'s VAE with temporal strides {temperal_downsample}, dropped {', '.join(dropped)}")
+    return list(dropped)
+
+
+def _flags(text: str) -> list[bool]:
+    words = {"true": True, "false": False}
+    flags = [w.strip().lower() for w in text.split(",")]
+    if not flags or any(f not in words for f in flags):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated true/false, e.g. false,true")
+    return [words[f] for f in flags]
+
+
 ROLES = ("colour", "shape", "motion", "background", "other words", "end", "padding")
 
 
@@ -411,6 +457,11 @@ def main(argv=None) -> int:
         "save-vae", help="a VAE run's checkpoint -> assets/builtin-next/v3/vae (float16, measured statistics)"
     )
     sv.add_argument("checkpoint", help="e.g. runs/builtin-v3/vae/checkpoints/step-0001700 (or a VAE folder)")
+    r = sub.add_parser("retime-vae", help="a copy of the model folder whose VAE has other temporal strides")
+    r.add_argument("--vae", default=str(NEXT / "vae"), help="the VAE whose weights are kept")
+    r.add_argument("--temporal-downsample", type=_flags, required=True, help="e.g. false,true (9 frames -> 5)")
+    r.add_argument("--model", default=str(MODEL), help="the model folder copied (its VAE is replaced)")
+    r.add_argument("--out", required=True)
     a = sub.add_parser("attention", help="the cross-attention's share on each caption role (shape word, padding, ...)")
     a.add_argument("--model", default=str(MODEL))
     a.add_argument("--transformer", default=None, help="a transformer folder (default: the model's)")
@@ -420,6 +471,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.cmd == "init":
         init(Path(args.out))
+        return 0
+    if args.cmd == "retime-vae":
+        retime_vae(Path(args.vae), args.temporal_downsample, Path(args.out), Path(args.model))
         return 0
     if args.cmd == "save-vae":
         save_vae(Path(args.checkpoint))

@@ -175,3 +175,33 @@ def test_save_vae_keeps_float16_weights_measured_statistics_and_its_step(tmp_pat
     assert config["latents_mean"] != list(vae.config.latents_mean)  # measured on this design's clips
     assert json.loads((dst / "trained.json").read_text())["steps"] == 300
     assert not (tmp_path / "work" / ".vae-save").exists()
+
+
+def test_retime_vae_keeps_every_weight_but_the_dropped_time_convolutions(tmp_path):
+    from diffusers import AutoencoderKLWan
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "builtin.json").write_text(json.dumps({"vae": {"temperal_downsample": [True, True]}}))
+    (model / "tokenizer").mkdir()
+    (model / "tokenizer" / "vocab.txt").write_text("red\n")
+    old = _tiny_vae()
+    old.save_pretrained(str(model / "vae"))
+    dropped = v3.retime_vae(model / "vae", [False, True], tmp_path / "out", model=model)
+    assert dropped and all("time_conv" in k for k in dropped)
+    new = AutoencoderKLWan.from_pretrained(str(tmp_path / "out" / "vae")).eval()
+    assert new.config.temperal_downsample == [False, True] and new.config.scale_factor_temporal == 2
+    old_sd, new_sd = old.state_dict(), new.state_dict()
+    assert set(old_sd) - set(new_sd) == set(dropped)
+    assert all(torch.equal(new_sd[k], old_sd[k]) for k in new_sd)
+    with torch.no_grad():
+        z = new.encode(torch.rand(1, 3, 9, 16, 16) * 2 - 1).latent_dist.mean
+        assert z.shape[2] == 5 and new.decode(z).sample.shape[2] == 9  # 1 + 8/2 latent frames, 9 decoded
+    info = json.loads((tmp_path / "out" / "builtin.json").read_text())
+    assert info["vae"]["temperal_downsample"] == [False, True]
+    assert (tmp_path / "out" / "tokenizer" / "vocab.txt").read_text() == "red\n"
+    with pytest.raises(ValueError, match="only be taken away"):  # a stride added has no trained weights
+        v3.retime_vae(tmp_path / "out" / "vae", [True, True], tmp_path / "again", model=model)
+    with pytest.raises(ValueError, match="one flag each"):
+        v3.retime_vae(model / "vae", [True], tmp_path / "again", model=model)
+    assert not (tmp_path / "again").exists()
