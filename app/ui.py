@@ -198,6 +198,7 @@ def _status(
     decodes_left: int = 0,
     decode_seconds: float | None = None,
     tail_since: float | None = None,
+    origin: tuple[float, float] | None = None,
 ) -> str:
     elapsed = time.monotonic() - started
     line = f"**Running:** {text} · {elapsed:.0f} s elapsed"
@@ -207,7 +208,10 @@ def _status(
     # make the steps look many times slower
     denoising = elapsed if tail_since is None else tail_since - started
     tail_elapsed = 0.0 if tail_since is None else time.monotonic() - tail_since
-    left = countdown.update(seconds_left(denoising, fraction, decodes_left, decode_seconds, tail_elapsed))
+    # the rate from the first step done on (``origin``: its second since ``started`` and the fraction then)
+    left = countdown.update(
+        seconds_left(denoising, fraction, decodes_left, decode_seconds, tail_elapsed, origin or (0.0, 0.0))
+    )
     if left is not None:
         line += f", about {left:.0f} s left" if left >= 1 else ", finishing"
     return line
@@ -473,18 +477,19 @@ def compare_tab(demo: gr.Blocks, source: PageSource, max_tokens: int | None) -> 
         # interleaved variants (each its own transformer) all decode after the last round, one after another
         interleaved = compare.interleaves(models, req.variants)
 
-        def decodes() -> tuple[int, float | None, float | None]:
+        def decodes() -> tuple[int, float | None, float | None, tuple[float, float] | None]:
             """The variants' tails to count (decode, video, checks), one tail's seconds as measured on this server,
-            and since when the tails have been running (interleaved: all of them, one after another, from the first
-            variant's last step on)."""
+            since when the tails have been running (interleaved: all of them, one after another, from the first
+            variant's last step on), and the second and fraction of the first step done (the rate's origin)."""
             if interleaved and tails_at is not None:
-                return len(req.variants), decode_clock.seconds(pixels), tails_at
-            return len(req.variants) - (len(last.runs) if last else 0), decode_clock.seconds(pixels), None
+                return len(req.variants), decode_clock.seconds(pixels), tails_at, origin
+            return len(req.variants) - (len(last.runs) if last else 0), decode_clock.seconds(pixels), None, origin
 
         worker = threading.Thread(target=work, name="compare", daemon=True)
         worker.start()
         text, fraction, last, shown = "starting", 0.0, None, 0.0
         tails_at: float | None = None  # the first variant's steps done: its tail began (the others' wait behind it)
+        origin: tuple[float, float] | None = None  # (second, fraction) when every variant's first step was done
         counts: dict[str, tuple[int, int]] = {}  # each variant's steps done and in all
 
         def columns_in_progress() -> list:
@@ -506,6 +511,9 @@ def compare_tab(demo: gr.Blocks, source: PageSource, max_tokens: int | None) -> 
                     kind, payload = "tick", None
                 if kind == "progress":
                     text, fraction = payload
+                    # the rate's origin: every variant's first (cold) step done, the set-up before it left out
+                    if origin is None and fraction > 0 and (not interleaved or all(d for d, _ in counts.values())):
+                        origin = (time.monotonic() - started, fraction)
                 elif kind == "steps":
                     counts = payload
                     if tails_at is None and any(total and done >= total for done, total in counts.values()):
@@ -540,16 +548,6 @@ def compare_tab(demo: gr.Blocks, source: PageSource, max_tokens: int | None) -> 
             line.end()
         if last is None:
             raise gr.Error("the run was stopped before any variant finished", title="Stopped", print_exception=False)
-        # the next run's estimate of a variant's tail, this server's latest: with interleaved variants, everything
-        # after the last round (decodes, video writing, the checks, the side-by-side video) per variant; else the
-        # VAE decode alone (a sequential run's tails fall inside the steps' own extrapolation)
-        complete = not last.stopped and all(r.timings for r in last.runs) and len(last.runs) == len(req.variants)
-        if complete and last.interleaved and tails_at is not None:
-            decode_clock.add((time.monotonic() - tails_at) / len(req.variants), pixels)
-        else:
-            for r in last.runs:
-                if r.timings:
-                    decode_clock.add(r.stage("vae_decode").median, pixels)
         failed = [r.variant for r in last.runs if r.error]
         seconds = time.monotonic() - started
         if last.stopped:
@@ -568,7 +566,19 @@ def compare_tab(demo: gr.Blocks, source: PageSource, max_tokens: int | None) -> 
                         del finished[next(iter(finished))]
         if req.unknown_words:
             status += " " + compare.vocabulary_note(models, req.unknown_words)
-        yield outputs_for(last, status)
+        final = outputs_for(last, status)  # the table, the chart: part of what a run has still to do after its steps
+        # the next run's estimate of a variant's tail, this server's latest: with interleaved variants, everything
+        # after the last round (decodes, video writing, the checks, the side-by-side video, the final table and
+        # chart) per variant; else the VAE decode alone (a sequential run's tails fall inside the steps' own
+        # extrapolation)
+        complete = not last.stopped and all(r.timings for r in last.runs) and len(last.runs) == len(req.variants)
+        if complete and last.interleaved and tails_at is not None:
+            decode_clock.add((time.monotonic() - tails_at) / len(req.variants), pixels)
+        else:
+            for r in last.runs:
+                if r.timings:
+                    decode_clock.add(r.stage("vae_decode").median, pixels)
+        yield final
 
     def on_stop(request: gr.Request):
         """Stops this session's run: its worker ends before the next transformer call. The page keeps only what

@@ -82,6 +82,31 @@ def test_the_estimate_counts_the_decodes_still_to_come():
     assert seconds_left(1.0, 0.05, n, decode) is None  # too early to say
 
 
+def test_the_estimate_leaves_the_set_up_and_cold_first_steps_out_of_the_rate():
+    """A run as this CPU has it (app_eta, 2026-11-27): 2 s of set-up (text encoding, threads) and a first round
+    of 4 cold steps at 1.0 s, then 76 steps at 0.3 s and 4 tails of 3 s. Extrapolating the elapsed time from 10%
+    of the steps (the old rate) says 35% too much; the rate since the first round (``origin``) stays within 20%
+    from the first estimate on."""
+    from app.interleave import seconds_left
+
+    setup, cold, warm, n_steps, n, tail = 2.0, 1.0, 0.3, 80, 4, 3.0
+    times = [setup + cold * min(k, n) + warm * max(0, k - n) for k in range(n_steps + 1)]  # second of step k
+    total = times[-1] + n * tail
+    origin = (times[n], n / n_steps)
+    shown = 0
+    for k in range(n + 1, n_steps):
+        t, fraction = times[k], k / n_steps
+        new = seconds_left(t, fraction, n, tail, 0.0, origin)
+        if new is not None:
+            shown += 1
+            assert new == pytest.approx(total - t, rel=0.2), k
+    assert shown >= 60
+    k = 8  # 10% of the steps: the first the old rate speaks at
+    old = seconds_left(times[k], k / n_steps, n, tail)
+    assert old / (total - times[k]) > 1.3
+    assert seconds_left(times[k], k / n_steps, n, tail, 0.0, origin) is None  # a tenth more after the origin first
+
+
 def test_the_warm_up_measures_a_decode(models):
     decodes = []
     compare.warm_up(models, decodes)
