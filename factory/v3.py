@@ -6,6 +6,7 @@
     python -m factory.v3 save-vae runs/builtin-v3/vae/checkpoints/<latest>   # -> assets/builtin-next/v3/vae
     python -m factory.v3 attention --transformer DIR   # the cross-attention's share on each caption word
     python -m factory.v3 retime-vae --temporal-downsample false,true --out runs/builtin-v3/model5   # 9 -> 5 frames
+    python -m factory.v3 failures VAE_DIR --out sheet.png   # real | reconstruction | their masks, where it fails
 
 What caps the second design and what this design changes:
 
@@ -278,6 +279,64 @@ def gate(vae_dir: Path, num_clips: int = 64, out: Path | None = NEXT / "curves" 
     return record
 
 
+@torch.no_grad()
+def failure_sheet(vae_dir: Path, out: Path, num_clips: int = 32, rows: int = 6) -> list[dict]:
+    """A picture of what fails the gate: for up to ``rows`` of the first ``num_clips`` validation clips whose
+    reconstruction the analyser misreads, the real frame, the reconstruction and the analyser's colour mask of each
+    (the frame where the reconstruction's mask is largest: the one the analyser classifies), 3x enlarged, written
+    to ``out`` (PNG). Returns each row's clip index, caption, attributes missed and the two masks' box fills."""
+    from diffusers import AutoencoderKLWan
+    from PIL import Image
+
+    from factory.vae_ceiling import to_frames
+    from world.analyse import analyse, colour_masks
+    from world.synthetic import caption_for
+
+    vae = AutoencoderKLWan.from_pretrained(str(vae_dir), dtype=torch.float32).eval()
+    data = clips(num_clips)
+
+    def box_fill(mask: np.ndarray) -> float:
+        ys, xs = np.nonzero(mask)
+        return 0.0 if not len(ys) else len(ys) / ((np.ptp(ys) + 1) * (np.ptp(xs) + 1))
+
+    picture, found = [], []
+    for i in range(num_clips):
+        video = data[i]["video"]
+        rec = to_frames(vae.decode(vae.encode(video[None]).latent_dist.mean).sample[0].clamp(-1, 1))
+        real = to_frames(video)
+        attributes = data.attributes(i)
+        verdict = analyse(rec, attributes)
+        missed = [a for a in ("count", "colour", "shape", "motion") if verdict[a] is False]
+        if not missed:
+            continue
+        colour = attributes["objects"][0]["colour"]
+        m_rec, m_real = colour_masks(rec)[colour], colour_masks(real)[colour]
+        t = int(m_rec.reshape(len(m_rec), -1).sum(1).argmax())
+        white = lambda m: np.repeat(m[..., None], 3, -1).astype(np.uint8) * 255  # noqa: E731
+        picture.append(np.concatenate([real[t], rec[t], white(m_real[t]), white(m_rec[t])], 1))
+        found.append(
+            {
+                "clip": i,
+                "caption": caption_for(attributes, sizes=False),
+                "missed": missed,
+                "frame": t,
+                "fill_real": round(box_fill(m_real[t]), 3),
+                "fill_reconstruction": round(box_fill(m_rec[t]), 3),
+            }
+        )
+        if len(found) == rows:
+            break
+    if picture:
+        sheet = np.concatenate(picture, 0)
+        image = Image.fromarray(sheet).resize((sheet.shape[1] * 3, sheet.shape[0] * 3), Image.NEAREST)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        from common.outputs import atomic_write
+
+        with atomic_write(out) as tmp:
+            image.save(tmp, format="PNG")
+    return found
+
+
 def save_vae(checkpoint: Path, next_dir: Path = NEXT) -> Path:
     """A VAE run's checkpoint (its ``vae/``) or a VAE folder into ``next_dir/vae``: float16 weights (a later stage
     loads them as float32 and trains on with a fresh optimizer), the latent statistics measured now, and a
@@ -457,6 +516,11 @@ def main(argv=None) -> int:
         "save-vae", help="a VAE run's checkpoint -> assets/builtin-next/v3/vae (float16, measured statistics)"
     )
     sv.add_argument("checkpoint", help="e.g. runs/builtin-v3/vae/checkpoints/step-0001700 (or a VAE folder)")
+    f = sub.add_parser("failures", help="a picture of the clips whose reconstructions fail the analyser")
+    f.add_argument("vae", help="an AutoencoderKLWan folder")
+    f.add_argument("--out", required=True, help="a PNG: real | reconstruction | real mask | reconstruction mask")
+    f.add_argument("--num-clips", type=int, default=32)
+    f.add_argument("--rows", type=int, default=6)
     r = sub.add_parser("retime-vae", help="a copy of the model folder whose VAE has other temporal strides")
     r.add_argument("--vae", default=str(NEXT / "vae"), help="the VAE whose weights are kept")
     r.add_argument("--temporal-downsample", type=_flags, required=True, help="e.g. false,true (9 frames -> 5)")
@@ -471,6 +535,14 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.cmd == "init":
         init(Path(args.out))
+        return 0
+    if args.cmd == "failures":
+        for row in failure_sheet(Path(args.vae), Path(args.out), args.num_clips, args.rows):
+            print(
+                f"clip {row['clip']} ({row['caption']}): misses {', '.join(row['missed'])}; box fill of the mask "
+                f"{row['fill_real']:.2f} real, {row['fill_reconstruction']:.2f} reconstructed (frame {row['frame']})"
+            )
+        print(f"wrote {args.out}")
         return 0
     if args.cmd == "retime-vae":
         retime_vae(Path(args.vae), args.temporal_downsample, Path(args.out), Path(args.model))

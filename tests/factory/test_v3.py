@@ -205,3 +205,14 @@ def test_retime_vae_keeps_every_weight_but_the_dropped_time_convolutions(tmp_pat
     with pytest.raises(ValueError, match="one flag each"):
         v3.retime_vae(model / "vae", [True], tmp_path / "again", model=model)
     assert not (tmp_path / "again").exists()
+
+
+def test_failure_sheet_draws_each_misread_clip_and_its_masks(tmp_path):
+    from PIL import Image
+
+    _tiny_vae().save_pretrained(str(tmp_path / "vae"))  # random weights: every reconstruction is misread
+    rows = v3.failure_sheet(tmp_path / "vae", tmp_path / "sheet.png", num_clips=3, rows=2)
+    assert [r["clip"] for r in rows] == [0, 1] and all(r["missed"] for r in rows)
+    assert all(0.3 < r["fill_real"] <= 1.0 for r in rows)  # the real clip's mask is one shape
+    d = v3.DEFAULTS
+    assert Image.open(tmp_path / "sheet.png").size == (4 * d["width"] * 3, 2 * d["height"] * 3)
