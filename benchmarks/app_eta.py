@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 import tempfile
 import time
 from types import SimpleNamespace
@@ -116,7 +117,9 @@ def write(args, models, preset: str, rows: list[dict]) -> None:
         "steps": models.defaults["num_inference_steps"],
         "variants": list(models.variants),
         "prompt": args.prompt,
-        "command": "python -m benchmarks.app_eta " + " ".join(f"--{k} {v}" for k, v in vars(args).items() if v),
+        "command": shlex.join(
+            ["python", "-m", "benchmarks.app_eta"] + [f"--{k}={v}" for k, v in vars(args).items() if v is not None]
+        ),
     }
     lines = [
         f"# The page's time-left estimate against the time left ({meta['device']}, {meta['date']})",

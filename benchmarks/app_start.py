@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import socket
 import statistics
 import subprocess
@@ -138,10 +139,11 @@ def write(args, roots: list[Path], times: dict[Path, list[float]], rows: list[di
         **environment(torch.device("cpu")),
         "cores": os.cpu_count(),
         "app_args": args.app_args,
-        "command": "python -m benchmarks.app_start --runs "
-        + str(args.runs)
-        + (f" --vs {args.vs}" if args.vs else "")
-        + (" -- " + " ".join(args.app_args) if args.app_args else ""),
+        "command": shlex.join(
+            ["python", "-m", "benchmarks.app_start", f"--runs={args.runs}"]
+            + ([f"--vs={args.vs}"] if args.vs else [])
+            + (["--", *args.app_args] if args.app_args else [])
+        ),
         "median_page_s": {
             ("this checkout" if r == ROOT else str(r)): round(statistics.median(times[r]), 2) for r in roots
         },

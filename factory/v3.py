@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common.outputs import atomic_dir
+from common.outputs import atomic_dir, atomic_write
 from factory import write_json
 from factory.build import TEXT_ENCODER, TRANSFORMER, build_tokenizer, vae_settings
 from factory.next import NEXT_DIR
@@ -331,8 +331,6 @@ def failure_sheet(vae_dir: Path, out: Path, num_clips: int = 32, rows: int = 6) 
         sheet = np.concatenate(picture, 0)
         image = Image.fromarray(sheet).resize((sheet.shape[1] * 3, sheet.shape[0] * 3), Image.NEAREST)
         out.parent.mkdir(parents=True, exist_ok=True)
-        from common.outputs import atomic_write
-
         with atomic_write(out) as tmp:
             image.save(tmp, format="PNG")
     return found
