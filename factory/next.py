@@ -107,7 +107,7 @@ def save(part: str, src: Path, next_dir: Path = NEXT_DIR, half: bool = False, bu
             _save_half(src / name, staged / name)
         elif (src / name).is_file():
             shutil.copy2(src / name, staged / name)
-    root = budget_root or next_dir
+    root = budget_root or _budget_root(next_dir)
     others = sum(
         f.stat().st_size for f in root.rglob("*") if f.is_file() and dst not in f.parents and staged not in f.parents
     )
@@ -125,6 +125,12 @@ def save(part: str, src: Path, next_dir: Path = NEXT_DIR, half: bool = False, bu
         shutil.rmtree(old)
     print(f"wrote {dst} ({total:.1f} MB in {next_dir})")
     return dst
+
+
+def _budget_root(next_dir: Path) -> Path:
+    """The folder whose total the budget counts: assets/builtin-next for it and every design's folder inside it."""
+    root = NEXT_DIR.resolve()
+    return NEXT_DIR if root == next_dir.resolve() or root in next_dir.resolve().parents else next_dir
 
 
 def _save_half(src: Path, dst: Path) -> None:
@@ -157,10 +163,11 @@ def save_variant(variant: str, checkpoint: Path, next_dir: Path = NEXT_DIR) -> P
     return save(f"{VARIANTS_SUBDIR}/{variant}", folder, next_dir, half=True)
 
 
-def save_checkpoint(checkpoint: Path, next_dir: Path = NEXT_DIR) -> list[Path]:
+def save_checkpoint(checkpoint: Path, next_dir: Path = NEXT_DIR, half: bool = False) -> list[Path]:
     """A base-stage checkpoint into ``next_dir``: its ``transformer/`` (the EMA's weights when the run keeps an
     EMA) as ``transformer-ema``, and the raw weights (``trainable.safetensors`` laid over it) as ``transformer``,
-    the one a later stage resumes from. Without an EMA the checkpoint's transformer is ``transformer`` alone."""
+    the one a later stage resumes from. Without an EMA the checkpoint's transformer is ``transformer`` alone.
+    ``half``: both stored as float16 (a design in a subfolder of assets/builtin-next shares its budget)."""
     from safetensors.torch import load_file, save_file
 
     folder = checkpoint / "transformer"
@@ -168,8 +175,8 @@ def save_checkpoint(checkpoint: Path, next_dir: Path = NEXT_DIR) -> list[Path]:
         raise FileNotFoundError(f"{checkpoint} is not a checkpoint with a transformer/ folder")
     raw = checkpoint / "trainable.safetensors"
     if not raw.is_file():
-        return [save("transformer", folder, next_dir)]
-    written = [save("transformer-ema", folder, next_dir)]
+        return [save("transformer", folder, next_dir, half=half)]
+    written = [save("transformer-ema", folder, next_dir, half=half)]
     weights = load_file(str(folder / "diffusion_pytorch_model.safetensors"))
     trainable = load_file(str(raw))
     unknown = sorted(set(trainable) - set(weights))
@@ -183,10 +190,20 @@ def save_checkpoint(checkpoint: Path, next_dir: Path = NEXT_DIR) -> list[Path]:
     try:
         shutil.copy2(folder / "config.json", staged / "config.json")
         save_file(weights, str(staged / "diffusion_pytorch_model.safetensors"))
-        written.append(save("transformer", staged, next_dir))
+        written.append(save("transformer", staged, next_dir, half=half))
     finally:
         shutil.rmtree(staged, ignore_errors=True)
     return written
+
+
+def _design_folder(into: str) -> Path:
+    """``--into``: assets/builtin-next or a design's folder inside it (never a path elsewhere: stage weights are
+    committed there and counted against its budget)."""
+    folder = Path(into).resolve()
+    root = NEXT_DIR.resolve()
+    if folder != root and root not in folder.parents:
+        raise ValueError(f"--into {into!r}: expected {NEXT_DIR} or a folder inside it (e.g. {NEXT_DIR / 'v3'})")
+    return folder
 
 
 def main(argv=None) -> int:
@@ -207,17 +224,20 @@ def main(argv=None) -> int:
         help="a transformer stage's checkpoint: its raw weights -> transformer, its EMA's -> transformer-ema",
     )
     c.add_argument("checkpoint", help="e.g. runs/builtin-v2/base/checkpoints/step-0003000")
+    c.add_argument("--into", default=str(NEXT_DIR), help="the design's folder (default %(default)s; v3: its v3/)")
+    c.add_argument("--half", action="store_true", help="store the weights as float16")
     v = sub.add_parser("save-variant", help="a conversion's checkpoint -> variants/VARIANT, in float16")
     v.add_argument("variant", choices=CONVERSIONS)
     v.add_argument("checkpoint", help="e.g. runs/builtin-v2/mhla/checkpoints/step-0000300 (or its transformer/)")
+    v.add_argument("--into", default=str(NEXT_DIR), help="the design's folder (default %(default)s; v3: its v3/)")
     args = p.parse_args(argv)
     try:
         if args.cmd == "init":
             init(Path(args.out), fresh_transformer=args.fresh_transformer)
         elif args.cmd == "save-checkpoint":
-            save_checkpoint(Path(args.checkpoint))
+            save_checkpoint(Path(args.checkpoint), _design_folder(args.into), half=args.half)
         elif args.cmd == "save-variant":
-            save_variant(args.variant, Path(args.checkpoint))
+            save_variant(args.variant, Path(args.checkpoint), _design_folder(args.into))
         else:
             default = MODEL / ("transformer" if args.part.startswith("transformer") else args.part)
             save(args.part, Path(args.src) if args.src else default)

@@ -39,8 +39,9 @@ import torch
 
 from common.outputs import atomic_dir, atomic_write
 from factory import write_json
-from factory.build import TEXT_ENCODER, TRANSFORMER, build_tokenizer, vae_settings
+from factory.build import CONVERSIONS, TEXT_ENCODER, TRANSFORMER, build_tokenizer, vae_settings
 from factory.next import NEXT_DIR
+from pipelines.builtin import VARIANTS_SUBDIR
 
 # this design's stage weights, beside the second design's (which stay until this one replaces them)
 NEXT = NEXT_DIR / "v3"
@@ -144,6 +145,11 @@ def _lay_out(tmp: Path, model: Path, next_dir: Path, seed: int, laid: list[str])
             torch.manual_seed(seed + 2)
             WanTransformer3DModel(**TRANSFORMER_V3).save_pretrained(str(tmp / "transformer"), safe_serialization=True)
         laid.append("a fresh transformer")
+    for variant in CONVERSIONS:  # committed conversions (factory.next save-variant --into) become its variants
+        src = next_dir / VARIANTS_SUBDIR / variant
+        if (src / "config.json").is_file():
+            _copy_part(src, tmp / VARIANTS_SUBDIR / variant)
+            laid.append(str(src))
     scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
     scheduler.save_pretrained(str(tmp / "scheduler"))
     index = {

