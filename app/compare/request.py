@@ -23,8 +23,9 @@ log = logging.getLogger(__name__)
 # (num_frames, height, width); the token grid is pipelines.latent_grid's (the model's patch and VAE strides)
 PRESETS = (
     (5, 32, 48),  # quick on a CPU
+    (9, 64, 80),  # the built-in model's third design (factory.v3): 5x8x10 = 400 tokens (VAE 2x4x4, patch 1x2x2)
     (9, 64, 96),  # the tiny random model's default size
-    (17, 128, 160),  # the built-in model's size: 5x16x20 = 1,600 tokens with its 1x1x1 patch
+    (17, 128, 160),  # the shipped built-in model's size: 5x16x20 = 1,600 tokens; the third design's long one: 2,880
     (17, 128, 192),
     (33, 240, 416),
     (17, 480, 832),

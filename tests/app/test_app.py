@@ -691,3 +691,20 @@ def test_the_committed_examples_name_the_softmax_backend_as_a_fresh_run_here_doe
     request = compare.CompareRequest("a fox", "", 0, 1, 5.0, (d["num_frames"], d["height"], d["width"]), ["flash"])
     backend = compare.engine._generate(fresh, request, "flash", 1).timing.softmax_backend
     assert backend and {r.softmax_backend for r in stored.values()} == {backend}
+
+
+def test_the_third_design_opens_at_its_own_size_and_its_long_preset_has_2880_tokens(tmp_path):
+    """The built-in model's third design (factory.v3: VAE 2x4x4, patch 1x2x2): its native 9x64x80 clip is a
+    preset and the page's default, 400 tokens in 20 MHLA blocks; 17x128x160 is its long preset, 2,880 tokens."""
+    from app.ui import _default_preset
+    from factory import v3
+
+    folder = v3.init(tmp_path / "model", next_dir=tmp_path / "next")
+    models = load_app_models(folder)
+    assert _default_preset(models, compare.CPU_MAX_TOKENS) == "9x64x80"
+    labels = dict((v, k) for k, v in compare.preset_choices(models))
+    t, h, w = 9 // 2 + 1, 64 // 8, 80 // 8  # latent frames (1 + 8 / 2), tokens across (pixels / (4 * 2))
+    assert (
+        labels["9x64x80"] == f"9x64x80: {t * h * w} tokens ({t}x{h}x{w}), M=20" == "9x64x80: 400 tokens (5x8x10), M=20"
+    )
+    assert labels["17x128x160"].startswith("17x128x160: 2,880 tokens (9x16x20), M=")
