@@ -84,6 +84,9 @@ DEFAULTS: dict = {
         # data.world) and the eval loss, both logged to metrics.jsonl; 0 = off. Synthetic worlds only.
         "probe_every": 0,
         "probe_clips": 8,
+        # which clips the probe reads: validation (unseen: does the model generalise the words?) or train (the
+        # first probe_clips clips of a synthetic cache or dataset: can it read the words of clips it has seen?)
+        "probe_split": "validation",
     },
     "checkpoint": {"every": 500, "keep": 3},  # keep: the newest this many checkpoints; 0 = keep every one
     # task=vae only: crop size of training clips, KL weight, clips for the latent statistics, where to install it
@@ -233,6 +236,7 @@ RANGES: dict[str, tuple] = {
     "vae.edge_weight": (0, True, None),
     "vae.stats_samples": (1, True, None),
 }
+PROBE_SPLITS = ("validation", "train")
 # list keys -> the type of their items
 LIST_ITEMS: dict[str, tuple] = {
     "model.layers": (int,),
@@ -360,6 +364,7 @@ def validate(cfg: DictConfig) -> None:
         "0 with train.trainable=lora (the average is of full weights; LoRA adapters are merged at export)",
     )
     need(cfg.train.lr_schedule in LR_SCHEDULES, "train.lr_schedule", f"one of {LR_SCHEDULES}")
+    need(cfg.validation.probe_split in PROBE_SPLITS, "validation.probe_split", f"one of {PROBE_SPLITS}")
     need(0 <= cfg.train.min_lr_ratio <= 1, "train.min_lr_ratio", "a fraction of train.lr in [0, 1]")
     need(cfg.train.batch_size >= 1, "train.batch_size", "at least 1")
     need(cfg.train.grad_accum >= 1, "train.grad_accum", "at least 1")

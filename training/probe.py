@@ -35,7 +35,8 @@ def swapped(attributes: dict, attribute: str, world: SyntheticWorld) -> dict | N
 
 
 class SwapProbe:
-    """Swap ratios of a transformer on ``num_clips`` validation clips of ``world``.
+    """Swap ratios of a transformer on ``num_clips`` validation clips of ``world`` (``split="train"``: the first
+    ``num_clips`` training clips of the same seed, the ones a synthetic dataset or its cache starts with).
 
     ``encoder`` has ``latents(video (B, 3, T, H, W)) -> (B, C, F, h, w)`` and ``text(list[str]) -> (B, L, D)``
     (:class:`training.encoding.Encoder`); everything is encoded once, here.
@@ -51,13 +52,16 @@ class SwapProbe:
         num_clips: int = 8,
         sigmas: Sequence[float] = PROBE_SIGMAS,
         seed: int = 0,
+        split: str = "validation",
     ):
         if num_clips < 1:
             raise ValueError(f"the probe needs at least one clip, got num_clips={num_clips}")
         if not sigmas or not all(0 < s < 1 for s in sigmas):
             raise ValueError(f"probe sigmas must lie in (0, 1), got {list(sigmas)}")
+        if split not in ("validation", "train"):
+            raise ValueError(f"probe split must be 'validation' or 'train', got {split!r}")
         data = SyntheticVideoDataset(
-            num_clips, seed=seed, split="validation", num_frames=num_frames, height=height, width=width, world=world
+            num_clips, seed=seed, split=split, num_frames=num_frames, height=height, width=width, world=world
         )
         attrs = [data.attributes(i) for i in range(num_clips)]
         video = torch.stack([data[i]["video"] for i in range(num_clips)])
@@ -123,6 +127,7 @@ def probe_from_config(cfg, components) -> SwapProbe:
         d.width,
         num_clips=cfg.validation.probe_clips,
         seed=cfg.train.seed,
+        split=cfg.validation.probe_split,
     )
 
 

@@ -81,3 +81,23 @@ def test_bad_settings_are_refused():
         SwapProbe(BagOfWords(), WORLD, 5, 32, 32, num_clips=0)
     with pytest.raises(ValueError, match="sigmas"):
         SwapProbe(BagOfWords(), WORLD, 5, 32, 32, sigmas=(1.5,))
+    with pytest.raises(ValueError, match="split"):
+        SwapProbe(BagOfWords(), WORLD, 5, 32, 32, split="test")
+
+
+def test_the_train_split_probe_reads_the_clips_a_synthetic_dataset_starts_with():
+    """``split="train"``: the probe's clips are the first training clips of the same seed, the ones a
+    synthetic cache holds first (an overfitting check reads clips the model has seen); the default is unseen."""
+    from world.synthetic import SyntheticVideoDataset
+
+    seen = SyntheticVideoDataset(16, seed=3, num_frames=5, height=32, width=32, world=WORLD)
+    unseen = SyntheticVideoDataset(3, seed=3, split="validation", num_frames=5, height=32, width=32, world=WORLD)
+    for split, data in (("train", seen), ("validation", unseen)):
+        encoder = BagOfWords()
+        probe = SwapProbe(encoder, WORLD, num_frames=5, height=32, width=32, num_clips=3, seed=3, split=split)
+        want = torch.stack([F.avg_pool3d(data[i]["video"][None], (1, 8, 8))[0, :, ::4] for i in range(3)])
+        torch.testing.assert_close(probe.latents, want)
+    from training.config import load_config
+
+    with pytest.raises(ValueError, match="validation.probe_split"):
+        load_config("configs/finetune/tiny.yaml", ["validation.probe_split=test"])
