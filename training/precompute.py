@@ -8,8 +8,9 @@ The cache holds one ``sample_XXXXXXX.safetensors`` per video (``latents`` ``(16,
 ``text`` ``(max_sequence_length, text_dim)``), ``empty_text.safetensors`` (the embedding caption
 dropout swaps in) and ``index.json``. Each file is written under a temporary name and renamed, and an
 interrupted run picks up where it stopped. Each video is cached with one clip (its first-epoch clip). Videos are
-encoded ``--batch-size`` at a time (default 16: on a 2-core CPU about 2.7x faster a video than one by one for the
-built-in model's 9x64x80 clips); every sample still gets its own file.
+encoded ``--batch-size`` at a time (default: as many as hold about 1M frame pixels, at most 16: 16 of the built-in
+model's 9x64x80 clips, about 2.7x faster a video than one by one on a 2-core CPU; one 81-frame 480p clip); every
+sample still gets its own file.
 ``precompute.json`` records the settings the cache was written with (the ``data.*`` keys that shape it
 and the model); a later run with other settings is refused instead of mixing two datasets in one folder.
 """
@@ -36,6 +37,17 @@ from training.encoding import Encoder
 def _atomic_save(tensors: dict, path: Path, metadata: dict | None = None) -> None:
     with atomic_write(path) as tmp:  # a kill or SIGTERM mid-write leaves no partial sample behind
         save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+
+
+# frames x height x width of one encode call, by default: 16 of the built-in model's 9x64x80 clips (0.74M), one
+# Wan2.1 clip of 81x480x832 (32M: a batch of them would not fit a GPU's memory)
+AUTO_BATCH_PIXELS = 1_000_000
+AUTO_BATCH_MAX = 16
+
+
+def auto_batch(num_frames: int, height: int, width: int) -> int:
+    """Videos a default encode call takes: as many as hold about :data:`AUTO_BATCH_PIXELS`, 1 to 16."""
+    return max(1, min(AUTO_BATCH_MAX, AUTO_BATCH_PIXELS // max(1, num_frames * height * width)))
 
 
 RECORD = "precompute.json"
@@ -93,10 +105,15 @@ def _main(argv) -> int:
     p = argparse.ArgumentParser(prog="python -m training.precompute", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", required=True)
     p.add_argument("--out", required=True, help="cache folder to write")
-    p.add_argument("--batch-size", type=int, default=16, help="videos encoded at once (one file each; default 16)")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="videos encoded at once (one file each); default: as many as hold about 1M frame pixels, at most 16",
+    )
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
-    if args.batch_size < 1:
+    if args.batch_size is not None and args.batch_size < 1:
         raise ValueError(f"--batch-size {args.batch_size}: expected a positive number of videos")
     cfg = load_config(args.config, args.overrides)
     if cfg.data.source == "cache":
@@ -130,7 +147,7 @@ def _main(argv) -> int:
                 items[i] = {"file": name, "caption": f.metadata()["caption"]}
         else:
             todo.append(i)
-    batch = max(1, int(args.batch_size))
+    batch = args.batch_size or auto_batch(cfg.data.num_frames, cfg.data.height, cfg.data.width)
     with tqdm(total=len(dataset), initial=len(dataset) - len(todo), desc="precompute", unit="video") as bar:
         for start in range(0, len(todo), batch):  # a batch of videos encodes ~2.7x faster a video than one by one
             chunk = []

@@ -249,6 +249,10 @@ def test_precompute_in_batches_writes_what_one_by_one_writes_and_an_interrupted_
     assert len(json.loads((many / "index.json").read_text())["items"]) == 5
     bad = precompute("--out", str(tmp_path / "bad"), "--batch-size", "0")
     assert bad.returncode == 2 and "--batch-size 0" in bad.stderr and not (tmp_path / "bad").exists()
+    from training.precompute import auto_batch
+
+    # the default: 16 of the built-in model's clips, one Wan2.1 81-frame 480p clip (a batch would not fit a GPU)
+    assert auto_batch(9, 64, 80) == 16 and auto_batch(81, 480, 832) == 1 and auto_batch(17, 128, 160) == 2
 
 
 def test_lora_checkpoint_is_merged_into_the_pipeline_format(tmp_path):
