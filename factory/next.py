@@ -127,10 +127,15 @@ def save(part: str, src: Path, next_dir: Path = NEXT_DIR, half: bool = False, bu
     return dst
 
 
+def _inside_next(folder: Path) -> bool:
+    """``folder`` is assets/builtin-next or a design's folder inside it."""
+    root = NEXT_DIR.resolve()
+    return folder.resolve() == root or root in folder.resolve().parents
+
+
 def _budget_root(next_dir: Path) -> Path:
     """The folder whose total the budget counts: assets/builtin-next for it and every design's folder inside it."""
-    root = NEXT_DIR.resolve()
-    return NEXT_DIR if root == next_dir.resolve() or root in next_dir.resolve().parents else next_dir
+    return NEXT_DIR if _inside_next(next_dir) else next_dir
 
 
 def _save_half(src: Path, dst: Path) -> None:
@@ -199,11 +204,9 @@ def save_checkpoint(checkpoint: Path, next_dir: Path = NEXT_DIR, half: bool = Fa
 def _design_folder(into: str) -> Path:
     """``--into``: assets/builtin-next or a design's folder inside it (never a path elsewhere: stage weights are
     committed there and counted against its budget)."""
-    folder = Path(into).resolve()
-    root = NEXT_DIR.resolve()
-    if folder != root and root not in folder.parents:
+    if not _inside_next(Path(into)):
         raise ValueError(f"--into {into!r}: expected {NEXT_DIR} or a folder inside it (e.g. {NEXT_DIR / 'v3'})")
-    return folder
+    return Path(into).resolve()
 
 
 def main(argv=None) -> int:

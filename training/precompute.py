@@ -156,13 +156,8 @@ def _main(argv) -> int:
                 if item is not None:
                     chunk.append((i, item))
             if chunk:
-                videos = [item["video"] for _, item in chunk]
-                same = all(v.shape == videos[0].shape for v in videos)
-                latents = (
-                    encoder.latents(torch.stack(videos))
-                    if same
-                    else torch.cat([encoder.latents(v[None]) for v in videos])
-                )
+                # every dataset gives (3, data.num_frames, data.height, data.width): one stack
+                latents = encoder.latents(torch.stack([item["video"] for _, item in chunk]))
                 text = encoder.text([item["caption"] for _, item in chunk])
                 for k, (i, item) in enumerate(chunk):
                     name = f"sample_{i:07d}.safetensors"

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from training.config import PROBE_SPLITS
 from world.synthetic import SyntheticVideoDataset, SyntheticWorld, caption_for
 
 PROBE_SIGMAS: tuple[float, ...] = (0.3, 0.6, 0.9)
@@ -58,8 +59,8 @@ class SwapProbe:
             raise ValueError(f"the probe needs at least one clip, got num_clips={num_clips}")
         if not sigmas or not all(0 < s < 1 for s in sigmas):
             raise ValueError(f"probe sigmas must lie in (0, 1), got {list(sigmas)}")
-        if split not in ("validation", "train"):
-            raise ValueError(f"probe split must be 'validation' or 'train', got {split!r}")
+        if split not in PROBE_SPLITS:
+            raise ValueError(f"probe split must be one of {PROBE_SPLITS}, got {split!r}")
         data = SyntheticVideoDataset(
             num_clips, seed=seed, split=split, num_frames=num_frames, height=height, width=width, world=world
         )
