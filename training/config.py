@@ -69,7 +69,16 @@ DEFAULTS: dict = {
         "ema_decay": 0.0,  # moving average of the trained weights, e.g. 0.999; 0 = off (training/ema.py)
         "lora": {"rank": 32, "alpha": 32, "target_modules": ["to_q", "to_k", "to_v", "to_out.0"]},
     },
-    "flow": {"shift": 3.0, "weighting": "logit_normal", "logit_mean": 0.0, "logit_std": 1.0},
+    # object_weight > 0: the objects' latent cells weigh 1 + object_weight in the loss (flat-background data,
+    # training/flow.py); object_threshold marks them
+    "flow": {
+        "shift": 3.0,
+        "weighting": "logit_normal",
+        "logit_mean": 0.0,
+        "logit_std": 1.0,
+        "object_weight": 0.0,
+        "object_threshold": 1.0,
+    },
     # attention transfer: this many steps before the train.steps end-to-end steps (0 = off)
     "transfer": {"steps": 0, "lr": 1e-4},
     "log": {"every": 10, "tensorboard": True, "param_digest": False},
@@ -212,6 +221,8 @@ RANGES: dict[str, tuple] = {
     "transfer.lr": (0, False, None),
     "flow.shift": (0, False, None),
     "flow.logit_std": (0, False, None),
+    "flow.object_weight": (0, True, None),
+    "flow.object_threshold": (0, False, None),
     "data.num_samples": (1, True, None),
     "data.short_captions": (0, True, 1),
     "data.frame_stride": (1, True, None),

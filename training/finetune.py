@@ -445,9 +445,7 @@ def train(cfg) -> int:
                             transfer.losses.clear()  # drop losses a checkpointed layer's recompute appended
                         with accelerator.autocast():
                             pred = call(model, x_t, t, text)
-                        loss = (
-                            transfer.take_loss() if transfer is not None else F.mse_loss(pred.float(), target.float())
-                        )
+                        loss = transfer.take_loss() if transfer is not None else flow.loss(pred, target, latents)
                         finite = bool(accelerator.gather(torch.isfinite(loss.detach()).reshape(1)).all())
                         if finite:
                             accelerator.backward(loss)

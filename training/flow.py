@@ -8,6 +8,13 @@ timestep ``1000 * sigma``. Sigmas come from a logit-normal density (diffusers'
 ``sigma_range`` restricts the sampled noise levels to ``[low, high]`` (a Wan2.2-A14B expert's share of the
 timesteps, see :mod:`training.experts`): the same logit-normal density, shifted, truncated to the range by
 inverse transform sampling (one uniform draw per sample, so a resumed run draws the same sigmas).
+
+``object_weight`` weights the loss toward the objects of flat-background data (the built-in model's synthetic
+world): a latent cell whose clean value differs from its frame's typical cell (the per-channel median over the
+frame, mean squared difference over channels above ``object_threshold``) counts ``1 + object_weight``, every other
+cell 1, and the weighted mean is divided by the mean weight, so the loss keeps its scale. In the third design's
+latents about 15% of the cells are the object (threshold 1.0); with ``object_weight`` 0 (the default) the loss is
+the plain mean squared error.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from diffusers.training_utils import compute_density_for_timestep_sampling
 
 
@@ -27,6 +35,8 @@ class FlowMatching:
     logit_std: float = 1.0
     sigma_range: tuple[float, float] = (0.0, 1.0)  # [low, high]: an expert's noise levels (high = 1: inclusive)
     num_train_timesteps: int = 1000  # timestep = sigma * num_train_timesteps, as diffusers' flow schedulers
+    object_weight: float = 0.0  # extra weight of the object's latent cells in the loss (0 = plain MSE)
+    object_threshold: float = 1.0  # mean squared difference from the frame's median cell that marks an object cell
 
     def __post_init__(self):
         if self.weighting not in ("logit_normal", "uniform"):
@@ -36,6 +46,11 @@ class FlowMatching:
         low, high = self.sigma_range
         if not 0 <= low < high <= 1:
             raise ValueError(f"sigma_range must satisfy 0 <= low < high <= 1, got {self.sigma_range}")
+        if self.object_weight < 0 or self.object_threshold <= 0:
+            raise ValueError(
+                f"flow.object_weight must be >= 0 and flow.object_threshold > 0, got {self.object_weight} and "
+                f"{self.object_threshold}"
+            )
 
     @property
     def restricted(self) -> bool:
@@ -88,3 +103,20 @@ class FlowMatching:
         s = sigmas.view(b, 1, 1, 1, 1).to(latents.dtype)
         x_t = (1 - s) * latents + s * noise
         return x_t, sigmas * float(self.num_train_timesteps), noise - latents
+
+    def object_mask(self, latents: torch.Tensor) -> torch.Tensor:
+        """``(B, 1, F, H, W)`` bool: the cells of clean ``latents`` ``(B, C, F, H, W)`` that differ from their frame's
+        median cell (per channel, over H x W) by a mean squared difference over channels above ``object_threshold``."""
+        flat = latents.detach().float().flatten(3)  # (B, C, F, H*W)
+        median = flat.median(dim=3).values[..., None]
+        diff = ((flat - median) ** 2).mean(dim=1, keepdim=True)  # (B, 1, F, H*W)
+        return (diff > self.object_threshold).view(latents.shape[0], 1, *latents.shape[2:])
+
+    def loss(self, pred: torch.Tensor, target: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
+        """The training loss of ``pred`` against the velocity ``target`` for clean ``latents``: the mean squared
+        error, weighted toward the objects' cells when ``object_weight`` > 0 (divided by the mean weight)."""
+        if not self.object_weight:
+            return F.mse_loss(pred.float(), target.float())
+        weight = 1.0 + self.object_weight * self.object_mask(latents).float()
+        err = (pred.float() - target.float()) ** 2
+        return (err * weight).sum() / (weight.sum() * err.shape[1])
