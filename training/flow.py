@@ -13,7 +13,7 @@ inverse transform sampling (one uniform draw per sample, so a resumed run draws 
 world): a latent cell whose clean value differs from its frame's typical cell (the per-channel median over the
 frame, mean squared difference over channels above ``object_threshold``) counts ``1 + object_weight``, every other
 cell 1, and the weighted mean is divided by the mean weight, so the loss keeps its scale. In the third design's
-latents about 15% of the cells are the object (threshold 1.0); with ``object_weight`` 0 (the default) the loss is
+latents 16% of the cells are the object (threshold 1.0; README gives the command); with ``object_weight`` 0 (the default) the loss is
 the plain mean squared error. The training loss logged is the weighted one; the eval loss and the probe stay plain,
 so runs with and without it compare. Tried on the built-in model's base (README, issue 37): no gain there.
 """
