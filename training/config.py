@@ -47,6 +47,13 @@ DEFAULTS: dict = {
         "caption_dropout": 0.1,
         "num_workers": 0,
         "max_sequence_length": 512,
+        # joint image-video training, as Wan is trained: each step also trains on round(image_ratio * batch_size)
+        # one-frame images (their own forward pass: another token count), the loss averaged over every sample;
+        # 0 = videos only. Images: stills of the synthetic world (data.source=synthetic, rendered on the fly) or
+        # a cache of them (data.source=cache: data.image_path, written by training.precompute --images)
+        "image_ratio": 0.0,
+        "image_path": None,
+        "image_num_samples": None,  # images to draw from (synthetic, and what precompute --images writes); null: num_samples
     },
     "train": {
         "steps": 1000,
@@ -200,6 +207,8 @@ NULLABLE_TYPES: dict[str, tuple] = {
     "model.layers": (list,),
     "model.blocks": (str,),
     "data.path": (str,),
+    "data.image_path": (str,),
+    "data.image_num_samples": (int,),
     "data.default_background": (str,),
     "data.short_captions": _NUM,
     "train.mixing_lr": _NUM,
@@ -224,6 +233,8 @@ RANGES: dict[str, tuple] = {
     "flow.object_weight": (0, True, None),
     "flow.object_threshold": (0, False, None),
     "data.num_samples": (1, True, None),
+    "data.image_ratio": (0, True, None),
+    "data.image_num_samples": (1, True, None),
     "data.short_captions": (0, True, 1),
     "data.frame_stride": (1, True, None),
     "data.num_workers": (0, True, None),
@@ -383,6 +394,20 @@ def validate(cfg: DictConfig) -> None:
     need(cfg.data.source == "synthetic" or cfg.data.path, "data.path", f"a folder for data.source={cfg.data.source}")
     if cfg.data.path and cfg.data.source != "synthetic":
         need(Path(cfg.data.path).exists(), "data.path", "an existing folder or manifest")
+    if cfg.data.image_ratio:
+        need(
+            cfg.data.source != "folder",
+            "data.image_ratio",
+            "0 with data.source=folder (images come from the synthetic world or a cache: data.image_path)",
+        )
+        need(
+            cfg.data.source != "cache" or bool(cfg.data.image_path),
+            "data.image_path",
+            "a cache of images (python -m training.precompute --images) with data.source=cache and data.image_ratio > 0",
+        )
+        need(cfg.task == "transformer", "data.image_ratio", "0 with task=vae (its loop trains on clips)")
+    if cfg.data.image_path:
+        need(Path(cfg.data.image_path).is_dir(), "data.image_path", "an existing cache folder of images")
     if cfg.model.path and cfg.model.path != "tiny-random":
         need(
             Path(cfg.model.path).is_dir(),

@@ -707,18 +707,27 @@ def synthetic_world(cfg) -> SyntheticWorld:
     return world_named(d.get("world", "v1"), short_captions=d.short_captions, default_background=d.default_background)
 
 
-def build_dataset(cfg):
-    """The dataset ``cfg.data`` names: synthetic clips, a folder of videos, or a precomputed cache."""
+def image_batch_size(cfg) -> int:
+    """Images each step trains on beside its ``train.batch_size`` clips (joint image-video training)."""
+    return round(cfg.data.image_ratio * cfg.train.batch_size)
+
+
+def build_dataset(cfg, images: bool = False):
+    """The dataset ``cfg.data`` names: synthetic clips, a folder of videos, or a precomputed cache. With
+    ``images``: the one-frame images of joint training (``data.image_*``)."""
     d = cfg.data
     if d.source == "synthetic":
         return SyntheticVideoDataset(
-            d.num_samples,
+            (d.image_num_samples or d.num_samples) if images else d.num_samples,
             seed=cfg.train.seed,
-            num_frames=d.num_frames,
+            num_frames=1 if images else d.num_frames,
             height=d.height,
             width=d.width,
             world=synthetic_world(cfg),
+            images=images,
         )
+    if images:  # a cache (config.validate refuses images with a folder of videos)
+        return _checked_cache(d.image_path, [1, d.height, d.width], "data.image_path")
     if d.source == "folder":
         return VideoFolderDataset(
             d.path,
@@ -728,11 +737,15 @@ def build_dataset(cfg):
             frame_stride=d.frame_stride,
             seed=cfg.train.seed,
         )
-    cache = CachedLatents(d.path)
-    want = [d.num_frames, d.height, d.width]
+    return _checked_cache(d.path, [d.num_frames, d.height, d.width], "data.path")
+
+
+def _checked_cache(path: str, want: list[int], key: str) -> CachedLatents:
+    cache = CachedLatents(path)
     if cache.meta.get("video") != want:
         raise ValueError(
-            f"cache {d.path!r} holds videos of (frames, height, width) {cache.meta.get('video')}, config asks {want}"
+            f"{key}: cache {path!r} holds samples of (frames, height, width) {cache.meta.get('video')}, "
+            f"the config asks {want}"
         )
     return cache
 

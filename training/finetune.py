@@ -51,7 +51,14 @@ from pipelines.attention import PARAM_ATTRS, LinearSelfAttention
 from pipelines.pipeline import generate
 from training import checkpoint as ckpt
 from training.config import load_config, lr_multiplier
-from training.data import BatchEncoder, ResumableSampler, build_dataset, build_validation_dataset, collate
+from training.data import (
+    BatchEncoder,
+    ResumableSampler,
+    build_dataset,
+    build_validation_dataset,
+    collate,
+    image_batch_size,
+)
 from training.ema import EMA
 from training.encoding import Encoder
 from training.experts import TrainingTarget, load_expert_components, model_timestep, read_target
@@ -277,6 +284,33 @@ class Progress:
     step: int = 0
     samples: int = 0
     nonfinite: int = 0
+    images: int = 0  # one-frame samples of joint image-video training this rank consumed
+
+
+class ImageStream:
+    """The images of joint image-video training (``data.image_ratio``): their dataset, its resumable order
+    (its own: a run's clips and images are drawn apart) and the batches of ``data.image_ratio * batch_size``."""
+
+    def __init__(self, cfg, dataset, batches: BatchEncoder, rank: int, world: int):
+        self.dataset, self.batches, self.size = dataset, batches, image_batch_size(cfg)
+        self.sampler = ResumableSampler(len(dataset), seed=cfg.train.seed + 1, rank=rank, world_size=world)
+        self.num_workers = cfg.data.num_workers
+        self._iter = None
+
+    def next_batch(self, consumed: int) -> dict:
+        """The next batch after ``consumed`` images (a new stage or a resume restarts the order there)."""
+        if self._iter is None:
+            self.sampler.samples_consumed = consumed
+            loader = DataLoader(
+                self.dataset,
+                batch_size=self.size,
+                sampler=self.sampler,
+                num_workers=self.num_workers,
+                drop_last=True,
+                collate_fn=collate,
+            )
+            self._iter = iter(loader)
+        return next(self._iter)
 
 
 def train(cfg) -> int:
@@ -295,6 +329,7 @@ def train(cfg) -> int:
     dataset = build_dataset(cfg)
     if hasattr(dataset, "require_usable"):
         dataset.require_usable()
+    image_set = build_dataset(cfg, images=True) if image_batch_size(cfg) else None  # a cache's shape checked now
     if getattr(dataset, "dropped", None) and is_main_launch():  # named now, not only at the end of the run
         print(dataset.skip_summary(), file=sys.stderr)
     run_dir = Path(cfg.run_dir)
@@ -357,6 +392,19 @@ def train(cfg) -> int:
         cfg.data.caption_dropout,
         device,
     )
+    images = None
+    if image_set is not None:
+        images = ImageStream(
+            cfg,
+            image_set,
+            BatchEncoder(batches.encoder, image_set.empty_text if cached else None, cfg.data.caption_dropout, device),
+            rank,
+            world,
+        )
+        print_main(
+            f"joint image-video training: {images.size} images (1x{grid[1]}x{grid[2]} tokens) beside each step's "
+            f"{cfg.train.batch_size} clips, from {len(image_set)} images"
+        )
 
     # ---- resume
     at = Progress()
@@ -374,7 +422,15 @@ def train(cfg) -> int:
             ckpt.restore_raw_weights(resume_from, transformer)
         generator.set_state(rank_state["generator"])
         sampler.load_state_dict(rank_state["data"])
-        at = Progress(resume_state["step"], rank_state["data"]["samples_consumed"], resume_state["nonfinite_in_a_row"])
+        at = Progress(
+            resume_state["step"],
+            rank_state["data"]["samples_consumed"],
+            resume_state["nonfinite_in_a_row"],
+            # a run that had no images (or a checkpoint from before them) starts their order at its beginning
+            (rank_state.get("images") or {}).get("samples_consumed", 0),
+        )
+        if images is not None and rank_state.get("images"):
+            images.sampler.load_state_dict(rank_state["images"])
         print_main(f"resumed from {resume_from} at step {at.step}")
     if cfg.train.ema_decay and ema is None:  # a new run, or EMA switched on for a resumed one
         ema = EMA(transformer, trainable, cfg.train.ema_decay)
@@ -432,9 +488,10 @@ def train(cfg) -> int:
                 persistent_workers=False,
             )
             data_iter = iter(loader)
+            with_images = images is not None and transfer is None  # attention transfer copies on clips only
             while at.step < stage_end:
                 t0 = time.perf_counter()
-                grad_norm, finite = None, True
+                grad_norm, finite, image_loss = None, True, None
                 for _ in range(cfg.train.grad_accum):
                     batch = next(data_iter)
                     at.samples += len(batch["caption"])
@@ -446,9 +503,25 @@ def train(cfg) -> int:
                         with accelerator.autocast():
                             pred = call(model, x_t, t, text)
                         loss = transfer.take_loss() if transfer is not None else flow.loss(pred, target, latents)
+                        parts = [(loss, len(batch["caption"]))]
+                        if with_images:  # their own forward (another token count); the loss is a mean over samples
+                            image_batch = images.next_batch(at.images)
+                            at.images += len(image_batch["caption"])
+                            image_latents, image_text = images.batches(image_batch, generator)
+                            x_i, t_i, target_i = flow.noisy_input(image_latents, generator)
+                            with accelerator.autocast():
+                                pred_i = call(model, x_i, t_i, image_text)
+                            image_loss = flow.loss(pred_i, target_i, image_latents)
+                            parts.append((image_loss, len(image_batch["caption"])))
+                            total = sum(n for _, n in parts)
+                            loss = sum(part * n for part, n in parts) / total
                         finite = bool(accelerator.gather(torch.isfinite(loss.detach()).reshape(1)).all())
                         if finite:
-                            accelerator.backward(loss)
+                            total = sum(n for _, n in parts)
+                            for k, (part, n) in enumerate(parts):  # one backward per forward (DDP marks each once)
+                                last = k == len(parts) - 1
+                                with contextlib.nullcontext() if last else accelerator.no_sync(model):
+                                    accelerator.backward(part * n / total)
                             if accelerator.sync_gradients and cfg.train.grad_clip:
                                 grad_norm = accelerator.clip_grad_norm_(
                                     [p for p in model.parameters() if p.requires_grad], cfg.train.grad_clip
@@ -485,12 +558,26 @@ def train(cfg) -> int:
                     "tokens_per_s": tokens / dt,
                     "grad_norm": None if grad_norm is None else float(grad_norm),
                 }
+                if image_loss is not None:  # "loss" is then the mean over clips and images
+                    row["image_loss"] = accelerator.gather(image_loss.detach().reshape(1)).mean().item()
+                    row["images_per_s"] = images.size * cfg.train.grad_accum * world / dt
                 metrics.write(row)
                 if cfg.log.tensorboard and at.step % cfg.log.every == 0:
                     accelerator.log({k: v for k, v in row.items() if isinstance(v, float)}, step=at.step)
                 if cfg.checkpoint.every and (at.step % cfg.checkpoint.every == 0 or at.step == total_steps):
                     save_or_explain(
-                        accelerator, cfg, run_dir, stage, model, optimizer, scheduler, generator, sampler, at, ema
+                        accelerator,
+                        cfg,
+                        run_dir,
+                        stage,
+                        model,
+                        optimizer,
+                        scheduler,
+                        generator,
+                        sampler,
+                        at,
+                        ema,
+                        images,
                     )
                 if (
                     main_proc
@@ -584,7 +671,9 @@ def skip_nonfinite_step(cfg, at: Progress, loss: torch.Tensor, run_dir: Path) ->
         )
 
 
-def save_or_explain(accelerator, cfg, run_dir, stage, model, optimizer, scheduler, generator, sampler, at, ema):
+def save_or_explain(
+    accelerator, cfg, run_dir, stage, model, optimizer, scheduler, generator, sampler, at, ema, images=None
+):
     """:func:`save`, or when the disk refuses (full, quota, permissions) an OutputError (exit 4) that says what
     and where, after removing the half-written folder: earlier checkpoints stay intact."""
     try:
@@ -602,6 +691,8 @@ def save_or_explain(accelerator, cfg, run_dir, stage, model, optimizer, schedule
             at.samples,
             at.nonfinite,
             ema,
+            images,
+            at.images,
         )
     except Exception as e:
         # a full disk, however the writer reports it (OSError, torch's zip writer, safetensors): exit 4
@@ -651,7 +742,21 @@ def finish_run(cfg, accelerator, evaluate, metrics, final, ema, step, start_loss
 
 
 def save(
-    accelerator, cfg, run_dir, step, stage, model, optimizer, scheduler, generator, sampler, samples, nonfinite, ema
+    accelerator,
+    cfg,
+    run_dir,
+    step,
+    stage,
+    model,
+    optimizer,
+    scheduler,
+    generator,
+    sampler,
+    samples,
+    nonfinite,
+    ema,
+    images: ImageStream | None = None,
+    images_consumed: int = 0,
 ):
     """One checkpoint, assembled in a temporary folder by all ranks, renamed into place by the main one.
     With EMA, ``transformer/`` holds the averaged weights and ``trainable.safetensors`` the raw ones."""
@@ -660,7 +765,10 @@ def save(
     accelerator.wait_for_everyone()
     tmp = ckpt.pending_dir(run_dir, step)
     rank = accelerator.process_index
-    ckpt.save_state({"generator": generator.get_state(), "data": sampler.state_dict(samples)}, tmp / f"rank{rank}.pt")
+    rank_state = {"generator": generator.get_state(), "data": sampler.state_dict(samples)}
+    if images is not None:
+        rank_state["images"] = images.sampler.state_dict(images_consumed)
+    ckpt.save_state(rank_state, tmp / f"rank{rank}.pt")
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         unwrapped = accelerator.unwrap_model(model)

@@ -66,9 +66,12 @@ RECORD_KEYS = (
 )
 
 
-def cache_record(cfg) -> dict:
-    """What a cache written with ``cfg`` holds: the data settings that shape it, the model and seed."""
+def cache_record(cfg, images: bool = False) -> dict:
+    """What a cache written with ``cfg`` holds: the data settings that shape it, the model and seed (with
+    ``images``: the one-frame images of joint training, ``data.image_num_samples`` of them)."""
     data = {k: cfg.data.get(k) for k in RECORD_KEYS}
+    if images:
+        data.update(num_frames=1, num_samples=cfg.data.image_num_samples or cfg.data.num_samples, images=True)
     if cfg.data.source == "synthetic":  # the world's values where the config leaves them to it
         from training.data import synthetic_world
 
@@ -83,15 +86,20 @@ def cache_record(cfg) -> dict:
     }
 
 
-def stale_cache(out: str | Path, cfg) -> str | None:
+def stale_cache(out: str | Path, cfg, images: bool = False) -> str | None:
     """Why the cache in ``out`` was not written with ``cfg``'s settings (the differing keys), or None.
     A folder without a record (written before records existed) is taken as matching."""
     path = Path(out) / RECORD
     if not path.is_file():
         return None
-    was, now = json.loads(path.read_text()), cache_record(cfg)
+    was, now = json.loads(path.read_text()), cache_record(cfg, images)
     was["data"].setdefault("world", "v1")  # written before worlds had names
-    diff = [f"data.{k}: {was['data'].get(k)!r} -> {v!r}" for k, v in now["data"].items() if was["data"].get(k) != v]
+    keys = [*now["data"], *(k for k in was["data"] if k not in now["data"])]  # a cache of images has one more
+    diff = [
+        f"data.{k}: {was['data'].get(k)!r} -> {now['data'].get(k)!r}"
+        for k in keys
+        if was["data"].get(k) != now["data"].get(k)
+    ]
     diff += [f"{k}: {was.get(k)!r} -> {now[k]!r}" for k in ("model", "seed") if was.get(k) != now[k]]
     return "; ".join(diff) or None
 
@@ -111,6 +119,12 @@ def _main(argv) -> int:
         default=None,
         help="videos encoded at once (one file each); default: as many as hold about 1M frame pixels, at most 16",
     )
+    p.add_argument(
+        "--images",
+        action="store_true",
+        help="write the one-frame images of joint image-video training (data.image_num_samples stills of the "
+        "synthetic world) instead of the clips; training reads them as data.image_path",
+    )
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
     if args.batch_size is not None and args.batch_size < 1:
@@ -118,8 +132,10 @@ def _main(argv) -> int:
     cfg = load_config(args.config, args.overrides)
     if cfg.data.source == "cache":
         raise ValueError("data.source=cache: precompute reads videos (data.source folder or synthetic)")
+    if args.images and cfg.data.source != "synthetic":
+        raise ValueError(f"--images: images are stills of the synthetic world; data.source={cfg.data.source!r}")
     resolve_output_folder(args.out)  # a file or a symlink loop on the way: named before any work
-    stale = stale_cache(args.out, cfg)
+    stale = stale_cache(args.out, cfg, args.images)
     if stale:
         raise ValueError(
             f"--out {args.out!r} holds a cache written with other settings ({stale}); "
@@ -127,11 +143,12 @@ def _main(argv) -> int:
         )
     from training.data import build_dataset  # the same dataset training would read
 
-    dataset = build_dataset(cfg)  # before the model loads: a folder of broken videos stops here
+    dataset = build_dataset(cfg, images=args.images)  # before the model loads: a folder of broken videos stops here
     if hasattr(dataset, "require_usable"):
         dataset.require_usable()
     out = ensure_output_folder(args.out)
-    write_text_atomic(out / RECORD, json.dumps(cache_record(cfg), indent=1))
+    write_text_atomic(out / RECORD, json.dumps(cache_record(cfg, args.images), indent=1))
+    num_frames = 1 if args.images else cfg.data.num_frames
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     components = load_components(cfg.model.path, dtype=cfg.model.dtype, device=device, seed=cfg.model.seed)
     encoder = Encoder(components, cfg.data.max_sequence_length)
@@ -147,7 +164,7 @@ def _main(argv) -> int:
                 items[i] = {"file": name, "caption": f.metadata()["caption"]}
         else:
             todo.append(i)
-    batch = args.batch_size or auto_batch(cfg.data.num_frames, cfg.data.height, cfg.data.width)
+    batch = args.batch_size or auto_batch(num_frames, cfg.data.height, cfg.data.width)
     with tqdm(total=len(dataset), initial=len(dataset) - len(todo), desc="precompute", unit="video") as bar:
         for start in range(0, len(todo), batch):  # a batch of videos encodes ~2.7x faster a video than one by one
             chunk = []
@@ -168,7 +185,7 @@ def _main(argv) -> int:
     if not items:
         raise ValueError(f"no sample could be written to {out}; {dataset.skip_summary()}")
     index = {
-        "video": [cfg.data.num_frames, cfg.data.height, cfg.data.width],
+        "video": [num_frames, cfg.data.height, cfg.data.width],
         "model": components.source,
         "max_sequence_length": cfg.data.max_sequence_length,
         "items": items,

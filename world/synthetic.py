@@ -349,12 +349,36 @@ def world_named(name: str, **overrides) -> SyntheticWorld:
 
 def caption_for(attributes: dict, sizes: bool = True, background: bool = True) -> str:
     """``"a small red circle moves to the left and ... on a grey background"``; without ``sizes`` /
-    ``background`` the size words / the background phrase are left out."""
+    ``background`` the size words / the background phrase are left out. An image's objects (motion ``None``,
+    see :func:`image_attributes`) have no motion phrase: ``"a red circle on a grey background"``."""
     clauses = [
-        f"a {o['size'] + ' ' if sizes else ''}{o['colour']} {o['shape']} {MOTION_PHRASES[o['motion']]}"
+        f"a {o['size'] + ' ' if sizes else ''}{o['colour']} {o['shape']}"
+        + (f" {MOTION_PHRASES[o['motion']]}" if o["motion"] is not None else "")
         for o in attributes["objects"]
     ]
     return " and ".join(clauses) + (f" on a {attributes['background']} background" if background else "")
+
+
+# image i of a split draws its attributes as clip IMAGE_INDEX_OFFSET + i does, so images are other scenes than
+# the clips of the same seed (a cache of clips and one of images hold no common scene)
+IMAGE_INDEX_OFFSET = 1 << 40
+
+
+def image_attributes(
+    seed: int, index: int, split: str = "train", world: SyntheticWorld | None = None, aspect: float = 1.0
+) -> dict:
+    """The attribute dict of image ``index`` (a one-frame sample for joint image-video training): a clip's
+    scene frozen at a time drawn along its path, each object with motion ``None`` (its caption names no motion)
+    and ``start == end`` (at that time's centre and radius); deterministic in its arguments."""
+    attributes = sample_attributes(seed, IMAGE_INDEX_OFFSET + index, split, world, aspect)
+    time = np.random.default_rng([int(seed), SPLITS.index(split), int(index), 2]).random()
+    for obj in attributes["objects"]:
+        centre = _centres(obj, np.array([time]))[0]
+        if obj["motion"] == "growing":  # its radius at that time, as a size of its own (kept in the frame)
+            obj["scale"] = float(_radius_scale(obj, np.array([time]))[0])
+        obj["start"] = obj["end"] = [round(float(centre[0]), 4), round(float(centre[1]), 4)]
+        obj["motion"] = None
+    return attributes
 
 
 def sample_caption(seed: int, index: int, split: str, attributes: dict, world: SyntheticWorld) -> str:
@@ -386,7 +410,7 @@ def _centres(obj: dict, times: np.ndarray) -> np.ndarray:
 def _radius_scale(obj: dict, times: np.ndarray) -> np.ndarray:
     if obj["motion"] == "growing":
         return GROWTH_RANGE[0] + (GROWTH_RANGE[1] - GROWTH_RANGE[0]) * np.asarray(times, float)
-    return np.ones(len(times))
+    return np.full(len(times), obj.get("scale", 1.0))
 
 
 def _inside(shape: str, dx: np.ndarray, dy: np.ndarray) -> np.ndarray:
@@ -469,10 +493,16 @@ def generate_sample(
     height: int = 64,
     width: int = 64,
     world: SyntheticWorld | None = None,
+    images: bool = False,
 ) -> SyntheticSample:
-    """Generates sample ``index`` of ``split``: frames uint8 ``(num_frames, height, width, 3)``, caption, attributes."""
+    """Generates sample ``index`` of ``split``: frames uint8 ``(num_frames, height, width, 3)``, caption, attributes.
+    With ``images`` it is image ``index`` (:func:`image_attributes`: a still scene whose caption names no motion;
+    ``num_frames`` must then be 1)."""
     world = world or SyntheticWorld()
-    attributes = sample_attributes(seed, index, split, world, aspect=width / height)
+    if images and num_frames != 1:
+        raise ValueError(f"an image is one frame, got num_frames={num_frames}")
+    draw = image_attributes if images else sample_attributes
+    attributes = draw(seed, index, split, world, aspect=width / height)
     frames = render_video(attributes, num_frames, height, width)
     return SyntheticSample(
         frames=frames, caption=sample_caption(seed, index, split, attributes, world), attributes=attributes
@@ -484,6 +514,7 @@ class SyntheticVideoDataset(Dataset):
     :class:`training.data.VideoFolderDataset`'s: ``{"video": float32 (3, T, H, W) in [-1, 1],
     "caption": str, "index": int}``. Accepts an int or a ``ClipKey(index, epoch)`` (the epoch
     does not change a synthetic clip). ``attributes(i)`` gives sample ``i``'s attribute dict.
+    ``images=True``: one-frame stills of the same world (:func:`image_attributes`), ``num_frames`` 1.
     """
 
     def __init__(
@@ -496,20 +527,25 @@ class SyntheticVideoDataset(Dataset):
         height: int = 64,
         width: int = 64,
         world: SyntheticWorld | None = None,
+        images: bool = False,
     ):
         if num_samples < 1:
             raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+        if images and num_frames != 1:
+            raise ValueError(f"an image dataset's samples are one frame, got num_frames={num_frames}")
         _sample_rng(seed, split, 0)  # validates the split name now rather than in a worker
         self.num_samples, self.seed, self.split = num_samples, seed, split
         self.num_frames, self.height, self.width = num_frames, height, width
         self.world = world or SyntheticWorld()
+        self.images = images
 
     def __len__(self) -> int:
         return self.num_samples
 
     def attributes(self, index: int) -> dict:
-        """Sample ``index``'s attribute dict (see :func:`sample_attributes`)."""
-        return sample_attributes(self.seed, index, self.split, self.world, aspect=self.width / self.height)
+        """Sample ``index``'s attribute dict (see :func:`sample_attributes`, :func:`image_attributes`)."""
+        draw = image_attributes if self.images else sample_attributes
+        return draw(self.seed, index, self.split, self.world, aspect=self.width / self.height)
 
     def __getitem__(self, key) -> dict:
         index = int(key[0] if isinstance(key, tuple) else key)
@@ -523,6 +559,7 @@ class SyntheticVideoDataset(Dataset):
             height=self.height,
             width=self.width,
             world=self.world,
+            images=self.images,
         )
         video = torch.from_numpy(sample.frames).permute(3, 0, 1, 2).float() / 127.5 - 1.0
         return {"video": video, "caption": sample.caption, "index": index}
