@@ -69,6 +69,9 @@ PERMALINK_JS = """
 """
 QUEUE_SIZE = 16  # requests waiting at most; more are refused with gradio's "queue is full"
 POLL_SECONDS = 0.5  # how often the status line is refreshed while a run is going
+# the shortest wait for the run's next event, whatever POLL_SECONDS says: a loop that never blocks would yield a page
+# per turn and starve the worker thread of the GIL (a test with POLL_SECONDS = 0 grew to 24 GB that way)
+MIN_WAIT_SECONDS = 0.02
 
 
 def stored_label(result: compare.CompareResult) -> str:
@@ -506,7 +509,7 @@ def compare_tab(demo: gr.Blocks, source: PageSource, max_tokens: int | None) -> 
         try:
             while True:
                 try:
-                    kind, payload = events.get(timeout=POLL_SECONDS)
+                    kind, payload = events.get(timeout=max(POLL_SECONDS, MIN_WAIT_SECONDS))
                 except queue.Empty:
                     kind, payload = "tick", None
                 if kind == "progress":

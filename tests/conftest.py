@@ -1,4 +1,6 @@
 import os
+import signal
+import threading
 
 import pytest
 import torch
@@ -37,3 +39,58 @@ def tiny_components():
     from pipelines.loading import load_components
 
     return load_components("tiny-random", dtype="float32", device="cpu")
+
+
+# ---- a runaway test fails by name instead of taking the machine down -------------------------------------------
+# Time: pytest-timeout (pyproject.toml's `timeout`) fails a test that runs past it and the run goes on. Memory: a
+# watchdog thread reads this process's resident size; past MHLA_TEST_MAX_RSS_GB (default: 60% of the machine's
+# memory) it interrupts the main thread with a MemoryError that names the test, so the test fails, its frames
+# unwind and free what they held, and pytest prints its summary, where the kernel's OOM killer would end the run
+# with no word of which test it was.
+_current_test = {"name": None}
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _memory_limit_bytes() -> int:
+    if "MHLA_TEST_MAX_RSS_GB" in os.environ:
+        return int(float(os.environ["MHLA_TEST_MAX_RSS_GB"]) * 2**30)
+    return int(0.6 * os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+class TestMemoryLimit(MemoryError):
+    """The watchdog's verdict on the running test."""
+
+
+def _on_limit(signum, frame):
+    raise TestMemoryLimit(
+        f"{_current_test['name']} went past the suite's memory limit ({_memory_limit_bytes() / 2**30:.1f} GiB "
+        f"resident; MHLA_TEST_MAX_RSS_GB): stopped here so the run goes on"
+    )
+
+
+def _watch(limit: int, main_id: int) -> None:
+    while True:
+        threading.Event().wait(0.25)
+        if _current_test["name"] is not None and _rss_bytes() > limit:
+            signal.pthread_kill(main_id, signal.SIGUSR2)
+            threading.Event().wait(5.0)  # one interruption at a time: let the test unwind
+
+
+def pytest_configure(config):
+    if not os.path.exists("/proc/self/statm") or threading.current_thread() is not threading.main_thread():
+        return  # the guard needs Linux's /proc and the main thread's signal handler
+    signal.signal(signal.SIGUSR2, _on_limit)
+    threading.Thread(target=_watch, args=(_memory_limit_bytes(), threading.main_thread().ident), daemon=True).start()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _current_test["name"] = item.nodeid
+    try:
+        yield
+    finally:
+        _current_test["name"] = None
