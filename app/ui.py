@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import gradio as gr
+from gradio.exceptions import InvalidPathError
 
 from common.timing import device_name
 from pipelines import VARIANTS
@@ -284,6 +285,42 @@ class PageSource:
         return self.warmup.models if self.warmup is not None and self.warmup.loaded else None
 
 
+_refused = inputs.refused  # the handlers' parameter named inputs shadows the module below
+
+
+class GuardedBlocks(gr.Blocks):
+    """``gr.Blocks`` whose every refused input reaches the client as one sentence and the server's log as one
+    ``refused input:`` line, whichever layer refuses it: gradio refuses a file path that was not uploaded through
+    the page before the handlers (and :mod:`app.inputs`) see it, with a ValueError the client gets as
+    ``{"error": null}`` and a traceback in the log per request."""
+
+    async def preprocess_data(self, block_fn, inputs, state, explicit_call=False):
+        try:
+            return await super().preprocess_data(block_fn, inputs, state, explicit_call)
+        except (InvalidPathError, gr.Error) as e:
+            if isinstance(e, gr.Error) and "cannot be accessed" not in str(e):
+                raise  # gradio's other refusals already reach the client as they are
+            names = [_input_name(block) for block, value in zip(block_fn.inputs, inputs) if _names_a_file(value)]
+            which = names[0] if len(names) == 1 else "a file input"
+            raise _refused(
+                f"{which} is not an upload of this page (it names a file on the server); upload it again"
+            ) from None
+
+
+def _names_a_file(value) -> bool:
+    """Whether a raw input value carries a file reference (gradio's FileData: a dict with a path or url)."""
+    if isinstance(value, dict):
+        return bool(value.get("path") or value.get("url")) or any(_names_a_file(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return any(_names_a_file(v) for v in value)
+    return False
+
+
+def _input_name(block) -> str:
+    label = (getattr(block, "label", None) or "").split(" (")[0].strip().lower()  # "First frame (required)"
+    return f"the {label}" if label else f"the {type(block).__name__} input"
+
+
 def build_demo(
     models: AppModels | ModelFacts,
     max_tokens: int | None = None,
@@ -302,7 +339,7 @@ def build_demo(
     source = PageSource(models, warmup, out_root, gpu_results.load())
 
     # delete_cache: gradio copies every returned video into its cache; drop copies older than a day, hourly
-    with gr.Blocks(title="MHLA video: attention variants side by side", delete_cache=(3600, 86400)) as demo:
+    with GuardedBlocks(title="MHLA video: attention variants side by side", delete_cache=(3600, 86400)) as demo:
         gr.Markdown(header_markdown(models))
         warmup_line(demo, warmup)
         if models.random_note:

@@ -168,7 +168,7 @@ def check_request(
             f"preset {preset_key(preset)} does not divide into this model's tokens (height and width must be "
             f"multiples of {models.vae_stride[1] * models.patch[1]}); pick another size"
         )
-    first_frame = inputs.image("image", image, upload_dirs or [])
+    first_frame = inputs.image("first frame", image, upload_dirs or [])
     if models.needs_image and first_frame is None:
         raise ValueError("this model makes a video from an image: upload the first frame (PNG, JPEG or WebP)")
     if first_frame is not None and not models.takes_image:

@@ -115,8 +115,19 @@ def _colour_in_cache(folder: Path) -> list[Path]:
     return found
 
 
+def _error_message(stream: str) -> str | None:
+    """The message of the event stream's error event (gradio sends ``data: null`` or ``{"error": null}`` for an
+    exception it does not show)."""
+    lines = stream.splitlines()
+    for i, line in enumerate(lines[:-1]):
+        if line == "event: error":
+            data = json.loads(lines[i + 1].removeprefix("data: "))
+            return data.get("error") if isinstance(data, dict) else data
+    return None
+
+
 @pytest.mark.slow  # launches a page on a tiny image-to-video model
-def test_the_api_refuses_a_server_path_and_copies_nothing(i2v_page):
+def test_the_api_refuses_a_server_path_and_copies_nothing(i2v_page, caplog, capfd):
     demo, uploads, root = i2v_page
     outside = root / "server"
     outside.mkdir(exist_ok=True)
@@ -127,9 +138,21 @@ def test_the_api_refuses_a_server_path_and_copies_nothing(i2v_page):
     if not link.exists():
         link.symlink_to(secret)
     args = ["a fox", "", 0, 1, 5.0, "9x64x96", ["mhla"], 1]
-    for raw in _forbidden(uploads, secret):
-        for value in ({"path": raw, "meta": {"_type": "gradio.FileData"}}, {"path": raw}):
-            text = _call(demo.local_url, [*args, value])
-            assert "event: error" in text, (raw, text[-500:])
-            assert "event: complete" not in text
+    capfd.readouterr()
+    calls = 0
+    with caplog.at_level("WARNING", logger="app"):
+        for raw in _forbidden(uploads, secret):
+            for value in ({"path": raw, "meta": {"_type": "gradio.FileData"}}, {"path": raw}):
+                text = _call(demo.local_url, [*args, value])
+                calls += 1
+                assert "event: error" in text, (raw, text[-500:])
+                assert "event: complete" not in text
+                # one sentence naming the input and why, whichever layer (gradio's or the app's) refused it
+                message = _error_message(text)
+                assert message and "first frame" in message.lower() and "upload" in message, (raw, text[-500:])
+                assert "/etc" not in message and str(outside) not in message
     assert _colour_in_cache(uploads) == []
+    refusals = [r for r in caplog.records if r.getMessage().startswith("refused input:")]
+    assert len(refusals) == calls, [r.getMessage() for r in caplog.records]
+    logged = capfd.readouterr()
+    assert "Traceback" not in logged.err + logged.out, (logged.err + logged.out)[-2000:]
