@@ -126,9 +126,10 @@ def attribute_mean(row: dict) -> float:
 
 
 def semantic(
-    components, transformer, variant: str, validation, prompts, seeds, steps, guidance, max_sigma=None
+    components, transformer, variant: str, validation, prompts, seeds, steps, guidance, max_sigma=None, kept=None
 ) -> tuple[dict, list]:
-    """Analyser scores and latency of one variant at one CFG scale; also the first seed's frames of the grid's prompts."""
+    """Analyser scores and latency of one variant at one CFG scale; also the first seed's frames of the grid's prompts.
+    ``kept``: a list that gets every video's uint8 frames ``(T, H, W, 3)``, in the order of ``per_video``."""
     verdicts, timings, frames = [], [], []
     for i in tqdm(prompts, desc=f"generate [{variant}, CFG {guidance:g}]"):
         caption = validation[i]["caption"]
@@ -147,6 +148,8 @@ def semantic(
             verdict["prompt"], verdict["caption"], verdict["seed"] = i, caption, seed
             verdicts.append(verdict)
             timings.append(result.timing)
+            if kept is not None:  # uint8 as the analyser reads float frames (scaled, truncated): the same verdicts
+                kept.append(to_uint8(result.frames))
             if i < GRID_PROMPTS and seed == seeds[0]:
                 frames.append(result.frames)
     held = [x for x in verdicts if x["held_out"]]
@@ -213,13 +216,15 @@ def run(args) -> dict:
     info_dir = Path(args.model) if args.model else BUILTIN_DIR
     guidances = args.guidance or [d["guidance_scale"]]
     max_sigma = args.guidance_max_sigma if args.guidance_max_sigma is not None else d.get("guidance_max_sigma")
-    rows, samples = {}, {}
+    rows, samples, videos = {}, {}, {}
     for v in variants:
         by_guidance = {}
         for g in guidances:
+            kept: list[np.ndarray] = []
             row, frames = semantic(
-                components, transformers[v], v, validation, prompts, args.seeds, args.steps, g, max_sigma
+                components, transformers[v], v, validation, prompts, args.seeds, args.steps, g, max_sigma, kept
             )
+            videos[f"{v}@{g:g}"] = np.stack(kept)
             by_guidance[g] = row
             samples.setdefault(v, frames)
             print(
@@ -264,7 +269,42 @@ def run(args) -> dict:
         "minutes": round((time.time() - t0) / 60, 1),
         "_samples": samples,
         "_grid": grid,
+        "_videos": videos,
     }
+
+
+def to_uint8(frames) -> np.ndarray:
+    """Frames as :func:`world.analyse.analyse` reads them: uint8 as they are, floats in [0, 1] (or [0, 255]) scaled
+    and truncated."""
+    frames = np.asarray(frames)
+    if frames.dtype == np.uint8:
+        return frames
+    return np.clip(frames.astype(np.float32) * (255.0 if frames.max() <= 1.0 else 1.0), 0, 255).astype(np.uint8)
+
+
+# every generated video of an evaluation, beside the run's other outputs (not committed: a few MB): a later analyser
+# re-judges them without generating again (world.analyse's version changes, the videos do not)
+VIDEOS_DIR = Path("runs/eval-videos")
+
+
+def save_videos(videos: dict[str, np.ndarray], res: dict, out: Path) -> Path:
+    """``runs/eval-videos/<out's name>.npz``: per ``variant@guidance`` the uint8 frames ``(videos, T, H, W, 3)`` in
+    ``per_video``'s order, and that order's captions and seeds (as JSON)."""
+    import json
+
+    path = VIDEOS_DIR / f"{Path(out).name}.npz"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    order = {}
+    for key in videos:
+        variant, guidance = key.split("@")
+        row = res["variants"][variant]
+        listed = row.get("per_video") or row.get("by_guidance", {}).get(guidance, {}).get("per_video") or []
+        order[key] = [{"caption": x["caption"], "seed": x["seed"], "prompt": x["prompt"]} for x in listed]
+    with atomic_write(path) as tmp:
+        with open(tmp, "wb") as f:
+            np.savez_compressed(f, order=np.array(json.dumps(order)), **videos)
+    print(f"wrote the {sum(len(v) for v in videos.values())} videos to {path} (for re-judging)")
+    return path
 
 
 def seed_spread(videos: list[dict], attribute: str) -> float | None:
@@ -487,6 +527,7 @@ def _main(argv=None) -> int:
     plot(res, output_path(out, ".png"))
     res.pop("_samples")
     res.pop("_grid", None)
+    save_videos(res.pop("_videos"), res, out)
     write_json(out, res)
     table = markdown(res)
     write_text_atomic(output_path(out, ".md"), table)

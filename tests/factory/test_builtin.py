@@ -385,8 +385,11 @@ def test_app_loads_each_fine_tuned_variant_and_shows_no_server_paths():
 
 
 @needs_builtin
-def test_evaluate_writes_its_table(tmp_path):
+def test_evaluate_writes_its_table(tmp_path, monkeypatch):
+    from factory import evaluate
     from factory.evaluate import main
+
+    monkeypatch.setattr(evaluate, "VIDEOS_DIR", tmp_path / "videos")
     from world.analyse import ANALYSER_VERSION
     from world.synthetic import SyntheticVideoDataset
 
@@ -433,6 +436,18 @@ def test_evaluate_writes_its_table(tmp_path):
         )
     md = out.with_suffix(".md").read_text()
     assert "| MHLA |" in md and " ± " in md and out.with_suffix(".png").stat().st_size > 1000
+    # every video kept for re-judging, in per_video's order: the analyser reads them to the same verdicts
+    from world.analyse import analyse
+
+    kept = np.load(tmp_path / "videos" / "eval.npz")
+    order = json.loads(str(kept["order"]))
+    for v in ("flash", "mhla"):
+        frames, listed = kept[f"{v}@4"], order[f"{v}@4"]
+        assert frames.dtype == np.uint8 and frames.shape == (2, 17, 128, 160, 3)
+        for video, item, verdict in zip(frames, listed, res["variants"][v]["per_video"]):
+            assert (item["caption"], item["seed"]) == (verdict["caption"], verdict["seed"])
+            again = analyse(video, item["caption"])
+            assert all(again[a] == verdict[a] for a in ("count", "colour", "shape", "motion"))
 
 
 @needs_builtin
