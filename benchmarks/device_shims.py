@@ -1,7 +1,8 @@
 """What the GPU machine lacks, stood in for by the benchmarks (never by the product).
 
 The device image has no ``imageio-ffmpeg`` (its wheel, about 27 MiB with its ffmpeg, does not fit the
-64 MiB that travels with a ~62 MB working tree), so :func:`common.video.write_mp4` cannot run there.
+64 MiB that travels with a 53.3 MB (50.8 MiB) tracked tree and the carried zips), so
+:func:`common.video.write_mp4` cannot run there.
 :func:`install` then replaces it, for the benchmark's process only, with an mp4v writer through OpenCV
 (``opencv-python-headless`` is in the image) that says so; the product's writer is untouched elsewhere.
 """
