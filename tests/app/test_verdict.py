@@ -59,15 +59,15 @@ def test_the_world_s_own_rendering_draws_the_prompt():
     assert quality.verdict_text(verdict) == "draws the prompt"
 
 
-def test_a_band_is_not_a_square():
-    assert prompt_verdicts(_band(), PROMPT)["shape"] is True  # the evaluation's analyser: the band's box is full
+def test_a_band_is_neither_a_square_nor_a_motion():
     verdict = strict_verdicts(_band(), PROMPT)
-    assert verdict["shape"] is False and verdict["colour"] is True and verdict["motion"] is True
-    assert quality.verdict_text(verdict) == "misses: shape"
+    assert verdict["shape"] is False and verdict["colour"] is True and verdict["motion"] is False
+    assert quality.verdict_text(verdict) == "misses: shape, motion"
+    assert prompt_verdicts(_band(), PROMPT) == verdict  # the evaluations judge as the page does (analyser 4)
 
 
 def test_a_swarm_is_not_one_object():
-    assert prompt_verdicts(_swarm(), PROMPT)["count"] is True  # one colour present: counted as one object
+    assert prompt_verdicts(_swarm(), PROMPT)["count"] is False  # twenty dots of one colour are not one object
     verdict = strict_verdicts(_swarm(), PROMPT)
     assert verdict["count"] is False and verdict["shape"] is False
     assert quality.verdict_text(verdict).startswith("misses: count")

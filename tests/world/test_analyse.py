@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from factory.vae_ceiling import reconstruction_ceiling
 from world.analyse import (
+    OTHER,
     analyse,
     attribute_verdict,
     classify_shape,
@@ -152,7 +153,7 @@ def test_a_ragged_rim_does_not_make_a_square_a_circle():
     # a sub-pixel offset leaves partial coverage) kept at random, as over a checkered background
     rng = np.random.default_rng()
     yy, xx = np.mgrid[0:40, 0:40]
-    discs_read_as_squares = []
+    discs_read_as_squares, squares_unread = [], []
     draws = 300
     for _ in range(draws):
         half, cx, cy = rng.uniform(4.5, 9), rng.uniform(15, 25), rng.uniform(15, 25)
@@ -164,9 +165,15 @@ def test_a_ragged_rim_does_not_make_a_square_a_circle():
         keep = rng.random(square.shape) < rng.uniform(0.1, 0.5)
         ragged_square = square | (moved_square & keep)
         ragged_disc = disc | (moved_disc & keep)
-        assert classify_shape(ragged_square) == "square", (half, int(ragged_square.sum() - square.sum()))
+        read = classify_shape(ragged_square)
+        assert read in ("square", OTHER), (half, read, int(ragged_square.sum() - square.sum()))  # never a circle
+        if read == OTHER:
+            squares_unread.append(round(float(half), 2))
         if classify_shape(ragged_disc) == "square":
             discs_read_as_squares.append(round(float(half), 2))
+    # analyser 4 reads outlines: a tiny square (half-side under ~6 px) with a random ragged rim may be unsure
+    # ("other": 7 of 1,500 seeded draws), never a circle
+    assert len(squares_unread) <= draws // 50, squares_unread
     # the corner test must not turn a disc into a square (a tiny disc with a rim may read as a diamond: rendered
     # discs, anti-aliased, do not; test_real_clips_score_perfectly checks those). A known limit: a small ragged
     # disc (radius 4.7-6.9 px) reads as a square in about 1 draw in 2,300 (13 of 30,000 seeded draws), so the
