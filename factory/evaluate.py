@@ -307,6 +307,69 @@ def save_videos(videos: dict[str, np.ndarray], res: dict, out: Path) -> Path:
     return path
 
 
+def rejudge(out: Path) -> dict:
+    """An evaluation judged again by this version of the analyser, from the videos it kept (:func:`save_videos`):
+    ``OUT.json``'s per-video verdicts and scores replaced (losses, timings and settings kept), ``OUT.md`` and
+    ``OUT.png`` rewritten (the PNG's grid: the real clips and each variant's videos). The VAE ceiling is judged
+    again only when the run recorded it per clip; otherwise it is marked as the earlier analyser's."""
+    import json
+
+    out = Path(out)
+    res = json.loads(output_path(out, ".json").read_text())
+    if isinstance(res["guidance_scale"], list):
+        raise ValueError(f"{out}: a guidance sweep; re-judge one scale at a time (not supported)")
+    path = VIDEOS_DIR / f"{out.name}.npz"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} holds no videos of {out}: re-run the evaluation (it keeps them now)")
+    kept = np.load(path)
+    order = json.loads(str(kept["order"]))
+    world = WORLDS[res.get("world", "v1")]
+    g = f"{res['guidance_scale']:g}"
+    samples = {}
+    for v, row in res["variants"].items():
+        frames, listed = kept[f"{v}@{g}"], order[f"{v}@{g}"]
+        held = {(x["prompt"], x["seed"]): x["held_out"] for x in row["per_video"]}
+        verdicts = []
+        for video, item in zip(frames, listed):
+            verdict = analyse(video, item["caption"], colours=world.colours)
+            verdict.update(prompt=item["prompt"], caption=item["caption"], seed=item["seed"])
+            verdict["held_out"] = held[(item["prompt"], item["seed"])]
+            verdicts.append(verdict)
+        seeds = res["seeds"]
+        held_out = [x for x in verdicts if x["held_out"]]
+        seen = [x for x in verdicts if not x["held_out"]]
+        by_seed = [score(verdicts[j :: len(seeds)])["overall"] for j in range(len(seeds))]
+        row.update(score(verdicts))
+        row.update(
+            overall_by_seed=by_seed,
+            overall_std=float(np.std(by_seed, ddof=1)) if len(by_seed) > 1 else 0.0,
+            overall_in_distribution=score(seen)["overall"] if seen else None,
+            overall_held_out=score(held_out)["overall"] if held_out else None,
+            per_video=[{k: x[k] for k in ("prompt", "caption", "seed", "held_out", *ATTRIBUTES)} for x in verdicts],
+        )
+        samples[v] = [frames[i] for i, x in enumerate(listed) if x["prompt"] < GRID_PROMPTS and x["seed"] == seeds[0]]
+    if res.get("analyser_version") != ANALYSER_VERSION and res.get("vae_ceiling"):
+        res["vae_ceiling"]["analyser_version"] = res.get("analyser_version")
+    res["analyser_version"] = ANALYSER_VERSION
+    res["rejudged"] = time.strftime("%Y-%m-%d %H:%M")
+    d = res.get("builtin") or {}
+    size = (d.get("defaults") or {}) if isinstance(d, dict) else {}
+    validation = SyntheticVideoDataset(
+        GRID_PROMPTS,
+        seed=res.get("data_seed", 0),
+        split="validation",
+        num_frames=size.get("num_frames", 17),
+        height=size.get("height", 128),
+        width=size.get("width", 160),
+        world=world,
+    )
+    grid = {"real clip": [to_frames(validation[i]["video"]) for i in range(min(GRID_PROMPTS, res["num_prompts"]))]}
+    plot({**res, "_samples": samples, "_grid": grid}, output_path(out, ".png"))
+    write_json(out, res)
+    write_text_atomic(output_path(out, ".md"), markdown(res))
+    return res
+
+
 def seed_spread(videos: list[dict], attribute: str) -> float | None:
     """Sample standard deviation over seeds of one attribute's accuracy, from an evaluation's ``per_video``
     verdicts (None with fewer than two seeds that judged it)."""
@@ -505,7 +568,18 @@ def _main(argv=None) -> int:
         default=None,
         help="writes OUT.json, OUT.md, OUT.png (default benchmarks/results/builtin_eval_<device>)",
     )
+    p.add_argument(
+        "--rejudge",
+        action="store_true",
+        help="judge the evaluation at --out again with this analyser, from the videos it kept (no generation)",
+    )
     args = p.parse_args(argv)
+    if args.rejudge:
+        if not args.out:
+            p.error("--rejudge needs --out (the evaluation to judge again)")
+        res = rejudge(Path(args.out))
+        print(markdown(res))
+        return 0
     if args.num_prompts < 1:
         p.error(f"--num-prompts must be >= 1, got {args.num_prompts}")
     if args.loss_batches < 0:

@@ -448,6 +448,14 @@ def test_evaluate_writes_its_table(tmp_path, monkeypatch):
             assert (item["caption"], item["seed"]) == (verdict["caption"], verdict["seed"])
             again = analyse(video, item["caption"])
             assert all(again[a] == verdict[a] for a in ("count", "colour", "shape", "motion"))
+    # --rejudge reads them back: the same analyser gives the same verdicts and scores, the settings are kept
+    assert main(["--rejudge", "--out", str(out)]) == 0
+    again = json.loads(out.with_suffix(".json").read_text())
+    for v in ("flash", "mhla"):
+        assert again["variants"][v]["per_video"] == res["variants"][v]["per_video"]
+        assert again["variants"][v]["overall"] == res["variants"][v]["overall"]
+        assert again["variants"][v]["flow_loss"] == res["variants"][v]["flow_loss"]
+    assert "rejudged" in again and again["num_prompts"] == 1
 
 
 @needs_builtin
