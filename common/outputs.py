@@ -41,6 +41,32 @@ def _fsync_file(path: Path) -> None:
         os.close(fd)
 
 
+def default_file_mode() -> int:
+    """The permissions ``open(path, "w")`` gives a new file: 0o666 less the process's umask (0o644 under the
+    usual 022)."""
+    try:  # Linux states it; reading it there changes nothing
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def normalize_modes(path: str | Path) -> None:
+    """Gives ``path`` (a file, or every file under a folder) the permissions a plain new file gets
+    (:func:`default_file_mode`): some writers create theirs private (safetensors writes 0600), which would leave
+    a model's weights unreadable to the group and others who can read the rest of the output."""
+    path = Path(path)
+    mode = default_file_mode()
+    files = [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file() and not f.is_symlink()]
+    for f in files:
+        if f.stat().st_mode & 0o777 != mode:
+            os.chmod(f, mode)
+
+
 DEFAULT_NAME_MAX = 255  # bytes in one name: ext4, xfs, btrfs, tmpfs
 
 
@@ -130,6 +156,7 @@ def atomic_write(
                 f"writing {str(path)!r} failed: {why} (a short or failed write; {_free_space(folder)} free there); "
                 + ("the earlier file is left as it was" if path.exists() else "nothing was written")
             )
+        normalize_modes(tmp)
         _fsync_file(tmp)
         os.replace(tmp, path)
         _fsync_dir(folder)
@@ -166,6 +193,7 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
     tmp.mkdir()
     try:
         yield tmp
+        normalize_modes(tmp)
         for f in tmp.rglob("*"):
             if f.is_file():
                 _fsync_file(f)

@@ -205,8 +205,10 @@ def _preflight(args: argparse.Namespace) -> _Plan:
     shape, defaults, index, stride = folder.shape(args.transformer), folder.defaults, folder.index, folder.vae_stride
     experts_2 = folder.shape(part="transformer_2").num_layers if args.layers_2 is not None else None
     trained = {name: folder.transformer_config(d) for name, d in folder.variant_dirs.items()}
-    if args.transformer:  # its own variant where none is named; it serves every variant asked for
-        args.variant = args.variant or (saved or {}).get("self_attention", {"variant": SOFTMAX})["variant"]
+    if args.transformer:  # its own variant where none is named
+        own = ((saved or {}).get("self_attention") or {"variant": SOFTMAX})["variant"]
+        args.variant = args.variant or own
+        check_transformer_variant(args.transformer, own, args.variant)
         trained = dict.fromkeys(VARIANTS, saved)
     trained_dirs = {name: args.transformer or folder.variant_dirs.get(name) for name in VARIANTS}
 
@@ -301,6 +303,23 @@ def _preflight(args: argparse.Namespace) -> _Plan:
     scale = check_scale(args, requests, device, shape.num_heads)
     device = scale.run_device(device)
     return _Plan(requests, outputs, overrides, device, resolve_dtype(args.dtype, device), scale, frames_npy)
+
+
+def check_transformer_variant(transformer: str, own: str, spec: str) -> None:
+    """A ``--transformer`` fine-tuned as a converted variant (MHLA, linear, hybrid: its attention weights were
+    trained for that attention, and its own parameters belong to it) runs as that variant only: another one would
+    silently run other attention on its weights, so it is refused naming the checkpoint's variant. A softmax
+    (``flash``) transformer serves every variant (it is converted afresh)."""
+    if own == SOFTMAX:
+        return
+    others = [v for v in parse_variants(spec) if v != own]
+    if others:
+        raise ValueError(
+            f"--variant {spec}: --transformer {transformer!r} was fine-tuned as variant {own!r} (its "
+            f"attention weights were trained for {own}); running it as {', '.join(others)} would put other "
+            f"attention on them. Expected --variant {own} (or no --variant), or a softmax (flash) --transformer to "
+            "convert afresh"
+        )
 
 
 def _load(args: argparse.Namespace, plan: _Plan) -> WanComponents:

@@ -10,6 +10,10 @@ A checkpoint is a folder ``<run>/checkpoints/step-0000100/`` holding
   generator and data position (plain tensors and numbers, read back with ``torch.load(weights_only=True)``);
 - ``config.yaml``: the resolved run configuration.
 
+At the end of every run, whatever the checkpoint schedule, the trained model is also saved as
+``<run>/final/transformer/`` (``transformer_2/`` for the low-noise expert; written atomically, never pruned)
+with ``final/finished.json`` saying at which step: ``resume=latest`` on a finished run says so and exits.
+
 It is written under a temporary name and renamed into place only when complete, so a crash while
 saving never spoils the last good checkpoint. ``manifest.json`` is written last, with the size and
 SHA-256 of every other file: a checkpoint counts only when its manifest is there, and ``resume=latest``
@@ -29,11 +33,13 @@ from pathlib import Path
 
 import torch
 
-from common.outputs import replace_dir
+from common.outputs import normalize_modes, replace_dir
 
 STATE_FILE = "training_state.pt"
 LOCK_FILE = ".lock"  # training.lock's file, kept by clear_run
 MANIFEST = "manifest.json"
+FINAL = "final"  # <run>/final/<transformer folder>: the model at the end of the run
+FINISHED = "finished.json"  # <run>/final/finished.json: {"step": ..., "model": folder name}, written after the model
 _NAME = re.compile(r"^step-(\d{7})$")
 
 
@@ -280,6 +286,7 @@ def finish_checkpoint(run_dir, step: int, keep: int | None = None) -> Path:
     checkpoints (never the one just written)."""
     final = checkpoint_dir(run_dir, step)
     tmp = pending_dir(run_dir, step)
+    normalize_modes(tmp)  # safetensors writes its files 0600; a checkpoint reads like the run's other outputs
     write_manifest(tmp)
     replace_dir(tmp, final)  # a re-run of the same step replaces it, still without a window of no checkpoint
     if keep:
@@ -453,3 +460,67 @@ def trim_metrics(path: str | Path, step: int) -> int:
     if len(kept) != len(rows) or half:
         write_text_atomic(path, "".join(x + "\n" for x in kept))
     return len(rows) - len(kept) + int(half)
+
+
+# --------------------------------------------------------------------------- the end of a run
+
+
+def checkpoint_at(path: str | Path) -> int:
+    """The step a checkpoint folder was written at: from its name, else (a folder renamed by hand) its state."""
+    path = Path(path)
+    if _NAME.match(path.name):
+        return checkpoint_step(path)
+    return int(load_state(path / STATE_FILE)["step"])
+
+
+def final_model_dir(run_dir: str | Path, folder: str = "transformer") -> Path:
+    return Path(run_dir) / FINAL / folder
+
+
+def record_final(run_dir: str | Path, folder: str = "transformer") -> None:
+    """Lists the final model and its marker in the run manifest (overwrite=true removes them), before they are
+    written. Main process only."""
+    record_run_files(run_dir, f"{FINAL}/{folder}", f"{FINAL}/{FINISHED}", folders=(FINAL,))
+
+
+def write_finished(run_dir: str | Path, step: int, folder: str = "transformer") -> None:
+    """``final/finished.json``, after the model: the run ended at ``step`` with its model in ``final/<folder>``."""
+    from common.outputs import write_text_atomic
+
+    path = Path(run_dir) / FINAL / FINISHED
+    write_text_atomic(path, json.dumps({"step": int(step), "model": folder}, indent=1) + "\n")
+
+
+def read_finished(run_dir: str | Path) -> dict | None:
+    """What ``final/finished.json`` says (``step``, ``model``), or None when the run never finished (or the
+    file cannot be read: then it is as if it had not finished, with a warning naming it)."""
+    path = Path(run_dir) / FINAL / FINISHED
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if isinstance(data.get("step"), bool) or not isinstance(data.get("step"), int):
+            raise ValueError(f"step {data.get('step')!r}")
+        if not isinstance(data.get("model"), str):
+            raise ValueError(f"model {data.get('model')!r}")
+    except (ValueError, AttributeError, UnicodeDecodeError) as e:
+        warnings.warn(f"{str(path)!r} is not readable ({e}); taken as a run that did not finish", stacklevel=2)
+        return None
+    if not (Path(run_dir) / FINAL / data["model"] / "config.json").is_file():
+        return None  # the model it names is gone (removed by hand)
+    return data
+
+
+def final_from_checkpoint(run_dir: str | Path, checkpoint: Path, folder: str = "transformer") -> Path:
+    """The final model copied from ``checkpoint`` (written atomically): for a run that saved its last checkpoint
+    and stopped before saving ``final/`` (killed in between)."""
+    from common.outputs import atomic_dir, check_replaceable
+    from pipelines.loading import MODEL_FILE_PATTERNS
+
+    target = final_model_dir(run_dir, folder)
+    record_final(run_dir, folder)
+    check_replaceable(target, MODEL_FILE_PATTERNS)
+    with atomic_dir(target) as tmp:
+        shutil.copytree(checkpoint / folder, tmp, dirs_exist_ok=True)
+    write_finished(run_dir, checkpoint_at(checkpoint), folder)
+    return target

@@ -36,6 +36,12 @@ DEFAULTS: dict = {
     "data": {
         "source": "synthetic",  # synthetic | folder | cache
         "path": None,  # folder (manifest or .txt captions) or precomputed cache
+        # data.source=folder: which layout data.path has (auto = a manifest when there is one, else .txt
+        # captions) and the manifest's columns (null = 'video' / 'caption', or Hugging Face's metadata.csv /
+        # metadata.jsonl columns 'file_name' / 'text')
+        "layout": "auto",  # auto | jsonl | csv | txt
+        "video_column": None,
+        "caption_column": None,
         "num_samples": 64,  # synthetic only
         "world": "v1",  # synthetic only: the world preset (world.synthetic.WORLDS): v1 (shipped model) | v2
         "short_captions": None,  # synthetic only: probability of leaving sizes / background out of a caption (null: the world's)
@@ -127,6 +133,7 @@ TASKS = ("transformer", "vae")
 VAE_TRAINABLE = ("all", "decoder")
 
 SOURCES = ("synthetic", "folder", "cache")
+LAYOUTS = ("auto", "jsonl", "csv", "txt")  # training.data.LAYOUTS (that module imports torch)
 TRAINABLE = ("all", "attention", "new", "lora")
 PRECISIONS = ("no", "bf16", "fp16")
 LR_SCHEDULES = ("constant", "cosine")
@@ -207,6 +214,8 @@ NULLABLE_TYPES: dict[str, tuple] = {
     "model.layers": (list,),
     "model.blocks": (str,),
     "data.path": (str,),
+    "data.video_column": (str,),
+    "data.caption_column": (str,),
     "data.image_path": (str,),
     "data.image_num_samples": (int,),
     "data.default_background": (str,),
@@ -343,6 +352,10 @@ def validate(cfg: DictConfig) -> None:
     need(cfg.task != "vae" or bool(cfg.model.path), "model.path", "a model directory whose vae/ to train (task=vae)")
     need(cfg.vae.trainable in VAE_TRAINABLE, "vae.trainable", f"one of {VAE_TRAINABLE}")
     need(cfg.data.source in SOURCES, "data.source", f"one of {SOURCES}")
+    need(cfg.data.layout in LAYOUTS, "data.layout", f"one of {LAYOUTS}")
+    for key in ("data.video_column", "data.caption_column"):
+        value = OmegaConf.select(cfg, key)
+        need(value is None or bool(value.strip()), key, "null or a manifest column name")
     need(cfg.train.trainable in TRAINABLE, "train.trainable", f"one of {TRAINABLE}")
     need(cfg.train.precision in PRECISIONS, "train.precision", f"one of {PRECISIONS}")
     need(
@@ -419,4 +432,17 @@ def validate(cfg: DictConfig) -> None:
             cfg.model.variant != SOFTMAX,
             "model.variant",
             "a converted variant (attention transfer has no teacher to copy otherwise)",
+        )
+
+
+def check_data_source(cfg: DictConfig) -> None:
+    """A training run reads the data ``data.source`` names: a ``data.path`` beside ``data.source=synthetic`` (which
+    renders the synthetic world and reads no path) would be ignored, so it is refused, naming the sources that
+    read a path. Not part of :func:`validate`: ``training.precompute`` renders a config's synthetic clips into
+    the cache its ``data.path`` names (``data.source=synthetic`` on the command line)."""
+    if cfg.data.source == "synthetic" and cfg.data.path:
+        raise ValueError(
+            f"data.path={cfg.data.path!r} is set but data.source='synthetic' renders the synthetic world and reads "
+            "no path; expected data.source=folder (a folder of videos with captions, or a manifest) or "
+            "data.source=cache (a cache written by python -m training.precompute) with it, or data.path=null"
         )

@@ -3,7 +3,9 @@
 Layouts (``layout="auto"`` picks the first that applies):
 
 - ``jsonl`` / ``csv``: a manifest with one row per video, columns ``video`` (path relative
-  to the manifest, or absolute) and ``caption``; extra columns are ignored. ``root`` may be
+  to the manifest, or absolute) and ``caption``, or Hugging Face's ``file_name`` and ``text``
+  (``metadata.csv`` / ``metadata.jsonl`` of a ``videofolder`` dataset), or the columns
+  ``video_column`` / ``caption_column`` name; extra columns are ignored. ``root`` may be
   the manifest file itself or a folder holding ``manifest.jsonl``, ``manifest.csv``,
   ``metadata.jsonl`` or ``metadata.csv`` (first found wins).
 - ``txt``: every video under the folder (recursively; .mp4, .webm, .mov, .mkv, .avi) with a
@@ -60,7 +62,11 @@ from world.synthetic import SyntheticVideoDataset, SyntheticWorld, world_named
 VIDEO_EXTENSIONS: tuple[str, ...] = (".mp4", ".webm", ".mov", ".mkv", ".avi")
 MANIFEST_NAMES: tuple[str, ...] = ("manifest.jsonl", "manifest.csv", "metadata.jsonl", "metadata.csv")
 LAYOUTS: tuple[str, ...] = ("auto", "jsonl", "csv", "txt")
+# manifest columns found without being named, first present wins: ours, then Hugging Face's (videofolder metadata)
+VIDEO_COLUMNS: tuple[str, ...] = ("video", "file_name")
+CAPTION_COLUMNS: tuple[str, ...] = ("caption", "text")
 BACKENDS: tuple[str, ...] = ("auto", "decord", "imageio")
+LENGTH_CHECK_LIMIT = 256  # videos VideoFolderDataset.check_clip_lengths opens before training (spread over more)
 # Codes 1.. index this tuple in the shared per-entry tensor; 0 means "not skipped".
 SKIP_REASONS: tuple[str, ...] = (
     "missing_file",  # the manifest names a file that is not there
@@ -108,7 +114,8 @@ def validate_num_frames(num_frames: int) -> int:
 def _expected_layouts() -> str:
     return (
         "a folder of videos with a .txt caption beside each, or a manifest (.jsonl or .csv, "
-        f"or a folder holding one of {', '.join(MANIFEST_NAMES)}) with columns 'video' and 'caption'"
+        f"or a folder holding one of {', '.join(MANIFEST_NAMES)}) with columns 'video' and 'caption' "
+        "(or Hugging Face's 'file_name' and 'text')"
     )
 
 
@@ -179,39 +186,54 @@ def _read_rows(manifest: Path) -> list[dict | None]:
     return rows
 
 
+def _pick_column(columns: set[str], named: str | None, candidates: tuple[str, ...]) -> str | None:
+    if named:
+        return named if named in columns else None
+    return next((c for c in candidates if c in columns), None)
+
+
 def read_manifest(
-    manifest: Path, video_column: str = "video", caption_column: str = "caption"
+    manifest: Path, video_column: str | None = None, caption_column: str | None = None
 ) -> tuple[list[VideoEntry], list[tuple[str, str]]]:
-    """Reads a CSV/JSONL manifest into entries and ``(path, reason)`` pairs for rows it drops."""
+    """Reads a CSV/JSONL manifest into entries and ``(path, reason)`` pairs for rows it drops. A column left
+    None is found: ``video`` or Hugging Face's ``file_name``, ``caption`` or ``text``."""
     rows = _read_manifest_rows(manifest)
+    wanted = f"{video_column or 'video'!r} and {caption_column or 'caption'!r}"
     if not rows:
-        raise ValueError(
-            f"manifest {manifest} has no rows; expected one row per video with columns "
-            f"{video_column!r} and {caption_column!r}"
-        )
+        raise ValueError(f"manifest {manifest} has no rows; expected one row per video with columns {wanted}")
     columns = set().union(*(row for row in rows if row))
-    missing = [c for c in (video_column, caption_column) if c not in columns]
-    if missing:
+    video = _pick_column(columns, video_column, VIDEO_COLUMNS)
+    caption = _pick_column(columns, caption_column, CAPTION_COLUMNS)
+    if video is None or caption is None:
+        if video_column or caption_column:  # a name the config gave
+            roles = ((video_column, video, VIDEO_COLUMNS), (caption_column, caption, CAPTION_COLUMNS))
+            missing = [named or candidates[0] for named, found, candidates in roles if found is None]
+            found_by = ""
+        else:
+            missing = [c for c in (VIDEO_COLUMNS[0], CAPTION_COLUMNS[0]) if c not in columns]
+            found_by = " (or Hugging Face's 'file_name' and 'text')"
+        others = [("data.video_column", video_column, video), ("data.caption_column", caption_column, caption)]
         raise ValueError(
             f"manifest {manifest} has no column {missing}; found columns {sorted(columns)}, "
-            f"expected {video_column!r} (video path) and {caption_column!r}"
+            f"expected {video_column or 'video'!r} (video path) and {caption_column or 'caption'!r}{found_by}; "
+            "name your columns with " + " and ".join(f"{key}=COLUMN" for key, _, found in others if found is None)
         )
     entries, skipped = [], []
     for line_number, row in enumerate(rows, start=1):
-        video = str((row or {}).get(video_column) or "").strip()
-        if not video:
+        file = str((row or {}).get(video) or "").strip()
+        if not file:
             skipped.append((f"{manifest}:{line_number}", "bad_manifest_row"))
             continue
-        path = manifest.parent / video  # absolute `video` paths stay absolute
-        caption = str(row.get(caption_column) or "").strip()
+        path = manifest.parent / file  # absolute video paths stay absolute
+        text = str(row.get(caption) or "").strip()
         if not path.is_file():
             skipped.append((str(path), "missing_file"))
-        elif not caption:
+        elif not text:
             skipped.append((str(path), "empty_caption"))
-        elif not _caption_ok(caption):
+        elif not _caption_ok(text):
             skipped.append((f"{manifest}:{line_number}", "bad_caption"))
         else:
-            entries.append(VideoEntry(path, caption))
+            entries.append(VideoEntry(path, text))
     return entries, skipped
 
 
@@ -239,7 +261,7 @@ def scan_caption_files(folder: Path) -> tuple[list[VideoEntry], list[tuple[str, 
 
 
 def find_entries(
-    root: str | Path, layout: str = "auto", video_column: str = "video", caption_column: str = "caption"
+    root: str | Path, layout: str = "auto", video_column: str | None = None, caption_column: str | None = None
 ) -> tuple[list[VideoEntry], list[tuple[str, str]], str]:
     """Lists usable ``(video, caption)`` entries of a dataset; raises if there are none.
 
@@ -414,8 +436,8 @@ class VideoFolderDataset(Dataset):
         backend: str = "auto",
         random_clip: bool = True,
         seed: int = 0,
-        video_column: str = "video",
-        caption_column: str = "caption",
+        video_column: str | None = None,
+        caption_column: str | None = None,
     ):
         self.num_frames = validate_num_frames(num_frames)
         if frame_stride < 1:
@@ -496,6 +518,55 @@ class VideoFolderDataset(Dataset):
         except SkippedSample as skipped:
             self._load_failures[index] = SKIP_REASONS.index(skipped.reason) + 1
             return None
+
+    def check_clip_lengths(self, limit: int = LENGTH_CHECK_LIMIT) -> str | None:
+        """Counts the videos too short for one clip (``(num_frames - 1) * frame_stride + 1`` frames) by opening
+        them (every one, or ``limit`` spread over a larger dataset; decord reads no frame for it). When more than
+        half of those opened are too short, raises ValueError naming the count, the cause and the fix (a lower
+        ``data.num_frames``), before any model loads; when fewer, returns a warning saying the same; None when
+        none is. The videos found too short or unreadable are skipped (and counted) from then on."""
+        n = len(self.entries)
+        if n <= limit:
+            indices = list(range(n))
+        else:
+            indices = sorted({round(i * (n - 1) / (limit - 1)) for i in range(limit)})
+        too_short = SKIP_REASONS.index("too_few_frames") + 1
+        frames: dict[int, int] = {}  # frame counts of the videos that opened
+        for index in indices:
+            if self._load_failures[index]:
+                continue
+            try:
+                video = open_video(self.entries[index].path, self.backend)
+            except Exception:  # decoders raise their own error types for corrupt files
+                self._load_failures[index] = SKIP_REASONS.index("unreadable") + 1
+                continue
+            with video:
+                frames[index] = video.num_frames
+            if video.num_frames < self.span:
+                self._load_failures[index] = too_short
+        short = [i for i in indices if int(self._load_failures[i]) == too_short]
+        if not short:
+            return None
+        usable = sum(1 for i in indices if not self._load_failures[i])
+        counts = sorted(frames[i] for i in short if i in frames)
+        have = f"; they have {counts[0]}-{counts[-1]} frames" if counts else ""
+        scope = f"{len(short)} of the {len(indices)} videos" + (f" checked (of {n})" if len(indices) < n else "")
+        cause = (
+            f"{scope} in {self.source} are too short for a clip of data.num_frames={self.num_frames} at "
+            f"data.frame_stride={self.frame_stride} ({self.span} frames of the video){have}"
+        )
+        fix = "lower data.num_frames"
+        if frames:
+            fits = (min(frames.values()) - 1) // self.frame_stride // 4 * 4 + 1  # 4k+1 that every readable one holds
+            fix += f" (data.num_frames={fits} fits every readable video)"
+        if self.frame_stride > 1:
+            fix += " or data.frame_stride"
+        if 2 * len(short) > len(indices):
+            raise ValueError(
+                f"data.num_frames={self.num_frames}: {cause}, so only {usable} would train; expected most videos "
+                f"long enough: {fix}"
+            )
+        return f"WARNING: {cause} and are skipped ({usable} train): {fix} to train on them too"
 
     def require_usable(self) -> None:
         """Opens entries in order until one is usable (cheap: no frame decoding); raises ValueError naming the
@@ -736,6 +807,9 @@ def build_dataset(cfg, images: bool = False):
             width=d.width,
             frame_stride=d.frame_stride,
             seed=cfg.train.seed,
+            layout=d.get("layout", "auto"),
+            video_column=d.get("video_column"),
+            caption_column=d.get("caption_column"),
         )
     return _checked_cache(d.path, [d.num_frames, d.height, d.width], "data.path")
 

@@ -8,7 +8,9 @@ or one expert of Wan2.2-T2V-A14B at a time (``model.expert``, :mod:`training.exp
     torchrun --nproc_per_node 8 training/finetune.py --config ...
 
 The file reads top to bottom as the recipe: configuration, model and conversion, data, the optional
-attention-transfer stage, the flow-matching loop, checkpoints. Distribution is accelerate's.
+attention-transfer stage, the flow-matching loop, checkpoints. Distribution is accelerate's. Every run ends by
+saving its model to ``<run_dir>/final/transformer`` (``python -m pipelines.cli --transformer`` loads it),
+whatever ``checkpoint.every`` says; ``resume=latest`` on a finished run says so and exits.
 A config with ``task: vae`` trains the model directory's VAE instead (:mod:`training.vae`; the
 built-in model's first stage, ``configs/builtin/vae.yaml``).
 """
@@ -35,7 +37,7 @@ from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from common.errors import ModelError, OutputError, run_cli, write_failure
+from common.errors import ModelError, OutputError, Terminated, run_cli, write_failure
 from common.outputs import write_text_atomic
 from common.video import write_mp4
 from pipelines import (
@@ -50,7 +52,7 @@ from pipelines import (
 from pipelines.attention import PARAM_ATTRS, LinearSelfAttention
 from pipelines.pipeline import generate
 from training import checkpoint as ckpt
-from training.config import load_config, lr_multiplier
+from training.config import check_data_source, load_config, lr_multiplier
 from training.data import (
     BatchEncoder,
     ResumableSampler,
@@ -268,13 +270,33 @@ def main(argv=None) -> int:
 def _main(argv) -> int:
     args = parse_args(argv)
     cfg = load_config(args.config, args.overrides)  # every key's type and range
+    check_data_source(cfg)  # a data.path the source would not read
     if cfg.task == "vae":  # the VAE stage's configs say task: vae; it has its own entry point
         from training import vae
 
         return vae.main(argv)
     check_model_plan(cfg)  # model.* against the model's config files, before the run folder is touched
     with hold_run_dir(cfg.run_dir):  # one run per folder, for the life of the run
-        return train(cfg)
+        try:
+            return train(cfg)
+        except (KeyboardInterrupt, Terminated):
+            if is_main_launch():
+                print(interrupted_note(cfg), file=sys.stderr)
+            raise
+
+
+def interrupted_note(cfg) -> str:
+    """What a stopped run (Ctrl-C, SIGTERM) can do next: resume=latest from its newest checkpoint."""
+    found = ckpt.list_checkpoints(cfg.run_dir)
+    if found:
+        return (
+            f"stopped: continue this run from its newest checkpoint ({found[-1]}) with the same command and "
+            "resume=latest"
+        )
+    return (
+        f"stopped before its first checkpoint (checkpoint.every={cfg.checkpoint.every}): the same command with "
+        "resume=latest starts it over (nothing to continue from)"
+    )
 
 
 @dataclass
@@ -326,12 +348,23 @@ def train(cfg) -> int:
             with warnings.catch_warnings():  # a half-written last row: said once, when it is dropped
                 warnings.simplefilter("ignore")
                 ckpt.read_metrics(Path(cfg.run_dir) / "metrics.jsonl")
+    total_steps = cfg.transfer.steps + cfg.train.steps
+    if finished_run(cfg, resume_from, total_steps):  # said, nothing written
+        return 0
     dataset = build_dataset(cfg)
+    if hasattr(dataset, "check_clip_lengths"):  # most videos too short for data.num_frames: refused here
+        short = dataset.check_clip_lengths()
+        if short and is_main_launch():
+            print(short, file=sys.stderr)
     if hasattr(dataset, "require_usable"):
         dataset.require_usable()
     image_set = build_dataset(cfg, images=True) if image_batch_size(cfg) else None  # a cache's shape checked now
     if getattr(dataset, "dropped", None) and is_main_launch():  # named now, not only at the end of the run
         print(dataset.skip_summary(), file=sys.stderr)
+    if resume_from is not None:  # the data order against the checkpoint's: a changed dataset is said, not refused
+        for note in check_resume_data(cfg, resume_from, dataset, image_set):
+            if is_main_launch():
+                print(note, file=sys.stderr)
     run_dir = Path(cfg.run_dir)
     accelerator = Accelerator(
         mixed_precision=cfg.train.precision,
@@ -421,7 +454,7 @@ def train(cfg) -> int:
         if cfg.train.trainable != "lora":
             ckpt.restore_raw_weights(resume_from, transformer)
         generator.set_state(rank_state["generator"])
-        sampler.load_state_dict(rank_state["data"])
+        restore_order(sampler, rank_state["data"])
         at = Progress(
             resume_state["step"],
             rank_state["data"]["samples_consumed"],
@@ -430,7 +463,7 @@ def train(cfg) -> int:
             (rank_state.get("images") or {}).get("samples_consumed", 0),
         )
         if images is not None and rank_state.get("images"):
-            images.sampler.load_state_dict(rank_state["images"])
+            restore_order(images.sampler, rank_state["images"])
         print_main(f"resumed from {resume_from} at step {at.step}")
     if cfg.train.ema_decay and ema is None:  # a new run, or EMA switched on for a resumed one
         ema = EMA(transformer, trainable, cfg.train.ema_decay)
@@ -440,14 +473,22 @@ def train(cfg) -> int:
     if main_proc:
         run_dir.mkdir(parents=True, exist_ok=True)
         # every file the run writes is listed in its run manifest first: overwrite=true removes those, nothing else
-        ckpt.record_run_files(run_dir, "config.yaml", "metrics.jsonl", *(["finetune"] if cfg.log.tensorboard else []))
+        skipped = ["skipped.json"] if hasattr(dataset, "skipped_paths") else []
+        tensorboard = ["finetune"] if cfg.log.tensorboard else []
+        ckpt.record_run_files(run_dir, "config.yaml", "metrics.jsonl", *skipped, *tensorboard)
         write_text_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(cfg))
+        write_skipped(run_dir, dataset)
         metrics.start(at.step)
     if cfg.log.tensorboard:
-        accelerator.init_trackers("finetune", config={k: str(v) for k, v in OmegaConf.to_container(cfg).items()})
+        # a resumed run: TensorBoard drops what the stopped run logged after the checkpoint (it is redone)
+        purge = {"tensorboard": {"purge_step": at.step + 1}} if at.step else {}
+        config = {k: str(v) for k, v in OmegaConf.to_container(cfg).items()}
+        accelerator.init_trackers("finetune", config=config, init_kwargs=purge)
     start_loss = evaluate(transformer)
     if at.step == 0:
         metrics.write({"step": 0, "eval_loss": start_loss})
+        if cfg.log.tensorboard:
+            accelerator.log({"eval_loss": start_loss}, step=0)
     print_main(f"eval flow loss at step {at.step}: {start_loss:.4f}")
     # the conditioning probe (training/probe.py): does the model read each caption word? beside the eval loss
     probe = None
@@ -461,7 +502,6 @@ def train(cfg) -> int:
             print_main(f"probe at step 0: {describe(row['probe'])}")
 
     # ---- stages: optional attention transfer, then end-to-end flow matching
-    total_steps = cfg.transfer.steps + cfg.train.steps
     model = None
     progress = tqdm(total=total_steps, initial=at.step, disable=not main_proc, desc="fine-tune", dynamic_ncols=True)
     try:
@@ -590,6 +630,8 @@ def train(cfg) -> int:
                 if probe is not None and (at.step % cfg.validation.probe_every == 0 or at.step == total_steps):
                     row = log_probe(probe, evaluate, accelerator.unwrap_model(model), ema, at.step)
                     metrics.write(row)
+                    if cfg.log.tensorboard:
+                        accelerator.log({k: v for k, v in row.items() if k.startswith("eval_loss")}, step=at.step)
                     print_main(f"probe at step {at.step}: {describe(row['probe'])}, eval loss {row['eval_loss']:.4f}")
             if transfer is not None:
                 transfer.remove()
@@ -715,8 +757,10 @@ def save_or_explain(
 
 
 def finish_run(cfg, accelerator, evaluate, metrics, final, ema, step, start_loss, dataset, run_dir) -> None:
-    """The end-of-run evaluation (raw weights, then the EMA's), the skip summary and the parameter digest."""
+    """The final model (``final/transformer``, whatever the checkpoint schedule), the end-of-run evaluation (raw
+    weights, then the EMA's), the skip summary and list, and the parameter digest."""
     print_main = accelerator.print
+    save_final_model(cfg, accelerator, final, ema, step, run_dir)
     end_loss = evaluate(final)
     print_main(f"eval flow loss at step {step}: {end_loss:.4f} (start {start_loss:.4f})")
     row = {"step": step, "eval_loss": end_loss}
@@ -727,10 +771,13 @@ def finish_run(cfg, accelerator, evaluate, metrics, final, ema, step, start_loss
             f"eval flow loss of the EMA weights (decay {ema.decay:g}, {ema.updates} updates): {row['eval_loss_ema']:.4f}"
         )
     metrics.write(row)
+    if cfg.log.tensorboard:
+        accelerator.log({k: v for k, v in row.items() if k != "step"}, step=step)
     if accelerator.is_main_process:
         skipped = getattr(dataset, "skip_summary", None)
         if skipped is not None:
             print_main(skipped())
+            write_skipped(run_dir, dataset)  # with the videos found bad while training
     if cfg.log.param_digest:
         if accelerator.is_main_process:
             ranks = [f"param_digest/rank{r}.txt" for r in range(accelerator.num_processes)]
@@ -739,6 +786,125 @@ def finish_run(cfg, accelerator, evaluate, metrics, final, ema, step, start_loss
         write_text_atomic(run_dir / "param_digest" / f"rank{accelerator.process_index}.txt", digest(final))
     accelerator.wait_for_everyone()
     accelerator.end_training()
+
+
+def save_final_model(cfg, accelerator, final, ema, step: int, run_dir: Path) -> Path:
+    """The trained model in the pipeline's format at ``<run_dir>/final/<transformer folder>`` (with EMA the
+    averaged weights, a LoRA merged in, as in a checkpoint), written atomically, then ``final/finished.json``.
+    Never pruned by ``checkpoint.keep``."""
+    folder = cfg.model.expert or "transformer"
+    path = ckpt.final_model_dir(run_dir, folder)
+    if accelerator.is_main_process:
+        ckpt.record_final(run_dir, folder)
+        with ema.swapped_in(final) if ema is not None else contextlib.nullcontext():
+            save_model_for_pipeline(final, path, cfg.train.trainable == "lora")
+        ckpt.write_finished(run_dir, step, folder)
+        accelerator.print(f"final model (step {step}): {path}")
+    accelerator.wait_for_everyone()
+    return path
+
+
+def write_skipped(run_dir: Path, dataset) -> None:
+    """``<run_dir>/skipped.json``: the videos a folder dataset skips, by reason (found so far). Main process."""
+    paths = getattr(dataset, "skipped_paths", None)
+    if paths is None:
+        return
+    by_reason = paths()
+    record = {
+        "source": dataset.source,
+        "entries": len(dataset.entries) + len(dataset.dropped),
+        "skipped": sum(len(p) for p in by_reason.values()),
+        "by_reason": by_reason,
+    }
+    write_text_atomic(run_dir / "skipped.json", json.dumps(record, indent=1) + "\n")
+
+
+def finished_run(cfg, resume_from: Path | None, total_steps: int) -> bool:
+    """A resume of a run that already trained its ``total_steps``: says so, where its model is and how to train
+    on, and returns True (the caller exits 0; nothing is evaluated or logged again). A run of this run_dir whose
+    final model was not saved (stopped after its last checkpoint) gets it copied from that checkpoint first.
+    ``resume=latest`` on a run that finished without a checkpoint (``checkpoint.every=0``) and asks for more
+    steps is refused: there is no optimizer state to continue from."""
+    run_dir = Path(cfg.run_dir)
+    folder = cfg.model.expert or "transformer"
+    final = ckpt.final_model_dir(run_dir, folder)
+    if resume_from is not None:
+        step = ckpt.checkpoint_at(resume_from)
+        if step < total_steps:
+            return False
+        mine = resume_from.parent.resolve() == (run_dir / "checkpoints").resolve()
+        done = ckpt.read_finished(run_dir)
+        if mine and is_main_launch() and (done is None or done["step"] != step):
+            ckpt.final_from_checkpoint(run_dir, resume_from, folder)
+            print(f"final model (step {step}) copied from {resume_from} to {final}")
+        where = f"its model is in {final}" if mine else f"its model is in {resume_from / folder}"
+    elif cfg.resume == "latest":
+        done = ckpt.read_finished(run_dir)
+        if done is None:
+            return False
+        step = done["step"]
+        if step < total_steps:
+            raise ValueError(
+                f"resume=latest: run_dir {str(run_dir)!r} holds a run that finished at step {step} without a "
+                f"checkpoint to continue from (checkpoint.every=0), and this config asks for {total_steps} steps; "
+                f"expected a checkpoint: train on from its model in a new run_dir with model.transformer={final}, "
+                "or start over here with overwrite=true (without resume)"
+            )
+        where = f"its model is in {final}"
+    else:
+        return False
+    if is_main_launch():
+        print(
+            f"run {str(run_dir)!r} already finished at step {step} (this config asks for {total_steps}); {where}. "
+            "Nothing was trained or written: raise train.steps to train on"
+        )
+    return True
+
+
+def check_resume_data(cfg, checkpoint: Path, dataset, image_set) -> list[str]:
+    """Before the model loads: the checkpoint's data order against this run's (its ``rank0.pt``). Another number
+    of processes or another ``train.seed`` is refused (ValueError naming both); another dataset size (a caption
+    fixed, videos added) is not: returns a note per changed dataset, and :func:`restore_order` continues an
+    order drawn for the new size from the same position."""
+    state = ckpt.load_state(checkpoint / "rank0.pt")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    notes = []
+    streams = [("data", "clips", len(dataset), cfg.train.seed)]
+    if image_set is not None:
+        streams.append(("images", "images", len(image_set), cfg.train.seed + 1))
+    step = ckpt.checkpoint_at(checkpoint)
+    for key, what, size, seed in streams:
+        saved = state.get(key)
+        if not saved:
+            continue
+        if saved["world_size"] != world:
+            raise ValueError(
+                f"resume={cfg.resume!r}: checkpoint {str(checkpoint)!r} was written by {saved['world_size']} "
+                f"process(es), this run has {world}; expected the same number (launch it with "
+                f"--nproc_per_node {saved['world_size']}), or start a new run_dir"
+            )
+        if saved["seed"] != seed:
+            was = saved["seed"] - (seed - cfg.train.seed)
+            raise ValueError(
+                f"train.seed={cfg.train.seed}: checkpoint {str(checkpoint)!r} was trained with train.seed={was} "
+                f"(it orders the data); expected train.seed={was} to resume, or start a new run_dir"
+            )
+        if saved["num_samples"] != size:
+            notes.append(
+                f"note: the dataset changed since {checkpoint.name}: {saved['num_samples']} {what} then, {size} "
+                f"now. Resuming at step {step} with the new dataset: its order is drawn for {size} {what} and "
+                f"continues from sample {saved['samples_consumed']} (this epoch may repeat or miss a few)"
+            )
+    return notes
+
+
+def restore_order(sampler: ResumableSampler, state: dict) -> None:
+    """A checkpoint's data position; for a dataset whose size changed (said by :func:`check_resume_data`) the
+    same position in an order drawn for the new size."""
+    if state["num_samples"] != sampler.num_samples:
+        sampler.samples_consumed = int(state["samples_consumed"])
+    else:
+        sampler.load_state_dict(state)
 
 
 def save(

@@ -70,6 +70,9 @@ def cache_record(cfg, images: bool = False) -> dict:
     """What a cache written with ``cfg`` holds: the data settings that shape it, the model and seed (with
     ``images``: the one-frame images of joint training, ``data.image_num_samples`` of them)."""
     data = {k: cfg.data.get(k) for k in RECORD_KEYS}
+    for key in ("layout", "video_column", "caption_column"):  # which manifest and columns: recorded when set
+        if cfg.data.get(key) not in (None, "auto"):
+            data[key] = cfg.data.get(key)
     if images:
         data.update(num_frames=1, num_samples=cfg.data.image_num_samples or cfg.data.num_samples, images=True)
     if cfg.data.source == "synthetic":  # the world's values where the config leaves them to it
@@ -144,6 +147,10 @@ def _main(argv) -> int:
     from training.data import build_dataset  # the same dataset training would read
 
     dataset = build_dataset(cfg, images=args.images)  # before the model loads: a folder of broken videos stops here
+    if hasattr(dataset, "check_clip_lengths"):  # most videos too short for data.num_frames: refused here
+        short = dataset.check_clip_lengths()
+        if short:
+            print(short, file=sys.stderr)
     if hasattr(dataset, "require_usable"):
         dataset.require_usable()
     out = ensure_output_folder(args.out)

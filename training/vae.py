@@ -321,7 +321,7 @@ def main(argv=None) -> int:
 def _main(argv) -> int:
     import argparse
 
-    from training.config import load_config
+    from training.config import check_data_source, load_config
     from training.lock import hold_run_dir
 
     p = argparse.ArgumentParser(prog="python -m training.vae", description=main.__doc__)
@@ -329,6 +329,7 @@ def _main(argv) -> int:
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.steps=10 resume=latest")
     args = p.parse_args(argv)
     cfg = load_config(args.config, [*args.overrides, "task=vae"])
+    check_data_source(cfg)  # a data.path the source would not read
     with hold_run_dir(cfg.run_dir):
         replaced = ckpt.check_new_run(cfg.run_dir, cfg.resume, cfg.overwrite)
         if replaced:
