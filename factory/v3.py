@@ -32,6 +32,7 @@ import argparse
 import json
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -41,7 +42,7 @@ from common.outputs import atomic_dir, atomic_write
 from factory import write_json
 from factory.build import CONVERSIONS, TEXT_ENCODER, TRANSFORMER, build_tokenizer, vae_settings
 from factory.next import NEXT_DIR
-from pipelines.builtin import VARIANTS_SUBDIR
+from pipelines.builtin import BUILTIN_DIR, VARIANTS_SUBDIR
 
 # this design's stage weights, beside the second design's (which stay until this one replaces them)
 NEXT = NEXT_DIR / "v3"
@@ -104,8 +105,60 @@ def init(model: Path = MODEL, next_dir: Path = NEXT, seed: int = 0) -> Path:
     return model
 
 
-def _lay_out(tmp: Path, model: Path, next_dir: Path, seed: int, laid: list[str]) -> None:
-    """:func:`init`'s parts, written into ``tmp``; ``laid`` gets where each came from."""
+def ship(next_dir: Path = NEXT, out: Path = BUILTIN_DIR, evaluation: Path | None = None) -> Path:
+    """Makes this design the shipped built-in model: ``out`` (``assets/builtin``) replaced whole, atomically, by
+    the committed parts of ``next_dir``: tokenizer, text encoder, VAE, the base's EMA as the softmax transformer
+    (``transformer-ema``: it draws better than the raw weights) and the three conversions as ``variants/`` (moved:
+    the shipped folder keeps the one copy; :func:`init` lays them from there), with ``builtin.json`` naming where
+    each came from and ``evaluation`` (the committed 4-variant evaluation that justified it). The old model's
+    stored examples are not carried over (they show another model): ``python run_app.py --store-examples``
+    writes this one's. Refused unless every part is there and is this design's."""
+    missing = [
+        str(next_dir / p)
+        for p in (
+            "tokenizer",
+            "text_encoder",
+            "vae",
+            "transformer-ema",
+            *(f"{VARIANTS_SUBDIR}/{v}" for v in CONVERSIONS),
+        )
+        if not (next_dir / p).is_dir() and not (p.startswith(VARIANTS_SUBDIR) and (out / p / "config.json").is_file())
+    ]
+    if missing:
+        raise FileNotFoundError(f"cannot ship the third design: missing {', '.join(missing)}")
+    laid: list[str] = []
+    with atomic_dir(out) as tmp:
+        _lay_out(tmp, out, next_dir, 0, laid, transformer_order=("transformer-ema",), variants_from=(next_dir, out))
+        info = json.loads((tmp / "builtin.json").read_text())
+        info.update(
+            shipped=time.strftime("%Y-%m-%d"),
+            parts=laid,
+            evaluation=None if evaluation is None else str(evaluation),
+            rebuild="python -m factory.v3 ship (from assets/builtin-next/v3; see configs/builtin/v3/)",
+        )
+        (tmp / "builtin.json").write_text(json.dumps(info, indent=1) + "\n")
+        for path in tmp.rglob("*"):
+            path.chmod(0o755 if path.is_dir() else 0o644)
+    for variant in CONVERSIONS:  # moved into the shipped model: one copy in the tree
+        shutil.rmtree(next_dir / VARIANTS_SUBDIR / variant, ignore_errors=True)
+    if (next_dir / VARIANTS_SUBDIR).is_dir() and not any((next_dir / VARIANTS_SUBDIR).iterdir()):
+        (next_dir / VARIANTS_SUBDIR).rmdir()
+    print(f"shipped the third design into {out}: {', '.join(laid)}")
+    return out
+
+
+def _lay_out(
+    tmp: Path,
+    model: Path,
+    next_dir: Path,
+    seed: int,
+    laid: list[str],
+    transformer_order: tuple[str, ...] = ("transformer", "transformer-ema"),
+    variants_from: tuple[Path, ...] | None = None,
+) -> None:
+    """:func:`init`'s parts, written into ``tmp``; ``laid`` gets where each came from. ``transformer_order``: the
+    committed transformers to take, first found first; ``variants_from``: the folders whose ``variants/`` hold the
+    conversions, first found first (default ``next_dir``, then the shipped model when it is this design)."""
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
 
     for part in ("tokenizer", "text_encoder"):
@@ -134,7 +187,7 @@ def _lay_out(tmp: Path, model: Path, next_dir: Path, seed: int, laid: list[str])
             torch.manual_seed(seed + 1)
             AutoencoderKLWan(**want_vae).save_pretrained(str(tmp / "vae"), safe_serialization=True)
         laid.append("a fresh VAE")
-    for name in ("transformer", "transformer-ema"):
+    for name in transformer_order:
         src = next_dir / name / "config.json"
         if src.is_file() and list(json.loads(src.read_text())["patch_size"]) == list(TRANSFORMER_V3["patch_size"]):
             _copy_part(next_dir / name, tmp / "transformer")
@@ -145,11 +198,18 @@ def _lay_out(tmp: Path, model: Path, next_dir: Path, seed: int, laid: list[str])
             torch.manual_seed(seed + 2)
             WanTransformer3DModel(**TRANSFORMER_V3).save_pretrained(str(tmp / "transformer"), safe_serialization=True)
         laid.append("a fresh transformer")
-    for variant in CONVERSIONS:  # committed conversions (factory.next save-variant --into) become its variants
-        src = next_dir / VARIANTS_SUBDIR / variant
-        if (src / "config.json").is_file():
-            _copy_part(src, tmp / VARIANTS_SUBDIR / variant)
-            laid.append(str(src))
+    if variants_from is None:
+        shipped = BUILTIN_DIR / "builtin.json"
+        ours = shipped.is_file() and json.loads(shipped.read_text()).get("world") == WORLD
+        # the design's own folder (not a test's or another copy's) falls back to the shipped conversions
+        variants_from = (next_dir, BUILTIN_DIR) if ours and next_dir.resolve() == NEXT.resolve() else (next_dir,)
+    for variant in CONVERSIONS:  # committed conversions (factory.next save-variant --into, or shipped) as variants
+        for folder in variants_from:
+            src = folder / VARIANTS_SUBDIR / variant
+            if (src / "config.json").is_file():
+                _copy_part(src, tmp / VARIANTS_SUBDIR / variant)
+                laid.append(str(src))
+                break
     scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
     scheduler.save_pretrained(str(tmp / "scheduler"))
     index = {
@@ -531,6 +591,8 @@ def main(argv=None) -> int:
     r.add_argument("--temporal-downsample", type=_flags, required=True, help="e.g. false,true (9 frames -> 5)")
     r.add_argument("--model", default=str(MODEL), help="the model folder copied (its VAE is replaced)")
     r.add_argument("--out", required=True)
+    sh = sub.add_parser("ship", help="make this design the shipped built-in model (assets/builtin), atomically")
+    sh.add_argument("--evaluation", default=None, help="the committed evaluation that justifies it (a JSON path)")
     a = sub.add_parser("attention", help="the cross-attention's share on each caption role (shape word, padding, ...)")
     a.add_argument("--model", default=str(MODEL))
     a.add_argument("--transformer", default=None, help="a transformer folder (default: the model's)")
@@ -540,6 +602,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.cmd == "init":
         init(Path(args.out))
+        return 0
+    if args.cmd == "ship":
+        ship(evaluation=Path(args.evaluation) if args.evaluation else None)
         return 0
     if args.cmd == "failures":
         for row in failure_sheet(Path(args.vae), Path(args.out), args.num_clips, args.rows):

@@ -154,6 +154,43 @@ def test_init_lays_a_committed_conversion_as_the_models_variant(tmp_path):
     assert got["self_attention"]["variant"] == "mhla" and got["patch_size"] == [1, 2, 2]
 
 
+def test_ship_makes_the_design_the_builtin_model_with_its_ema_and_conversions(tmp_path):
+    """``factory.v3 ship`` lays the committed parts as a complete model folder: the base's EMA as the softmax
+    transformer, the conversions moved into variants/ (one copy in the tree), files readable by everyone; a missing
+    part is refused and the shipped folder stays as it was."""
+    import shutil
+
+    from factory import next as factory_next
+    from pipelines import load_components
+
+    nxt, out = tmp_path / "next", tmp_path / "builtin"
+    model = v3.init(tmp_path / "model", next_dir=nxt)
+    shutil.copytree(model / "transformer", nxt / "transformer-ema")
+    shutil.copytree(model / "vae", nxt / "vae")  # a fresh VAE: init keeps it in the model folder only
+    out.mkdir()
+    (out / "old.txt").write_text("the shipped model before")
+    with pytest.raises(FileNotFoundError, match="variants/linear"):
+        v3.ship(nxt, out)
+    assert sorted(p.name for p in out.iterdir()) == ["old.txt"]
+    for variant in ("linear", "mhla", "mhla-hybrid"):
+        conv = tmp_path / f"conv-{variant}"
+        shutil.copytree(model / "transformer", conv)
+        config = json.loads((conv / "config.json").read_text())
+        (conv / "config.json").write_text(json.dumps({**config, "self_attention": {"variant": variant}}))
+        factory_next.save_variant(variant, conv, next_dir=nxt)
+    v3.ship(nxt, out, evaluation=tmp_path / "eval.json")
+    info = json.loads((out / "builtin.json").read_text())
+    assert info["world"] == "v3" and info["evaluation"].endswith("eval.json") and info["defaults"] == v3.DEFAULTS
+    ema = (nxt / "transformer-ema" / "diffusion_pytorch_model.safetensors").read_bytes()
+    assert (out / "transformer" / "diffusion_pytorch_model.safetensors").read_bytes() == ema
+    assert sorted(p.name for p in (out / "variants").iterdir()) == ["linear", "mhla", "mhla-hybrid"]
+    assert not (nxt / "variants").exists() and not (out / "old.txt").exists()
+    assert all(p.stat().st_mode & 0o777 == 0o644 for p in out.rglob("*") if p.is_file())
+    components = load_components(str(out), dtype="float32", device="cpu")
+    assert sorted(components.variant_dirs) == ["linear", "mhla", "mhla-hybrid"]
+    assert components.defaults["num_frames"] == 9 and components.block_shape == v3.BLOCK_SHAPE
+
+
 def test_an_init_that_fails_leaves_the_model_folder_as_it_was(tmp_path, monkeypatch):
     model = v3.init(tmp_path / "model", next_dir=tmp_path / "next")
     before = {p.relative_to(model): p.read_bytes() for p in model.rglob("*") if p.is_file()}
