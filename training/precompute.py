@@ -132,7 +132,10 @@ def _main(argv) -> int:
     args = p.parse_args(argv)
     if args.batch_size is not None and args.batch_size < 1:
         raise ValueError(f"--batch-size {args.batch_size}: expected a positive number of videos")
-    cfg = load_config(args.config, args.overrides)
+    # writing the images' cache: the run's own image settings (data.image_path: this cache, maybe not there yet)
+    # are not this command's
+    overrides = [*args.overrides, "data.image_ratio=0", "data.image_path=null"] if args.images else args.overrides
+    cfg = load_config(args.config, overrides)
     if cfg.data.source == "cache":
         raise ValueError("data.source=cache: precompute reads videos (data.source folder or synthetic)")
     if args.images and cfg.data.source != "synthetic":

@@ -96,7 +96,8 @@ def test_a_cache_of_images_trains_beside_a_cache_of_clips(tmp_path):
     clips, stills = tmp_path / "clips", tmp_path / "stills"
     common = ["data.num_samples=4", "data.image_num_samples=6"]
     assert precompute("--out", str(clips), *common).returncode == 0
-    done = precompute("--out", str(stills), "--images", *common)
+    # as a joint config is written: it names the images' cache this command is about to write
+    done = precompute("--out", str(stills), "--images", *common, f"data.image_path={stills}", "data.image_ratio=4")
     assert done.returncode == 0, done.stderr
     index = json.loads((stills / "index.json").read_text())
     assert index["video"] == [1, 64, 96] and len(index["items"]) == 6
