@@ -60,6 +60,7 @@ if TYPE_CHECKING:
     import torch
 
     from .loading import WanComponents
+    from .lora import LoraAdapters
 
 
 def _parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -94,9 +95,20 @@ def _parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="a saved transformer folder (e.g. a fine-tuning checkpoint's transformer/) to use instead of the "
         "model's own; --variant defaults to the variant it was saved as",
     )
+    p.add_argument(
+        "--lora",
+        default=None,
+        help="LoRA adapters to merge into the transformer: a fine-tuning run's final/lora (train.trainable=lora), "
+        "or a diffusers Wan LoRA .safetensors file; --variant defaults to the variant it was trained as",
+    )
     p.add_argument("--height", type=int, default=None)
     p.add_argument("--width", type=int, default=None)
-    p.add_argument("--frames", type=int, default=None, help="num_frames, of the form 4k+1")
+    p.add_argument(
+        "--frames",
+        type=int,
+        default=None,
+        help="num_frames, of the form sk+1 for the VAE's temporal stride s (Wan: 4k+1)",
+    )
     p.add_argument("--steps", type=int, default=None, help="num_inference_steps")
     p.add_argument("--guidance", type=float, default=None, help="guidance_scale")
     p.add_argument(
@@ -175,6 +187,7 @@ class _Plan:
     dtype: torch.dtype
     scale: Scale | None = None  # offload, VAE tiling, context parallelism (pipelines/scale.py)
     frames_npy: list[Path] | None = None  # per request, with --frames-npy
+    lora: LoraAdapters | None = None  # --lora, read and checked
 
 
 def _preflight(args: argparse.Namespace) -> _Plan:
@@ -210,7 +223,17 @@ def _preflight(args: argparse.Namespace) -> _Plan:
         args.variant = args.variant or own
         check_transformer_variant(args.transformer, own, args.variant)
         trained = dict.fromkeys(VARIANTS, saved)
-    trained_dirs = {name: args.transformer or folder.variant_dirs.get(name) for name in VARIANTS}
+    trained_dirs: dict[str, str | Path | None] = {
+        name: args.transformer or folder.variant_dirs.get(name) for name in VARIANTS
+    }
+    lora = _check_lora(args, folder) if args.lora else None
+    if lora is not None and lora.attention_state is not None:  # trained as this variant, with these blocks
+        args.variant = args.variant or lora.variant
+        check_lora_variant(args.lora, lora.variant, args.variant)
+        trained = dict.fromkeys(VARIANTS, {"self_attention": lora.attention_state})
+        trained_dirs = dict.fromkeys(VARIANTS, lora.file)
+    elif lora is not None and not args.transformer:
+        args.variant = args.variant or lora.variant
 
     variants = parse_variants(args.variant or DEFAULT_VARIANT)
     takes_blocks = {v: variant_spec(v).blocks for v in variants}
@@ -302,7 +325,31 @@ def _preflight(args: argparse.Namespace) -> _Plan:
     device = resolve_device(args.device)
     scale = check_scale(args, requests, device, shape.num_heads)
     device = scale.run_device(device)
-    return _Plan(requests, outputs, overrides, device, resolve_dtype(args.dtype, device), scale, frames_npy)
+    return _Plan(requests, outputs, overrides, device, resolve_dtype(args.dtype, device), scale, frames_npy, lora)
+
+
+def _check_lora(args: argparse.Namespace, folder: Any) -> LoraAdapters:
+    """``--lora`` read (a folder or file diffusers' ``load_lora_weights`` reads) and checked against the
+    transformer's config (its layers and attention width) where the model has one."""
+    from .lora import check_lora_fits, read_lora
+
+    lora = read_lora(args.lora, "--lora")
+    config = folder.transformer_config(args.transformer) if args.transformer else folder.transformer_config()
+    if config and all(k in config for k in ("num_layers", "num_attention_heads", "attention_head_dim")):
+        check_lora_fits(lora, config, "--lora")
+    return lora
+
+
+def check_lora_variant(lora: str, own: str, spec: str) -> None:
+    """A LoRA trained with a converted variant's own attention parameters (MHLA, linear) runs as that variant
+    only, as a ``--transformer`` fine-tuned as it does (:func:`check_transformer_variant`)."""
+    others = [v for v in parse_variants(spec) if v != own]
+    if others:
+        raise ValueError(
+            f"--variant {spec}: --lora {lora!r} was trained as variant {own!r} with its own attention parameters; "
+            f"running it as {', '.join(others)} would put other attention on them. Expected --variant {own} "
+            "(or no --variant)"
+        )
 
 
 def check_transformer_variant(transformer: str, own: str, spec: str) -> None:
@@ -341,6 +388,11 @@ def _load(args: argparse.Namespace, plan: _Plan) -> WanComponents:
             )
         components.transformer = loaded
         components.source += f" + transformer {args.transformer}"
+    if plan.lora is not None:
+        from .lora import apply_lora
+
+        apply_lora(components.transformer, plan.lora, "--lora")  # merged: it then runs as without a LoRA
+        components.source += f" + LoRA {args.lora} ({plan.lora.describe()})"
     return components
 
 
@@ -381,7 +433,8 @@ def _run(args: argparse.Namespace, plan: _Plan, scale: Scale) -> int:
     for i, (request, (mp4, gif, png)) in enumerate(zip(plan.requests, plan.outputs, strict=True)):
         v = request.variant
         transformer = None  # the base transformer, converted in place
-        if not args.transformer and v in components.variant_dirs:  # the model ships a fine-tuned one
+        # the model ships a fine-tuned one (a --lora was trained on the model's own transformer: it runs that)
+        if not args.transformer and not args.lora and v in components.variant_dirs:
             device = scale.load_device(plan.device)
             transformer = load_transformer(components.variant_dirs[v], dtype=plan.dtype, device=device)
             say(f"{v}: fine-tuned transformer {components.variant_dirs[v]}")

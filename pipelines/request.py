@@ -100,7 +100,11 @@ class GenerationRequest:
                 )
         frames = self.num_frames
         if not isinstance(frames, int) or isinstance(frames, bool) or frames < 1 or (frames - 1) % temporal_stride:
-            raise ValueError(f"num_frames must be of the form {temporal_stride}k+1 (1, 5, 9, ..., 81), got {frames!r}")
+            examples = ", ".join(str(temporal_stride * k + 1) for k in range(3))
+            raise ValueError(
+                f"num_frames must be of the form {temporal_stride}k+1 ({examples}, ...: the VAE's temporal stride is "
+                f"{temporal_stride}), got {frames!r}"
+            )
         steps = self.num_inference_steps
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
             raise ValueError(f"num_inference_steps must be an integer >= 1, got {steps!r}")

@@ -263,8 +263,12 @@ def test_generate_rejects_before_heavy_work(components, monkeypatch):
     "argv,message",
     [
         (["--prompt", "x", "--height", "65", "--model", "tiny-random"], "height must be a positive multiple of 16"),
-        (["--prompt", "x", "--height", "65"], "height must be a positive multiple of 8 (VAE stride 8 x patch 1)"),
-        (["--prompt", "x", "--frames", "10"], "num_frames must be of the form 4k+1"),
+        (["--prompt", "x", "--height", "65"], "height must be a positive multiple of 8 (VAE stride 4 x patch 2)"),
+        (["--prompt", "x", "--frames", "10"], "num_frames must be of the form 2k+1 (1, 3, 5, ..."),
+        (
+            ["--prompt", "x", "--frames", "10", "--model", "tiny-random"],
+            "num_frames must be of the form 4k+1 (1, 5, 9,",
+        ),
         (["--prompt", "x", "--variant", "sparse"], "unknown variant 'sparse'"),
         (["--prompt", ""], "prompt must be a non-empty string"),
         (["--prompt", "x", "--blocks", "9x1x1"], "blocks '9x1x1' do not fit"),
