@@ -66,15 +66,17 @@ class SwapProbe:
         )
         attrs = [data.attributes(i) for i in range(num_clips)]
         video = torch.stack([data[i]["video"] for i in range(num_clips)])
-        self.latents = encoder.latents(video).float()
+        # kept on the CPU (the noise is drawn there; each call moves a batch to the transformer's device): an
+        # encoder on a GPU gives GPU latents, which the CPU noise could not be mixed with
+        self.latents = encoder.latents(video).float().cpu()
         # every caption in full (background named), so a swap changes exactly one word's meaning
-        self.text = encoder.text([caption_for(a, sizes=world.size_words) for a in attrs]).float()
+        self.text = encoder.text([caption_for(a, sizes=world.size_words) for a in attrs]).float().cpu()
         self.swaps: dict[str, torch.Tensor] = {}
         for attribute in _VALUES:
             changed = [swapped(a, attribute, world) for a in attrs]
             if all(c is not None for c in changed):
                 captions = [caption_for(c, sizes=world.size_words) for c in changed if c is not None]
-                self.swaps[attribute] = encoder.text(captions).float()
+                self.swaps[attribute] = encoder.text(captions).float().cpu()
         g = torch.Generator().manual_seed(seed + 12345)
         self.noise = torch.randn(self.latents.shape, generator=g)
         self.sigmas = tuple(float(s) for s in sigmas)
