@@ -14,6 +14,16 @@ what is used after it; the products stay cuBLAS/cuDNN calls. The rates are the H
 (copy 2.97 TB/s, bf16 matmul 755 TFLOP/s on 8192^3), then scaled by one efficiency per kind, fitted so the
 eager count matches the measured 466 ms. The prediction is the compiled count under the same efficiencies.
 A count, not a measurement: the next GPU run (benchmarks/run_gpu.sh, stage compile) checks it.
+
+    python -m benchmarks.count_step --config 14b --grid 21x45x80 --out benchmarks/results/count_step_14b_75600
+
+Another model or size (Wan2.1-14B at 720p: 81x720x1280 = 75,600 tokens) is predicted from the same fit: its rest
+counted the same way at the fitted efficiencies; softmax attention (cuDNN) at the FLOP rate the measured run's
+self-attention reached (4*B*H*N^2*D FLOPs per layer: QK^T and PV); linear and MHLA attention scaled from their
+measured time per layer by B*H*N (their work is N*D^2 per head; D = 128 in both models), which keeps the fixed
+cost per call (~0.5 ms) in proportion and so overestimates them a little. Also the step's memory: the weights
+and the largest set of activations alive at once (each tensor from the operation that writes it to the last that
+reads it; allocator slack and cuDNN/cuBLAS workspaces not counted), checked by stage 14b (benchmarks.wan_14b).
 """
 
 from __future__ import annotations
@@ -24,7 +34,7 @@ import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -49,6 +59,10 @@ COPY_BPS = 2.97e12
 MATMUL_FLOPS = 755e12
 MEASURED_REST_MS = 466.0  # flash's step 1237 ms less its self-attention 772 ms (same run, 81x480x800)
 MEASURED = {SOFTMAX: (1237.4, 771.5), LINEAR: (493.1, 29.8), MHLA: (509.2, 43.2), HYBRID: (752.3, 283.0)}
+# the point those were measured at: Wan2.1-1.3B (30 layers, 12 heads x 128), batch 2, 21x30x50, 512 text tokens
+CALIBRATION = {"config": "1.3b", "grid": (21, 30, 50), "batch": 2, "text_len": 512}
+# the H200's HBM3e (4.8 TB/s) against the H100 SXM's HBM3 (3.35 TB/s); same SMs and clocks, so the same FLOP rates
+H200_BANDWIDTH_SCALE = 4.8 / 3.35
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -175,6 +189,31 @@ def record(config: dict, batch: int, grid: tuple[int, int, int], text_len: int, 
     return rec.ops
 
 
+def peak_live_bytes(ops: list[dict]) -> int:
+    """The most bytes of tensors the operations write that are alive at once: each from the operation that first
+    writes it to the last one that reads it (weights and inputs, never written, are not counted)."""
+    first: dict[int, tuple[int, int]] = {}
+    last: dict[int, int] = {}
+    for i, op in enumerate(ops):
+        for sid, b in op["writes"].items():
+            first.setdefault(sid, (i, b))
+            last[sid] = i
+        for sid in op["reads"]:
+            if sid in first:
+                last[sid] = i
+    born: dict[int, int] = {}
+    dies: dict[int, int] = {}
+    for sid, (i, b) in first.items():
+        born[i] = born.get(i, 0) + b
+        dies[last[sid]] = dies.get(last[sid], 0) + b
+    live = peak = 0
+    for i in range(len(ops)):
+        live += born.get(i, 0)
+        peak = max(peak, live)
+        live -= dies.get(i, 0)
+    return peak
+
+
 def eager_cost(ops: list[dict]) -> dict[str, float]:
     by = {"product": [0.0, 0.0, 0], "elementwise": [0.0, 0.0, 0]}
     for op in ops:
@@ -245,39 +284,89 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def counted(config: dict, grid: tuple[int, int, int], batch: int, text_len: int, layers: int) -> dict[str, dict]:
+    """Eager and compiled counts of the step outside self-attention at ``layers`` layers (counted at 1 and 2 and
+    extended: the layers are alike), each per layer too, and the largest set of activations alive at once."""
+    per: dict[str, dict[str, float]] = {}
+    peak = 0
+    for mode, cost in (("eager", eager_cost), ("compiled", compiled_cost)):
+        ops1 = record(dict(config, num_layers=1), batch, grid, text_len, torch.bfloat16)
+        ops2 = record(dict(config, num_layers=2), batch, grid, text_len, torch.bfloat16)
+        one, two = cost(ops1), cost(ops2)
+        per[mode] = {k: one[k] + (layers - 1) * (two[k] - one[k]) for k in one}
+        per[mode + "_per_layer"] = {k: two[k] - one[k] for k in one}
+        peak = max(peak_live_bytes(ops1), peak_live_bytes(ops2))
+    per["memory"] = {"activations_peak_bytes": float(peak)}
+    return per
+
+
+def weight_bytes(config: dict, layers: int) -> dict[str, float]:
+    """Bytes of the transformer's weights in bf16 (diffusers keeps some modules in float32), built on the meta
+    device: the whole model and one layer."""
+    from benchmarks.wan_step import build_transformer
+
+    def size(n: int) -> int:
+        model = build_transformer(dict(config, num_layers=n), torch.device("meta"), torch.bfloat16)
+        return sum(p.numel() * p.element_size() for p in model.parameters())
+
+    base, one = size(0), size(1)
+    return {"weights_bytes": float(base + layers * (one - base)), "per_layer_bytes": float(one - base)}
+
+
+def attention_ms(config: dict, grid: tuple[int, int, int], batch: int, layers: int) -> dict[str, float]:
+    """Self-attention per step by variant kind at the target, scaled from the measured run (see the module's
+    docstring): softmax at the FLOP rate it reached there, linear and MHLA by batch x heads x tokens."""
+    from pipelines.loading import WAN_CONFIGS
+
+    cal = WAN_CONFIGS[CALIBRATION["config"]]
+    n_cal, b_cal = math.prod(CALIBRATION["grid"]), CALIBRATION["batch"]
+    h_cal, d_cal, l_cal = cal["num_attention_heads"], cal["attention_head_dim"], cal["num_layers"]
+    n, h, d = math.prod(grid), config["num_attention_heads"], config["attention_head_dim"]
+    softmax_flops_cal = 4 * b_cal * h_cal * n_cal**2 * d_cal * l_cal
+    rate = softmax_flops_cal / (MEASURED[SOFTMAX][1] / 1e3)
+    softmax_flops = 4 * batch * h * n**2 * d * layers
+    scale = (batch * h * n * d**2) / (b_cal * h_cal * n_cal * d_cal**2)
+    return {
+        "softmax_flop_rate": rate,
+        "softmax_flops": float(softmax_flops),
+        "softmax_ms": softmax_flops / rate * 1e3,
+        "linear_ms": MEASURED[LINEAR][1] / l_cal * scale * layers,
+        "mhla_ms": MEASURED[MHLA][1] / l_cal * scale * layers,
+        "work_scale_vs_measured": scale,
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> dict:
+    from pipelines.attention import linear_layers_for
     from pipelines.loading import WAN_CONFIGS
 
     a = parse_args(argv)
-    grid = tuple(int(x) for x in a.grid.split("x"))
+    grid = cast(tuple[int, int, int], tuple(int(x) for x in a.grid.split("x")))
     assert len(grid) == 3
     config = dict(WAN_CONFIGS[a.config])
     layers = a.layers or config["num_layers"]
-    per: dict[str, dict[str, float]] = {}
-    for mode, cost in (("eager", eager_cost), ("compiled", compiled_cost)):
-        one = cost(record(dict(config, num_layers=1), a.batch, grid, a.text_len, torch.bfloat16))  # type: ignore[arg-type]
-        two = cost(record(dict(config, num_layers=2), a.batch, grid, a.text_len, torch.bfloat16))  # type: ignore[arg-type]
-        per[mode] = {k: one[k] + (layers - 1) * (two[k] - one[k]) for k in one}
-        per[mode + "_per_layer"] = {k: two[k] - one[k] for k in one}
+    target = {"config": a.config, "grid": grid, "batch": a.batch, "text_len": a.text_len}
+    at_calibration = target == CALIBRATION and layers == WAN_CONFIGS[CALIBRATION["config"]]["num_layers"]
+    per = counted(config, grid, a.batch, a.text_len, layers)
+    if at_calibration:
+        cal = per
+    else:
+        cal_config = WAN_CONFIGS[CALIBRATION["config"]]
+        cal = counted(
+            cal_config, CALIBRATION["grid"], CALIBRATION["batch"], CALIBRATION["text_len"], cal_config["num_layers"]
+        )
     # the one fitted number: the elementwise efficiency that makes the eager count equal the measured rest
+    cal_prod_ms, cal_elem_ms = ideal_ms(cal["eager"])
+    cal_prod_ms /= a.product_efficiency
+    elem_eff = cal_elem_ms / max(MEASURED_REST_MS - cal_prod_ms, 1e-9)
     prod_ms, elem_ms = ideal_ms(per["eager"])
     prod_ms /= a.product_efficiency
-    elem_eff = elem_ms / max(MEASURED_REST_MS - prod_ms, 1e-9)
+    elem_ms /= elem_eff
     c_prod, c_elem = ideal_ms(per["compiled"])
     c_prod /= a.product_efficiency
     c_elem /= elem_eff
     rest_c = c_prod + c_elem
-    predictions = {
-        v: {
-            "eager_ms": step,
-            "attention_ms": attn,
-            "compiled_ms": rest_c + attn,
-            "vs_flash_eager": MEASURED[SOFTMAX][0] / step,
-            "vs_flash_compiled": (rest_c + MEASURED[SOFTMAX][1]) / (rest_c + attn),
-        }
-        for v, (step, attn) in MEASURED.items()
-    }
-    result = {
+    result: dict[str, Any] = {
         "meta": {
             "benchmark": "count_step",
             "config": a.config,
@@ -292,18 +381,68 @@ def main(argv: Sequence[str] | None = None) -> dict:
             "product_efficiency": a.product_efficiency,
             "elementwise_efficiency_fitted": elem_eff,
             "measured_rest_ms": MEASURED_REST_MS,
+            "calibration": {**CALIBRATION, "grid": "x".join(map(str, CALIBRATION["grid"]))},
             "what": "counted on the meta device (no GPU); times are predictions",
         },
         "counts": per,
         "rest_ms": {
             "eager_products": prod_ms,
-            "eager_elementwise_fitted": MEASURED_REST_MS - prod_ms,
+            "eager_elementwise_fitted": MEASURED_REST_MS - prod_ms if at_calibration else elem_ms,
             "compiled_products": c_prod,
             "compiled_elementwise": c_elem,
             "compiled_total": rest_c,
         },
-        "predictions": predictions,
     }
+    if at_calibration:
+        result["predictions"] = {
+            v: {
+                "eager_ms": step,
+                "attention_ms": attn,
+                "compiled_ms": rest_c + attn,
+                "vs_flash_eager": MEASURED[SOFTMAX][0] / step,
+                "vs_flash_compiled": (rest_c + MEASURED[SOFTMAX][1]) / (rest_c + attn),
+            }
+            for v, (step, attn) in MEASURED.items()
+        }
+    else:
+        attn = attention_ms(config, grid, a.batch, layers)
+        mhla_layers = len(linear_layers_for(HYBRID, layers))
+        kinds = {
+            SOFTMAX: attn["softmax_ms"],
+            LINEAR: attn["linear_ms"],
+            MHLA: attn["mhla_ms"],
+            HYBRID: (attn["softmax_ms"] * (layers - mhla_layers) + attn["mhla_ms"] * mhla_layers) / layers,
+        }
+        # the H200: products as fast (the same SMs), elementwise kernels at its bandwidth
+        rest = {"H100": (prod_ms + elem_ms, rest_c)}
+        rest["H200"] = (
+            prod_ms + elem_ms / H200_BANDWIDTH_SCALE,
+            c_prod + c_elem / H200_BANDWIDTH_SCALE,
+        )
+        predictions: dict[str, dict[str, Any]] = {}
+        for gpu, (rest_e, rest_comp) in rest.items():
+            flash_e, flash_c = rest_e + kinds[SOFTMAX], rest_comp + kinds[SOFTMAX]
+            predictions[gpu] = {
+                v: {
+                    "eager_ms": rest_e + ms,
+                    "attention_ms": ms,
+                    "compiled_ms": rest_comp + ms,
+                    "vs_flash_eager": flash_e / (rest_e + ms),
+                    "vs_flash_compiled": flash_c / (rest_comp + ms),
+                    "fifty_steps_eager_s": (rest_e + ms) * 50 / 1e3,
+                }
+                for v, ms in kinds.items()
+            }
+            predictions[gpu]["softmax_attention_share_eager"] = kinds[SOFTMAX] / flash_e
+            predictions[gpu]["softmax_attention_share_compiled"] = kinds[SOFTMAX] / flash_c
+            predictions[gpu]["attention_free_bound_eager"] = flash_e / rest_e
+            # the cuDNN rate at which MHLA is exactly 3x flash: a faster softmax than that and the target is missed
+            for mode, r_mode in (("eager", rest_e), ("compiled", rest_comp)):
+                need_ms = 3 * (r_mode + kinds[MHLA]) - r_mode
+                predictions[gpu][f"softmax_rate_for_3x_{mode}"] = attn["softmax_flops"] / (need_ms / 1e3)
+        result["attention"] = {**attn, "hybrid_mhla_layers": mhla_layers}
+        result["memory"] = {**weight_bytes(config, layers), **per["memory"]}
+        result["predictions"] = predictions
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out + ".json").write_text(json.dumps(result, indent=2) + "\n")
     Path(a.out + ".md").write_text(render(result))
@@ -332,6 +471,8 @@ def render(r: dict) -> str:
             f"{x['elementwise_kernels']:.0f} | {x['elementwise_bytes'] / gb:.1f} GB | - | "
             f"{x['elementwise_bytes'] / COPY_BPS * 1e3:.0f} |"
         )
+    if "attention" in r:
+        return "\n".join(lines + render_target(r))
     lines += [
         "",
         f"Fitted to the measured rest ({m['measured_rest_ms']:.0f} ms): products at {m['product_efficiency']:.0%} of the "
@@ -350,6 +491,62 @@ def render(r: dict) -> str:
         )
     lines.append("")
     return "\n".join(lines)
+
+
+def render_target(r: dict) -> list[str]:
+    """The prediction for a model or size other than the measured one (e.g. Wan2.1-14B at 720p)."""
+    m, t, a, mem = r["meta"], r["rest_ms"], r["attention"], r["memory"]
+    cal = m["calibration"]
+    h100, h200 = r["predictions"]["H100"], r["predictions"]["H200"]
+    gib = 2**30
+    lines = [
+        "",
+        f"The rest of the step (everything but self-attention) at the efficiencies fitted on the measured run "
+        f"(Wan2.1-{cal['config']}, {cal['grid']}, batch {cal['batch']}, H100: products at {m['product_efficiency']:.0%} "
+        f"of the matmul rate, elementwise kernels at {m['elementwise_efficiency_fitted']:.0%} of the copy rate): eager "
+        f"{t['eager_products']:.0f} ms products + {t['eager_elementwise_fitted']:.0f} ms elementwise; compiled "
+        f"{t['compiled_products']:.0f} + {t['compiled_elementwise']:.0f} = {t['compiled_total']:.0f} ms.",
+        "",
+        f"Self-attention per step, {m['layers']} layers: softmax (cuDNN) {a['softmax_flops'] / 1e15:.2f} PFLOP "
+        f"(4*B*H*N^2*D per layer) at the {a['softmax_flop_rate'] / 1e12:.0f} TFLOP/s the measured run's reached = "
+        f"**{a['softmax_ms']:.0f} ms**; MHLA {a['mhla_ms']:.0f} ms and linear {a['linear_ms']:.0f} ms (the measured "
+        f"ms per layer x {a['work_scale_vs_measured']:.2f}, the ratio of B*H*N*D^2); mhla-hybrid: "
+        f"{a['hybrid_mhla_layers']} MHLA layers, {m['layers'] - a['hybrid_mhla_layers']} softmax.",
+        "",
+        "| variant | eager step ms (H100 / H200) | compiled step ms (H100 / H200) | attention ms | vs flash eager "
+        "(H100 / H200) | vs same-compiled flash (H100 / H200) | 50 steps eager s (H200) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for v in (SOFTMAX, LINEAR, MHLA, HYBRID):
+        p, q = h100[v], h200[v]
+        lines.append(
+            f"| {v} | {p['eager_ms']:.0f} / {q['eager_ms']:.0f} | {p['compiled_ms']:.0f} / {q['compiled_ms']:.0f} | "
+            f"{p['attention_ms']:.0f} | {p['vs_flash_eager']:.2f}x / {q['vs_flash_eager']:.2f}x | "
+            f"{p['vs_flash_compiled']:.2f}x / {q['vs_flash_compiled']:.2f}x | {q['fifty_steps_eager_s']:.0f} |"
+        )
+    lines += [
+        "",
+        f"Softmax attention's share of flash's step: {h100['softmax_attention_share_eager']:.0%} eager, "
+        f"{h100['softmax_attention_share_compiled']:.0%} compiled (H100; H200 {h200['softmax_attention_share_eager']:.0%}"
+        f" / {h200['softmax_attention_share_compiled']:.0%}); an attention-free step would be "
+        f"{h100['attention_free_bound_eager']:.2f}x faster eager (H200 {h200['attention_free_bound_eager']:.2f}x). "
+        "H200: the same FLOP rates as the H100 (same SMs and clocks), elementwise kernels "
+        f"{H200_BANDWIDTH_SCALE:.2f}x faster (4.8 vs 3.35 TB/s).",
+        "",
+        "The prediction hangs on cuDNN's rate at 75,600 tokens, which no run has measured: MHLA is exactly 3x flash "
+        f"when softmax attention runs at {h100['softmax_rate_for_3x_eager'] / 1e12:.0f} TFLOP/s eager and "
+        f"{h100['softmax_rate_for_3x_compiled'] / 1e12:.0f} compiled (H100; H200 "
+        f"{h200['softmax_rate_for_3x_eager'] / 1e12:.0f} / {h200['softmax_rate_for_3x_compiled'] / 1e12:.0f}); a faster "
+        f"softmax than that misses the 3x target. Assumed: {a['softmax_flop_rate'] / 1e12:.0f} TFLOP/s, the rate at "
+        "31,500 tokens (longer sequences usually run a little faster).",
+        "",
+        f"Memory: weights {mem['weights_bytes'] / gib:.1f} GiB ({mem['per_layer_bytes'] / gib:.2f} GiB a layer); the "
+        f"largest set of activations alive at once outside self-attention {mem['activations_peak_bytes'] / gib:.1f} GiB "
+        f"(batch {m['batch']}): about {(mem['weights_bytes'] + mem['activations_peak_bytes']) / gib:.0f} GiB for the "
+        "step, before allocator slack, attention workspaces and the variants' own few parameters.",
+        "",
+    ]
+    return lines
 
 
 if __name__ == "__main__":

@@ -5,23 +5,39 @@
 #               BUILD_S 500 by default, the time its phases are planned for, so in a 540 s call the stages
 #               after it run only when it ends early: name them in a second, short call (a list without
 #               build); skipped ("factory/gpu_build.py not present", not a failure) without that module
-#   2. kernels  pytest -m gpu tests/mhla/test_triton.py: the compiled kernels against float64 formulas (~2 min)
-#   3. model    benchmarks.random_model: a random-weight Wan2.1-1.3B folder (transformer, Wan2.1's VAE,
-#               24-layer UMT5-XXL-sized text encoder) built on the GPU and saved; nothing downloaded
-#   4. cli      python -m pipelines.cli (through benchmarks.cli_e2e) on that folder, 81x480x832,
+#   2. video    benchmarks.whole_video: THE HEADLINE, a whole 5-second 480p video (81x480x832, 50 steps, CFG 5,
+#               the folder's UniPC shift 3) per variant, end to end (text, denoising, VAE decode each timed) on the
+#               random-weight Wan2.1-1.3B folder (built first when missing: ~40 s; the model stage then reuses it),
+#               VIDEO_VARIANTS (flash,mhla), compiled, compiled + MagCache (Wan2.1's published ratios: 25 of 50
+#               steps computed; its PSNR against the uncached run), both decoding in bf16, then eager (fp32
+#               decode; VIDEO_EAGER_STEPS steps timed, the denoising scaled to 50, marked so); the VAE decode's
+#               settings (fp32, bf16, bf16 compiled, bf16 tiled) timed alone after. Predicted from the H100's
+#               parts (benchmarks/results/whole_video_predicted.md): ~5-6 min in all; MHLA compiled + cached
+#               11.1 s (target <= 10 s: missed unless the decode takes <= 0.9 s), 2.56x cuDNN softmax with the
+#               same compile and caching (target >= 2.5x)
+#   3. kernels  pytest -m gpu tests/mhla/test_triton.py: the compiled kernels against float64 formulas (~2 min)
+#   4. model    benchmarks.random_model: a random-weight Wan2.1-1.3B folder (transformer, Wan2.1's VAE,
+#               24-layer UMT5-XXL-sized text encoder) built on the GPU and saved; nothing downloaded (reused
+#               when video built it: its RANDOM_WEIGHTS.txt is written last)
+#   5. cli      python -m pipelines.cli (through benchmarks.cli_e2e) on that folder, 81x480x832,
 #               every variant, CLI_STEPS steps: text encoding, denoising and VAE decode each timed
-#   5. app      benchmarks.app_compare: the app's Compare engine (app.compare.iter_compare) without gradio's
+#   6. app      benchmarks.app_compare: the app's Compare engine (app.compare.iter_compare) without gradio's
 #               server, every variant, on the same folder
-#   6. compile  benchmarks.wan_step --compile blocks: the step torch.compile'd per variant at 81x480x800,
+#   7. compile  benchmarks.wan_step --compile blocks: the step torch.compile'd per variant at 81x480x800,
 #               softmax (cuDNN) first, MHLA second (the issue's target: MHLA >= 3x the same-compiled cuDNN);
 #               cut short by the budget, its partial JSON keeps the variants it finished
 # Measured on an H100 (2026-11-26, benchmarks/results/h100-2026-11-26b/): kernels 118 s, model 36 s, cli 56 s,
 # app 152 s before the app's per-video checks streamed over frames (~75 s expected now), compile 60-67 s.
-#   7. op       benchmarks.attention: the operator alone, forward, bf16, B=1, 12 heads x 128, fused MHLA and linear
+#   8. 14b      benchmarks.wan_14b: Wan2.1-14B at 720p (81x720x1280 = 75,600 tokens), random bf16 weights built on
+#               the GPU: B14_LAYERS (4) of its 40 layers timed and SCALED to 40 (said so in the table; 40: the
+#               whole model), flash (cuDNN), MHLA, linear, eager then compiled, peak memory each; mhla-hybrid
+#               composed. Predicted (benchmarks/results/count_step_14b_75600.md): ~2.5 min; MHLA 3.4x eager and
+#               3.8x compiled on an H200 (target >= 3x), softmax attention ~73% of flash's eager step
+#   9. op       benchmarks.attention: the operator alone, forward, bf16, B=1, 12 heads x 128, fused MHLA and linear
 #               against cuDNN softmax at 2,048, 4,096 and 31,500 tokens (the issue's targets: MHLA <= 0.3 ms at
 #               31,500, never slower than cuDNN from 2,048 up); ~30-60 s
-#   8. cp       benchmarks.context_parallel over NCCL: only where there are 2+ GPUs (else "skipped: 1 GPU")
-# Before compile, op and the extras that time: "fused path check" (benchmarks.check_fused, FUSED_S).
+#  10. cp       benchmarks.context_parallel over NCCL: only where there are 2+ GPUs (else "skipped: 1 GPU")
+# Before video, compile, 14b, op and the extras that time: "fused path check" (benchmarks.check_fused, FUSED_S).
 # Longer extras, not in the default list: tests (the other GPU tests), wan (eager step, 2 sizes, fwd and
 # fwd+bwd), profile, attention, and extra (EXTRA_CMD run by bash, first, writing into $STAGE_OUT: a one-off
 # check under the same limits and packing). Name stages as one comma list: `bash benchmarks/run_gpu.sh kernels,compile`.
@@ -47,7 +63,8 @@
 # the rest packed into results_<gpu>.tar.gz. On exit (the end, a failure, a timeout, SIGTERM/INT/HUP) a
 # trap stops a running stage, writes the summary and publishes once more. Every file is named by the GPU
 # that ran it, as the device names itself (nvidia-smi, else torch): "NVIDIA H200" -> h200, e.g.
-# cli_timings_h200.txt, app_compare_h200.json/.md, wan_step_1.3b_compiled-blocks_h200_<date>.json/.md/.png,
+# whole_video_h200.json/.md, cli_timings_h200.txt, app_compare_h200.json/.md,
+# wan_step_1.3b_compiled-blocks_h200_<date>.json/.md/.png, wan_step_14b_720p_h200_<date>.json/.md,
 # operator_h200_<date>.*; the videos and the model folder stay in /tmp.
 # One summary table at the end; exit 0 only when every stage named ran and passed; 1 when one failed,
 # timed out or had no time left; 3 when impl="auto" would not take the fused kernels (timing stages
@@ -55,8 +72,10 @@
 # runs none but `extra`, makes the files each stage would write empty and publishes them, so the files $OUT
 # would hold show on a CPU (tests/benchmarks/test_run_gpu.py checks the commands' arguments and those files).
 # Limits (seconds): BUDGET_S (whole call, default 540 for a timeout_s of 600), FINISH_S (kept back for the end,
-# 30), and per stage EXTRA_S, BUILD_S, FUSED_S, KERNELS_S, MODEL_S, CLI_S, APP_S, COMPILE_S, OP_S, CP_S,
-# TESTS_S, WAN_S, PROFILE_S, ATTENTION_S; each is cut to what is left of BUDGET_S (and so is every probe).
+# 30), and per stage EXTRA_S, BUILD_S, VIDEO_S, FUSED_S, KERNELS_S, MODEL_S, CLI_S, APP_S, COMPILE_S, B14_S,
+# OP_S, CP_S, TESTS_S, WAN_S, PROFILE_S, ATTENTION_S; each is cut to what is left of BUDGET_S (and so is every
+# probe). A first call whose build stage takes its ~500 s leaves the rest for a second call: `video` alone needs
+# ~6 min, `14b` ~2.5 min; name them, e.g. `bash benchmarks/run_gpu.sh video` (BUDGET_S as its timeout allows).
 set -u
 cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/results/gpu_run}"
@@ -82,6 +101,8 @@ MODEL_S="${MODEL_S:-100}"
 CLI_S="${CLI_S:-130}"
 APP_S="${APP_S:-150}"
 COMPILE_S="${COMPILE_S:-200}"
+VIDEO_S="${VIDEO_S:-400}"
+B14_S="${B14_S:-220}"
 OP_S="${OP_S:-90}"
 CP_S="${CP_S:-150}"
 TESTS_S="${TESTS_S:-200}"
@@ -90,10 +111,13 @@ PROFILE_S="${PROFILE_S:-150}"
 ATTENTION_S="${ATTENTION_S:-400}"
 MODEL_DIR="${MODEL_DIR:-/tmp/wan2.1-1.3b-RANDOM}"
 CLI_STEPS="${CLI_STEPS:-2}"
+VIDEO_VARIANTS="${VIDEO_VARIANTS:-flash,mhla}"
+VIDEO_EAGER_STEPS="${VIDEO_EAGER_STEPS:-5}"
+B14_LAYERS="${B14_LAYERS:-4}"
 EXTRA_CMD="${EXTRA_CMD:-}"
 PROMPT="a red fox runs through fresh snow, morning light"
 DATE=$(date -u +%Y%m%d)
-ALL="build,kernels,model,cli,app,compile,op,cp"
+ALL="build,video,kernels,model,cli,app,compile,14b,op,cp"
 EXTRA="tests,wan,profile,attention,extra"
 STAGES=",${1:-$ALL},"
 for s in $(echo "${STAGES//,/ }"); do
@@ -350,13 +374,26 @@ if [[ $STAGES == *,build,* ]]; then # the built-in model, built and checked on t
         run_stage "build" "$limit" python3 -m factory.gpu_build --out "$RES/builtin" --deadline-s "$((limit > 20 ? limit - 10 : 10))"
     else skip "build" "factory/gpu_build.py not present"; fi
 fi
+if [[ $STAGES == *,video,* ]] && fused_path_ok; then # the headline: a whole video per variant (builds the folder)
+    EXPECT=("whole_video_${GPU_TAG}.json" "whole_video_${GPU_TAG}.md")
+    run_stage "video" "$VIDEO_S" python3 -m benchmarks.whole_video --model "$MODEL_DIR" --build-if-missing \
+        --size 81x480x832 --steps 50 --guidance 5 --variants "$VIDEO_VARIANTS" --modes compiled,cached,eager \
+        --compile blocks --cache mag-wan2.1:0.06 --decode bf16 --eager-steps "$VIDEO_EAGER_STEPS" \
+        --softmax-backend sdpa_cudnn --decode-levers fp32,bf16,bf16-compiled,bf16-tiled --decode-rounds 2 \
+        --prompt "$PROMPT" --out "$RES/whole_video_${GPU_TAG}"
+fi
 if [[ $STAGES == *,kernels,* ]]; then
     run_stage "kernels" "$KERNELS_S" python3 -m pytest -q -m gpu -p no:cacheprovider tests/mhla/test_triton.py
 fi
 MODEL_OK=yes
 if [[ $STAGES == *,model,* ]]; then
-    [ "$DRY_RUN" = 1 ] || rm -rf "$MODEL_DIR"
-    run_stage "model" "$MODEL_S" python3 -m benchmarks.random_model --out "$MODEL_DIR" --size 1.3b || MODEL_OK=no
+    if [ "$DRY_RUN" != 1 ] && [ -f "$MODEL_DIR/RANDOM_WEIGHTS.txt" ]; then # complete (written last): video built it
+        log "=== model: reusing $MODEL_DIR (built by the video stage)"
+        row "model" "reused (built by video)" 0
+    else
+        [ "$DRY_RUN" = 1 ] || rm -rf "$MODEL_DIR"
+        run_stage "model" "$MODEL_S" python3 -m benchmarks.random_model --out "$MODEL_DIR" --size 1.3b || MODEL_OK=no
+    fi
 fi
 if [[ $STAGES == *,cli,* ]]; then
     if [ "$MODEL_OK" = yes ]; then
@@ -383,6 +420,13 @@ if [[ $STAGES == *,compile,* ]] && fused_path_ok; then
     run_stage "compile" "$COMPILE_S" python3 -m benchmarks.wan_step --config 1.3b --sizes 81x480x800 --passes fwd \
         --variants flash,mhla,linear,mhla-hybrid --softmax-backend sdpa_cudnn --compile blocks --warmup 1 --repeats 3 \
         --out-dir "$RES" --tag "$tag"
+fi
+if [[ $STAGES == *,14b,* ]] && fused_path_ok; then # Wan2.1-14B at 720p: a block of layers timed, scaled to 40
+    tag="wan_step_14b_720p_${GPU_TAG}_$DATE"
+    EXPECT=("$tag.json" "$tag.md")
+    run_stage "14b" "$B14_S" python3 -m benchmarks.wan_14b --config 14b --size 81x720x1280 --layers "$B14_LAYERS" \
+        --variants flash,mhla,linear --modes eager,compiled --compile blocks --softmax-backend sdpa_cudnn \
+        --warmup 1 --repeats 3 --out-dir "$RES" --tag "$tag"
 fi
 if [[ $STAGES == *,op,* ]] && fused_path_ok; then
     tag="operator_${GPU_TAG}_$DATE"

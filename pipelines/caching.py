@@ -90,6 +90,53 @@ def cached(transformer: Any, spec: CacheSpec | None, num_inference_steps: int) -
         return
     transformer.enable_cache(cache_config(spec, num_inference_steps))
     try:
+        _compiled_under_cache(transformer)
         yield
     finally:
         transformer.disable_cache()
+
+
+# one torch.compile'd block forward per (block class, backend, fullgraph), shared by every block and transformer:
+# TorchDynamo then compiles one graph for all the layers, as diffusers' compile_repeated_blocks does
+_COMPILED_FORWARDS: dict[tuple[type, str, bool], Any] = {}
+_MAG_HOOKS = ("mag_cache_leader_block_hook", "mag_cache_block_hook")  # diffusers.hooks.mag_cache's names
+_FBC_HOOKS = ("fbc_leader_block_hook", "fbc_block_hook")  # diffusers.hooks.first_block_cache's
+
+
+def _compiled_under_cache(transformer: Any) -> int:
+    """A compiled transformer (:func:`mhla.compiled.compile_transformer`) keeps its blocks compiled, and compiled
+    once, under the step cache's hooks.
+
+    diffusers' MagCache hooks run each block's forward inside ``torch.compiler.disable`` (their ``new_forward``), and
+    a disabled frame runs everything it calls eagerly: with ``compile_repeated_blocks`` (``--compile blocks``) every
+    block ran EAGER whenever MagCache was on. FirstBlockCache's hooks are traced instead, so TorchDynamo guards on
+    them: anything that changes them (a wrapper, new hook objects) recompiles the blocks during the run. Here every
+    cache hook runs outside TorchDynamo (FirstBlockCache's made ``torch.compiler.disable`` too, as MagCache's are) and
+    calls the block's forward under ``torch.compile`` (the transformer's own backend): the computed steps run
+    compiled, one graph for every block, and re-enabling the cache compiles nothing. Returns the hooks rewired (0
+    for an uncompiled model)."""
+    compiled = getattr(transformer, "_mhla_compiled", None)
+    if not compiled:
+        return 0
+    import functools
+
+    import torch
+
+    _, backend, fullgraph = compiled
+    rewired = 0
+    for module in transformer.modules():
+        registry = getattr(module, "_diffusers_hook", None)
+        if registry is None or module is transformer:
+            continue
+        for name in (*_MAG_HOOKS, *_FBC_HOOKS):
+            hook = registry.get_hook(name)
+            if hook is None:
+                continue
+            key = (type(module), backend, fullgraph)
+            if key not in _COMPILED_FORWARDS:
+                _COMPILED_FORWARDS[key] = torch.compile(type(module).forward, backend=backend, fullgraph=fullgraph)
+            if name in _FBC_HOOKS:
+                hook.fn_ref.forward = torch.compiler.disable(hook.fn_ref.forward)
+            hook.fn_ref.original_forward = functools.partial(_COMPILED_FORWARDS[key], module)
+            rewired += 1
+    return rewired

@@ -83,6 +83,26 @@ def check_python_command(argv: list[str]) -> None:
 
         parsed = attention_parser().parse_args(args)
         assert parsed.passes and parsed.softmax_backends and parsed.impls
+    elif module == "benchmarks.whole_video":  # the headline: Wan's defaults, every mode, MagCache's Wan ratios
+        import mhla
+        from benchmarks.whole_video import mag_schedule
+        from benchmarks.whole_video import parse_args as video_args
+
+        parsed = video_args(args)
+        assert (parsed.size, parsed.steps, parsed.guidance) == ((81, 480, 832), 50, 5.0), parsed
+        assert set(parsed.modes) == {"eager", "compiled", "cached"} and parsed.modes[0] == "compiled"
+        assert parsed.build_if_missing and parsed.softmax_backend in mhla.SOFTMAX_BACKENDS
+        assert parsed.variants[0] == "flash" and "mhla" in parsed.variants
+        assert parsed.cache.kind == "mag" and sum(mag_schedule(parsed.cache, 50)) == 25
+        assert 1 <= parsed.eager_steps < 50 and parsed.decode_levers
+    elif module == "benchmarks.wan_14b":  # Wan2.1-14B at 720p: a block of its 40 layers, scaled
+        import mhla
+        from benchmarks.wan_14b import build_parser as b14_parser
+        from benchmarks.wan_step import parse_size
+
+        parsed = b14_parser().parse_args(args)
+        assert parsed.config == "14b" and parse_size(parsed.size) == (21, 45, 80) and 1 <= parsed.layers <= 40
+        assert parsed.softmax_backend in mhla.SOFTMAX_BACKENDS and parsed.modes == "eager,compiled"
     elif module == "benchmarks.check_fused":
         assert args == []
     elif module == "factory.gpu_build":  # the two flags run_gpu.sh promises it, and its own parser's word
@@ -101,19 +121,22 @@ def test_dry_run_commands_parse_in_order(tmp_path):
     assert rc == 0, out
     found = commands(out)
     order = [n for n in found if n != "fused path check"]
-    expected = ["kernels", "model", "cli", "app", "compile", "op", "cp"]
+    # the headline (a whole video) right after the built-in model's build; Wan2.1-14B after the compiled step
+    expected = ["video", "kernels", "model", "cli", "app", "compile", "14b", "op", "cp"]
     if (ROOT / "factory" / "gpu_build.py").exists():
         expected.insert(0, "build")
     else:  # the placeholder stage comes first and says why it did not run (not a failure)
         assert "| build | skipped: factory/gpu_build.py not present | 0 |" in out
         assert out.index("=== build: skipped") < out.index("=== kernels (dry run)")
     assert order == expected, order
+    assert list(found).index("fused path check") < list(found).index("video")  # timed only on the fused path
     for argv in found.values():
         check_python_command(argv)
     assert "| stage | result | s |" in out and "exit status 0" in out
     model_dir = found["model"][found["model"].index("--out") + 1]
     assert found["cli"][found["cli"].index("--model") + 1] == model_dir
     assert found["app"][found["app"].index("--model") + 1] == model_dir
+    assert found["video"][found["video"].index("--model") + 1] == model_dir  # it builds the folder the others use
 
 
 def test_dry_run_extras_and_one_gpu(tmp_path):
@@ -219,6 +242,8 @@ def test_dry_run_brings_back_at_most_8_files_log_first(tmp_path):
     results = (set(files) - {"log.txt"} - {f for f in files if f.endswith(".tar.gz")}) | members
     day = datetime.now(timezone.utc).strftime("%Y%m%d")
     expected = {"cli_timings_h200.txt", "app_compare_h200.json", "app_compare_h200.md", "context_parallel_h200.json"}
+    expected |= {"whole_video_h200.json", "whole_video_h200.md"}
+    expected |= {f"wan_step_14b_720p_h200_{day}.{x}" for x in ("json", "md")}
     expected |= {f"wan_step_1.3b_compiled-blocks_h200_{day}.{x}" for x in ("json", "md", "png")}
     expected |= {f"operator_h200_{day}.{x}" for x in ("json", "md", "png")}
     if (ROOT / "factory" / "gpu_build.py").exists():
@@ -229,6 +254,8 @@ def test_dry_run_brings_back_at_most_8_files_log_first(tmp_path):
     assert "results_h200.tar.gz" in files and "h100" not in out.lower()
     assert found["op"][found["op"].index("--tag") + 1].startswith("operator_h200_")
     assert found["app"][found["app"].index("--out") + 1].endswith("/app_compare_h200")
+    assert found["video"][found["video"].index("--out") + 1].endswith("/whole_video_h200")
+    assert found["14b"][found["14b"].index("--tag") + 1] == f"wan_step_14b_720p_h200_{day}"
 
 
 def test_no_literal_limits_or_gpu_tags():

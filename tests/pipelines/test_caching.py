@@ -120,3 +120,40 @@ def test_cli_cache_option(tmp_path, capsys):
     assert "cache: FirstBlockCache, threshold 0.05" in capsys.readouterr().out
     assert out.is_file()
     assert main([*args, "--out", str(out), "--cache", "bogus"]) != 0
+
+
+@pytest.mark.parametrize("kind", ["mag", "first-block"])
+def test_compiled_blocks_stay_compiled_under_the_cache(kind):
+    """``--compile blocks`` with a step cache: the blocks the cache computes run compiled, the same numbers as the
+    uncompiled cached run, and enabling the cache again (the next generation) compiles nothing. MagCache's hooks
+    are ``torch.compiler.disable``: the blocks ran EAGER under them before pipelines.caching rewired them."""
+    from mhla.compiled import compile_transformer
+
+    torch._dynamo.reset()
+    ran = [0]
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+
+        def run(*args):
+            ran[0] += 1
+            return gm.forward(*args)
+
+        return run
+
+    spec = CacheSpec("mag", 0.0, (1.0,) * STEPS) if kind == "mag" else CacheSpec("first-block", 1e9)
+    inputs = steps_inputs(5)
+    model = converted("mhla")
+    eager, eager_ran = run(model, spec, inputs)  # block 0 for every step, the others for the first only
+    compile_transformer(model, "blocks", backend=counting)
+    with torch.no_grad():
+        model(**inputs[0])  # compiled, uncached: every block
+    first = len(graphs)
+    for _ in range(2):
+        ran[0] = 0
+        got, _ = run(model, spec, inputs)
+        assert ran[0] == eager_ran, (ran[0], eager_ran)  # every block the cache computed ran compiled
+        for a, b in zip(got, eager):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert len(graphs) == first, f"{len(graphs) - first} graphs compiled while the cache was on"
