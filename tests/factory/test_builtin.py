@@ -301,21 +301,29 @@ def test_builtin_is_the_default_and_ships_every_variant(builtin):
     assert builtin.source.startswith("built-in model") and not builtin.random_weights
     assert sorted(builtin.variant_dirs) == ["linear", "mhla", "mhla-hybrid"]
     info = json.loads((BUILTIN_DIR / "builtin.json").read_text())
-    assert builtin.defaults == info["defaults"] and builtin.defaults["max_sequence_length"] == 32
+    assert builtin.defaults == info["defaults"] and builtin.defaults["max_sequence_length"] == 16  # v3's captions
     size = sum(f.stat().st_size for f in BUILTIN_DIR.rglob("*.safetensors"))
     assert size < 100e6, f"built-in weights take {size / 1e6:.0f} MB"
 
 
 @needs_builtin
-def test_red_square_moves_right(builtin):
-    """The default settings give a red object moving right for most seeds (2 of seeds 0, 1, 2), not by luck of one."""
+def test_the_default_settings_draw_colour_and_motion_of_most_prompts(builtin):
+    """The built-in model's defaults give the right colour in every one of the first 12 validation captions (seed 0)
+    and the right colour and motion in most (the shipped third design: 10 of 12; its 48 x 3 evaluation: motion
+    0.84), judged by the analyser; the shape it does not draw yet (README)."""
     from pipelines.cli import GenerationRequest, generate
+    from pipelines.builtin import builtin_info
+    from world.synthetic import SyntheticVideoDataset, world_named
 
-    prompt = "a red square moves to the right"
-    requests = [GenerationRequest(prompt=prompt, seed=s) for s in range(3)]
-    verdicts = [analyse(generate(builtin, r, show_progress=False).frames, prompt) for r in requests]
-    passed = [bool(v["colour"] and v["motion"]) for v in verdicts]
-    assert sum(passed) >= 2, [v["found"] for v in verdicts]
+    d, world = builtin.defaults, world_named(builtin_info().get("world", "v1"))
+    data = SyntheticVideoDataset(
+        12, seed=0, split="validation", num_frames=d["num_frames"], height=d["height"], width=d["width"], world=world
+    )
+    captions = [data[i]["caption"] for i in range(12)]
+    frames = [generate(builtin, GenerationRequest(prompt=c, seed=0), show_progress=False).frames for c in captions]
+    verdicts = [analyse(f, c, colours=world.colours) for f, c in zip(frames, captions)]
+    assert all(v["colour"] for v in verdicts), [v["found"] for v in verdicts]
+    assert sum(bool(v["colour"] and v["motion"]) for v in verdicts) >= 8, [v["found"] for v in verdicts]
 
 
 @needs_builtin
@@ -350,7 +358,8 @@ def test_cli_runs_each_variant_from_its_fine_tuned_transformer(tmp_path, capsys)
     assert "built-in model" in printed and "RANDOM" not in printed
     for v in ("linear", "mhla", "mhla-hybrid"):
         assert f"{v}: fine-tuned transformer" in printed
-        assert read_video(tmp_path / f"v_{v}.mp4").shape == (17, 128, 160, 3)
+        d = json.loads((BUILTIN_DIR / "builtin.json").read_text())["defaults"]
+        assert read_video(tmp_path / f"v_{v}.mp4").shape == (d["num_frames"], d["height"], d["width"], 3)
 
 
 @needs_builtin
@@ -358,19 +367,16 @@ def test_cli_checks_blocks_on_the_builtin_models_token_grid(tmp_path, capsys):
     from pipelines.cli import main
     from pipelines.model_dir import ModelDir
 
-    assert (
-        ModelDir(None).shape().patch
-        == (1, 1, 1)
-        == ModelDir("tiny-random").shape(BUILTIN_DIR / "variants" / "mhla").patch
-    )
+    assert ModelDir(None).shape().patch == (1, 2, 2)  # the third design: 9x64x80 -> 5x8x10 tokens
+    assert ModelDir("tiny-random").shape(BUILTIN_DIR / "variants" / "mhla").patch == (1, 2, 2)
     base = ["--prompt", "a red square", "--variant", "mhla", "--out", str(tmp_path / "v.mp4"), "--no-progress"]
-    assert main([*base, "--blocks", "1x17x1"]) == 2  # the built-in grid is 5x16x20 tokens (patch 1x1x1)
-    assert "blocks '1x17x1' do not fit 17 frames at 128x160" in capsys.readouterr().err
-    assert main([*base, "--blocks", "1x16x1"]) == 2  # the shipped mhla was fine-tuned with 2x4x5 blocks
-    assert "was fine-tuned with 2x4x5 blocks (its mixing coefficients are 40x40)" in capsys.readouterr().err
-    fresh = ["--transformer", str(BUILTIN_DIR / "transformer"), "--blocks", "1x16x1", "--steps", "1"]
-    assert main([*base, *fresh]) == 0  # the softmax base converted afresh, finer than Wan's 2x2 patch allows
-    assert "1x16x1 blocks (M=16) over a 5x16x20 grid" in capsys.readouterr().out
+    assert main([*base, "--blocks", "1x9x1"]) == 2  # the built-in grid is 5x8x10 tokens (patch 1x2x2)
+    assert "blocks '1x9x1' do not fit 9 frames at 64x80" in capsys.readouterr().err
+    assert main([*base, "--blocks", "1x8x1"]) == 2  # the shipped mhla was fine-tuned with 5x2x2 blocks
+    assert "was fine-tuned with 5x2x2 blocks (its mixing coefficients are 20x20)" in capsys.readouterr().err
+    fresh = ["--transformer", str(BUILTIN_DIR / "transformer"), "--blocks", "1x8x1", "--steps", "1"]
+    assert main([*base, *fresh]) == 0  # the softmax base converted afresh with other blocks
+    assert "1x8x1 blocks (M=8) over a 5x8x10 grid" in capsys.readouterr().out
 
 
 @needs_builtin
@@ -420,7 +426,8 @@ def test_evaluate_writes_its_table(tmp_path, monkeypatch):
     assert res["grid_prompts"] == [SyntheticVideoDataset(1, seed=0, split="validation")[0]["caption"]]
     assert not any(k.startswith("_") for k in res)  # the frames behind the PNG stay out of the JSON
     ceiling = res["vae_ceiling"]  # the VAE's reconstructions of the prompts' real clips: scores and PSNR
-    assert 0 <= ceiling["overall"] <= 1 and 5 < ceiling["psnr_db"] < 60 and len(ceiling["psnr_by_frame_db"]) == 17
+    frames = json.loads((BUILTIN_DIR / "builtin.json").read_text())["defaults"]["num_frames"]
+    assert 0 <= ceiling["overall"] <= 1 and 5 < ceiling["psnr_db"] < 60 and len(ceiling["psnr_by_frame_db"]) == frames
     for r in res["variants"].values():
         assert np.isfinite(r["flow_loss"]) and 0 <= r["overall"] <= 1 and r["total_s"] > 0
         draws = r["flow_loss_draws"]
@@ -443,7 +450,8 @@ def test_evaluate_writes_its_table(tmp_path, monkeypatch):
     order = json.loads(str(kept["order"]))
     for v in ("flash", "mhla"):
         frames, listed = kept[f"{v}@4"], order[f"{v}@4"]
-        assert frames.dtype == np.uint8 and frames.shape == (2, 17, 128, 160, 3)
+        d = json.loads((BUILTIN_DIR / "builtin.json").read_text())["defaults"]
+        assert frames.dtype == np.uint8 and frames.shape == (2, d["num_frames"], d["height"], d["width"], 3)
         for video, item, verdict in zip(frames, listed, res["variants"][v]["per_video"]):
             assert (item["caption"], item["seed"]) == (verdict["caption"], verdict["seed"])
             again = analyse(video, item["caption"])
@@ -598,7 +606,8 @@ def test_every_builtin_config_loads(tmp_path):
     assert len(paths) >= 9 and {"base.yaml", "vae.yaml", "mhla.yaml"} <= {p.name for p in paths}
     for path in paths:
         raw = OmegaConf.load(path)
-        overrides = [f"{key}={tmp_path}" for key in ("model.path", "data.path") if OmegaConf.select(raw, key)]
+        keys = ("model.path", "data.path", "data.image_path")
+        overrides = [f"{key}={tmp_path}" for key in keys if OmegaConf.select(raw, key)]
         if OmegaConf.select(raw, "model.transformer"):
             overrides.append("model.transformer=null")
         cfg = load_config(path, overrides)

@@ -245,18 +245,18 @@ def test_model_offload_chains_the_components_and_release_offloads_them_all(monke
 @pytest.mark.slow  # 16 s on a busy 2-core CPU: the built-in VAE decodes twice
 @pytest.mark.skipif(not BUILTIN_VAE.is_dir(), reason="needs the built-in model's VAE (assets/builtin/vae)")
 def test_vae_tiling_decodes_close_to_untiled():
-    """The built-in model's trained VAE decodes a 17x128x160 video from latents drawn from its latent distribution
-    (its stored mean and std), untiled and in tiles of 128 px, 96 apart (diffusers' default 256/192 at half the
-    size, so a 128x160 video is cut into tiles). Tiles see less context than the whole frame, so the video is near,
-    not equal. Measured on this CPU: mean absolute difference 0.0056 of the [0, 1] range (1.4 levels of 255), at
-    most 0.17 at a seam; the test allows 0.01 and 0.25. (The random-weight tiny VAE is no measure: its output
-    depends on far-away pixels, 0.03 mean difference.)"""
+    """The built-in model's trained VAE decodes a 9x128x160 video (the third design's long preset: latents 5x32x40 at
+    its 4x spatial, 2x temporal strides) from latents drawn from its latent distribution (its stored mean and std),
+    untiled and in tiles of 128 px, 96 apart (diffusers' default 256/192 at half the size, so a 128x160 video is cut
+    into tiles). Tiles see less context than the whole frame, so the video is near, not equal. Measured on this CPU
+    (2026-11-28): mean absolute difference 0.0069 of the [0, 1] range (1.8 levels of 255), at most 0.30 at a seam;
+    the test allows 0.01 and 0.4. (The random-weight tiny VAE is no measure: its output depends on far-away pixels.)"""
     from diffusers import AutoencoderKLWan
 
     vae = AutoencoderKLWan.from_pretrained(BUILTIN_VAE).eval()
     mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
     std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
-    z = mean + std * torch.randn(1, vae.config.z_dim, 5, 16, 20, generator=torch.Generator().manual_seed(0))
+    z = mean + std * torch.randn(1, vae.config.z_dim, 5, 32, 40, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         plain = vae.decode(z, return_dict=False)[0]
         vae.enable_tiling(
@@ -266,9 +266,9 @@ def test_vae_tiling_decodes_close_to_untiled():
             tile_sample_stride_width=96,
         )
         tiled = vae.decode(z, return_dict=False)[0]
-    assert tiled.shape == plain.shape == (1, 3, 17, 128, 160)
+    assert tiled.shape == plain.shape == (1, 3, 9, 128, 160)
     diff = ((tiled - plain) / 2).abs()  # the VAE's output is in [-1, 1]
-    assert diff.mean() < 0.01 and diff.max() < 0.25, (diff.max(), diff.mean())
+    assert diff.mean() < 0.01 and diff.max() < 0.4, (diff.max(), diff.mean())
     assert diff.max() > 0  # the tiles really ran (a video within one tile decodes untouched)
 
 
