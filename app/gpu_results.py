@@ -63,16 +63,34 @@ def load(results: Path = RESULTS) -> list[GpuTable]:
     return sorted(tables, key=lambda t: t.date, reverse=True)
 
 
+def _readme_items(text: str) -> list[str]:
+    """A README's lines as items: a bullet with the indented lines that continue it (one command wrapped over
+    several lines stays one), joined by spaces and without the bullet; any other line is an item of its own."""
+    items: list[list[str]] = []
+    bullet = False
+    for line in text.splitlines():
+        if re.match(r"\s*[-*+]\s", line):
+            items.append([line.strip().lstrip("-*+").strip()])
+            bullet = True
+        elif bullet and line.strip() and line[:1].isspace():
+            items[-1].append(line.strip())
+        else:
+            items.append([line.strip()])
+            bullet = False
+    return [" ".join(parts) for parts in items]
+
+
 def _readme_line(path: Path) -> str:
-    """The line of the folder's README.md that names this file (directly or as ``stem.*``), without its bullet."""
+    """The item of the folder's README.md that names this file (directly or as ``stem.*``) in its first line,
+    whole (a command wrapped over several lines is shown to its end), without its bullet."""
     readme = path.parent / "README.md"
     if not readme.is_file():
         return ""
     stem = path.stem
-    for line in readme.read_text().splitlines():
-        names = re.findall(r"`([^`]+)`", line)
-        if any(n == path.name or (n.endswith(".*") and stem == n[:-2]) for n in names):
-            return line.lstrip("-* ").strip()
+    for item in _readme_items(readme.read_text()):
+        lead = re.findall(r"`([^`]+)`", item.split("`:", 1)[0] + "`")  # the names before the item's first colon
+        if any(n == path.name or (n.endswith(".*") and stem == n[:-2]) for n in lead):
+            return item
     return ""
 
 

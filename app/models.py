@@ -318,7 +318,7 @@ def describe_app_models(
     from pipelines.loading import random_wan_source, resolve_device, resolve_dtype
     from pipelines.memory import Offload, check_offload
     from pipelines.model_dir import ModelDir, check_model_dir, saved_transformer_config
-    from pipelines.tiny import WAN_DEFAULTS
+    from pipelines.tiny_sizes import WAN_DEFAULTS
 
     run_device = resolve_device(device)
     check_offload(offload, run_device)

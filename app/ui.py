@@ -134,13 +134,25 @@ class _Runs:
     def __init__(self):
         self._flags: dict[str, threading.Event] = {}
         self._latest: dict[str, compare.CompareResult] = {}  # what the session's running compare has finished
+        self._counts: dict[str, dict[str, tuple[int, int]]] = {}  # its variants' steps done and in all
         self._lock = threading.Lock()
 
     def start(self, session: str) -> threading.Event:
         with self._lock:
             flag = self._flags[session] = threading.Event()
             self._latest.pop(session, None)
+            self._counts.pop(session, None)
         return flag
+
+    def steps(self, session: str, flag: threading.Event, counts: dict[str, tuple[int, int]]) -> None:
+        """Records the running compare's steps per variant (what Stop's message names)."""
+        with self._lock:
+            if self._flags.get(session) is flag:
+                self._counts[session] = dict(counts)
+
+    def counts(self, session: str) -> dict[str, tuple[int, int]]:
+        with self._lock:
+            return dict(self._counts.get(session, {}))
 
     def finished(self, session: str, flag: threading.Event, result: compare.CompareResult) -> None:
         """Records the running compare's latest snapshot (what Stop keeps)."""
@@ -165,6 +177,7 @@ class _Runs:
             if self._flags.get(session) is flag:
                 del self._flags[session]
                 self._latest.pop(session, None)
+                self._counts.pop(session, None)
 
 
 class _DecodeClock:
@@ -174,15 +187,35 @@ class _DecodeClock:
 
     def __init__(self):
         self._rate: float | None = None
+        self._steps: tuple[float, int] | None = None  # (a tail in denoising steps, at these pixels)
         self._lock = threading.Lock()
 
-    def add(self, seconds: float, pixels: int) -> None:
+    def add(self, seconds: float, pixels: int, step_seconds: float | None = None) -> None:
+        """A tail of ``seconds`` at ``pixels``; with ``step_seconds`` (the same run's denoising step) also as a
+        number of steps: a busier machine slows both alike, so that count carries to the next run where seconds do
+        not (two requests 15.5 s and 11.1 s apart, the first's tails said +44% for the second's)."""
         if seconds > 0 and pixels > 0:
             with self._lock:
                 self._rate = seconds / pixels
+                if not step_seconds or step_seconds <= 0:
+                    self._steps = None
+                    return
+                steps = seconds / step_seconds
+                if self._steps is not None and self._steps[1] == pixels:  # one run's tails are one sample: averaged
+                    steps = (steps + self._steps[0]) / 2
+                self._steps = (steps, pixels)
 
-    def seconds(self, pixels: int) -> float | None:
+    def in_steps(self, pixels: int) -> bool:
+        """Whether the last tail at ``pixels`` is known as a number of steps (a run's, not the warm-up's)."""
         with self._lock:
+            return self._steps is not None and self._steps[1] == pixels
+
+    def seconds(self, pixels: int, step_seconds: float | None = None) -> float | None:
+        """One tail's seconds at ``pixels``: as many of this run's steps (``step_seconds``) as the last run's tail
+        took at the same size, else the last tail's seconds per pixel."""
+        with self._lock:
+            if self._steps is not None and step_seconds and self._steps[1] == pixels:
+                return self._steps[0] * step_seconds
             return None if self._rate is None else self._rate * pixels
 
 
@@ -194,6 +227,30 @@ def progress_markdown(name: str, note: str, done: int, total: int, width: int = 
     return f"### {name}\n_{note}_\n\n`{bar}` {done}/{total} steps · {stage}"
 
 
+def stopped_line(finished: list[str], counts: dict[str, tuple[int, int]], variants: list[str] | None = None) -> str:
+    """Stop's status line: which variants finished (shown) and where each other one was stopped (``counts``: its
+    denoising steps done and in all, over its repeats; ``variants``: the run's, in order; default the counts')."""
+    names = list(variants or counts)
+    done = [n for n in names if n in finished] or list(finished)
+    parts = []
+    if done:
+        parts.append(f"{', '.join(done)} finished and {'is' if len(done) == 1 else 'are'} shown")
+    stopped = []
+    for name in (n for n in names if n not in done):
+        steps, total = counts.get(name, (0, 0))
+        if not steps:
+            stopped.append(f"{name} before its first step")
+        elif total and steps >= total:
+            stopped.append(f"{name} after all {total} steps, while decoding its video")
+        else:
+            stopped.append(f"{name} at step {steps} of {total}" if total else f"{name} after {steps} steps")
+    if stopped:
+        parts.append("stopped: " + "; ".join(stopped) + " (not shown: a video needs every step)")
+    if not parts:
+        return "**Stopped** by you before any variant finished: this run has nothing to show."
+    return "**Stopped** by you: " + "; ".join(parts) + "."
+
+
 def _status(
     text: str,
     started: float,
@@ -203,38 +260,55 @@ def _status(
     decode_seconds: float | None = None,
     tail_since: float | None = None,
     origin: tuple[float, float] | None = None,
+    tails_clock: float | None = None,
 ) -> str:
     elapsed = time.monotonic() - started
     line = f"**Running:** {text} · {elapsed:.0f} s elapsed"
     # an estimate once a few steps of every variant are measured (before that it is a guess), with the variants'
     # tails still to come. Once the tails have begun (``tail_since``), the steps' rate is the one measured before
     # them: the last round's few steps wait behind the tails, and counting the tails' seconds as denoising would
-    # make the steps look many times slower
+    # make the steps look many times slower. ``tails_clock``: since when the ``decodes_left`` tails have been going
+    # (default ``tail_since``; later, the last tail's end, when the rate of those to come is this run's own)
     denoising = elapsed if tail_since is None else tail_since - started
-    tail_elapsed = 0.0 if tail_since is None else time.monotonic() - tail_since
+    since = tail_since if tails_clock is None else tails_clock
+    tail_elapsed = 0.0 if since is None else time.monotonic() - since
     # the rate from the first step done on (``origin``: its second since ``started`` and the fraction then)
     left = countdown.update(
         seconds_left(denoising, fraction, decodes_left, decode_seconds, tail_elapsed, origin or (0.0, 0.0))
     )
     if left is not None:
-        line += f", about {left:.0f} s left" if left >= 1 else ", finishing"
+        if left >= 1:
+            line += f", about {left:.0f} s left"
+        else:
+            # "finishing" only once no variant's video is still to come (the side-by-side video and the tables are
+            # then all that is left): a tail that runs past its estimate is "about 1 s left", not minutes of
+            # "finishing" (the issue's 6.3 s)
+            line += ", about 1 s left" if decodes_left > 0 else ", finishing"
     return line
 
 
 class _Queue:
-    """Where a new request stands: runs waiting before it, and the wait they imply from the last run's time."""
+    """Where a new request stands: requests waiting before it, and the wait they imply from the last run's time.
+    One place per browser session, from its click until its run starts or it leaves (refused by the checks, stopped
+    while it waited, its tab closed): a request that never runs leaves no place behind."""
 
     def __init__(self):
         self._lock = threading.Lock()
-        self.waiting = 0
+        self._waiting: dict[str, None] = {}  # the sessions in line, in the order they clicked
         self.running_since: float | None = None
         self.last_seconds: float | None = None
 
-    def join(self) -> str:
-        """Counts a new request in and says where it stands."""
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def join(self, session: str | None = None) -> str:
+        """Counts a new request in and says where it stands (a session's earlier place is given up)."""
         with self._lock:
-            ahead, running = self.waiting, self.running_since is not None
-            self.waiting += 1
+            if session is not None:
+                self._waiting.pop(session, None)
+            ahead, running = len(self._waiting), self.running_since is not None
+            self._waiting[session if session is not None else uuid.uuid4().hex] = None
             if not ahead and not running:
                 return "Starting…"
             wait = ""
@@ -243,16 +317,31 @@ class _Queue:
                 wait = f", expected wait about {left + ahead * self.last_seconds:.0f} s"
             return f"**Queued:** position {ahead + running} in line{wait}"
 
-    def start(self) -> None:
+    def start(self, session: str | None = None) -> None:
+        """A run starts: its session's place (without a session: the first in line) is given up."""
         with self._lock:
-            self.waiting = max(0, self.waiting - 1)
+            if session is None and self._waiting:
+                session = next(iter(self._waiting))
+            self._waiting.pop(session, None)  # an API call never clicked: it has no place to give up
             self.running_since = time.monotonic()
+
+    def leave(self, session: str | None) -> None:
+        """A session's request that will not run (refused, stopped while waiting, its tab closed) leaves the line."""
+        with self._lock:
+            self._waiting.pop(session, None)
 
     def end(self) -> None:
         with self._lock:
             if self.running_since is not None:
                 self.last_seconds = time.monotonic() - self.running_since
             self.running_since = None
+
+
+def _files_kept(result: compare.CompareResult) -> bool:
+    """Whether every file of a finished run is still on disk (only the newest compare.KEEP_RUNS run folders are kept;
+    a page that names a pruned file fails in gradio's postprocessing)."""
+    files = [r.video for r in result.runs if r.video is not None] + [result.side_by_side] * bool(result.side_by_side)
+    return all(f.is_file() for f in files)
 
 
 def _stored_copies(models: AppModels | ModelFacts, folder: Path) -> dict[str, compare.CompareResult]:
@@ -453,6 +542,7 @@ def compare_tab(demo: gr.Blocks, source: PageSource, max_tokens: int | None) -> 
             yield [warmup.note()] + [gr.skip()] * n_outputs
         models = loaded()
         if models is None:
+            line.leave(getattr(request, "session_hash", None))
             raise gr.Error(warmup.note() if warmup else "the model is not loaded", print_exception=False)
         try:
             req = compare.check_request(
@@ -471,11 +561,12 @@ def compare_tab(demo: gr.Blocks, source: PageSource, max_tokens: int | None) -> 
             )
         except ValueError as e:
             # the status line keeps the message after the alert is closed; the API gets an error, not a value
+            line.leave(getattr(request, "session_hash", None))  # a refused request leaves no place in line
             yield [f"✖ **Error:** {e}"] + [gr.skip()] * n_outputs
             raise inputs.refused(str(e)) from None  # one line in the server's log, no traceback
         session = getattr(request, "session_hash", None) or uuid.uuid4().hex
         stop = runs.start(session)
-        line.start()
+        line.start(session)
         try:
             # nothing from an earlier request (a stored example, the last run, its chart) stays beside its results
             yield cleared(req.variants, (warmup.note() if warmup else "") or "**Running:** starting…")
@@ -490,7 +581,9 @@ def compare_tab(demo: gr.Blocks, source: PageSource, max_tokens: int | None) -> 
             line.end()
             yield cleared(None, "**Stopped** by you before any variant finished: this run has nothing to show.")
             return
-        if warmup is not None and warmup.decodes:
+        if warmup is not None and warmup.decodes and decode_clock.seconds(1) is None:
+            # the warm-up's decode is only the first estimate: it replaced the last run's measured tails at every
+            # request, so a run never learned from the one before
             decode_clock.add(*warmup.decodes[-1])
         pixels = req.num_frames * req.height * req.width
         events: queue.Queue = queue.Queue()
@@ -503,7 +596,7 @@ def compare_tab(demo: gr.Blocks, source: PageSource, max_tokens: int | None) -> 
                     out_root / "compare",
                     progress=lambda t, f: events.put(("progress", (t, f))),
                     cancel=stop,
-                    variant_steps=lambda counts: events.put(("steps", counts)),
+                    variant_steps=lambda counts: (events.put(("steps", counts)), runs.steps(session, stop, counts)),
                 ):
                     events.put(("result", snapshot))
             except BaseException as e:  # noqa: BLE001 - reported to the page below, without details
@@ -517,18 +610,40 @@ def compare_tab(demo: gr.Blocks, source: PageSource, max_tokens: int | None) -> 
         # interleaved variants (each its own transformer) all decode after the last round, one after another
         interleaved = compare.interleaves(models, req.variants)
 
-        def decodes() -> tuple[int, float | None, float | None, tuple[float, float] | None]:
-            """The variants' tails to count (decode, video, checks), one tail's seconds as measured on this server,
-            since when the tails have been running (interleaved: all of them, one after another, from the first
-            variant's last step on), and the second and fraction of the first step done (the rate's origin)."""
+        def decodes() -> tuple[int, float | None, float | None, tuple[float, float] | None, float | None]:
+            """The variants' tails to count (decode, video, checks), one tail's seconds, since when the tails have
+            been running (interleaved: all of them, one after another, from the first variant's last step on), the
+            second and fraction of the first step done (the rate's origin), and since when the tails still to come
+            have been going. One tail's seconds: this run's own once one of its tails is done (interleaved: the
+            tails so far over their number), else the last run's on this server (the warm-up's before any run)."""
+            done = len(last.runs) if last else 0
             if interleaved and tails_at is not None:
-                return len(req.variants), decode_clock.seconds(pixels), tails_at, origin
-            return len(req.variants) - (len(last.runs) if last else 0), decode_clock.seconds(pixels), None, origin
+                if done and tail_done_at is not None:  # this run's own tails: the rate of those to come
+                    return len(req.variants) - done, (tail_done_at - tails_at) / done, tails_at, origin, tail_done_at
+                step = step_seconds(tails_at, tails_fraction)
+                tail = decode_clock.seconds(pixels, step)
+                if tail is not None and step and not decode_clock.in_steps(pixels):
+                    # the warm-up's tail is a decode and its checks; in a run each variant's tail also waits for
+                    # its last step (the first variant's tail begins the tails, the others' last steps come after)
+                    tail += step
+                return len(req.variants), tail, tails_at, origin, None
+            tail = decode_clock.seconds(pixels, step_seconds(time.monotonic(), fraction))
+            return len(req.variants) - done, tail, None, origin, None
+
+        def step_seconds(until: float, at: float) -> float | None:
+            """One denoising step's seconds in this run: from the first step done (``origin``) to ``until``, when
+            the fraction ``at`` of the steps was done (None before a tenth more than at the origin)."""
+            if origin is None or at - origin[1] < 0.1:
+                return None
+            return (until - started - origin[0]) / ((at - origin[1]) * len(req.variants) * req.repeats * steps_each)
 
         worker = threading.Thread(target=work, name="compare", daemon=True)
         worker.start()
         text, fraction, last, shown = "starting", 0.0, None, 0.0
         tails_at: float | None = None  # the first variant's steps done: its tail began (the others' wait behind it)
+        tail_done_at: float | None = None  # when the last of this run's finished variants was done (its tail's end)
+        tails_fraction = 0.0  # the share of the steps done at tails_at
+        steps_each = req.num_inference_steps
         origin: tuple[float, float] | None = None  # (second, fraction) when every variant's first step was done
         counts: dict[str, tuple[int, int]] = {}  # each variant's steps done and in all
 
@@ -558,8 +673,11 @@ def compare_tab(demo: gr.Blocks, source: PageSource, max_tokens: int | None) -> 
                     counts = payload
                     if tails_at is None and any(total and done >= total for done, total in counts.values()):
                         tails_at = time.monotonic()
+                        tails_fraction = sum(d for d, _ in counts.values()) / max(1, sum(t for _, t in counts.values()))
                     continue
                 elif kind == "result":
+                    if len(payload.runs) > (len(last.runs) if last else 0):
+                        tail_done_at = time.monotonic()
                     last, shown = payload, time.monotonic()
                     runs.finished(session, stop, last)
                     if not stop.is_set():
@@ -591,7 +709,7 @@ def compare_tab(demo: gr.Blocks, source: PageSource, max_tokens: int | None) -> 
         failed = [r.variant for r in last.runs if r.error]
         seconds = time.monotonic() - started
         if last.stopped:
-            status = f"**Stopped** after {len(last.runs)} of {len(req.variants)} variant(s) ({seconds:.0f} s)."
+            status = stopped_line([r.variant for r in last.runs], counts, req.variants)[:-1] + f" ({seconds:.0f} s)."
         elif failed:
             status = f"✖ **Error** in {', '.join(failed)}: see the column(s) below; the app is still serving."
         else:
@@ -613,7 +731,9 @@ def compare_tab(demo: gr.Blocks, source: PageSource, max_tokens: int | None) -> 
         # extrapolation)
         complete = not last.stopped and all(r.timings for r in last.runs) and len(last.runs) == len(req.variants)
         if complete and last.interleaved and tails_at is not None:
-            decode_clock.add((time.monotonic() - tails_at) / len(req.variants), pixels)
+            decode_clock.add(
+                (time.monotonic() - tails_at) / len(req.variants), pixels, step_seconds(tails_at, tails_fraction)
+            )
         else:
             for r in last.runs:
                 if r.timings:
@@ -624,15 +744,15 @@ def compare_tab(demo: gr.Blocks, source: PageSource, max_tokens: int | None) -> 
         """Stops this session's run: its worker ends before the next transformer call. The page keeps only what
         this run finished (nothing at all when no variant had finished)."""
         session = getattr(request, "session_hash", None) or ""
-        last = runs.latest(session)
+        line.leave(session)  # stopped while it waited: its place in line goes too (gradio drops the queued run)
+        last, counts = runs.latest(session), runs.counts(session)
         if not runs.stop(session):
             return [gr.Button(interactive=True)] + [gr.skip()] * (n_outputs + 1)  # nothing running (or queued)
         if last is None or not last.runs:
             return [gr.Button(interactive=True)] + cleared(
                 None, "**Stopped** by you before any variant finished: this run has nothing to show."
             )
-        done = ", ".join(r.variant for r in last.runs)
-        status = f"**Stopped** by you: {done} finished in this run and are shown; the others did not run."
+        status = stopped_line([r.variant for r in last.runs], counts, list(last.request.variants))
         return [gr.Button(interactive=True)] + outputs_for(last, status)
 
     stored_lock = threading.Lock()
@@ -699,6 +819,8 @@ def compare_tab(demo: gr.Blocks, source: PageSource, max_tokens: int | None) -> 
             )
             with finished_lock:
                 run_here = finished.get(key)
+        if run_here is not None and not _files_kept(run_here[0]):
+            run_here = None  # its videos were pruned (compare.KEEP_RUNS run folders): the link restores the form only
         if run_here is not None:  # this very request ran on this server: its results, said to be those
             done, when = run_here
             result = done
@@ -833,12 +955,15 @@ def compare_tab(demo: gr.Blocks, source: PageSource, max_tokens: int | None) -> 
         # typing, an example or a permalink: the count and the vocabulary note follow
         prompt.change(prompt_note, prompt, note, queue=False, api_visibility="private", trigger_mode="always_last")
         dice.click(lambda: random.randrange(2**31), None, seed, queue=False, api_visibility="private")
+
+        def on_click(chosen, request: gr.Request):
+            """The click's own update, before the run joins gradio's queue: the page cleared, the place in line."""
+            place = line.join(getattr(request, "session_hash", None))
+            return [gr.Button(interactive=False), *cleared(chosen if isinstance(chosen, list) else [], place)]
+
         # a click clears the page at once: a stored example or an earlier run never waits in line beside it
         started = run_button.click(
-            lambda chosen: [
-                gr.Button(interactive=False),
-                *cleared(chosen if isinstance(chosen, list) else [], line.join()),
-            ],
+            on_click,
             variants,
             [run_button, *outputs],
             queue=False,
@@ -875,6 +1000,11 @@ def compare_tab(demo: gr.Blocks, source: PageSource, max_tokens: int | None) -> 
             api_visibility="private",
             show_progress="hidden",  # no spinner over the form while the link is read (the form is usable)
         )
+
+        def on_unload(request: gr.Request):
+            line.leave(getattr(request, "session_hash", None))  # a tab closed while its request waited
+
+        demo.unload(on_unload)
         # the results start below a 1400x900 window's fold: a click brings the status line and the columns into view
         run_button.click(None, None, None, js=SCROLL_TO_STATUS_JS, queue=False, api_visibility="private")
 

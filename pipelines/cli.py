@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import mhla
 from common.errors import ModelError, check_seed, check_text, run_cli
-from common.timing import format_comparison, format_timing
+from common.interleave import MAX_REPEATS, StepClock, format_paired_comparison, take_turns
+from common.timing import Timing, format_timing
 from mhla.checks import COMPILE_MODES
 
 from .attention import (
@@ -119,6 +121,13 @@ def _parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "(default: the model's; 1 = every step, as WanPipeline)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help=f"timed runs per variant, 1 to {MAX_REPEATS} (as the app's Repeats): more paired steps, a narrower "
+        "interval for each speedup vs flash",
+    )
     p.add_argument("--blocks", default=None, help="MHLA block count FxHxW, e.g. 7x3x5 (default: fitted to the grid)")
     p.add_argument("--layers", default=None, help="MHLA layers of mhla-hybrid, e.g. '1,2,4-5'")
     p.add_argument(
@@ -204,6 +213,8 @@ def _preflight(args: argparse.Namespace) -> _Plan:
     check_text(args.prompt, "--prompt")
     check_text(args.negative_prompt, "--negative-prompt")
     check_seed(args.seed)
+    if not 1 <= args.repeats <= MAX_REPEATS:
+        raise ValueError(f"--repeats {args.repeats}: expected timed runs per variant from 1 to {MAX_REPEATS}")
     folder = ModelDir(args.model)  # what the model's files say, each read once
     saved = folder.transformer_config(args.transformer) if args.transformer else None
     if args.transformer:
@@ -334,6 +345,12 @@ def _check_lora(args: argparse.Namespace, folder: Any) -> LoraAdapters:
     from .lora import check_lora_fits, read_lora
 
     lora = read_lora(args.lora, "--lora")
+    if lora.info.get("expert") == "transformer_2":
+        raise ValueError(
+            f"--lora {args.lora!r} adapts a two-expert model's low-noise expert (transformer_2); this command merges "
+            "a LoRA into the first one: expected a LoRA of the transformer (diffusers loads it with "
+            "load_lora_weights(..., load_into_transformer_2=True))"
+        )
     config = folder.transformer_config(args.transformer) if args.transformer else folder.transformer_config()
     if config and all(k in config for k in ("num_layers", "num_attention_heads", "attention_head_dim")):
         check_lora_fits(lora, config, "--lora")
@@ -413,10 +430,6 @@ def _main(argv: Sequence[str]) -> int:
 
 
 def _run(args: argparse.Namespace, plan: _Plan, scale: Scale) -> int:
-    from common.video import write_frame_grid, write_gif, write_mp4
-
-    from .loading import load_transformer
-
     say = print if scale.main else _quiet  # only process 0 prints and writes files
     components = _load(args, plan)
     scale.attach(components, plan.device)  # offload hooks and VAE tiling, once
@@ -429,55 +442,253 @@ def _run(args: argparse.Namespace, plan: _Plan, scale: Scale) -> int:
         say(f"cache: {args.cache.describe()}")
     if args.compile != "none":
         say(f"torch.compile: {args.compile}")
-    timings = []
-    for i, (request, (mp4, gif, png)) in enumerate(zip(plan.requests, plan.outputs, strict=True)):
-        v = request.variant
-        transformer = None  # the base transformer, converted in place
-        # the model ships a fine-tuned one (a --lora was trained on the model's own transformer: it runs that)
-        if not args.transformer and not args.lora and v in components.variant_dirs:
-            device = scale.load_device(plan.device)
-            transformer = load_transformer(components.variant_dirs[v], dtype=plan.dtype, device=device)
-            say(f"{v}: fine-tuned transformer {components.variant_dirs[v]}")
-        running = components.transformer if transformer is None else transformer
-        scale.before_run(components, request, running, plan.overrides)  # converted under the hooks; parallel
-        if args.compile != "none":
-            from mhla.compiled import compile_transformer
-
-            compile_transformer(running, args.compile)
-        try:
-            with cached(running, args.cache, request.num_inference_steps or 1):  # validated: an int
-                result = generate(
-                    components,
-                    request,
-                    attention_options=plan.overrides,
-                    transformer=transformer,
-                    show_progress=not args.no_progress and scale.main,
-                )
-        except NonFiniteLatentsError as e:
-            raise ModelError(str(e)) from e
-        finally:
-            scale.after_run(running, drop=transformer is not None)
-        if not scale.main:
-            continue
-        comment = f"{v} | seed {request.seed} | {request.prompt}"
-        if components.random_weights:
-            comment = f"{RANDOM_WEIGHTS_NOTE} | {comment}"
-        # each file is written atomically and checked: a failed writer raises, and nothing says "wrote"
-        written = [str(write_mp4(mp4, result.frames, fps=args.fps, comment=comment))]
-        if gif:
-            written.append(str(write_gif(gif, result.frames, fps=args.fps, comment=comment)))
-        if png:
-            written.append(str(write_frame_grid(png, result.frames, comment=comment)))
-        if plan.frames_npy:
-            written.append(str(_write_npy(plan.frames_npy[i], result.frames)))
-        print(
-            f"\nwrote {', '.join(written)}  ({len(result.frames)} frames, {request.height}x{request.width}, "
-            f"{result.pipeline_class})"
+    if len(plan.requests) > 1:
+        return _run_in_turns(args, plan, scale, components, say)
+    request, outputs = plan.requests[0], plan.outputs[0]
+    transformer = _fine_tuned(args, plan, scale, components, request.variant, say)
+    runs = [
+        _generate_once(
+            args, plan, scale, components, request, transformer, None, not args.no_progress and scale.main, drop=last
         )
-        print(format_timing(result.timing))
-        timings.append(result.timing)
+        for last in [False] * (args.repeats - 1) + [True]
+    ]
+    if scale.main:
+        _report(args, plan, 0, request, outputs, runs[-1], components)
+        if len(runs) > 1:
+            steps = [s for r in runs for s in r.timing.warm_steps]
+            print(
+                f"step over {len(runs)} runs: {statistics.median(steps):.3f} s (median of {len(steps)} steps, each "
+                "run's first left out)"
+            )
+    return 0
+
+
+def _fine_tuned(
+    args: argparse.Namespace, plan: _Plan, scale: Scale, components: WanComponents, variant: str, say: Any
+) -> Any:
+    """The fine-tuned transformer the model ships for ``variant`` (the built-in model's ``variants/``), loaded;
+    None where the variant runs on the base transformer, converted in place (a ``--transformer`` or a ``--lora``
+    runs as given)."""
+    from .loading import load_transformer
+
+    if args.transformer or args.lora or variant not in components.variant_dirs:
+        return None
+    transformer = load_transformer(
+        components.variant_dirs[variant], dtype=plan.dtype, device=scale.load_device(plan.device)
+    )
+    say(f"{variant}: fine-tuned transformer {components.variant_dirs[variant]}")
+    return transformer
+
+
+def _generate_once(
+    args: argparse.Namespace,
+    plan: _Plan,
+    scale: Scale,
+    components: WanComponents,
+    request: GenerationRequest,
+    transformer: Any,
+    transformer_2: Any,
+    show_progress: bool,
+    drop: bool = True,
+) -> GenerationResult:
+    """One generation of ``request`` on ``transformer`` (None: the base one, converted in place) and
+    ``transformer_2`` (None: the model's second expert, if any), with the command line's scale, compile and cache;
+    ``drop``: a loaded ``transformer`` is unhooked after it (its last run)."""
+    running = components.transformer if transformer is None else transformer
+    scale.before_run(components, request, running, plan.overrides)  # converted under the hooks; parallel
+    if args.compile != "none":
+        from mhla.compiled import compile_transformer
+
+        compile_transformer(running, args.compile)
+    try:
+        with cached(running, args.cache, request.num_inference_steps or 1):  # validated: an int
+            return generate(
+                components,
+                request,
+                attention_options=plan.overrides,
+                transformer=transformer,
+                transformer_2=transformer_2,
+                show_progress=show_progress,
+            )
+    except NonFiniteLatentsError as e:
+        raise ModelError(str(e)) from e
+    finally:
+        scale.after_run(running, drop=drop and transformer is not None)
+
+
+def _report(
+    args: argparse.Namespace,
+    plan: _Plan,
+    i: int,
+    request: GenerationRequest,
+    outputs: tuple[Path, Path | None, Path | None],
+    result: GenerationResult,
+    components: WanComponents,
+    timing: Timing | None = None,
+) -> None:
+    """Writes request ``i``'s files (each atomically and checked: a failed writer raises, and nothing says
+    "wrote") and prints them with the run's timing table (``timing``, default the result's: with the variants in
+    turns, the clock's, which leaves out the waits for the turn)."""
+    from common.video import write_frame_grid, write_gif, write_mp4
+
+    mp4, gif, png = outputs
+    comment = f"{request.variant} | seed {request.seed} | {request.prompt}"
+    if components.random_weights:
+        comment = f"{RANDOM_WEIGHTS_NOTE} | {comment}"
+    written = [str(write_mp4(mp4, result.frames, fps=args.fps, comment=comment))]
+    if gif:
+        written.append(str(write_gif(gif, result.frames, fps=args.fps, comment=comment)))
+    if png:
+        written.append(str(write_frame_grid(png, result.frames, comment=comment)))
+    if plan.frames_npy:
+        written.append(str(_write_npy(plan.frames_npy[i], result.frames)))
+    print(
+        f"\nwrote {', '.join(written)}  ({len(result.frames)} frames, {request.height}x{request.width}, "
+        f"{result.pipeline_class})"
+    )
+    print(format_timing(result.timing if timing is None else timing))
+
+
+# at most this share of the free memory goes to a transformer per variant (the rest: activations, the VAE)
+COPY_SHARE = 0.5
+
+
+def _module_bytes(module: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
+
+
+def _free_bytes(device: torch.device) -> int | None:
+    """Memory free for new tensors on ``device``: the GPU's free memory, the CPU's MemAvailable (None: unknown)."""
+    import torch
+
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _own_transformers(
+    args: argparse.Namespace, plan: _Plan, scale: Scale, components: WanComponents, say: Any
+) -> dict[str, tuple[Any, Any]] | None:
+    """Each variant's own transformers ``(transformer, transformer_2)``, so that the variants can take turns
+    step by step (a transformer is converted in place to its variant: two variants cannot share one while both
+    run): the model's fine-tuned ones loaded, the others deep copies of the base (which itself runs the last
+    variant that uses it). None, said why, when they cannot: offloading or context parallelism (their hooks
+    hold one transformer), or too little free memory for the copies (:data:`COPY_SHARE` of it)."""
+    import copy
+
+    names = [r.variant for r in plan.requests]
+    if scale.offload != "none" or scale.context_parallel:
+        say(
+            "the variants run one after another (--offload and --context-parallel hold one transformer at a time): "
+            "a change of machine load between them shows up as a speedup"
+        )
+        return None
+    experts = [t for t in (components.transformer, components.transformer_2) if t is not None]
+    need = (len(names) - 1) * sum(_module_bytes(t) for t in experts)
+    free = _free_bytes(plan.device)
+    if free is None or need > COPY_SHARE * free:
+        free_text = "an unknown amount" if free is None else f"{free / 2**30:.1f} GiB"
+        say(
+            f"the variants run one after another: a transformer per variant needs {need / 2**30:.1f} GiB more and "
+            f"{free_text} is free (at most {COPY_SHARE:.0%} of it goes to them), so a change of machine load between "
+            "them shows up as a speedup"
+        )
+        return None
+    fine_tuned = {v: _fine_tuned(args, plan, scale, components, v, say) for v in names}
+    base_users = [v for v in names if fine_tuned[v] is None]
+    second = components.transformer_2
+    own: dict[str, tuple[Any, Any]] = {}
+    for v in names:
+        last = v == names[-1]  # the model's own second expert runs the last variant (the others: copies)
+        t2 = None if second is None or last else copy.deepcopy(second)
+        if fine_tuned[v] is not None:
+            own[v] = (fine_tuned[v], t2)
+        elif v == base_users[-1]:  # the base transformer itself, converted in place as a single run does
+            own[v] = (None, t2)
+        else:
+            own[v] = (copy.deepcopy(components.transformer), t2)
+    return own
+
+
+def _run_in_turns(args: argparse.Namespace, plan: _Plan, scale: Scale, components: WanComponents, say: Any) -> int:
+    """Several variants, timed by the app's rule (:mod:`common.interleave`): they take turns one denoising step
+    each, round-robin, each on its own transformer (:func:`_own_transformers`), so a change of machine load hits
+    all of them alike; ``--repeats`` runs each that many times; the table pairs step ``k`` of each variant with
+    flash's step ``k`` and reports the median ratio with its 95% interval, "noisy" past +-10%. Each variant's
+    files are written in its turn as it finishes; a variant that fails does not stop the others (its error is
+    raised once they are done)."""
+    import time
+
+    from tqdm.auto import tqdm  # type: ignore[import-untyped]
+
+    names = [r.variant for r in plan.requests]
+    own = _own_transformers(args, plan, scale, components, say)
+    interleaved = own is not None
+    first = plan.requests[0]
+    per_step = 2 if (first.guidance_scale or 0.0) > 1.0 else 1  # WanPipeline: conditional and unconditional calls
+    steps = first.num_inference_steps or 1
+    loaded: dict[str, tuple[Any, Any]] = {}
+
+    def modules_of(name: str) -> list[Any]:
+        # interleaved: the variant's own; else loaded now, in its turn (one fine-tuned transformer at a time)
+        loaded[name] = own[name] if own is not None else (_fine_tuned(args, plan, scale, components, name, say), None)
+        t, t2 = loaded[name]
+        second = components.transformer_2 if t2 is None else t2
+        return [components.transformer if t is None else t] + ([] if second is None else [second])
+
+    def work(name: str, clock: StepClock) -> tuple[GenerationResult, list[Timing]]:
+        i = names.index(name)
+        t, t2 = loaded[name]
+        timings = []
+        for r in range(args.repeats):
+            clock.check()
+            clock.begin()
+            start = time.perf_counter()
+            result = _generate_once(
+                args, plan, scale, components, plan.requests[i], t, t2, False, drop=r == args.repeats - 1
+            )
+            timings.append(clock.timing(result.timing, start, time.perf_counter()))
+        if scale.main:  # in this variant's turn: writing never competes with another variant's step
+            bar.clear()
+            _report(args, plan, i, plan.requests[i], plan.outputs[i], result, components, timings[-1])
+        return result, timings
+
+    bar = tqdm(
+        total=len(names) * args.repeats * steps,
+        desc="denoising, the variants in turns" if interleaved else "denoising, one variant after another",
+        unit="step",
+        disable=args.no_progress or not scale.main,
+        leave=False,
+    )
+    timings: dict[str, list[Timing]] = {}
+    errors: list[BaseException] = []
+    try:
+        for outcome in take_turns(
+            names,
+            modules_of,
+            work,
+            per_step,
+            interleaved,
+            on_step=lambda _n, _k, finished: bar.update(1) if finished else None,
+            device=plan.device,
+            thread_name="variant",
+        ):
+            if outcome.error is not None:
+                errors.append(outcome.error)
+            else:
+                timings[outcome.name] = outcome.value[1]
+    finally:
+        bar.close()
     if len(timings) > 1:
-        say("\n" + format_comparison(timings))
+        say("\n" + format_paired_comparison({n: timings[n] for n in names if n in timings}, interleaved, args.repeats))
+    if errors:
+        raise errors[0]
     return 0
 
 

@@ -34,7 +34,7 @@ from .model_dir import (
     vae_strides,
     weight_files,
 )
-from .tiny import TINY_BLOCK_SHAPE, TINY_DEFAULTS, WAN_DEFAULTS, build_tiny_components
+from .tiny_sizes import TINY_BLOCK_SHAPE, TINY_DEFAULTS, WAN_DEFAULTS
 
 if TYPE_CHECKING:
     from diffusers import AutoencoderKLWan, SchedulerMixin, WanTransformer3DModel
@@ -311,6 +311,8 @@ def load_components(
     if str(model_dir) == TINY_RANDOM:
         if expert == "transformer_2":
             raise ValueError("expert 'transformer_2': the tiny random model has one transformer")
+        from .tiny import build_tiny_components  # here: `python -m pipelines.tiny` runs that module as __main__
+
         parts = build_tiny_components(seed)
         transformer = convert_self_attention(_cast(parts["transformer"], device, dtype), SOFTMAX)
         return WanComponents(
@@ -371,10 +373,33 @@ def load_components(
     )
 
 
+def quiet_image_processors() -> None:
+    """Where torchvision is absent, ``transformers.CLIPImageProcessor`` names its PIL class before anything asks
+    for it. transformers 5 answers that name with the PIL class anyway there, but with a warning ("requires
+    torchvision (not installed); falling back to CLIPImageProcessorPil"), and diffusers' Wan image-to-video
+    pipeline module imports the name: every generation printed it, a text-to-video model's too. Setting the name
+    is what transformers' fallback itself does (once it has warned); with torchvision installed nothing changes."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchvision") is not None:
+        return
+    import sys
+
+    import transformers
+
+    pil = getattr(transformers, "CLIPImageProcessorPil", None)
+    # resolving that name puts a new transformers module object in sys.modules: the name goes on both
+    for module in (transformers, sys.modules.get("transformers")):
+        if pil is not None and module is not None and "CLIPImageProcessor" not in vars(module):
+            vars(module)["CLIPImageProcessor"] = pil
+
+
 def _load_image_encoder(root: Path, device: torch.device) -> tuple[torch.nn.Module | None, object | None]:
     """Wan2.1-I2V's image encoder and processor, the ``transformers`` classes its ``model_index.json`` names
     (CLIPVisionModel, CLIPImageProcessor); float32 like the VAE, as diffusers' Wan2.1-I2V example keeps it."""
     import transformers
+
+    quiet_image_processors()
 
     index = read_json(root / "model_index.json", "model_index.json")
     loaded: dict[str, Any] = {}

@@ -18,7 +18,7 @@ import torch
 
 from mhla import PAPER_BLOCK_SHAPE
 
-from .tiny import TINY_BLOCK_SHAPE, TINY_DEFAULTS, TINY_INFO, TINY_TRANSFORMER, WAN_DEFAULTS
+from .tiny_sizes import TINY_BLOCK_SHAPE, TINY_DEFAULTS, TINY_INFO, TINY_TRANSFORMER, WAN_DEFAULTS
 
 WEIGHTS = ("diffusion_pytorch_model.safetensors", "model.safetensors")
 # What a diffusers-format Wan directory must contain (a Wan2.2-A14B's transformer_2 and a Wan2.1-I2V's image

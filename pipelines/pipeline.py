@@ -177,6 +177,9 @@ def _build_pipeline(
     """The model's diffusers pipeline over the shared parts: ``WanImageToVideoPipeline`` for an image (an
     image-to-video model, or Wan2.2-TI2V's image mode), else ``WanPipeline``; both with the model's second
     expert, ``boundary_ratio`` and ``expand_timesteps``."""
+    from .loading import quiet_image_processors
+
+    quiet_image_processors()  # diffusers' image-to-video module imports transformers' CLIPImageProcessor
     from diffusers import WanImageToVideoPipeline, WanPipeline
 
     index = components.index

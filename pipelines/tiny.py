@@ -31,26 +31,15 @@ import torch
 if TYPE_CHECKING:
     from diffusers import WanTransformer3DModel
 
-# Tiny analogue of the paper's 3x10x10-token blocks: on the tiny default 3x4x6 grid the default rule
-# (mhla.default_blocks with this shape) gives several blocks instead of one.
-TINY_BLOCK_SHAPE = (1, 2, 2)
-TINY_DEFAULTS = {"height": 64, "width": 96, "num_frames": 9, "num_inference_steps": 4, "guidance_scale": 5.0}
-# The released Wan2.1 T2V defaults (diffusers' WanPipeline): 480x832, 81 frames, 50 steps, CFG 5.
-WAN_DEFAULTS = {"height": 480, "width": 832, "num_frames": 81, "num_inference_steps": 50, "guidance_scale": 5.0}
+# the sizes other modules read without building anything live in .tiny_sizes: importing them from here made
+# `import pipelines` import this module, and `python -m pipelines.tiny` then warned that it was run as __main__
+# after being imported (runpy's RuntimeWarning)
+from .tiny_sizes import TINY_BLOCK_SHAPE as TINY_BLOCK_SHAPE
+from .tiny_sizes import TINY_DEFAULTS as TINY_DEFAULTS
+from .tiny_sizes import TINY_INFO as TINY_INFO
+from .tiny_sizes import TINY_TRANSFORMER as TINY_TRANSFORMER
+from .tiny_sizes import WAN_DEFAULTS as WAN_DEFAULTS
 
-# keyword arguments of the diffusers and transformers constructors (values of several types)
-TINY_TRANSFORMER: dict[str, Any] = dict(
-    patch_size=(1, 2, 2),
-    num_attention_heads=2,
-    attention_head_dim=16,
-    in_channels=16,
-    out_channels=16,
-    text_dim=32,
-    freq_dim=32,
-    ffn_dim=64,
-    num_layers=30,
-    rope_max_seq_len=1024,
-)
 TINY_VAE: dict[str, Any] = dict(
     base_dim=8,
     z_dim=16,
@@ -163,6 +152,9 @@ def build_tiny_pipeline(architecture: str = "wan2.1-t2v", seed: int = 0, num_lay
       (:func:`build_tiny_image_encoder`), the 36-channel transformer with an image embedder (``image_dim``) and
       image key/value projections in every cross-attention (``added_kv_proj_dim``).
     """
+    from .loading import quiet_image_processors
+
+    quiet_image_processors()  # diffusers' image-to-video module imports transformers' CLIPImageProcessor
     from diffusers import AutoencoderKLWan, WanImageToVideoPipeline, WanPipeline
 
     if architecture not in TINY_ARCHITECTURES:
@@ -189,11 +181,6 @@ def build_tiny_pipeline(architecture: str = "wan2.1-t2v", seed: int = 0, num_lay
         seed + 2, num_layers, in_channels=36, image_dim=encoder.config.hidden_size, added_kv_proj_dim=inner
     )
     return WanImageToVideoPipeline(**parts, image_encoder=encoder, image_processor=processor)
-
-
-# a tiny model written as a folder holds this file: its architecture and seed, and so the note that its weights are
-# random (pipelines.loading labels its videos as noise and gives it the tiny model's sizes and block shape)
-TINY_INFO = "tiny_random.json"
 
 
 def save_tiny_model(architecture: str, out: str | Path, seed: int = 0, num_layers: int = 6) -> Path:

@@ -12,6 +12,7 @@ A checkpoint is a folder ``<run>/checkpoints/step-0000100/`` holding
 
 At the end of every run, whatever the checkpoint schedule, the trained model is also saved as
 ``<run>/final/transformer/`` (``transformer_2/`` for the low-noise expert; written atomically, never pruned)
+and, for a LoRA run, its adapters in diffusers' format as ``lora/`` (in each checkpoint too; :mod:`pipelines.lora`),
 with ``final/finished.json`` saying at which step: ``resume=latest`` on a finished run says so and exits.
 
 It is written under a temporary name and renamed into place only when complete, so a crash while
@@ -40,6 +41,7 @@ LOCK_FILE = ".lock"  # training.lock's file, kept by clear_run
 MANIFEST = "manifest.json"
 FINAL = "final"  # <run>/final/<transformer folder>: the model at the end of the run
 FINISHED = "finished.json"  # <run>/final/finished.json: {"step": ..., "model": folder name}, written after the model
+LORA = "lora"  # <checkpoint>/lora, <run>/final/lora: a LoRA run's adapters in diffusers' format (pipelines/lora.py)
 _NAME = re.compile(r"^step-(\d{7})$")
 
 
@@ -478,9 +480,9 @@ def final_model_dir(run_dir: str | Path, folder: str = "transformer") -> Path:
 
 
 def record_final(run_dir: str | Path, folder: str = "transformer") -> None:
-    """Lists the final model and its marker in the run manifest (overwrite=true removes them), before they are
-    written. Main process only."""
-    record_run_files(run_dir, f"{FINAL}/{folder}", f"{FINAL}/{FINISHED}", folders=(FINAL,))
+    """Lists the final model, a LoRA run's adapters and the marker in the run manifest (overwrite=true removes
+    them), before they are written. Main process only."""
+    record_run_files(run_dir, f"{FINAL}/{folder}", f"{FINAL}/{LORA}", f"{FINAL}/{FINISHED}", folders=(FINAL,))
 
 
 def write_finished(run_dir: str | Path, step: int, folder: str = "transformer") -> None:
@@ -512,8 +514,8 @@ def read_finished(run_dir: str | Path) -> dict | None:
 
 
 def final_from_checkpoint(run_dir: str | Path, checkpoint: Path, folder: str = "transformer") -> Path:
-    """The final model copied from ``checkpoint`` (written atomically): for a run that saved its last checkpoint
-    and stopped before saving ``final/`` (killed in between)."""
+    """The final model (and a LoRA run's ``lora/``) copied from ``checkpoint`` (written atomically): for a run
+    that saved its last checkpoint and stopped before saving ``final/`` (killed in between)."""
     from common.outputs import atomic_dir, check_replaceable
     from pipelines.loading import MODEL_FILE_PATTERNS
 
@@ -522,5 +524,8 @@ def final_from_checkpoint(run_dir: str | Path, checkpoint: Path, folder: str = "
     check_replaceable(target, MODEL_FILE_PATTERNS)
     with atomic_dir(target) as tmp:
         shutil.copytree(checkpoint / folder, tmp, dirs_exist_ok=True)
+    if (checkpoint / LORA).is_dir():  # a LoRA run's adapters beside the merged model
+        with atomic_dir(Path(run_dir) / FINAL / LORA) as tmp:
+            shutil.copytree(checkpoint / LORA, tmp, dirs_exist_ok=True)
     write_finished(run_dir, checkpoint_at(checkpoint), folder)
     return target

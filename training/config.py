@@ -26,6 +26,9 @@ DEFAULTS: dict = {
         # | transformer_2 (low noise, t < boundary); required there, null for a one-transformer model
         "expert": None,
         "transformer": None,  # optional: start from this transformer folder (e.g. a previous run's checkpoint)
+        # optional, train.trainable=lora: start the adapters (and a linear / MHLA run's attention parameters) from
+        # this LoRA folder or file in diffusers' format (a run's final/lora, or any diffusers Wan LoRA)
+        "lora": None,
         "seed": 0,  # weights of the tiny model
         "variant": MHLA,  # one of pipelines.attention.VARIANTS
         "layers": None,  # MHLA layers of mhla-hybrid, e.g. [1, 2, 4, 5]; null = all but 0, 3, 6, ...
@@ -50,13 +53,28 @@ DEFAULTS: dict = {
         "height": 480,
         "width": 800,
         "frame_stride": 1,
+        # data.source=folder: take the frames at this rate from every video whatever its own (24 and 30 fps clips
+        # then move at one speed), instead of every data.frame_stride-th frame; null = frame_stride
+        "fps": None,
+        # data.source=folder, length buckets: a video too short for data.num_frames but long enough for this many
+        # frames (4k+1) trains at the longest 4k+1 clip it holds instead of being skipped; null = skip it
+        "min_frames": None,
+        # data.source=folder: put this word in front of every caption ("WORD, caption"; not where it already is),
+        # the clips' and data.image_path's images'
+        "trigger_word": None,
+        # data.source=folder: how many times each video of data.path counts in an epoch, and more folders (or
+        # manifests) with theirs, e.g. [{path: more_clips, repeats: 2}]: one dataset in all
+        "repeats": 1,
+        "extra": [],
         "caption_dropout": 0.1,
         "num_workers": 0,
         "max_sequence_length": 512,
         # joint image-video training, as Wan is trained: each step also trains on round(image_ratio * batch_size)
         # one-frame images (their own forward pass: another token count), the loss averaged over every sample;
-        # 0 = videos only. Images: stills of the synthetic world (data.source=synthetic, rendered on the fly) or
-        # a cache of them (data.source=cache: data.image_path, written by training.precompute --images)
+        # 0 = videos only. Images: stills of the synthetic world (data.source=synthetic, rendered on the fly), a
+        # folder of images (data.source=folder: data.image_path holds .png/.jpg/.webp with a .txt caption beside
+        # each, or a manifest with columns image|file_name and caption|text) or a cache of either
+        # (data.source=cache: data.image_path, written by training.precompute --images)
         "image_ratio": 0.0,
         "image_path": None,
         "image_num_samples": None,  # images to draw from (synthetic, and what precompute --images writes); null: num_samples
@@ -80,6 +98,10 @@ DEFAULTS: dict = {
         "seed": 0,
         "max_nonfinite": 10,  # this many non-finite losses in a row stop the run
         "ema_decay": 0.0,  # moving average of the trained weights, e.g. 0.999; 0 = off (training/ema.py)
+        # intra-op CPU threads for this run (torch.set_num_threads); null = torch's default (every core, or
+        # OMP_NUM_THREADS). A tiny model's ops are each too small to share: with two threads every op waits for both,
+        # and on a busy machine for the one that is descheduled (the smoke test: 1.6-20 s a step instead of 0.2 s)
+        "threads": None,
         "lora": {"rank": 32, "alpha": 32, "target_modules": ["to_q", "to_k", "to_v", "to_out.0"]},
     },
     # object_weight > 0: the objects' latent cells weigh 1 + object_weight in the loss (flat-background data,
@@ -211,16 +233,21 @@ NULLABLE_TYPES: dict[str, tuple] = {
     "model.path": (str,),
     "model.expert": (str,),
     "model.transformer": (str,),
+    "model.lora": (str,),
     "model.layers": (list,),
     "model.blocks": (str,),
     "data.path": (str,),
     "data.video_column": (str,),
     "data.caption_column": (str,),
     "data.image_path": (str,),
+    "data.trigger_word": (str,),
+    "data.fps": _NUM,
+    "data.min_frames": (int,),
     "data.image_num_samples": (int,),
     "data.default_background": (str,),
     "data.short_captions": _NUM,
     "train.mixing_lr": _NUM,
+    "train.threads": (int,),
     "vae.export": (str,),
 }
 FREE_FORM = ("model.attention",)  # validated by pipelines.AttentionOptions
@@ -234,6 +261,7 @@ RANGES: dict[str, tuple] = {
     "train.grad_clip": (0, True, None),
     "train.max_nonfinite": (1, True, None),
     "train.ema_decay": (0, True, None),
+    "train.threads": (1, True, None),
     "train.lora.rank": (1, True, None),
     "train.lora.alpha": (0, False, None),
     "transfer.lr": (0, False, None),
@@ -246,6 +274,9 @@ RANGES: dict[str, tuple] = {
     "data.image_num_samples": (1, True, None),
     "data.short_captions": (0, True, 1),
     "data.frame_stride": (1, True, None),
+    "data.fps": (0, False, None),
+    "data.repeats": (1, True, None),
+    "data.min_frames": (1, True, None),
     "data.num_workers": (0, True, None),
     "data.max_sequence_length": (1, True, None),
     "log.every": (1, True, None),
@@ -398,6 +429,14 @@ def validate(cfg: DictConfig) -> None:
         "train.ema_decay",
         "0 with train.trainable=lora (the average is of full weights; LoRA adapters are merged at export)",
     )
+    if cfg.model.lora is not None:
+        need(
+            cfg.train.trainable == "lora",
+            "model.lora",
+            f"null with train.trainable={cfg.train.trainable!r} (a LoRA to start from trains on as LoRA adapters: "
+            "train.trainable=lora)",
+        )
+        need(Path(cfg.model.lora).exists(), "model.lora", "an existing LoRA folder (e.g. <run_dir>/final/lora) or file")
     need(cfg.train.lr_schedule in LR_SCHEDULES, "train.lr_schedule", f"one of {LR_SCHEDULES}")
     need(cfg.validation.probe_split in PROBE_SPLITS, "validation.probe_split", f"one of {PROBE_SPLITS}")
     need(0 <= cfg.train.min_lr_ratio <= 1, "train.min_lr_ratio", "a fraction of train.lr in [0, 1]")
@@ -407,11 +446,13 @@ def validate(cfg: DictConfig) -> None:
     need(cfg.data.source == "synthetic" or cfg.data.path, "data.path", f"a folder for data.source={cfg.data.source}")
     if cfg.data.path and cfg.data.source != "synthetic":
         need(Path(cfg.data.path).exists(), "data.path", "an existing folder or manifest")
+    check_folder_keys(cfg, need)
     if cfg.data.image_ratio:
         need(
-            cfg.data.source != "folder",
+            cfg.data.source != "folder" or bool(cfg.data.image_path),
             "data.image_ratio",
-            "0 with data.source=folder (images come from the synthetic world or a cache: data.image_path)",
+            "0 with data.source=folder unless data.image_path names a folder of images (.png/.jpg/.webp with a .txt "
+            "caption beside each, or a manifest with columns image|file_name and caption|text)",
         )
         need(
             cfg.data.source != "cache" or bool(cfg.data.image_path),
@@ -420,7 +461,12 @@ def validate(cfg: DictConfig) -> None:
         )
         need(cfg.task == "transformer", "data.image_ratio", "0 with task=vae (its loop trains on clips)")
     if cfg.data.image_path:
-        need(Path(cfg.data.image_path).is_dir(), "data.image_path", "an existing cache folder of images")
+        need(
+            Path(cfg.data.image_path).is_dir() or (cfg.data.source == "folder" and Path(cfg.data.image_path).is_file()),
+            "data.image_path",
+            "an existing cache folder of images (python -m training.precompute --images), or with "
+            "data.source=folder a folder of images with captions (or their manifest)",
+        )
     if cfg.model.path and cfg.model.path != "tiny-random":
         need(
             Path(cfg.model.path).is_dir(),
@@ -435,11 +481,79 @@ def validate(cfg: DictConfig) -> None:
         )
 
 
+FOLDER_ONLY = {
+    "data.fps": None,
+    "data.trigger_word": None,
+    "data.repeats": 1,
+    "data.min_frames": None,
+}  # keys of data.source=folder
+EXTRA_KEYS = ("path", "repeats")
+
+
+def check_folder_keys(cfg: DictConfig, need) -> None:
+    """``data.fps``, ``data.min_frames``, ``data.trigger_word``, ``data.repeats``, ``data.extra``: only with ``data.source=folder``
+    (the synthetic world has no files; a cache's captions and clips were fixed when it was written, so there they
+    go to ``training.precompute``), each of the right form."""
+    source = cfg.data.source
+    where = (
+        "data.source=folder (a cache's clips and captions were fixed when it was written: give it to "
+        "python -m training.precompute)"
+        if source == "cache"
+        else "data.source=folder (the synthetic world reads no files)"
+    )
+    for key, default in FOLDER_ONLY.items():
+        value, shown = OmegaConf.select(cfg, key), "null" if default is None else default
+        need(value == default or source == "folder", key, f"{shown} with data.source={source!r}; it applies to {where}")
+    need(
+        not cfg.data.extra or source == "folder", "data.extra", f"[] with data.source={source!r}; it applies to {where}"
+    )
+    need(
+        cfg.data.fps is None or cfg.data.frame_stride == 1,
+        "data.fps",
+        f"null with data.frame_stride={cfg.data.frame_stride} (frames are taken either at a rate or every "
+        "frame_stride-th): set one of them",
+    )
+    least = cfg.data.min_frames
+    need(
+        least is None or ((least - 1) % 4 == 0 and least <= cfg.data.num_frames),
+        "data.min_frames",
+        f"null or 4k+1 (e.g. 5, 9) at most data.num_frames={cfg.data.num_frames}",
+    )
+    trigger = cfg.data.trigger_word
+    if trigger is not None:
+        from common.errors import check_text
+
+        need(
+            bool(trigger.strip()) and trigger == trigger.strip(),
+            "data.trigger_word",
+            "null or a word (no spaces around)",
+        )
+        check_text(trigger, "data.trigger_word")
+    for i, item in enumerate(cfg.data.extra):
+        key = f"data.extra[{i}]"
+        if not isinstance(item, DictConfig):
+            raise ValueError(f"{key}={item!r}: expected a mapping like {{path: DIR, repeats: 2}}")
+        unknown = sorted(set(item) - set(EXTRA_KEYS))
+        if unknown:
+            raise ValueError(f"{key}: unknown key(s) {unknown}; expected {{path: DIR, repeats: N}} (repeats optional)")
+        path, repeats = item.get("path"), item.get("repeats", 1)
+        if not isinstance(path, str) or not path or not Path(path).exists():
+            raise ValueError(f"{key}.path={path!r}: expected an existing folder of videos with captions, or a manifest")
+        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+            raise ValueError(f"{key}.repeats={repeats!r}: expected an integer >= 1 (times each video counts an epoch)")
+
+
 def check_data_source(cfg: DictConfig) -> None:
     """A training run reads the data ``data.source`` names: a ``data.path`` beside ``data.source=synthetic`` (which
     renders the synthetic world and reads no path) would be ignored, so it is refused, naming the sources that
     read a path. Not part of :func:`validate`: ``training.precompute`` renders a config's synthetic clips into
     the cache its ``data.path`` names (``data.source=synthetic`` on the command line)."""
+    if cfg.data.source == "synthetic" and cfg.data.image_path:
+        raise ValueError(
+            f"data.image_path={cfg.data.image_path!r} is set but data.source='synthetic' renders the world's stills "
+            "and reads no path; expected data.source=folder (a folder of images with captions) or data.source=cache "
+            "(a cache written by python -m training.precompute --images) with it, or data.image_path=null"
+        )
     if cfg.data.source == "synthetic" and cfg.data.path:
         raise ValueError(
             f"data.path={cfg.data.path!r} is set but data.source='synthetic' renders the synthetic world and reads "

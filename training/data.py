@@ -11,9 +11,15 @@ Layouts (``layout="auto"`` picks the first that applies):
 - ``txt``: every video under the folder (recursively; .mp4, .webm, .mov, .mkv, .avi) with a
   caption in a ``.txt`` file of the same name beside it.
 
-Each item is a clip of ``num_frames`` frames taken every ``frame_stride`` frames, resized
-(aspect preserved) and centre-cropped to ``height x width``: ``{"video": float32 (3, T, H, W)
-in [-1, 1], "caption": str, "index": int, "path": str}``.
+Several folders (or manifests) make one dataset, each with its ``repeats`` (``extra``); a ``trigger_word`` goes in
+front of every caption. :class:`ImageFolderDataset` reads a folder of images (.png, .jpg, .webp; the same layouts,
+column ``image`` or ``file_name``) as one-frame clips: the images of joint image-video training.
+
+Each item is a clip of ``num_frames`` frames taken every ``frame_stride`` frames (or at ``fps`` frames a second
+whatever the video's own rate), resized (aspect preserved) and centre-cropped to ``height x width``:
+``{"video": float32 (3, T, H, W) in [-1, 1], "caption": str, "index": int, "path": str}``. With ``min_frames``
+(length buckets) a video too short for ``num_frames`` gives the longest ``4k + 1`` clip it holds instead of
+being skipped, and :func:`collate` groups a batch by length.
 
 Bad data never stops a run: entries with a missing file, an empty or missing caption or a bad
 manifest row are dropped when the dataset is built; videos that fail to decode or are too short
@@ -46,7 +52,7 @@ import csv
 import json
 import math
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -60,10 +66,12 @@ from training.encoding import Encoder
 from world.synthetic import SyntheticVideoDataset, SyntheticWorld, world_named
 
 VIDEO_EXTENSIONS: tuple[str, ...] = (".mp4", ".webm", ".mov", ".mkv", ".avi")
+IMAGE_EXTENSIONS: tuple[str, ...] = (".png", ".jpg", ".jpeg", ".webp")
 MANIFEST_NAMES: tuple[str, ...] = ("manifest.jsonl", "manifest.csv", "metadata.jsonl", "metadata.csv")
 LAYOUTS: tuple[str, ...] = ("auto", "jsonl", "csv", "txt")
 # manifest columns found without being named, first present wins: ours, then Hugging Face's (videofolder metadata)
 VIDEO_COLUMNS: tuple[str, ...] = ("video", "file_name")
+IMAGE_COLUMNS: tuple[str, ...] = ("image", "file_name")  # an image folder's manifest (Hugging Face's imagefolder)
 CAPTION_COLUMNS: tuple[str, ...] = ("caption", "text")
 BACKENDS: tuple[str, ...] = ("auto", "decord", "imageio")
 LENGTH_CHECK_LIMIT = 256  # videos VideoFolderDataset.check_clip_lengths opens before training (spread over more)
@@ -111,10 +119,11 @@ def validate_num_frames(num_frames: int) -> int:
 # --------------------------------------------------------------------------- finding entries
 
 
-def _expected_layouts() -> str:
+def _expected_layouts(noun: str = "videos") -> str:
+    column = "video" if noun == "videos" else "image"
     return (
-        "a folder of videos with a .txt caption beside each, or a manifest (.jsonl or .csv, "
-        f"or a folder holding one of {', '.join(MANIFEST_NAMES)}) with columns 'video' and 'caption' "
+        f"a folder of {noun} with a .txt caption beside each, or a manifest (.jsonl or .csv, "
+        f"or a folder holding one of {', '.join(MANIFEST_NAMES)}) with columns {column!r} and 'caption' "
         "(or Hugging Face's 'file_name' and 'text')"
     )
 
@@ -193,30 +202,39 @@ def _pick_column(columns: set[str], named: str | None, candidates: tuple[str, ..
 
 
 def read_manifest(
-    manifest: Path, video_column: str | None = None, caption_column: str | None = None
+    manifest: Path,
+    video_column: str | None = None,
+    caption_column: str | None = None,
+    media_columns: tuple[str, ...] = VIDEO_COLUMNS,
 ) -> tuple[list[VideoEntry], list[tuple[str, str]]]:
     """Reads a CSV/JSONL manifest into entries and ``(path, reason)`` pairs for rows it drops. A column left
-    None is found: ``video`` or Hugging Face's ``file_name``, ``caption`` or ``text``."""
+    None is found: ``video`` (``image`` for an image folder's: ``media_columns``) or Hugging Face's ``file_name``,
+    ``caption`` or ``text``."""
+    media = media_columns[0]
     rows = _read_manifest_rows(manifest)
-    wanted = f"{video_column or 'video'!r} and {caption_column or 'caption'!r}"
+    wanted = f"{video_column or media!r} and {caption_column or 'caption'!r}"
     if not rows:
         raise ValueError(f"manifest {manifest} has no rows; expected one row per video with columns {wanted}")
     columns = set().union(*(row for row in rows if row))
-    video = _pick_column(columns, video_column, VIDEO_COLUMNS)
+    video = _pick_column(columns, video_column, media_columns)
     caption = _pick_column(columns, caption_column, CAPTION_COLUMNS)
     if video is None or caption is None:
         if video_column or caption_column:  # a name the config gave
-            roles = ((video_column, video, VIDEO_COLUMNS), (caption_column, caption, CAPTION_COLUMNS))
+            roles = ((video_column, video, media_columns), (caption_column, caption, CAPTION_COLUMNS))
             missing = [named or candidates[0] for named, found, candidates in roles if found is None]
             found_by = ""
         else:
-            missing = [c for c in (VIDEO_COLUMNS[0], CAPTION_COLUMNS[0]) if c not in columns]
+            missing = [c for c in (media_columns[0], CAPTION_COLUMNS[0]) if c not in columns]
             found_by = " (or Hugging Face's 'file_name' and 'text')"
         others = [("data.video_column", video_column, video), ("data.caption_column", caption_column, caption)]
         raise ValueError(
             f"manifest {manifest} has no column {missing}; found columns {sorted(columns)}, "
-            f"expected {video_column or 'video'!r} (video path) and {caption_column or 'caption'!r}{found_by}; "
-            "name your columns with " + " and ".join(f"{key}=COLUMN" for key, _, found in others if found is None)
+            f"expected {video_column or media!r} ({media} path) and {caption_column or 'caption'!r}{found_by}; "
+            + (
+                "name your columns with " + " and ".join(f"{key}=COLUMN" for key, _, found in others if found is None)
+                if media_columns == VIDEO_COLUMNS
+                else f"name them {' or '.join(map(repr, media_columns))} and 'caption' or 'text'"
+            )
         )
     entries, skipped = [], []
     for line_number, row in enumerate(rows, start=1):
@@ -237,12 +255,15 @@ def read_manifest(
     return entries, skipped
 
 
-def scan_caption_files(folder: Path) -> tuple[list[VideoEntry], list[tuple[str, str]]]:
-    """Videos under ``folder`` (sorted, recursive) with the caption in a ``.txt`` of the same name."""
-    videos = sorted(p for p in folder.rglob("*") if p.suffix.lower() in VIDEO_EXTENSIONS and p.is_file())
+def scan_caption_files(
+    folder: Path, extensions: tuple[str, ...] = VIDEO_EXTENSIONS, noun: str = "videos"
+) -> tuple[list[VideoEntry], list[tuple[str, str]]]:
+    """Videos (``extensions``: images for an image folder) under ``folder`` (sorted, recursive) with the caption
+    in a ``.txt`` of the same name."""
+    videos = sorted(p for p in folder.rglob("*") if p.suffix.lower() in extensions and p.is_file())
     if not videos:
         raise FileNotFoundError(
-            f"no videos ({', '.join(VIDEO_EXTENSIONS)}) found under {folder}; expected {_expected_layouts()}"
+            f"no {noun} ({', '.join(extensions)}) found under {folder}; expected {_expected_layouts(noun)}"
         )
     entries, skipped = [], []
     for video in videos:
@@ -261,36 +282,50 @@ def scan_caption_files(folder: Path) -> tuple[list[VideoEntry], list[tuple[str, 
 
 
 def find_entries(
-    root: str | Path, layout: str = "auto", video_column: str | None = None, caption_column: str | None = None
+    root: str | Path,
+    layout: str = "auto",
+    video_column: str | None = None,
+    caption_column: str | None = None,
+    images: bool = False,
 ) -> tuple[list[VideoEntry], list[tuple[str, str]], str]:
-    """Lists usable ``(video, caption)`` entries of a dataset; raises if there are none.
+    """Lists usable ``(video, caption)`` entries of a dataset (``images``: of a folder of images); raises if
+    there are none.
 
     Returns ``(entries, skipped, source)``: ``skipped`` holds ``(path, reason)`` for entries
     dropped by cheap checks (no decoding), ``source`` names the manifest or folder read.
     """
+    noun = "images" if images else "videos"
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     root = Path(root).expanduser()
     if not root.exists():
-        raise FileNotFoundError(f"dataset path {root} does not exist; expected {_expected_layouts()}")
+        raise FileNotFoundError(f"dataset path {root} does not exist; expected {_expected_layouts(noun)}")
     manifest = None if layout == "txt" else _find_manifest(root, layout)
     if manifest is not None:
-        entries, skipped = read_manifest(manifest, video_column, caption_column)
+        columns = IMAGE_COLUMNS if images else VIDEO_COLUMNS
+        entries, skipped = read_manifest(manifest, video_column, caption_column, columns)
         source = str(manifest)
     elif root.is_dir():
-        entries, skipped = scan_caption_files(root)
+        entries, skipped = scan_caption_files(root, IMAGE_EXTENSIONS if images else VIDEO_EXTENSIONS, noun)
         source = str(root)
     else:
         raise ValueError(
-            f"dataset path {root} is a file but not a .jsonl/.csv manifest; expected {_expected_layouts()}"
+            f"dataset path {root} is a file but not a .jsonl/.csv manifest; expected {_expected_layouts(noun)}"
         )
     if not entries:
         reasons = Counter(reason for _, reason in skipped)
         examples = "; ".join(f"{reason}: {path}" for path, reason in skipped[:3])
         raise ValueError(
-            f"no usable videos in {source}: {len(skipped)} listed, all dropped ({dict(reasons)}), e.g. {examples}"
+            f"no usable {noun} in {source}: {len(skipped)} listed, all dropped ({dict(reasons)}), e.g. {examples}"
         )
     return entries, skipped, source
+
+
+def with_trigger(caption: str, trigger_word: str | None) -> str:
+    """``caption`` with ``trigger_word`` in front (``"TRIGGER, caption"``), unless the caption already holds it."""
+    if not trigger_word or trigger_word in caption.split() or caption.startswith(trigger_word):
+        return caption
+    return f"{trigger_word}, {caption}"
 
 
 # --------------------------------------------------------------------------- decoding
@@ -316,9 +351,11 @@ def resolve_backend(backend: str) -> str:
 
 
 class _VideoReader:
-    """An open video: ``num_frames``, ``read(indices) -> uint8 (T, H, W, 3)``; a context manager."""
+    """An open video: ``num_frames``, ``fps`` (None when the file does not say), ``read(indices) -> uint8
+    (T, H, W, 3)``; a context manager."""
 
     num_frames: int
+    fps: float | None = None
 
     def read(self, indices: np.ndarray) -> np.ndarray:
         raise NotImplementedError
@@ -340,6 +377,7 @@ class _DecordVideo(_VideoReader):
         # One thread per reader: DataLoader workers supply the parallelism.
         self._reader = decord.VideoReader(str(path), ctx=decord.cpu(0), num_threads=1)
         self.num_frames = len(self._reader)
+        self.fps = float(self._reader.get_avg_fps()) or None
 
     def read(self, indices: np.ndarray) -> np.ndarray:
         return self._reader.get_batch([int(i) for i in indices]).asnumpy()
@@ -355,6 +393,7 @@ class _ImageioVideo(_VideoReader):
         try:
             # Container metadata only estimates the count (duration x fps); this decodes to count exactly.
             self.num_frames = int(self._reader.count_frames())
+            self.fps = float(self._reader.get_meta_data().get("fps") or 0) or None
         except Exception:
             self.close()
             raise
@@ -372,6 +411,24 @@ class _ImageioVideo(_VideoReader):
 
     def close(self) -> None:
         self._reader.close()  # stops the ffmpeg subprocess
+
+
+class _ImageFile(_VideoReader):
+    """An image as a one-frame video (Pillow: PNG, JPEG, WebP); decoded by :meth:`read`."""
+
+    num_frames = 1
+
+    def __init__(self, path: Path):
+        from PIL import Image
+
+        self._image = Image.open(path)  # reads the header: a file that is no image raises here
+
+    def read(self, indices: np.ndarray) -> np.ndarray:
+        frame = np.asarray(self._image.convert("RGB"))
+        return np.stack([frame for _ in indices])
+
+    def close(self) -> None:
+        self._image.close()
 
 
 def open_video(path: str | Path, backend: str = "auto") -> _VideoReader:
@@ -418,6 +475,14 @@ class VideoFolderDataset(Dataset):
         random_clip: pick the clip's first frame at random from ``(seed, epoch, index)``;
             ``False`` takes the centred clip (validation).
         seed: seed of the clip start positions.
+        repeats: how many times each of ``root``'s videos counts in an epoch (each time another clip of it).
+        extra: more datasets as ``(root, repeats)``, read with the same layout and columns; one dataset in all.
+        trigger_word: put in front of every caption (``"TRIGGER, caption"``) that does not already hold it.
+        fps: take the clip's frames at this rate from every video whatever its own frame rate (frames are
+            picked by time; a video slower than ``fps`` repeats frames), instead of every ``frame_stride``-th.
+        min_frames: length buckets: a video too short for ``num_frames`` but long enough for ``min_frames``
+            (``4k + 1``) gives the longest ``4k + 1`` clip it holds instead of being skipped (items then differ in
+            length: :func:`collate` groups a batch by shape).
 
     Items: ``{"video": float32 (3, num_frames, height, width) in [-1, 1], "caption": str,
     "index": int, "path": str}``. ``dataset[i]`` uses epoch 0; ``dataset[ClipKey(i, epoch)]``
@@ -438,19 +503,82 @@ class VideoFolderDataset(Dataset):
         seed: int = 0,
         video_column: str | None = None,
         caption_column: str | None = None,
+        repeats: int = 1,
+        extra: Sequence[tuple[str | Path, int]] = (),
+        trigger_word: str | None = None,
+        fps: float | None = None,
+        min_frames: int | None = None,
     ):
         self.num_frames = validate_num_frames(num_frames)
+        if min_frames is not None and (validate_num_frames(min_frames) > num_frames):
+            raise ValueError(f"min_frames={min_frames} must be at most num_frames={num_frames}")
+        self.min_frames = num_frames if min_frames is None else min_frames
         if frame_stride < 1:
             raise ValueError(f"frame_stride must be >= 1, got {frame_stride!r}")
         if height < 1 or width < 1:
             raise ValueError(f"height and width must be positive, got {height}x{width}")
-        self.height, self.width, self.frame_stride = height, width, frame_stride
+        if fps is not None and (not fps > 0 or frame_stride != 1):
+            raise ValueError(f"fps={fps!r}: expected a frame rate > 0, with frame_stride=1 (got {frame_stride})")
+        self.height, self.width, self.frame_stride, self.fps = height, width, frame_stride, fps
         self.backend = resolve_backend(backend)
         self.random_clip, self.seed = random_clip, seed
-        self.entries, self.dropped, self.source = find_entries(root, layout, video_column, caption_column)
+        self.entries, self.dropped, sources = [], [], []
+        copies: list[int] = []  # per entry: how many times it counts in an epoch
+        for where, times in [(root, repeats), *extra]:
+            if isinstance(times, bool) or not isinstance(times, int) or times < 1:
+                raise ValueError(f"repeats of {str(where)!r} must be an integer >= 1, got {times!r}")
+            entries, dropped, source = find_entries(where, layout, video_column, caption_column, images=self.IMAGES)
+            self.entries += [VideoEntry(e.path, with_trigger(e.caption, trigger_word)) for e in entries]
+            self.dropped += dropped
+            copies += [times] * len(entries)
+            sources.append(source if times == 1 else f"{source} (x{times})")
+        self.source = " + ".join(sources)
+        # dataset index -> (entry, copy): an entry repeated r times has r indices, each drawing its own clip
+        self._order = [(entry, copy) for entry, times in enumerate(copies) for copy in range(times)]
         # Per-entry skip code found while loading, in shared memory so that DataLoader worker
         # processes report into the same counts the training loop reads.
         self._load_failures = torch.zeros(len(self.entries), dtype=torch.int8).share_memory_()
+
+    IMAGES = False  # ImageFolderDataset: a folder of images, each a one-frame clip
+    NOUN = "videos"
+
+    def _open(self, path: Path) -> _VideoReader:
+        return open_video(path, self.backend)
+
+    def available(self, video: _VideoReader) -> int:
+        """Frames a clip of ``video`` can have: every ``frame_stride``-th of its frames, or at ``fps`` its
+        duration's worth."""
+        n = video.num_frames
+        if n < 1:
+            return 0
+        if self.fps is None or not video.fps:
+            return (n - 1) // self.frame_stride + 1
+        return math.floor((n - 1) * self.fps / video.fps + 1e-6) + 1
+
+    def clip_length(self, video: _VideoReader) -> int:
+        """Frames of ``video``'s clip: ``num_frames``, or with ``min_frames`` the longest ``4k + 1`` it holds
+        (0 when it is too short even for that)."""
+        available = self.available(video)
+        if available >= self.num_frames:
+            return self.num_frames
+        longest = (available - 1) // 4 * 4 + 1 if available >= 1 else 0
+        return longest if longest >= self.min_frames else 0
+
+    def _clip_frames(self, video: _VideoReader, index: int, epoch: int, copy: int, length: int) -> np.ndarray:
+        """The frame indices of the clip of entry ``index`` for ``(epoch, copy)``: a start drawn from
+        ``(seed, epoch, index[, copy])`` (the centred clip without ``random_clip``), then every ``frame_stride``-th
+        frame, or at ``fps`` the frame nearest each ``1 / fps`` step."""
+        step = video.fps / self.fps if self.fps is not None and video.fps else float(self.frame_stride)
+        last_start = max(0, math.floor(video.num_frames - 1 - (length - 1) * step + 1e-6))
+        if self.random_clip:
+            key = [self.seed, epoch, index] + ([copy] if copy else [])
+            start = int(np.random.default_rng(key).integers(0, last_start + 1))
+        else:
+            start = last_start // 2
+        if self.fps is None or not video.fps:
+            return clip_indices(start, length, self.frame_stride)
+        picked = np.floor(start + step * np.arange(length) + 0.5).astype(np.int64)
+        return np.minimum(picked, video.num_frames - 1)
 
     @property
     def span(self) -> int:
@@ -458,19 +586,20 @@ class VideoFolderDataset(Dataset):
         return (self.num_frames - 1) * self.frame_stride + 1
 
     def __len__(self) -> int:
-        return len(self.entries)
+        return len(self._order)
 
     def __getitem__(self, key: int | ClipKey) -> dict:
         index, epoch = (int(key[0]), int(key[1])) if isinstance(key, tuple) else (int(key), 0)
-        if not 0 <= index < len(self.entries):
-            raise IndexError(f"index {index} out of range for a dataset of {len(self.entries)} videos")
+        if not 0 <= index < len(self._order):
+            raise IndexError(f"index {index} out of range for a dataset of {len(self._order)} {self.NOUN}")
+        entry, copy = self._order[index]
         # A bad video is replaced by the next good one, deterministically, so the batch keeps its size.
         for offset in range(len(self.entries)):
-            candidate = (index + offset) % len(self.entries)
+            candidate = (entry + offset) % len(self.entries)
             if self._load_failures[candidate]:
                 continue
             try:
-                return self.load(candidate, epoch)
+                return self.load(candidate, epoch, copy)
             except SkippedSample as skipped:
                 self._load_failures[candidate] = SKIP_REASONS.index(skipped.reason) + 1
         raise RuntimeError(f"every video in {self.source} failed to load; {self.skip_summary()}")
@@ -478,29 +607,26 @@ class VideoFolderDataset(Dataset):
     def _open_checked(self, entry: VideoEntry) -> _VideoReader:
         """Opens a video long enough for one clip, else raises :class:`SkippedSample`."""
         try:
-            video = open_video(entry.path, self.backend)
+            video = self._open(entry.path)
         except Exception as error:  # decoders raise their own error types for corrupt files
             raise SkippedSample("unreadable", entry.path, repr(error)) from error
-        if video.num_frames < self.span:
+        if not self.clip_length(video):
             video.close()
             raise SkippedSample("too_few_frames", entry.path, f"{video.num_frames} < {self.span}")
         return video
 
-    def load(self, index: int, epoch: int = 0) -> dict:
-        """Loads entry ``index``; raises :class:`SkippedSample` for an unreadable or too-short video."""
+    def load(self, index: int, epoch: int = 0, copy: int = 0) -> dict:
+        """Loads entry ``index`` (its clip for ``epoch`` and, for a repeated dataset, ``copy``); raises
+        :class:`SkippedSample` for an unreadable or too-short video."""
         entry = self.entries[index]
         with self._open_checked(entry) as video:
-            last_start = video.num_frames - self.span
-            if self.random_clip:
-                start = int(np.random.default_rng([self.seed, epoch, index]).integers(0, last_start + 1))
-            else:
-                start = last_start // 2
             try:
-                frames = video.read(clip_indices(start, self.num_frames, self.frame_stride))
+                length = self.clip_length(video)
+                frames = video.read(self._clip_frames(video, index, epoch, copy, length))
             except Exception as error:
                 raise SkippedSample("unreadable", entry.path, repr(error)) from error
-        if len(frames) != self.num_frames:  # the container claimed more frames than it decodes
-            raise SkippedSample("too_few_frames", entry.path, f"decoded {len(frames)} of {self.num_frames}")
+        if len(frames) != length:  # the container claimed more frames than it decodes
+            raise SkippedSample("too_few_frames", entry.path, f"decoded {len(frames)} of {length}")
         return {
             "video": resize_center_crop(frames, self.height, self.width),
             "caption": entry.caption,
@@ -509,14 +635,15 @@ class VideoFolderDataset(Dataset):
         }
 
     def load_or_skip(self, index: int, epoch: int = 0) -> dict | None:
-        """Entry ``index`` itself, or None (counted in :meth:`skip_summary`) when it is unreadable or too
-        short: for one pass over the data that must not substitute another video (a cache)."""
-        if self._load_failures[index]:
+        """Sample ``index`` itself (its entry's clip), or None (counted in :meth:`skip_summary`) when it is
+        unreadable or too short: for one pass over the data that must not substitute another video (a cache)."""
+        entry, copy = self._order[index]
+        if self._load_failures[entry]:
             return None
         try:
-            return self.load(index, epoch)
+            return self.load(entry, epoch, copy)
         except SkippedSample as skipped:
-            self._load_failures[index] = SKIP_REASONS.index(skipped.reason) + 1
+            self._load_failures[entry] = SKIP_REASONS.index(skipped.reason) + 1
             return None
 
     def check_clip_lengths(self, limit: int = LENGTH_CHECK_LIMIT) -> str | None:
@@ -532,39 +659,54 @@ class VideoFolderDataset(Dataset):
             indices = sorted({round(i * (n - 1) / (limit - 1)) for i in range(limit)})
         too_short = SKIP_REASONS.index("too_few_frames") + 1
         frames: dict[int, int] = {}  # frame counts of the videos that opened
+        clip: dict[int, int] = {}  # the longest clip each can give
         for index in indices:
             if self._load_failures[index]:
                 continue
             try:
-                video = open_video(self.entries[index].path, self.backend)
+                video = self._open(self.entries[index].path)
             except Exception:  # decoders raise their own error types for corrupt files
                 self._load_failures[index] = SKIP_REASONS.index("unreadable") + 1
                 continue
             with video:
-                frames[index] = video.num_frames
-            if video.num_frames < self.span:
+                frames[index], clip[index] = video.num_frames, self.available(video)
+            if clip[index] < self.min_frames:
                 self._load_failures[index] = too_short
         short = [i for i in indices if int(self._load_failures[i]) == too_short]
+        bucketed = self.min_frames < self.num_frames
+        key, need = ("data.min_frames", self.min_frames) if bucketed else ("data.num_frames", self.num_frames)
         if not short:
-            return None
+            shorter = sorted(clip[i] for i in clip if clip[i] < self.num_frames)
+            if not shorter:
+                return None
+            lengths = sorted({(c - 1) // 4 * 4 + 1 for c in shorter})
+            return (
+                f"note: {len(shorter)} of the {len(indices)} videos checked in {self.source} are shorter than "
+                f"data.num_frames={self.num_frames} and train at {lengths[0]}-{lengths[-1]} frames "
+                f"(data.min_frames={self.min_frames}: the longest 4k+1 each holds)"
+            )
         usable = sum(1 for i in indices if not self._load_failures[i])
         counts = sorted(frames[i] for i in short if i in frames)
         have = f"; they have {counts[0]}-{counts[-1]} frames" if counts else ""
         scope = f"{len(short)} of the {len(indices)} videos" + (f" checked (of {n})" if len(indices) < n else "")
-        cause = (
-            f"{scope} in {self.source} are too short for a clip of data.num_frames={self.num_frames} at "
-            f"data.frame_stride={self.frame_stride} ({self.span} frames of the video){have}"
-        )
-        fix = "lower data.num_frames"
-        if frames:
-            fits = (min(frames.values()) - 1) // self.frame_stride // 4 * 4 + 1  # 4k+1 that every readable one holds
-            fix += f" (data.num_frames={fits} fits every readable video)"
+        if self.fps is None:
+            rate = f"data.frame_stride={self.frame_stride} ({(need - 1) * self.frame_stride + 1} frames of the video)"
+        else:
+            rate = f"data.fps={self.fps:g} ({(need - 1) / self.fps:.2f} s of the video)"
+        cause = f"{scope} in {self.source} are too short for a clip of {key}={need} at {rate}{have}"
+        fix = f"lower {key}"
+        if clip:
+            fits = (min(clip.values()) - 1) // 4 * 4 + 1  # the 4k+1 that every readable one holds
+            fix += f" ({key}={fits} fits every readable video)"
         if self.frame_stride > 1:
             fix += " or data.frame_stride"
+        if self.fps is not None:
+            fix += " or data.fps"
+        if not bucketed:
+            fix += " or set data.min_frames (shorter videos then train at the longest 4k+1 they hold, >= it)"
         if 2 * len(short) > len(indices):
             raise ValueError(
-                f"data.num_frames={self.num_frames}: {cause}, so only {usable} would train; expected most videos "
-                f"long enough: {fix}"
+                f"{key}={need}: {cause}, so only {usable} would train; expected most videos long enough: {fix}"
             )
         return f"WARNING: {cause} and are skipped ({usable} train): {fix} to train on them too"
 
@@ -579,7 +721,7 @@ class VideoFolderDataset(Dataset):
                 return
             except SkippedSample as skipped:
                 self._load_failures[index] = SKIP_REASONS.index(skipped.reason) + 1
-        raise ValueError(f"no usable videos in {self.source}; {self.skip_summary()}")
+        raise ValueError(f"no usable {self.NOUN} in {self.source}; {self.skip_summary()}")
 
     def probe(self, progress: bool = False) -> Counter:
         """Opens every video once (no frame decoding with decord) to find unreadable and too-short
@@ -628,6 +770,34 @@ class VideoFolderDataset(Dataset):
                 parts.append(f"{reason} {len(paths)} ({', '.join(paths[:max_examples])}{more})")
         count = sum(len(p) for p in by_reason.values())
         return f"skipped {count} of {total} entries in {self.source}: " + "; ".join(parts)
+
+
+class ImageFolderDataset(VideoFolderDataset):
+    """Images with captions as one-frame clips, the images of joint image-video training (``data.image_path`` with
+    ``data.source=folder``): ``.png`` / ``.jpg`` / ``.webp`` files with a ``.txt`` caption beside each, or a manifest
+    with columns ``image`` (or Hugging Face's ``file_name``) and ``caption`` (or ``text``). Resized and
+    centre-cropped like clips; items as :class:`VideoFolderDataset`'s with ``video`` of shape
+    ``(3, 1, height, width)``; unreadable images are skipped and counted the same way."""
+
+    IMAGES = True
+    NOUN = "images"
+
+    def __init__(
+        self,
+        root: str | Path,
+        *,
+        height: int = 64,
+        width: int = 64,
+        layout: str = "auto",
+        seed: int = 0,
+        trigger_word: str | None = None,
+    ):
+        super().__init__(
+            root, num_frames=1, height=height, width=width, layout=layout, seed=seed, trigger_word=trigger_word
+        )
+
+    def _open(self, path: Path) -> _VideoReader:
+        return _ImageFile(path)
 
 
 # --------------------------------------------------------------------------- sampling
@@ -784,8 +954,9 @@ def image_batch_size(cfg) -> int:
 
 
 def build_dataset(cfg, images: bool = False):
-    """The dataset ``cfg.data`` names: synthetic clips, a folder of videos, or a precomputed cache. With
-    ``images``: the one-frame images of joint training (``data.image_*``)."""
+    """The dataset ``cfg.data`` names: synthetic clips, a folder of videos (``data.path``, with ``data.extra``'s
+    folders and their repeats), or a precomputed cache. With ``images``: the one-frame images of joint training
+    (``data.image_*``): synthetic stills, a folder of images (``data.source=folder``) or a cache of them."""
     d = cfg.data
     if d.source == "synthetic":
         return SyntheticVideoDataset(
@@ -797,7 +968,11 @@ def build_dataset(cfg, images: bool = False):
             world=synthetic_world(cfg),
             images=images,
         )
-    if images:  # a cache (config.validate refuses images with a folder of videos)
+    if images and d.source == "folder":  # a folder of images with captions
+        return ImageFolderDataset(
+            d.image_path, height=d.height, width=d.width, seed=cfg.train.seed, trigger_word=d.get("trigger_word")
+        )
+    if images:  # a cache of images (training.precompute --images)
         return _checked_cache(d.image_path, [1, d.height, d.width], "data.image_path")
     if d.source == "folder":
         return VideoFolderDataset(
@@ -810,6 +985,11 @@ def build_dataset(cfg, images: bool = False):
             layout=d.get("layout", "auto"),
             video_column=d.get("video_column"),
             caption_column=d.get("caption_column"),
+            repeats=d.get("repeats", 1),
+            extra=[(e["path"], e.get("repeats", 1)) for e in d.get("extra") or []],
+            trigger_word=d.get("trigger_word"),
+            fps=d.get("fps"),
+            min_frames=d.get("min_frames"),
         )
     return _checked_cache(d.path, [d.num_frames, d.height, d.width], "data.path")
 
@@ -824,12 +1004,28 @@ def _checked_cache(path: str, want: list[int], key: str) -> CachedLatents:
     return cache
 
 
+def _shape(item: dict) -> tuple:
+    return tuple((item["video"] if "video" in item else item["latents"]).shape)
+
+
 def collate(items: list[dict]) -> dict:
+    """A batch: ``caption`` (list), ``index``, and ``video`` (or a cache's ``latents`` and ``text``) stacked.
+    Items of several shapes (clips of several lengths: ``data.min_frames``) give ``groups``, a batch per shape
+    (longest first) in place of the stacked tensors."""
     out = {"caption": [it["caption"] for it in items], "index": torch.tensor([it["index"] for it in items])}
+    shapes = sorted({_shape(it) for it in items}, reverse=True)
+    if len(shapes) > 1:
+        out["groups"] = [collate([it for it in items if _shape(it) == shape]) for shape in shapes]
+        return out
     for key in ("video", "latents", "text"):
         if key in items[0]:
             out[key] = torch.stack([it[key] for it in items])
     return out
+
+
+def batch_groups(batch: dict) -> list[dict]:
+    """The batches of one shape a :func:`collate` batch holds: itself, or its ``groups``."""
+    return batch.get("groups") or [batch]
 
 
 class BatchEncoder:

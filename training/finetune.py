@@ -10,7 +10,9 @@ or one expert of Wan2.2-T2V-A14B at a time (``model.expert``, :mod:`training.exp
 The file reads top to bottom as the recipe: configuration, model and conversion, data, the optional
 attention-transfer stage, the flow-matching loop, checkpoints. Distribution is accelerate's. Every run ends by
 saving its model to ``<run_dir>/final/transformer`` (``python -m pipelines.cli --transformer`` loads it),
-whatever ``checkpoint.every`` says; ``resume=latest`` on a finished run says so and exits.
+whatever ``checkpoint.every`` says (a LoRA run also its adapters in diffusers' format, ``final/lora``:
+``WanPipeline.load_lora_weights``, ``pipelines.cli --lora``, ``model.lora``); ``resume=latest`` on a finished
+run says so and exits.
 A config with ``task: vae`` trains the model directory's VAE instead (:mod:`training.vae`; the
 built-in model's first stage, ``configs/builtin/vae.yaml``).
 """
@@ -50,12 +52,14 @@ from pipelines import (
     save_transformer,
 )
 from pipelines.attention import PARAM_ATTRS, LinearSelfAttention
+from pipelines.lora import load_into_adapter, read_lora, save_lora
 from pipelines.pipeline import generate
 from training import checkpoint as ckpt
 from training.config import check_data_source, load_config, lr_multiplier
 from training.data import (
     BatchEncoder,
     ResumableSampler,
+    batch_groups,
     build_dataset,
     build_validation_dataset,
     collate,
@@ -159,6 +163,60 @@ def save_model_for_pipeline(transformer, folder: Path, lora: bool) -> None:
         transformer.fuse_lora()
         transformer.unload_lora()
     save_transformer(transformer, folder)
+
+
+def check_start_lora(cfg):
+    """``model.lora`` read and checked against the run before any model loads: its rank and alpha against
+    ``train.lora`` (the run's adapter is made with those), its modules against ``train.lora.target_modules``, and a
+    linear / MHLA run's attention parameters against ``model.variant``. Returns the adapters; ValueError names
+    the key, the value and the setting that would fit."""
+    from pipelines.lora import module_kinds, targeted
+
+    path = cfg.model.lora
+    adapters = read_lora(path, "model.lora")
+    lora = cfg.train.lora
+    if adapters.rank != lora.rank or adapters.alpha != float(lora.alpha):
+        raise ValueError(
+            f"model.lora={path!r} holds adapters of rank {adapters.rank}, alpha {adapters.alpha:g}; this run makes "
+            f"rank {lora.rank}, alpha {lora.alpha:g} (train.lora): expected train.lora.rank={adapters.rank} "
+            f"train.lora.alpha={adapters.alpha:g} to train them on"
+        )
+    outside = [m for m in adapters.modules if not targeted(m, lora.target_modules)]
+    if outside:
+        kinds = module_kinds(outside)
+        raise ValueError(
+            f"model.lora={path!r} adapts modules train.lora.target_modules={list(lora.target_modules)} does not "
+            f"({', '.join(kinds[:6])}); expected train.lora.target_modules to include them, e.g. "
+            f"train.lora.target_modules=[{','.join(sorted(set(lora.target_modules) | set(kinds)))}]"
+        )
+    if adapters.attention_state is not None and adapters.variant != cfg.model.variant:
+        raise ValueError(
+            f"model.variant={cfg.model.variant!r}: model.lora={path!r} holds {adapters.variant} attention "
+            f"parameters ({adapters.attention.name}) trained with its adapters; expected "
+            f"model.variant={adapters.variant} to train on from them"
+        )
+    if adapters.variant != cfg.model.variant and is_main_launch():
+        print(
+            f"note: model.lora={path!r} was trained as variant {adapters.variant}; this run trains it on as "
+            f"{cfg.model.variant}",
+            file=sys.stderr,
+        )
+    return adapters
+
+
+def lora_info(cfg, step: int) -> dict:
+    """What a LoRA run's adapter file says about it (:func:`pipelines.lora.save_lora`): variant, base model, step."""
+    from pipelines import BUILTIN_DIR
+
+    return {
+        "variant": cfg.model.variant,
+        "base_model": str(cfg.model.path or BUILTIN_DIR),
+        "transformer": cfg.model.transformer,
+        "expert": cfg.model.expert,
+        "step": int(step),
+        "rank": int(cfg.train.lora.rank),
+        "alpha": cfg.train.lora.alpha,
+    }
 
 
 @dataclass(frozen=True)
@@ -276,13 +334,30 @@ def _main(argv) -> int:
 
         return vae.main(argv)
     check_model_plan(cfg)  # model.* against the model's config files, before the run folder is touched
-    with hold_run_dir(cfg.run_dir):  # one run per folder, for the life of the run
+    with hold_run_dir(cfg.run_dir), intra_op_threads(cfg.train.threads):  # one run per folder, for its life
         try:
             return train(cfg)
         except (KeyboardInterrupt, Terminated):
             if is_main_launch():
                 print(interrupted_note(cfg), file=sys.stderr)
             raise
+
+
+@contextlib.contextmanager
+def intra_op_threads(threads: int | None):
+    """``train.threads``: torch's intra-op CPU threads for the run, and the caller's count back afterwards (a run in
+    a test's process leaves its thread count as it was). None: torch's default is left alone. A tiny model's ops
+    are each too small to share between threads: with two, every op waits for both, and on a busy 2-core machine
+    for the one the scheduler has just taken away (the smoke test's steps took 1.6-20 s instead of 0.2 s)."""
+    if not threads:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def interrupted_note(cfg) -> str:
@@ -359,6 +434,11 @@ def train(cfg) -> int:
     if hasattr(dataset, "require_usable"):
         dataset.require_usable()
     image_set = build_dataset(cfg, images=True) if image_batch_size(cfg) else None  # a cache's shape checked now
+    if hasattr(image_set, "require_usable"):  # a folder of images: one that opens, and the dropped ones named
+        image_set.require_usable()
+        if image_set.dropped and is_main_launch():
+            print(image_set.skip_summary(), file=sys.stderr)
+    start_lora = check_start_lora(cfg) if cfg.model.lora and resume_from is None else None  # read and checked now
     if getattr(dataset, "dropped", None) and is_main_launch():  # named now, not only at the end of the run
         print(dataset.skip_summary(), file=sys.stderr)
     if resume_from is not None:  # the data order against the checkpoint's: a changed dataset is said, not refused
@@ -381,6 +461,8 @@ def train(cfg) -> int:
         raise RuntimeError(f"launched as {launched} processes but accelerate set up {world}; check the launcher")
     device = accelerator.device
     print_main = accelerator.print  # prints on the main process only
+    if cfg.train.threads:  # set by _main for the run (intra_op_threads)
+        print_main(f"CPU threads: {torch.get_num_threads()} (train.threads)")
     if replaced and main_proc:
         print_main(f"overwrite=true: removing the earlier run's {len(replaced)} file(s) and folder(s) in {run_dir}")
         left = ckpt.clear_run(run_dir)  # only what its run manifest lists
@@ -394,6 +476,13 @@ def train(cfg) -> int:
     target = read_target(cfg)  # which transformer trains, on which noise levels, called how
     components, transformer, grid = build_model(cfg, device, target)
     trainable = select_trainable(transformer, cfg)
+    if start_lora is not None:  # a resume loads the checkpoint's adapters instead
+        uncovered = load_into_adapter(transformer, start_lora, "model.lora")
+        print_main(f"adapters from model.lora={cfg.model.lora} ({start_lora.describe()})")
+        if uncovered:
+            print_main(
+                f"note: model.lora has no adapter for {len(uncovered)} adapted modules (they start at zero), e.g. {uncovered[:3]}"
+            )
     state = transformer.config["self_attention"]
     converted = state["linear_layers"]
     if cfg.train.gradient_checkpointing:
@@ -536,14 +625,19 @@ def train(cfg) -> int:
                     batch = next(data_iter)
                     at.samples += len(batch["caption"])
                     with accelerator.accumulate(model):
-                        latents, text = batches(batch, generator)
-                        x_t, t, target = flow.noisy_input(latents, generator)
-                        if transfer is not None:
-                            transfer.losses.clear()  # drop losses a checkpointed layer's recompute appended
-                        with accelerator.autocast():
-                            pred = call(model, x_t, t, text)
-                        loss = transfer.take_loss() if transfer is not None else flow.loss(pred, target, latents)
-                        parts = [(loss, len(batch["caption"]))]
+                        parts = []  # (loss, samples) per forward: one per clip length (data.min_frames), images
+                        for group in batch_groups(batch):
+                            latents, text = batches(group, generator)
+                            x_t, t, target = flow.noisy_input(latents, generator)
+                            if transfer is not None:
+                                transfer.losses.clear()  # drop losses a checkpointed layer's recompute appended
+                            with accelerator.autocast():
+                                pred = call(model, x_t, t, text)
+                            part = transfer.take_loss() if transfer is not None else flow.loss(pred, target, latents)
+                            parts.append((part, len(group["caption"])))
+                        loss = parts[0][0]
+                        if len(parts) > 1:  # the mean over the batch's clips, whatever their lengths
+                            loss = sum(part * n for part, n in parts) / sum(n for _, n in parts)
                         if with_images:  # their own forward (another token count); the loss is a mean over samples
                             image_batch = images.next_batch(at.images)
                             at.images += len(image_batch["caption"])
@@ -670,10 +764,13 @@ class EvalLoss:
         losses = []
         with torch.no_grad(), self.accelerator.autocast():
             for b in self.batches:
-                latents, text = self.encode(b, None)
-                x_t, t, target = self.flow.noisy_input(latents, g)
-                pred = self.call(model, x_t, t, text)
-                losses.append(F.mse_loss(pred.float(), target.float()).item())
+                parts = []  # a batch of clips of several lengths (data.min_frames): one pass per length
+                for group in batch_groups(b):
+                    latents, text = self.encode(group, None)
+                    x_t, t, target = self.flow.noisy_input(latents, g)
+                    pred = self.call(model, x_t, t, text)
+                    parts.append((F.mse_loss(pred.float(), target.float()).item(), len(group["caption"])))
+                losses.append(parts[0][0] if len(parts) == 1 else sum(v * n for v, n in parts) / len(b["caption"]))
         return sum(losses) / len(losses)
 
 
@@ -790,7 +887,8 @@ def finish_run(cfg, accelerator, evaluate, metrics, final, ema, step, start_loss
 
 def save_final_model(cfg, accelerator, final, ema, step: int, run_dir: Path) -> Path:
     """The trained model in the pipeline's format at ``<run_dir>/final/<transformer folder>`` (with EMA the
-    averaged weights, a LoRA merged in, as in a checkpoint), written atomically, then ``final/finished.json``.
+    averaged weights, a LoRA merged in, as in a checkpoint) and a LoRA run's adapters in diffusers' format at
+    ``final/lora`` (:func:`pipelines.lora.save_lora`), written atomically, then ``final/finished.json``.
     Never pruned by ``checkpoint.keep``."""
     folder = cfg.model.expert or "transformer"
     path = ckpt.final_model_dir(run_dir, folder)
@@ -798,8 +896,12 @@ def save_final_model(cfg, accelerator, final, ema, step: int, run_dir: Path) -> 
         ckpt.record_final(run_dir, folder)
         with ema.swapped_in(final) if ema is not None else contextlib.nullcontext():
             save_model_for_pipeline(final, path, cfg.train.trainable == "lora")
+        if cfg.train.trainable == "lora":
+            adapters = save_lora(final, run_dir / ckpt.FINAL / ckpt.LORA, lora_info(cfg, step))
         ckpt.write_finished(run_dir, step, folder)
         accelerator.print(f"final model (step {step}): {path}")
+        if cfg.train.trainable == "lora":
+            accelerator.print(f"LoRA adapters (diffusers' load_lora_weights format): {adapters}")
     accelerator.wait_for_everyone()
     return path
 
@@ -953,7 +1055,8 @@ def save(
             trainable = {
                 n: p.detach().contiguous() for n, p in unwrapped.named_parameters() if "lora_" in n or ".attn1." in n
             }
-            save_file(trainable, tmp / "trainable.safetensors")
+            save_file(trainable, tmp / "trainable.safetensors")  # what a resume loads (peft's names)
+            save_lora(unwrapped, tmp / ckpt.LORA, lora_info(cfg, step))  # what diffusers loads
         ckpt.save_state(
             {
                 "step": step,

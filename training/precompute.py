@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 import torch
+from omegaconf import ListConfig, OmegaConf
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
@@ -73,8 +74,18 @@ def cache_record(cfg, images: bool = False) -> dict:
     for key in ("layout", "video_column", "caption_column"):  # which manifest and columns: recorded when set
         if cfg.data.get(key) not in (None, "auto"):
             data[key] = cfg.data.get(key)
+    # what else shapes a folder's samples: recorded when set (a record written before these keys matches without)
+    for key, default in (("trigger_word", None), ("fps", None), ("min_frames", None), ("repeats", 1), ("extra", [])):
+        value = cfg.data.get(key, default)
+        value = OmegaConf.to_container(value) if isinstance(value, ListConfig) else value
+        if value != default:
+            data[key] = value
     if images:
         data.update(num_frames=1, num_samples=cfg.data.image_num_samples or cfg.data.num_samples, images=True)
+        if cfg.data.source == "folder":  # a folder of images: that folder, not the clips' settings
+            data.update(image_path=cfg.data.image_path, num_samples=None, frame_stride=1)
+            for key in ("path", "layout", "video_column", "caption_column", "fps", "min_frames", "repeats", "extra"):
+                data.pop(key, None)
     if cfg.data.source == "synthetic":  # the world's values where the config leaves them to it
         from training.data import synthetic_world
 
@@ -125,8 +136,9 @@ def _main(argv) -> int:
     p.add_argument(
         "--images",
         action="store_true",
-        help="write the one-frame images of joint image-video training (data.image_num_samples stills of the "
-        "synthetic world) instead of the clips; training reads them as data.image_path",
+        help="write the one-frame images of joint image-video training instead of the clips: data.image_num_samples "
+        "stills of the synthetic world, or with data.source=folder the images of data.image_path (a folder of "
+        "images with captions); training reads the cache as data.image_path with data.source=cache",
     )
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
@@ -136,10 +148,15 @@ def _main(argv) -> int:
     # are not this command's
     overrides = [*args.overrides, "data.image_ratio=0", "data.image_path=null"] if args.images else args.overrides
     cfg = load_config(args.config, overrides)
+    if args.images and cfg.data.source == "folder":  # there data.image_path is the folder of images to encode
+        cfg = load_config(args.config, [*args.overrides, "data.image_ratio=0"])
     if cfg.data.source == "cache":
         raise ValueError("data.source=cache: precompute reads videos (data.source folder or synthetic)")
-    if args.images and cfg.data.source != "synthetic":
-        raise ValueError(f"--images: images are stills of the synthetic world; data.source={cfg.data.source!r}")
+    if args.images and cfg.data.source == "folder" and not cfg.data.image_path:
+        raise ValueError(
+            "--images with data.source=folder reads data.image_path (a folder of .png/.jpg/.webp images with a .txt "
+            "caption beside each, or a manifest); expected data.image_path=DIR"
+        )
     resolve_output_folder(args.out)  # a file or a symlink loop on the way: named before any work
     stale = stale_cache(args.out, cfg, args.images)
     if stale:
@@ -182,11 +199,13 @@ def _main(argv) -> int:
                 item = load_or_skip(i)  # an unreadable video is left out (and counted), never replaced by another
                 if item is not None:
                     chunk.append((i, item))
-            if chunk:
-                # every dataset gives (3, data.num_frames, data.height, data.width): one stack
-                latents = encoder.latents(torch.stack([item["video"] for _, item in chunk]))
-                text = encoder.text([item["caption"] for _, item in chunk])
-                for k, (i, item) in enumerate(chunk):
+            # clips of one shape are one stack: (3, data.num_frames, data.height, data.width), and with
+            # data.min_frames the shorter lengths, each its own
+            for shape in sorted({tuple(item["video"].shape) for _, item in chunk}, reverse=True):
+                same = [(i, item) for i, item in chunk if tuple(item["video"].shape) == shape]
+                latents = encoder.latents(torch.stack([item["video"] for _, item in same]))
+                text = encoder.text([item["caption"] for _, item in same])
+                for k, (i, item) in enumerate(same):
                     name = f"sample_{i:07d}.safetensors"
                     _atomic_save({"latents": latents[k], "text": text[k]}, out / name, {"caption": item["caption"]})
                     items[i] = {"file": name, "caption": item["caption"]}

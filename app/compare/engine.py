@@ -4,9 +4,8 @@ in one place, :func:`_generate`."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import os
-import queue
 import re
 import shutil
 import tempfile
@@ -21,6 +20,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from common.interleave import (  # noqa: F401 - RunCancelled, machine_load: the page's names too
+    PairedSpeedup,
+    RunCancelled,
+    StepClock,
+    machine_load,
+    paired_steps,
+    step_speedup,
+    take_turns,
+)
 from common.timing import Spread, Timing, device_name, spread
 from common.video import to_uint8, write_mp4
 from pipelines import VARIANTS, GenerationRequest, model_request
@@ -29,7 +37,6 @@ from pipelines.caching import cached
 from pipelines.pipeline import generate
 
 from .. import quality
-from ..interleave import PairedSpeedup, Turns, paired_speedup
 from ..models import AppModels
 from .request import CompareRequest, preset_tokens
 
@@ -71,9 +78,9 @@ class VariantRun:
 
     @property
     def paired_steps(self) -> list[float]:
-        """The steps that enter the paired speedups: each run's first step is a warm-up (new shapes, cold
-        caches) and is left out, unless it is the only one."""
-        return [s for t in self.timings for s in t.warm_steps]
+        """The steps that enter the paired speedups (:func:`common.interleave.paired_steps`: each run's first
+        step is a warm-up and is left out, unless it is the only one)."""
+        return paired_steps(self.timings)
 
     def stage(self, name: str) -> Spread:
         """A stage's seconds over the repeats: ``total``, ``text_encoding``, ``denoising``, ``vae_decode``,
@@ -114,14 +121,12 @@ class CompareResult:
 
     def speedups(self, run: VariantRun) -> tuple[PairedSpeedup | None, float | None]:
         """``(denoising, end_to_end)`` of ``run`` over flash: per denoising step from the paired steps
-        (:func:`app.interleave.paired_speedup`), and flash's median end-to-end time over the variant's."""
+        (:func:`common.interleave.step_speedup`, the CLI's rule too), and flash's median end-to-end time over the
+        variant's."""
         flash = self.run(SOFTMAX)
         if not (flash and flash.timings and run.timings) or run is flash:
             return None, None
-        a, b = flash.paired_steps, run.paired_steps
-        n = min(len(a), len(b))
-        den = paired_speedup(a[:n], b[:n]) if n else None
-        return den, flash.stage("total").median / run.stage("total").median
+        return step_speedup(flash.timings, run.timings), flash.stage("total").median / run.stage("total").median
 
     def ranking(self) -> list[VariantRun]:
         """Finished variants, best against the prompt first: by the share of the prompt's attributes shown;
@@ -133,88 +138,6 @@ class CompareResult:
             return (r.degenerate is not None, -shown)
 
         return sorted(done, key=key)
-
-
-def machine_load() -> str:
-    """The 1-minute load average against the cores, e.g. ``load 1.9 on 2 cores`` ('' where unknown)."""
-    try:
-        return f"load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
-    except (OSError, AttributeError):
-        return ""
-
-
-class RunCancelled(Exception):
-    """The user pressed Stop: the run ends before the next transformer call."""
-
-
-class _StepClock:
-    """Times one variant's denoising steps from the transformer's calls, and takes turns with the other
-    variants between steps (:class:`app.interleave.Turns`).
-
-    Forward hooks on the transformer (public torch API): generate() runs diffusers' pipeline, which calls the
-    transformer once per step, twice with classifier-free guidance. A step is timed from its first call's
-    start to its last call's end, so waiting for the turn is never counted. Hooks count only calls from the
-    thread that made them (variants sharing one transformer run one after another, each in its thread).
-    """
-
-    def __init__(self, name, transformer, turns: Turns, per_step: int, interleaved: bool, cancel, on_step):
-        self.name, self.transformer, self.turns = name, transformer, turns
-        self.per_step, self.interleaved, self.cancel, self.on_step = per_step, interleaved, cancel, on_step
-        self.thread = threading.get_ident()
-        self.begin()
-
-    def begin(self):
-        self.calls, self.steps, self.first, self.last, self._t = 0, [], 0.0, 0.0, 0.0
-
-    def __enter__(self):
-        self.thread = threading.get_ident()
-        self._hooks = [
-            self.transformer.register_forward_pre_hook(self._before),
-            self.transformer.register_forward_hook(self._after),
-        ]
-        return self
-
-    def __exit__(self, *exc):
-        for h in self._hooks:
-            h.remove()
-
-    def check(self):
-        if self.cancel is not None and self.cancel.is_set():
-            raise RunCancelled
-
-    def _before(self, _module, _args):
-        if threading.get_ident() != self.thread:
-            return
-        if self.calls % self.per_step == 0:
-            if self.calls and self.interleaved:  # a step is done: the next variant's turn
-                self.turns.done(self.name)
-                self.turns.wait(self.name)
-            self.check()
-            self._t = time.perf_counter()
-            if not self.calls:
-                self.first = self._t
-            self.on_step(self.name, len(self.steps), False)
-        else:
-            self.check()
-
-    def _after(self, _module, _args, _out):
-        if threading.get_ident() != self.thread:
-            return
-        self.calls += 1
-        if self.calls % self.per_step == 0:
-            self.last = time.perf_counter()
-            self.steps.append(self.last - self._t)
-            self.on_step(self.name, len(self.steps), True)
-
-    def timing(self, t: Timing, start: float, end: float) -> Timing:
-        """generate()'s timing with the stages as this variant's own compute: its steps as timed here, text
-        encoding up to its first step, VAE decoding after its last (no time spent waiting for its turn)."""
-        t = replace(t, steps=list(self.steps))
-        t.denoising = sum(self.steps)
-        t.text_encoding = self.first - start
-        t.vae_decode = end - self.last
-        t.total = t.text_encoding + t.denoising + t.vae_decode
-        return t
 
 
 def _error_text(e: BaseException, models: AppModels, request: CompareRequest) -> str:
@@ -427,15 +350,17 @@ class Warmup:
             )
         if self.done:
             return ""
-        since = 0.0 if self.started is None else time.monotonic() - self.started
+        # seconds only once it has started and only as they are: the page is built before start() and served
+        # seconds later, and a "0 s so far" baked into it stayed until the first refresh, then jumped
+        since = "" if self.started is None else f"{time.monotonic() - self.started:.0f} s so far; "
         if not self.loaded:
             return (
-                f"**Loading the model** in the background ({since:.0f} s so far; a warm-up follows). The page "
-                "works now: pick an example, write a prompt; Generate waits for the model."
+                f"**Loading the model** in the background ({since}a warm-up follows). The page works now: pick an "
+                "example, write a prompt; Generate waits for the model."
             )
         return (
-            f"**Warming up** in the background ({since:.0f} s so far: one step per variant and one decode, so "
-            "that no run pays for cold caches). The page works now; Generate waits for the warm-up to finish."
+            f"**Warming up** in the background ({since}one step per variant and one decode, so that no run pays "
+            "for cold caches). The page works now; Generate waits for the warm-up to finish."
         )
 
 
@@ -470,7 +395,7 @@ def iter_compare(
     """Runs the chosen variants with the same seed and yields a snapshot of the result each time one is
     done (the page fills its column at once); writes one mp4 per variant and one side by side.
 
-    The variants take turns, one denoising step each, round-robin (:class:`app.interleave.Turns`), so a
+    The variants take turns, one denoising step each, round-robin (:func:`common.interleave.take_turns`), so a
     change of machine load hits all of them alike and step ``k`` of each variant pairs with flash's step
     ``k`` for the speedup's interval. Variants that share one transformer (converted in place at each run)
     cannot interleave: they run one after another (``CompareResult.interleaved`` is then False). No warm-up
@@ -494,8 +419,6 @@ def iter_compare(
         load=machine_load(),
         speed=models.speed,
     )
-    turns = Turns(names)
-    events: queue.Queue = queue.Queue()
     per_step = 2 if request.guidance_scale > 1.0 else 1  # WanPipeline: conditional and unconditional calls
     steps = request.num_inference_steps
     total = len(names) * request.repeats * steps
@@ -518,66 +441,58 @@ def iter_compare(
         again = f" (repeat {repeat + 1}/{request.repeats})" if request.repeats > 1 else ""
         report(f"{name}{again}: denoising step {k + 1}/{steps}{where}")
 
-    def work(name: str) -> None:
+    def work(name: str, clock: StepClock) -> VariantRun:
         vm = models.variants[name]
         run = VariantRun(name, vm.note, vm.kind)
-        outcome = "done"
         try:
-            turns.wait(name)
             repeat = [0]
-            clock = _StepClock(
-                name,
-                vm.transformer,
-                turns,
-                per_step,
-                interleaved,
-                cancel,
-                lambda n, k, f: on_step(n, k, f, repeat[0]),
-            )
-            with clock:
-                for r in range(request.repeats):
-                    clock.check()
-                    repeat[0] = r
-                    clock.begin()
-                    start = time.perf_counter()
-                    out = _generate(models, request, name, steps)
-                    run.timings.append(clock.timing(out.timing, start, time.perf_counter()))
+            clock.on_step = lambda n, k, f: on_step(n, k, f, repeat[0])
+            for r in range(request.repeats):
+                clock.check()
+                repeat[0] = r
+                clock.begin()
+                start = time.perf_counter()
+                out = _generate(models, request, name, steps)
+                run.timings.append(clock.timing(out.timing, start, time.perf_counter()))
             clock.check()
             report(f"{name}: writing video")
             # here, in this variant's turn, not in the consumer's thread: there it would slow the next
             # variant's VAE decode (measured: the later a variant decoded, the slower)
             videos[name] = _video_tail(models, request, run, out.frames, run_dir, fps, videos.get(SOFTMAX))
         except RunCancelled:
-            outcome = "cancelled"
+            raise
         except Exception as e:  # noqa: BLE001 - one variant's failure must not lose the others' results
             run.error = _error_text(e, models, request)
             run.timings = []
             if models.device.type == "cuda":
                 torch.cuda.empty_cache()  # give the next variant (and request) the memory back
-        finally:
-            turns.leave(name)
-            events.put((outcome, run))
+        return run
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_UNTRAINED, category=UserWarning)
-        threads = [threading.Thread(target=work, args=(n,), name=f"compare-{n}", daemon=True) for n in names]
-        for t in threads:
-            t.start()
-        try:
-            for _ in names:
-                outcome, run = events.get()
-                if outcome == "cancelled":
+        # the shared rule (common.interleave, the CLI's too): a thread per variant, one step each in turn
+        outcomes = take_turns(
+            names,
+            lambda n: models.variants[n].transformer,
+            work,
+            per_step,
+            interleaved,
+            cancel,
+            device=models.device,
+            thread_name="compare",
+        )
+        with contextlib.closing(outcomes):  # the consumer went away: the variants' threads end too
+            for outcome in outcomes:
+                if outcome.cancelled:
                     result.stopped = True
                     continue
+                if outcome.error is not None:  # work() keeps a variant's own failure; anything else is the run's
+                    raise outcome.error
+                run = outcome.value
                 result.runs = sorted([*result.runs, run], key=lambda r: names.index(r.variant))
                 if not result.stopped:
                     _agreement(result, videos)
                     yield replace(result, runs=list(result.runs))
-        finally:
-            if cancel is not None and any(t.is_alive() for t in threads):
-                cancel.set()  # the consumer went away: end the variants' threads too
-            for t in threads:
-                t.join()
     _agreement(result, videos)
     if len(videos) > 1 and not result.stopped:
         report("writing the side-by-side video")

@@ -5,11 +5,11 @@ from __future__ import annotations
 import logging
 import math
 
+from common.interleave import NOISY, PairedSpeedup, median_rank, speedup_text
 from common.timing import Timing
 from pipelines.attention import SOFTMAX
 
 from .. import quality
-from ..interleave import NOISY, PairedSpeedup
 from .engine import VARIANT_COLOURS, CompareResult, VariantRun
 
 log = logging.getLogger(__name__)
@@ -31,9 +31,8 @@ def _ms(seconds: float) -> str:
 
 
 def _speedup(x: PairedSpeedup | None) -> str:
-    if x is None:
-        return "-"
-    return x.text() + (" noisy" if x.noisy else "")
+    """The table's cell, worded as the CLI's (:func:`common.interleave.speedup_text`)."""
+    return speedup_text(x)
 
 
 def agreement_text(run: VariantRun) -> str:
@@ -185,7 +184,8 @@ def noise_warning(result: CompareResult) -> str | None:
     for r in result.runs:
         den, _ = result.speedups(r)
         if den is not None and den.noisy:
-            noisy.append(f"{r.variant} (±{den.half_width:.0%})" if den.n > 1 else f"{r.variant} (one pair)")
+            few = "one pair" if den.n < 2 else f"{den.n} pairs, too few for one"
+            noisy.append(f"{r.variant} ({den.width_text if median_rank(den.n) else few})")
     parts = []
     if noisy:
         parts.append(f"the 95% intervals of {', '.join(noisy)} are wider than ±{NOISY:.0%}")
@@ -299,8 +299,11 @@ def speedup_figure(result: CompareResult):
         )  # fmt: skip
     ax.set_ylabel("ms per denoising step", fontsize=11, color=CHART_INK)
     noisy = any((d := result.speedups(r)[0]) is not None and d.noisy for r in done)
-    title = "step latency (median; label: speedup vs flash" + ("; ? = noisy, interval over ±10%)" if noisy else ")")
-    ax.set_title(title, fontsize=10 if noisy else 11, color=CHART_INK)
+    # two lines when noisy: on one, "...; ? = noisy, interval over ±10%)" ran past the figure's edge and was cut
+    title = "step latency (median; label: speedup vs flash)"
+    if noisy:
+        title += f"\n? = noisy: the 95% interval is wider than ±{NOISY:.0%}"
+    ax.set_title(title, fontsize=10, color=CHART_INK)
     ax.tick_params(colors=CHART_INK, labelsize=11)
     for spine in ax.spines.values():
         spine.set_color(CHART_INK)

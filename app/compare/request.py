@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from common.interleave import MAX_REPEATS  # the page's Repeats and the CLI's --repeats
 from common.timing import device_name
 from pipelines import VARIANTS
 from pipelines.attention import MHLA, MHLA_VARIANTS
@@ -37,7 +38,6 @@ PRESETS = (
 CPU_MAX_TOKENS = 8192
 MAX_STEPS = 100
 MAX_GUIDANCE = 30.0
-MAX_REPEATS = 10
 MAX_PROMPT_CHARS = 2000  # the text encoder reads at most a few hundred tokens; more is a mistake or abuse
 
 

@@ -76,3 +76,22 @@ def test_the_live_table_names_the_machine_that_measured_it():
     result.measured = "measured on cpu (4 cores), load 1.0, 2026-11-25"
     assert "2026-11-25" in table_device(result) and "live" not in table_device(result)
     assert table_device(compare.CompareResult(SimpleNamespace(), [], "cpu")) == ""
+
+
+def test_a_command_wrapped_over_several_readme_lines_is_shown_whole(tmp_path):
+    """Issue 52 (6): the panel cut the compiled-blocks command to its first line."""
+    tables = {t.file: t for t in gpu_results.load()}
+    compiled = tables["h100-2026-11-26b/wan_step_1.3b_compiled-blocks_h100_20261126.json"]
+    tail = "--passes fwd --variants flash,mhla,linear,mhla-hybrid --softmax-backend sdpa_cudnn --compile blocks --warmup 1 --repeats 3"
+    assert f"--sizes 81x480x800 {tail}`" in compiled.how
+    assert tail in gpu_results.table_markdown(compiled)
+    # an item ends at the next bullet or an unindented line: the next file's words are not taken along
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "wan_step_gpu.json").write_text(H100.read_text())
+    (folder / "README.md").write_text(
+        "Intro line.\n\n- `wan_step_gpu.json`: `python -m benchmarks.wan_step --config 1.3b\n  --repeats 3`: forward.\n"
+        "- `other.json`: something else\nA paragraph.\n"
+    )
+    (table,) = gpu_results.load(tmp_path)
+    assert table.how == "`wan_step_gpu.json`: `python -m benchmarks.wan_step --config 1.3b --repeats 3`: forward."

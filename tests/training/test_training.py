@@ -413,7 +413,8 @@ def test_a_new_run_never_starts_over_an_earlier_one(tmp_path):
     run = tmp_path / "run"
     finetune(run, "train.steps=4", "checkpoint.every=2")
     before = (run / "metrics.jsonl").read_text()
-    again = finetune(run, "train.steps=2", "checkpoint.every=1", check=False)
+    # overwrite=false: the smoke config itself replaces its last run (configs/finetune/tiny.yaml), a run's default does not
+    again = finetune(run, "train.steps=2", "checkpoint.every=1", "overwrite=false", check=False)
     assert again.returncode == 2
     assert f"run_dir {str(run)!r} already holds a run (checkpoints up to step 4)" in again.stderr
     assert "resume=latest" in again.stderr and "overwrite=true" in again.stderr
