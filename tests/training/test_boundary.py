@@ -56,7 +56,7 @@ FINETUNE_TABLE = [
     ["checkpoint.keep=-1"],
     ["resume=/no/such/checkpoint"],
     ["data.source=folder", "data.path={root}/latin1"],  # a latin-1 manifest
-    ["run_dir={root}/run"],  # an earlier run, no resume
+    ["run_dir={root}/run", "overwrite=false"],  # an earlier run, no resume (the tiny config itself overwrites)
     ["no_such_key=1"],
     ["train.seed=99999999999999999999999"],
     ["train.seed=9999999999999999999"],  # fits no 64-bit generator: failed after the model loaded
