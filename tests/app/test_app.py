@@ -527,6 +527,7 @@ def test_random_wan_architectures_have_one_config_table():
     assert {k: CONFIGS[k] for k in WAN_CONFIGS} == WAN_CONFIGS and set(CONFIGS) == {"1.3b", "14b", "tiny", "builtin"}
 
 
+@pytest.mark.slow  # over a second on a quiet 2-core CPU: out of the fast tier (issue 51)
 def test_stored_example_results_round_trip(models, tmp_path):
     """What ``run_app.py --store-examples`` writes, the page reads back: the same table, small videos."""
     folder = tmp_path / "examples"
@@ -547,6 +548,7 @@ def test_stored_example_results_round_trip(models, tmp_path):
     assert compare.load_stored(None) == {} and compare.load_stored(tmp_path / "nothing") == {}
 
 
+@pytest.mark.slow  # over a second on a quiet 2-core CPU: out of the fast tier (issue 51)
 def test_storing_examples_that_fails_part_way_keeps_the_stored_results(models, tmp_path, monkeypatch):
     """``--store-examples`` stopped or failing on its second prompt: the earlier store, its videos and a file of
     one's own stay as they were; a complete run replaces the store and keeps that file."""
@@ -662,6 +664,7 @@ def test_a_stored_example_says_it_is_stored(models, tmp_path):
     assert "Stored example, not a run of yours" in label and "2026-11-25" in label and '"a fox"' in label
 
 
+@pytest.mark.slow  # over a second on a quiet 2-core CPU: out of the fast tier (issue 51)
 def test_a_stored_example_opens_with_its_side_by_side_video(models, tmp_path):
     """Issue 38 (6): the stored examples' side-by-side panel was empty (the store keeps only each variant's
     video); the page makes it from them the first time the example is shown."""

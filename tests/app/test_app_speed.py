@@ -33,6 +33,7 @@ def _frames(models, variant: str, cache=None, compile="none") -> np.ndarray:
         models.cache, models.compile = None, "none"
 
 
+@pytest.mark.slow  # over a second on a quiet 2-core CPU: out of the fast tier (issue 51)
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_the_apps_cache_gives_the_uncached_video_until_it_triggers(models, variant):
     plain = _frames(models, variant)

@@ -23,6 +23,9 @@ from pathlib import Path
 
 import pytest
 
+# each test runs the GPU script's bash (dry) in a subprocess, 1-12 s each: the slow tier (issue 51's fast tier)
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "run_gpu.sh"
 

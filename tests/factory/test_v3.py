@@ -218,6 +218,7 @@ def test_word_attention_splits_every_layers_weights_over_the_caption_roles(tmp_p
     assert per["shape"] == per["colour"] == per["end"] == 1.0 and per["padding"] > 0
 
 
+@pytest.mark.slow  # over a second on a quiet 2-core CPU: out of the fast tier (issue 51)
 def test_save_vae_keeps_float16_weights_measured_statistics_and_its_step(tmp_path, monkeypatch):
     from safetensors.torch import load_file
 

@@ -166,6 +166,7 @@ def test_forward_and_gradients_match_reference(gen, budget, grid, blocks, normal
 SWEEP_DRAWS = int(os.environ.get("MHLA_SWEEP_DRAWS", "1"))  # fresh draws per case; raise it for a long sweep
 
 
+@pytest.mark.slow  # over a second on a quiet 2-core CPU: out of the fast tier (issue 51)
 def test_randomized_sweep_reports_near_misses(monkeypatch, capsys):
     """Fresh random draws of every layout, normalizer and RoPE setting (chunk budget 7): an error over a tenth
     of its tolerance is reported with its seed (a warning and a printed line), never failed, since a draw can

@@ -102,6 +102,7 @@ def _frames(path: Path) -> np.ndarray:
     return np.load(path)
 
 
+@pytest.mark.slow  # over a second on a quiet 2-core CPU: out of the fast tier (issue 51)
 @pytest.mark.parametrize("mode", ["group", "sequential"])
 def test_the_cli_offloads_and_tiles_and_gives_the_plain_video(mode, tmp_path, capsys):
     """Two variants in one call (the second conversion adds MHLA's parameters under the hooks)."""

@@ -141,6 +141,7 @@ def test_stray_pixels_do_not_change_the_shape():
     assert classify_shape(circle | ((abs(xx - 12) <= 10) & (abs(yy - 32) <= 10))) == "square"
 
 
+@pytest.mark.slow  # over a second on a quiet 2-core CPU: out of the fast tier (issue 51)
 def test_a_ragged_rim_does_not_make_a_square_a_circle():
     # seen on a fresh draw (seed 107346978, 64x80): a small blue square on a checkered background whose
     # anti-aliased edge pixels pass the colour test over the dark cells only; two of them below and two to
@@ -285,6 +286,7 @@ def test_attribute_verdict_of_a_drawn_square():
     assert attribute_verdict(frames, "a fox in the snow") is None
 
 
+@pytest.mark.slow  # over a second on a quiet 2-core CPU: out of the fast tier (issue 51)
 def test_second_world_clips_score_perfectly_and_a_cyan_fringe_is_not_an_object():
     from world.synthetic import WORLDS, generate_sample
 

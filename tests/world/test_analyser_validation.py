@@ -25,6 +25,7 @@ def _disc_like_blob(h=64, w=80, seed=0) -> np.ndarray:
     return dist <= 14 * (1 + wobble)
 
 
+@pytest.mark.slow  # over a second on a quiet 2-core CPU: out of the fast tier (issue 51)
 @pytest.mark.parametrize("world_name, size", [("v3", (9, 64, 80)), ("v1", (17, 128, 160))])
 def test_every_rendered_clip_is_read_right(world_name, size):
     """Every shape in every colour, motion and background of the world, rendered as the training data is."""
