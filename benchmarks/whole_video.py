@@ -395,7 +395,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "model": components.source,
         # the product knows its tiny models; benchmarks.random_model's folders say so in their marker file
         "random_weights": components.random_weights or _random_folder(args.model),
-        "model_built_s": None if built_s is None else round(built_s, 1),
+        "model_built_s": None if built_s is None else round(built_s, 3),
         "load_s": round(load_s, 1),
         "size": "x".join(map(str, size)),
         "grid": "x".join(map(str, grid)),
