@@ -96,7 +96,9 @@ def test_builds_the_random_folder_when_missing_then_reuses_it(tmp_path):
     record = whole_video.main(args)
     assert (folder / "RANDOM_WEIGHTS.txt").is_file() and (folder / "model_index.json").is_file()
     meta = record["meta"]
-    assert meta["model_built_s"] is not None and meta["random_weights"] and meta["scheduler"] == "UniPCMultistepScheduler"
+    assert (
+        meta["model_built_s"] is not None and meta["random_weights"] and meta["scheduler"] == "UniPCMultistepScheduler"
+    )
     assert meta["flow_shift"] == 3.0 and meta["guidance"] == 5.0  # the folder's: Wan's defaults
     (r,) = record["runs"]
     assert "skipped" not in r and r["total_s"] > 0
