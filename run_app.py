@@ -181,7 +181,7 @@ def _main(argv) -> int:
         print(f"model loaded in {time.monotonic() - started:.1f} s (in the background); warming up", flush=True)
         return models
 
-    from app.ui import CSS, QUEUE_SIZE, THEME, build_demo
+    from app.ui import CSS, QUEUE_SIZE, SESSIONS_KEPT, THEME, build_demo
 
     warmup = Warmup.loading(load)
     demo = build_demo(facts, max_tokens=max_tokens, max_bench_tokens=max_bench, warmup=warmup)
@@ -204,6 +204,7 @@ def _main(argv) -> int:
         ssr_mode=False,
         footer_links=["api", "settings"],
         prevent_thread_lock=True,  # returns once the server answers: then the models load
+        state_session_capacity=SESSIONS_KEPT,  # each tab's page state in memory: the last 64, not gradio's 10,000
     )
     warmup.start()
     print("loading the model and warming up in the background (runs wait for them)", flush=True)

@@ -69,6 +69,10 @@ PERMALINK_JS = """
 }
 """
 QUEUE_SIZE = 16  # requests waiting at most; more are refused with gradio's "queue is full"
+# browser sessions (a tab, each page load) whose page state gradio keeps in memory, the least recently used dropped
+# (launch's state_session_capacity): gradio's default keeps 10,000, about 0.3 MB each with this page, never freed
+# otherwise (3 GB on a server left up; the soak test found it). The app keeps nothing of its own in them.
+SESSIONS_KEPT = 64
 POLL_SECONDS = 0.5  # how often the status line is refreshed while a run is going
 # the shortest wait for the run's next event, whatever POLL_SECONDS says: a loop that never blocks would yield a page
 # per turn and starve the worker thread of the GIL (a test with POLL_SECONDS = 0 grew to 24 GB that way)
@@ -381,7 +385,8 @@ class GuardedBlocks(gr.Blocks):
     """``gr.Blocks`` whose every refused input reaches the client as one sentence and the server's log as one
     ``refused input:`` line, whichever layer refuses it: gradio refuses a file path that was not uploaded through
     the page before the handlers (and :mod:`app.inputs`) see it, with a ValueError the client gets as
-    ``{"error": null}`` and a traceback in the log per request."""
+    ``{"error": null}`` and a traceback in the log per request. A session's page state keeps the page's components
+    once each, not one more per run (:func:`_drop_fresh_ids`)."""
 
     async def preprocess_data(self, block_fn, inputs, state, explicit_call=False):
         try:
@@ -394,6 +399,24 @@ class GuardedBlocks(gr.Blocks):
             raise _refused(
                 f"{which} is not an upload of this page (it names a file on the server); upload it again"
             ) from None
+
+    async def postprocess_data(self, block_fn, predictions, state):
+        try:
+            return await super().postprocess_data(block_fn, predictions, state)
+        finally:
+            _drop_fresh_ids(state, self.default_config.blocks)
+
+
+def _drop_fresh_ids(state, page_blocks: dict) -> None:
+    """gradio (6.31) keeps a component that a handler updated (``gr.skip()`` counts) in the session's state under its
+    new instance's fresh id as well as the page's id, and never drops it: a session grew by about 13 components
+    (~0.15 MB) a run (the soak test found it). The entries under ids the page does not have are dropped here; a
+    gradio without these attributes is left alone."""
+    config = getattr(state, "blocks_config", None)
+    for table in (getattr(config, "blocks", None), getattr(state, "config_values", None)):
+        if isinstance(table, dict):
+            for key in [k for k in table if k not in page_blocks]:
+                del table[key]
 
 
 def _names_a_file(value) -> bool:

@@ -12,6 +12,12 @@ if not torch.cuda.is_available():
 
 
 def pytest_collection_modifyitems(config, items):
+    from tests.reliability import probe_of
+
+    for item in items:  # the fault-injection probes (tests/reliability/__init__.py): selected by -m reliability
+        kind = probe_of(item.nodeid)
+        if kind is not None:
+            item.add_marker(pytest.mark.reliability(kind))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -81,6 +87,9 @@ def _watch(limit: int, main_id: int) -> None:
 
 
 def pytest_configure(config):
+    from tests.reliability import Recorder
+
+    config.pluginmanager.register(Recorder(), "reliability-recorder")  # the probes' table, at the end of the session
     if not os.path.exists("/proc/self/statm") or threading.current_thread() is not threading.main_thread():
         return  # the guard needs Linux's /proc and the main thread's signal handler
     signal.signal(signal.SIGUSR2, _on_limit)
@@ -94,3 +103,18 @@ def pytest_runtest_protocol(item, nextitem):
         yield
     finally:
         _current_test["name"] = None
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """The fault-injection probes' table (tests/reliability) when the session ran some of them, the fast ones run as
+    one suite by tests/reliability/test_suite.py included."""
+    from tests.reliability import OUT_ENV, SUITE_ROWS, table
+
+    recorder = config.pluginmanager.get_plugin("reliability-recorder")
+    rows = [*SUITE_ROWS, *(recorder.rows.values() if recorder else [])]
+    if recorder is not None and os.environ.get(OUT_ENV):
+        rows += recorder.missing()  # the runner collected every probe module: a name not found is missing
+    if rows:
+        terminalreporter.write_sep("=", "reliability probes (tests/reliability)")
+        for line in table(rows).splitlines():
+            terminalreporter.write_line(line)
