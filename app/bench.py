@@ -23,7 +23,7 @@ import torch
 import mhla
 from common.outputs import write_text_atomic
 from common.timing import device_name, time_call
-from pipelines import VARIANTS, convert_self_attention, current_variant
+from pipelines import VARIANTS
 from pipelines.attention import SOFTMAX
 
 from . import inputs
@@ -159,9 +159,9 @@ def transformer_rows(models: AppModels, grids, variants=VARIANTS, warmup=1, repe
                 rows.append(row)
                 continue
             try:
-                if current_variant(tr) != name:
+                if tr.conversion.variant != name:
                     # the shared base transformer switches in place, as generate() does at each run
-                    convert_self_attention(tr, name)
+                    tr.convert(name)
                 row["ms"] = time_call(_forward(tr, grid, device), device, warmup, repeats).median * 1e3
             except (RuntimeError, torch.OutOfMemoryError, ValueError) as e:
                 row["note"] = "out of memory" if _oom(e) else str(e).splitlines()[0][:120]

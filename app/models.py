@@ -24,13 +24,11 @@ from pipelines import (
     latent_grid,
     load_components,
     load_transformer,
-    resolve_model_blocks,
 )
 from pipelines.attention import LINEAR, MHLA, SOFTMAX
-from pipelines.builtin import BUILTIN_DIR, builtin_examples
-from pipelines.convert import attention_options, model_blocks
+from pipelines.conversion import CONFIG_KEY, Conversion
 from pipelines.loading import WAN_CONFIGS, build_random_wan
-from pipelines.model_dir import ModelIndex
+from pipelines.model_dir import BUILTIN_DIR, ModelIndex, builtin_examples
 
 STORED_SUBDIR = "examples"  # beside the model's components: the example prompts' precomputed results
 CONVERTED_NOTE = "converted, not fine-tuned: latency is real, quality is not"
@@ -174,10 +172,10 @@ class AppModels(_ModelQuestions):
 
     def num_blocks(self, grid, variant: str = MHLA) -> int:
         """The M that ``generate()`` runs ``variant`` (an MHLA variant) with on ``grid``, by the same rule
-        (:func:`pipelines.resolve_model_blocks`): the transformer's own layout when it has MHLA parameters, else
-        the default with the model's block shape; shrunk to fit the grid."""
+        (the model's ``resolve_blocks``): the transformer's own layout when it has MHLA parameters, else the default
+        with the model's block shape; shrunk to fit the grid."""
         transformer = self.variants[variant].transformer
-        return resolve_model_blocks(transformer, grid, block_shape=self.components.block_shape).layout.num_blocks
+        return transformer.resolve_blocks(grid, block_shape=self.components.block_shape).layout.num_blocks
 
 
 @dataclass
@@ -268,19 +266,17 @@ def prepare_converted(components: WanComponents, names: list[str]) -> None:
     whatever preset came first, and a later 31,500-token run would use a tiny run's M. Smaller grids shrink
     the layout to fit (see mhla.resolve_blocks).
     """
-    from pipelines import convert_self_attention
-
     d = components.defaults
     stride = components.vae_stride
     # a two-expert model's second transformer runs every variant too (generate() converts both)
     for transformer in (t for t in (components.transformer, components.transformer_2) if t is not None):
         patch = tuple(transformer.config.patch_size)
         grid = latent_grid(d["height"], d["width"], d["num_frames"], patch, stride)
-        blocks = resolve_model_blocks(transformer, grid, block_shape=components.block_shape).blocks
-        options = attention_options(transformer).replace(blocks=blocks)
+        blocks = transformer.resolve_blocks(grid, block_shape=components.block_shape).blocks
+        options = transformer.conversion.options.replace(blocks=blocks)
         for name in names:
-            convert_self_attention(transformer, LINEAR if name == LINEAR else MHLA, options=options)
-        convert_self_attention(transformer, SOFTMAX, options=options)
+            transformer.convert(LINEAR if name == LINEAR else MHLA, options=options)
+        transformer.convert(SOFTMAX, options=options)
 
 
 def speed_note(compile: str = "none", cache=None) -> str:
@@ -357,15 +353,12 @@ def describe_app_models(
             notes[name], kinds[name] = CONVERTED_NOTE + noise, "converted, random" if random else "converted"
     # the base transformer's own blocks, after prepare_converted gave it the default size's when an MHLA variant
     # shares it (the same rule, on its config)
-    base = SimpleConfig(base_config or {})
     shared = [name for name in VARIANTS if name != SOFTMAX and name not in folders]
-    base_blocks = model_blocks(base)
+    base_blocks = _config_blocks(base_config or {})
     if any(name != LINEAR for name in shared):
         grid = latent_grid(defaults["height"], defaults["width"], defaults["num_frames"], patch, stride)
         base_blocks = mhla.resolve_blocks(grid, None, base_blocks, block_shape).blocks
-    own_blocks = {
-        name: model_blocks(SimpleConfig(configs[name])) if name in configs else base_blocks for name in VARIANTS
-    }
+    own_blocks = {name: _config_blocks(configs[name]) if name in configs else base_blocks for name in VARIANTS}
     if random_weights is not None:
         random_note = (
             f"Wan2.1 {random_weights.upper()} architecture with RANDOM weights: latency is true-size, "
@@ -397,11 +390,10 @@ def describe_app_models(
     )
 
 
-class SimpleConfig:
-    """A transformer's ``config.json`` where the conversion's readers expect the model (they read ``.config``)."""
-
-    def __init__(self, config: dict[str, Any]):
-        self.config = config
+def _config_blocks(config: dict[str, Any]) -> tuple[int, int, int] | None:
+    """The MHLA blocks a transformer's ``config.json`` says it owns (:attr:`pipelines.conversion.Conversion.blocks`),
+    read without loading the model."""
+    return Conversion.from_config(config.get(CONFIG_KEY), int(config.get("num_layers") or 0)).blocks
 
 
 def load_app_models(

@@ -40,7 +40,6 @@ from mhla.layout import parse_grid
 from mhla.triton_ops import tuned_launches
 from pipelines import AttentionOptions, convert_self_attention, set_variant
 from pipelines.attention import HYBRID, LINEAR, MHLA, SOFTMAX, VARIANTS, linear_layers_for
-from pipelines.convert import attention_context
 from pipelines.loading import WAN_CONFIGS
 from pipelines.tiny import TINY_TRANSFORMER
 
@@ -89,16 +88,17 @@ def parse_size(text: str) -> tuple[int, int, int]:
 
 
 def build_transformer(config: dict, device: torch.device, dtype: torch.dtype, seed: int = 0):
-    """A random-weight ``WanTransformer3DModel`` built on ``device`` in ``dtype`` (no float32 copy
-    first, so a 14B model needs only its bf16 size), with diffusers' float32-kept modules in float32."""
-    from diffusers import WanTransformer3DModel
+    """A random-weight Wan transformer (``MHLAWanTransformer3DModel``, unconverted) built on ``device`` in ``dtype``
+    (no float32 copy first, so a 14B model needs only its bf16 size), with diffusers' float32-kept modules in
+    float32."""
+    from pipelines.model import MHLAWanTransformer3DModel
 
     previous = torch.get_default_dtype()
     torch.manual_seed(seed)
     try:
         torch.set_default_dtype(dtype)
         with torch.device(device):
-            model = WanTransformer3DModel(**config)
+            model = MHLAWanTransformer3DModel(**config)
     finally:
         torch.set_default_dtype(previous)
     keep = getattr(model, "_keep_in_fp32_modules", None) or []
@@ -141,7 +141,7 @@ def train_fn(model, inputs):
 
 def attention_breakdown(model, fn, device) -> dict:
     """One run of ``fn`` with the self-attention timers on: ms inside self-attention and outside it."""
-    timer = attention_context(model).timer
+    timer = model.attention_context.timer
     clock = Timer(device)
     timer.reset(enabled=True)
     try:
@@ -229,7 +229,7 @@ def main(argv=None) -> dict:
         compile_transformer(model, args.compile)
         args.no_breakdown = True
     params = sum(p.numel() for p in model.parameters())
-    ctx = attention_context(model)
+    ctx = model.attention_context
     meta = {
         "benchmark": "wan_step",
         **env,

@@ -42,7 +42,7 @@ import torch
 
 from common.outputs import atomic_dir
 from pipelines.attention import SOFTMAX, VARIANTS
-from pipelines.builtin import BUILTIN_BLOCK_SHAPE, BUILTIN_DEFAULTS, BUILTIN_DIR, VARIANTS_SUBDIR
+from pipelines.model_dir import BUILTIN_BLOCK_SHAPE, BUILTIN_DEFAULTS, BUILTIN_DIR, VARIANTS_SUBDIR
 from training import checkpoint as ckpt
 from world.synthetic import BACKGROUNDS, COLOURS, MOTION_PHRASES, SHAPES, SIZES
 

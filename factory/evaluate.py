@@ -45,7 +45,7 @@ from factory import output_path, write_json
 from factory.vae_ceiling import reconstruction_ceiling, to_frames
 from pipelines import BUILTIN_DIR, VARIANTS, GenerationRequest, load_components, load_transformer
 from pipelines.attention import HYBRID, LINEAR, MHLA, SOFTMAX
-from pipelines.builtin import builtin_info
+from pipelines.model_dir import builtin_info
 from pipelines.pipeline import generate
 from training.encoding import Encoder
 from training.flow import FlowMatching

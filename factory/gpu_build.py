@@ -588,12 +588,11 @@ def swap_in_ema(model, ema) -> None:
 def converted(model, variant: str, grid, block_shape):
     """A copy of ``model`` converted to ``variant`` as :func:`training.finetune.build_model` converts: blocks from
     the model's block shape over the training grid, the paper's other attention options, float32."""
-    from pipelines import AttentionOptions, convert_self_attention, resolve_model_blocks
-    from pipelines.convert import clone_transformer
+    from pipelines import AttentionOptions
 
-    copy = clone_transformer(model)
-    blocks = resolve_model_blocks(copy, grid, None, block_shape).blocks
-    convert_self_attention(copy, variant, None, AttentionOptions(blocks=blocks))
+    copy = model.clone()
+    blocks = copy.resolve_blocks(grid, None, block_shape).blocks
+    copy.convert(variant, None, AttentionOptions(blocks=blocks))
     return copy.float()
 
 
@@ -623,7 +622,7 @@ class Record:
         from common.outputs import atomic_write
         from factory.next import _save_half
         from pipelines import save_transformer
-        from pipelines.convert import CONFIG_KEY
+        from pipelines.conversion import CONFIG_KEY
 
         if name not in PARTS:
             raise ValueError(f"part {name!r}: expected one of {tuple(PARTS)}")
@@ -855,7 +854,7 @@ class Build:
     def base(self, cache: Cache, autocast) -> None:
         import torch
 
-        from pipelines import AttentionOptions, convert_self_attention, load_transformer, resolve_model_blocks
+        from pipelines import AttentionOptions, load_transformer
 
         end = self.phase("base", self.phases)
         if end is None:
@@ -866,8 +865,8 @@ class Build:
             model = load_transformer(start, dtype=torch.float32, device=self.device)
             # save_pretrained writes where the weights came from: the repository's path, not this machine's
             model.register_to_config(_name_or_path=repo_path(start))
-            blocks = resolve_model_blocks(model, self.grid, None, self.components.block_shape).blocks
-            convert_self_attention(model, "flash", None, AttentionOptions(blocks=blocks)).float()
+            blocks = model.resolve_blocks(self.grid, None, self.components.block_shape).blocks
+            model.convert("flash", None, AttentionOptions(blocks=blocks)).float()
             stage = Stage("base", s.base_steps, s.base_lr, s.base_warmup, s.base_ema, s.image_ratio)
             log(self.clock, f"base: from {start}, until {end:.0f} s")
             result, ema = train(model, cache, stage, s, end, self.clock, autocast)
@@ -1091,7 +1090,7 @@ def import_build(build_dir: Path, into: Path) -> list[Path]:
 
     from factory.next import MAX_MB, _budget_root
     from pipelines import load_transformer
-    from pipelines.convert import CONFIG_KEY
+    from pipelines.conversion import CONFIG_KEY
 
     into = Path(into)
     data = read_build(Path(build_dir))

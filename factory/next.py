@@ -24,8 +24,8 @@ from pathlib import Path
 
 from factory.build import CONVERSIONS, TRANSFORMER
 from pipelines.attention import SOFTMAX
-from pipelines.builtin import BUILTIN_DIR, VARIANTS_SUBDIR
-from pipelines.convert import CONFIG_KEY
+from pipelines.conversion import CONFIG_KEY
+from pipelines.model_dir import BUILTIN_DIR, VARIANTS_SUBDIR
 
 NEXT_DIR = BUILTIN_DIR.parent / "builtin-next"
 WORK = Path("runs/builtin-v2")

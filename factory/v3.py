@@ -42,7 +42,7 @@ from common.outputs import atomic_dir, atomic_write
 from factory import write_json
 from factory.build import CONVERSIONS, TEXT_ENCODER, TRANSFORMER, build_tokenizer, vae_settings
 from factory.next import NEXT_DIR
-from pipelines.builtin import BUILTIN_DIR, VARIANTS_SUBDIR
+from pipelines.model_dir import BUILTIN_DIR, VARIANTS_SUBDIR
 
 # this design's stage weights, beside the second design's (which stay until this one replaces them)
 NEXT = NEXT_DIR / "v3"

@@ -3,13 +3,18 @@
 Built on diffusers' Wan (``WanTransformer3DModel``, ``AutoencoderKLWan``, UMT5) and the ``mhla`` operator:
 
 - :mod:`pipelines.attention`: the variants as attention processors, and :class:`AttentionOptions`.
-- :mod:`pipelines.convert`: :func:`convert_self_attention` / :func:`set_variant` on a transformer, in place;
-  :func:`resolve_model_blocks`, the block rule (:func:`mhla.resolve_blocks`) with the model's own blocks.
+- :mod:`pipelines.model`: :class:`MHLAWanTransformer3DModel`, the Wan transformer that owns its conversion
+  (``convert``, ``set_variant``, ``conversion``); :func:`convert_self_attention` (a plain diffusers model -> ours),
+  :func:`resolve_model_blocks`, the block rule (:func:`mhla.resolve_blocks`) with the model's own blocks. Imported
+  on first use of one of its names here: it imports diffusers' models (seconds), which ``import pipelines`` does not.
+- :mod:`pipelines.conversion`: :class:`Conversion`, the typed record of a conversion (in a model's config).
 - :mod:`pipelines.loading`: local Wan2.1 directories, the built-in model, transformer save/load.
 - :mod:`pipelines.request`: :class:`GenerationRequest` (checked once, before any model work) and :func:`latent_grid`.
 - :mod:`pipelines.pipeline`: ``generate()`` (one video, timed stage by stage).
 - :mod:`pipelines.cli`: the command line (``python -m pipelines.cli``).
 """
+
+from typing import TYPE_CHECKING
 
 from mhla import resample_mixing  # re-exported: older code imports it from here
 
@@ -23,21 +28,47 @@ from .attention import (
     hybrid_layers,
     variant_spec,
 )
-from .builtin import BUILTIN_DIR, TINY_RANDOM
-from .convert import (
-    convert_self_attention,
-    current_variant,
-    model_blocks,
-    resolve_model_blocks,
-    self_attention_state,
-    set_variant,
-)
+from .conversion import Conversion
 from .loading import WanComponents, load_components, load_transformer, save_transformer
-from .model_dir import check_model_dir
+from .model_dir import BUILTIN_DIR, TINY_RANDOM, check_model_dir
 from .pipeline import GenerationResult, NonFiniteLatentsError, model_request
 from .request import GenerationRequest, latent_grid
 
+if TYPE_CHECKING:
+    from .model import (
+        MHLAWanTransformer3DModel,
+        clone_transformer,
+        convert_self_attention,
+        current_variant,
+        model_blocks,
+        resolve_model_blocks,
+        set_variant,
+    )
+
+# pipelines.model's names, imported when first asked for (PEP 562): that module imports diffusers' models
+_MODEL_NAMES = (
+    "MHLAWanTransformer3DModel",
+    "clone_transformer",
+    "convert_self_attention",
+    "current_variant",
+    "model_blocks",
+    "resolve_model_blocks",
+    "set_variant",
+)
+
+
+def __getattr__(name: str) -> object:
+    if name in _MODEL_NAMES:
+        from . import model
+
+        return getattr(model, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
+    "Conversion",
+    "MHLAWanTransformer3DModel",
+    "clone_transformer",
     "BUILTIN_DIR",
     "MHLA_VARIANTS",
     "GenerationRequest",
@@ -63,6 +94,5 @@ __all__ = [
     "resample_mixing",
     "resolve_model_blocks",
     "save_transformer",
-    "self_attention_state",
     "set_variant",
 ]

@@ -17,9 +17,9 @@ Nothing in a processor's traced path has a Python side effect: the per-call time
 (layout, backend) run in eager mode only, and MHLA / linear attention enter a compiled graph as custom ops
 (:mod:`mhla.compiled`), so ``torch.compile(fullgraph=True)`` sees no graph break.
 
-Processors do not receive the latent-token grid ``(F, H, W)``; a forward pre-hook on the transformer
-records it from ``hidden_states`` ``(B, C, T, H, W)`` into a :class:`SelfAttentionContext` that every
-processor of the model shares (see :mod:`pipelines.convert`).
+Processors do not receive the latent-token grid ``(F, H, W)``; the transformer's ``forward`` records it from
+``hidden_states`` ``(B, C, T, H, W)`` into a :class:`SelfAttentionContext` that every processor of the model shares
+(see :mod:`pipelines.model`).
 """
 
 from __future__ import annotations
@@ -320,8 +320,8 @@ class LinearSelfAttention(nn.Module):
         else:
             if grid is None:
                 raise RuntimeError(
-                    "MHLA needs the latent-token grid (F, H, W) but none was recorded; convert the model with "
-                    "pipelines.convert_self_attention, which installs the hook that records it"
+                    "MHLA needs the latent-token grid (F, H, W) but none was recorded; run it inside an "
+                    "MHLAWanTransformer3DModel (pipelines.convert_self_attention), whose forward records it"
                 )
             out = self.mhla(q, k, v, grid, rope, out_dtype=compute)  # shrinks its layout to a small grid itself
         if self.norm_out is not None:
@@ -384,7 +384,7 @@ class LinearSelfAttention(nn.Module):
 class SelfAttentionContext:
     """State shared by the self-attention processors of one transformer.
 
-    ``grid``: the latent-token grid of the current forward, set by the transformer's pre-hook.
+    ``grid``: the latent-token grid of the current forward, set by the transformer's ``forward``.
     ``timer``: accumulates time inside self-attention when enabled.
     ``softmax_backend``: name of the backend the last softmax layer ran on.
     ``layouts``: the MHLA layout used in the last forward, as text (one entry per distinct layout).
@@ -394,6 +394,11 @@ class SelfAttentionContext:
     timer: AttentionTimer = field(default_factory=AttentionTimer)
     softmax_backend: str | None = None
     layouts: set[str] = field(default_factory=set)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> SelfAttentionContext:
+        # a copied model (MHLAWanTransformer3DModel.clone) gets an empty context of its own: its processors, copied
+        # in the same deepcopy, all point at this one new context (deepcopy's memo), never at the original's
+        return type(self)()
 
 
 class SelfAttentionProcessor:

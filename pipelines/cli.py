@@ -204,9 +204,8 @@ def _preflight(args: argparse.Namespace) -> _Plan:
     FileNotFoundError naming the bad value."""
     from common.video import check_fps, check_output_path, read_image
 
-    from .builtin import TINY_RANDOM
     from .loading import resolve_device, resolve_dtype
-    from .model_dir import ModelDir, check_model_dir, check_transformer_config
+    from .model_dir import TINY_RANDOM, ModelDir, check_model_dir, check_transformer_config
 
     # each file is asked once, in this order: the values alone, the model's files, the variant table, the
     # request's checks, the image, the output paths, the device

@@ -60,12 +60,11 @@ from common.errors import run_cli
 from common.outputs import resolve_output_folder, write_text_atomic
 
 from .attention import HYBRID, MHLA, AttentionOptions, hybrid_layers, variant_spec
-from .convert import convert_self_attention
 from .loading import save_transformer
 from .model_dir import check_finite, check_model_dir, check_weight_files, read_json
 
 if TYPE_CHECKING:
-    from diffusers import WanTransformer3DModel
+    from .model import MHLAWanTransformer3DModel
 
 # The only token grid the authors trained and run at: 81 frames at 480x800 -> 21x30x50 latent tokens.
 OFFICIAL_GRID = (21, 30, 50)
@@ -469,15 +468,15 @@ def plan_import(
 
 def build_transformer(
     plan: ImportPlan, transformer_config: dict[str, Any], tensors: dict[str, torch.Tensor]
-) -> WanTransformer3DModel:
-    """A float32 ``WanTransformer3DModel`` of ``transformer_config`` converted to ``plan.variant`` in the
-    compatibility mode, holding ``tensors`` (checkpoint names); every parameter is checked to be loaded."""
-    from diffusers import WanTransformer3DModel
+) -> MHLAWanTransformer3DModel:
+    """A float32 Wan transformer of ``transformer_config`` converted to ``plan.variant`` in the compatibility mode,
+    holding ``tensors`` (checkpoint names); every parameter is checked to be loaded."""
+    from .model import MHLAWanTransformer3DModel
 
     config = {k: v for k, v in transformer_config.items() if not k.startswith("_") and k != "self_attention"}
-    model = WanTransformer3DModel.from_config(config).eval()
+    model = MHLAWanTransformer3DModel.from_config(config).eval()
     layers = plan.mhla_layers if variant_spec(plan.variant).layers else None
-    convert_self_attention(model, plan.variant, layers, plan.options)
+    model.convert(plan.variant, layers, plan.options)
     state = {}
     for ours, theirs in plan.names.items():
         t = tensors[theirs]

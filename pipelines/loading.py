@@ -20,12 +20,14 @@ import torch
 
 from mhla import PAPER_BLOCK_SHAPE
 
-from .attention import SOFTMAX
-from .builtin import BUILTIN_DIR, TINY_RANDOM, builtin_available
-from .convert import CONFIG_KEY, convert_self_attention
+from .compat import quiet_image_processors
+from .conversion import CONFIG_KEY, Conversion
 from .model_dir import (
+    BUILTIN_DIR,
+    TINY_RANDOM,
     ModelDir,
     ModelIndex,
+    builtin_available,
     check_finite,
     check_model_dir,
     check_weight_files,
@@ -37,7 +39,9 @@ from .model_dir import (
 from .tiny_sizes import TINY_BLOCK_SHAPE, TINY_DEFAULTS, WAN_DEFAULTS
 
 if TYPE_CHECKING:
-    from diffusers import AutoencoderKLWan, SchedulerMixin, WanTransformer3DModel
+    from diffusers import AutoencoderKLWan, SchedulerMixin
+
+    from .model import MHLAWanTransformer3DModel
 
 
 @dataclass
@@ -58,7 +62,7 @@ class WanComponents:
     text_encoder: torch.nn.Module
     vae: AutoencoderKLWan
     scheduler: SchedulerMixin
-    transformer: WanTransformer3DModel
+    transformer: MHLAWanTransformer3DModel
     source: str
     random_weights: bool
     device: torch.device
@@ -67,7 +71,7 @@ class WanComponents:
     block_shape: tuple[int, int, int] = PAPER_BLOCK_SHAPE
     variant_dirs: dict[str, Path] = field(default_factory=dict)
     index: ModelIndex = field(default_factory=ModelIndex)
-    transformer_2: WanTransformer3DModel | None = None
+    transformer_2: MHLAWanTransformer3DModel | None = None
     image_encoder: torch.nn.Module | None = None
     image_processor: object | None = None
 
@@ -125,7 +129,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
 
 def load_transformer(
     path: str | Path, dtype: str | torch.dtype | None = "auto", device: str | torch.device | None = "auto"
-) -> WanTransformer3DModel:
+) -> MHLAWanTransformer3DModel:
     """Loads a transformer folder written by ``save_pretrained``, as the variant it was saved as.
 
     A thin caller of diffusers' own loader: the files are checked first (a missing key or a bad file is named
@@ -134,7 +138,7 @@ def load_transformer(
     ``flash``) and loads every weight, refusing a checkpoint that lacks one the config promises.
     ``dtype``/``device``: as :func:`load_components` (default bfloat16 on GPU, float32 on CPU).
     """
-    from .model import MHLAWanTransformer3DModel, check_state
+    from .model import MHLAWanTransformer3DModel
 
     folder = Path(path)
     config_file = folder / "config.json"
@@ -143,7 +147,7 @@ def load_transformer(
     config = read_json(config_file, "transformer config")
     for key in ("patch_size", "num_layers", "num_attention_heads", "attention_head_dim"):
         require_key(config, key, config_file)
-    check_state(config.get(CONFIG_KEY), int(config["num_layers"]))
+    Conversion.from_config(config.get(CONFIG_KEY), int(config["num_layers"]))  # a malformed record, named
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     check_weight_files(weight_files(folder))  # before diffusers reads them: names a bad file
@@ -170,7 +174,7 @@ def _check_weights_against_config(folder: Path, config: dict[str, Any]) -> None:
     check_transformer_weights(folder, config, lambda key: any(f".attn1.{a}." in key for a in PARAM_ATTRS.values()))
 
 
-def save_transformer(transformer: WanTransformer3DModel, path: str | Path, **kwargs: Any) -> None:
+def save_transformer(transformer: MHLAWanTransformer3DModel, path: str | Path, **kwargs: Any) -> None:
     """``save_pretrained`` in safetensors (``kwargs``: its others, e.g. ``max_shard_size``, ``variant``); the
     variant travels in ``config.json`` under the class that restores it (see :mod:`pipelines.model`).
     Atomic: written to a temporary folder beside ``path`` and renamed into place when complete, so an earlier
@@ -213,7 +217,7 @@ def _cast(model: _Module, device: torch.device, dtype: torch.dtype) -> _Module:
     return model
 
 
-# diffusers' WanTransformer3DModel arguments of the released Wan2.1 T2V checkpoints: the architectures that
+# diffusers' MHLAWanTransformer3DModel arguments of the released Wan2.1 T2V checkpoints: the architectures that
 # --random-weights (the app) and benchmarks/wan_step.py build with random weights
 WAN_CONFIGS = {
     "1.3b": dict(
@@ -250,8 +254,10 @@ def build_random_wan(
     The text encoder is a 2-layer UMT5 stand-in with the real output width (4096): building the 5.7B-parameter
     UMT5-XXL would take minutes and ~11 GB for a stage that runs once per video and is not compared.
     """
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler
     from transformers import ByT5Tokenizer, UMT5Config, UMT5EncoderModel
+
+    from .model import MHLAWanTransformer3DModel
 
     if size not in WAN_CONFIGS:
         raise ValueError(f"random-weight Wan2.1 size must be one of {', '.join(WAN_CONFIGS)}, got {size!r}")
@@ -261,7 +267,7 @@ def build_random_wan(
     with torch.random.fork_rng(devices=[]), torch.device(device):
         torch.manual_seed(0)
         # built on the device directly: 14B parameters in float32 do not fit a 2-core CI box, let alone twice
-        transformer = WanTransformer3DModel(**WAN_CONFIGS[size]).eval()
+        transformer = MHLAWanTransformer3DModel(**WAN_CONFIGS[size]).eval()
         text_encoder = UMT5EncoderModel(
             UMT5Config(vocab_size=len(tokenizer), d_model=4096, d_kv=64, d_ff=10240, num_layers=2, num_heads=64)
         ).eval()
@@ -271,7 +277,7 @@ def build_random_wan(
         text_encoder=text_encoder.to(dtype),
         vae=vae,
         scheduler=UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0),
-        transformer=convert_self_attention(_cast(transformer, device, dtype), SOFTMAX),
+        transformer=_cast(transformer, device, dtype),
         source=random_wan_source(size),
         random_weights=True,
         device=device,
@@ -314,7 +320,7 @@ def load_components(
         from .tiny import build_tiny_components  # here: `python -m pipelines.tiny` runs that module as __main__
 
         parts = build_tiny_components(seed)
-        transformer = convert_self_attention(_cast(parts["transformer"], device, dtype), SOFTMAX)
+        transformer = _cast(parts["transformer"], device, dtype)
         return WanComponents(
             tokenizer=parts["tokenizer"],
             text_encoder=parts["text_encoder"].to(device, dtype),
@@ -371,27 +377,6 @@ def load_components(
         image_encoder=image_encoder,
         image_processor=image_processor,
     )
-
-
-def quiet_image_processors() -> None:
-    """Where torchvision is absent, ``transformers.CLIPImageProcessor`` names its PIL class before anything asks
-    for it. transformers 5 answers that name with the PIL class anyway there, but with a warning ("requires
-    torchvision (not installed); falling back to CLIPImageProcessorPil"), and diffusers' Wan image-to-video
-    pipeline module imports the name: every generation printed it, a text-to-video model's too. Setting the name
-    is what transformers' fallback itself does (once it has warned); with torchvision installed nothing changes."""
-    import importlib.util
-
-    if importlib.util.find_spec("torchvision") is not None:
-        return
-    import sys
-
-    import transformers
-
-    pil = getattr(transformers, "CLIPImageProcessorPil", None)
-    # resolving that name puts a new transformers module object in sys.modules: the name goes on both
-    for module in (transformers, sys.modules.get("transformers")):
-        if pil is not None and module is not None and "CLIPImageProcessor" not in vars(module):
-            vars(module)["CLIPImageProcessor"] = pil
 
 
 def _load_image_encoder(root: Path, device: torch.device) -> tuple[torch.nn.Module | None, object | None]:

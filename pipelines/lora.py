@@ -32,7 +32,8 @@ from typing import Any
 
 import torch
 
-from .attention import PARAM_ATTRS, SOFTMAX, VARIANTS, AttentionOptions, variant_spec
+from .attention import PARAM_ATTRS, SOFTMAX, VARIANTS
+from .conversion import CONFIG_KEY, Conversion
 
 LORA_FOLDER = "lora"  # <checkpoint>/lora, <run_dir>/final/lora
 WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # diffusers' LORA_WEIGHT_NAME_SAFE
@@ -242,17 +243,18 @@ def save_lora(transformer: Any, folder: str | Path, info: dict[str, Any]) -> Pat
 
     from common.outputs import atomic_dir, check_replaceable
 
-    from .convert import self_attention_state
-
     lora = get_peft_model_state_dict(transformer, adapter_name="default")
     if not lora:
         raise ValueError("the transformer has no LoRA adapter to save")
     packed = WanPipeline.pack_weights(lora, PREFIX)
-    state = self_attention_state(transformer)
     config = adapter_config(transformer)
     params = dict(transformer.named_parameters())
     attention = {n: params[n] for n in attention_parameter_names(transformer)}
-    info = {**info, "variant": info.get("variant", state["variant"]), "attention_parameters": bool(attention)}
+    info = {
+        **info,
+        "variant": info.get("variant", transformer.conversion.variant),
+        "attention_parameters": bool(attention),
+    }
     info["diffusers"] = _diffusers_note(info)
     metadata = {
         "format": "pt",
@@ -268,7 +270,7 @@ def save_lora(transformer: Any, folder: str | Path, info: dict[str, Any]) -> Pat
             save_file(
                 {k: v.detach().contiguous().cpu() for k, v in attention.items()},
                 str(tmp / ATTENTION_NAME),
-                {"format": "pt", "self_attention": json.dumps(state, sort_keys=True)},
+                {"format": "pt", CONFIG_KEY: json.dumps(transformer.conversion.to_config(), sort_keys=True)},
             )
         (tmp / README_NAME).write_text(readme(info, config), encoding="utf-8")
     return folder
@@ -338,13 +340,10 @@ def load_attention_parameters(transformer: Any, adapters: LoraAdapters, what: st
     variant, layers and options they were trained with first, so the parameters have somewhere to go."""
     from safetensors.torch import load_file
 
-    from .convert import convert_self_attention
-
     if adapters.attention is None or adapters.attention_state is None:
         return
-    state = adapters.attention_state
-    layers = state["linear_layers"] if variant_spec(state["variant"]).layers else None
-    convert_self_attention(transformer, state["variant"], layers, AttentionOptions.from_dict(state["options"]))
+    trained = Conversion.from_config(adapters.attention_state, len(transformer.blocks))
+    transformer.convert(trained.variant, trained.explicit_layers, trained.options)
     load_parameters(transformer, load_file(str(adapters.attention)), adapters.attention, what)
 
 

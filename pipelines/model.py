@@ -1,12 +1,21 @@
 """``MHLAWanTransformer3DModel``: diffusers' Wan transformer that owns its self-attention conversion.
 
-A converted model is an instance of this class (:func:`pipelines.convert_self_attention` makes it one), so
-``save_pretrained`` writes ``"_class_name": "MHLAWanTransformer3DModel"`` and the conversion record
-(``"self_attention"``, see :mod:`pipelines.convert`) into ``config.json``, and a pipeline's
-``model_index.json`` names it as ``["pipelines.model", "MHLAWanTransformer3DModel"]``. Loading goes through
-diffusers' own ``from_pretrained``, which builds the model from its config (``__init__`` below rebuilds the
-variant's parameters and processors) and then loads every weight: sharded or not, ``variant=`` files, any
-``dtype`` (the MHLA mixing matrices stay float32 through ``_keep_in_fp32_modules``)::
+Every transformer this project builds or loads is an instance of this class: the tiny and random-weight models, a
+model folder (a plain Wan folder loads as ``flash``), an imported checkpoint. The class owns its conversion as
+diffusers' models own their processors:
+
+- :attr:`~MHLAWanTransformer3DModel.conversion`: the typed, frozen record (:class:`pipelines.conversion.Conversion`),
+  written into the config under ``"self_attention"`` at every change, so ``save_pretrained`` writes it and
+  ``"_class_name": "MHLAWanTransformer3DModel"`` into ``config.json`` and a pipeline's ``model_index.json`` names
+  the class as ``["pipelines.model", "MHLAWanTransformer3DModel"]``;
+- :meth:`~MHLAWanTransformer3DModel.convert` / :meth:`~MHLAWanTransformer3DModel.set_variant`: in place, through
+  :func:`pipelines.convert.plan` and :func:`pipelines.convert.install`;
+- :attr:`~MHLAWanTransformer3DModel.attention_context`: the state its processors share; :meth:`forward` records the
+  latent-token grid in it before diffusers' forward runs.
+
+Loading goes through diffusers' own ``from_pretrained``, which builds the model from its config (``__init__`` below
+rebuilds the variant's parameters and processors) and then loads every weight: sharded or not, ``variant=`` files,
+any ``dtype`` (the MHLA mixing matrices stay float32 through ``_keep_in_fp32_modules``)::
 
     from diffusers import DiffusionPipeline
     from pipelines.model import MHLAWanTransformer3DModel
@@ -14,33 +23,56 @@ variant's parameters and processors) and then loads every weight: sharded or not
     transformer = MHLAWanTransformer3DModel.from_pretrained("ckpt/wan-mhla/transformer", dtype=torch.bfloat16)
     pipe = DiffusionPipeline.from_pretrained("ckpt/wan-mhla", dtype=torch.bfloat16)  # model_index.json names the class
 
-Loading such a folder as a plain ``diffusers.WanTransformer3DModel`` gives softmax attention: diffusers only
-logs that the ``self_attention`` config key and the new weights were not used (it offers no hook to refuse),
-so use this class, :func:`pipelines.load_transformer` or a pipeline folder whose ``model_index.json`` names it.
+A plain ``diffusers.WanTransformer3DModel`` (one a user loaded with diffusers) is never changed in place:
+:func:`convert_self_attention` returns a new ``MHLAWanTransformer3DModel`` that shares its weights
+(:meth:`~MHLAWanTransformer3DModel.from_transformer`). Loading a converted folder as a plain
+``WanTransformer3DModel`` gives softmax attention: diffusers only logs that the ``self_attention`` config key and the
+new weights were not used (it offers no hook to refuse), so use this class, :func:`pipelines.load_transformer` or a
+pipeline folder whose ``model_index.json`` names it.
+
+This module imports diffusers' models (seconds): the app's page start and the configs-only readers import
+:mod:`pipelines.conversion` instead, and ``pipelines`` re-exports the names here on first use.
 """
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Iterable, Sequence
 from typing import Any
 
+import torch
 from diffusers import ModelMixin, WanTransformer3DModel
 from diffusers.configuration_utils import register_to_config
 
-from .attention import SOFTMAX, AttentionOptions, variant_spec
-from .convert import CONFIG_KEY, add_attention_parameters, convert_layers
+import mhla
+from mhla.layout import Grid
+
+from .attention import AttentionOptions, SelfAttentionContext
+from .conversion import CONFIG_KEY, Conversion
+from .convert import install, plan
 
 # diffusers resolves a model_index.json entry ["pipelines.model", "MHLAWanTransformer3DModel"] by importing this
 # module and finding its loading method through the base classes it names here: ModelMixin must be one of them
-__all__ = ["MHLAWanTransformer3DModel", "ModelMixin", "check_state", "model_index_entry"]
+__all__ = [
+    "MHLAWanTransformer3DModel",
+    "ModelMixin",
+    "clone_transformer",
+    "convert_self_attention",
+    "current_variant",
+    "model_blocks",
+    "model_index_entry",
+    "resolve_model_blocks",
+    "set_variant",
+]
 
 
 class MHLAWanTransformer3DModel(WanTransformer3DModel):  # type: ignore[misc]  # diffusers is untyped here
     """``WanTransformer3DModel`` whose self-attention runs as flash, linear, MHLA or the MHLA hybrid.
 
-    Args: those of ``WanTransformer3DModel``, and ``self_attention``: the conversion record that
-    :func:`pipelines.convert_self_attention` writes (``variant``, ``linear_layers``, ``parameters``,
-    ``options``); ``None`` is the unconverted model, running softmax through the project's processor.
-    The new parameters are created (locality-initialised) here and overwritten by ``from_pretrained``.
+    Args: those of ``WanTransformer3DModel``, and ``self_attention``: the conversion record
+    (:meth:`pipelines.conversion.Conversion.to_config`); ``None`` is the unconverted model, running softmax through
+    the project's processor. The new parameters it names are created (locality-initialised) here and overwritten by
+    ``from_pretrained``.
     """
 
     # the mixing matrices sum many block summaries and are tiny: kept in float32 at any dtype, as at conversion
@@ -85,42 +117,159 @@ class MHLAWanTransformer3DModel(WanTransformer3DModel):  # type: ignore[misc]  #
             rope_max_seq_len=rope_max_seq_len,
             pos_embed_seq_len=pos_embed_seq_len,
         )
-        state = check_state(self_attention, num_layers)
-        if state is None:
-            convert_layers(self, SOFTMAX)
-            return
-        options = AttentionOptions.from_dict(state["options"])
-        # every parameter holder the record names (a model switched back to flash keeps its mixing matrices)
-        for kind, layers in state["parameters"].items():
-            add_attention_parameters(self, kind, layers, options)
-        layers = state["linear_layers"] if variant_spec(state["variant"]).layers else None
-        convert_layers(self, state["variant"], layers, options, allow_new_parameters=False)
+        self.attention_context = SelfAttentionContext()  # shared by this model's self-attention processors
+        self._install(Conversion.from_config(self_attention, num_layers))
 
+    def _install(self, conversion: Conversion) -> None:
+        install(self, conversion, self.attention_context)
+        self._conversion = conversion
+        self.register_to_config(**{CONFIG_KEY: conversion.to_config()})
 
-_STATE_KEYS = ("variant", "linear_layers", "parameters", "options")
+    @property
+    def conversion(self) -> Conversion:
+        """The self-attention conversion this model runs (also in its config, under ``"self_attention"``)."""
+        return self._conversion
 
+    def convert(
+        self,
+        variant: str,
+        layers: Iterable[int] | None = None,
+        options: AttentionOptions | None = None,
+        allow_new_parameters: bool = True,
+    ) -> MHLAWanTransformer3DModel:
+        """Makes the self-attention run as ``variant``, in place; returns the model.
 
-def check_state(state: Any, num_layers: int) -> dict[str, Any] | None:
-    """The ``self_attention`` config entry, checked: ``None`` (or empty) for an unconverted model, else a dict
-    with ``variant``, ``linear_layers``, ``parameters`` (``{"mhla": [...], "linear": [...]}``) and ``options``.
-    A malformed entry raises ``ValueError`` naming what is wrong, before any weight is read."""
-    if not state:
-        return None
-    if not isinstance(state, dict):
-        raise ValueError(f"config {CONFIG_KEY!r} must be a JSON object, got {type(state).__name__}")
-    missing = [k for k in _STATE_KEYS if k not in state]
-    if missing:
-        raise ValueError(f"config {CONFIG_KEY!r} lacks {missing}; expected the keys {list(_STATE_KEYS)}")
-    params = state["parameters"]
-    if not isinstance(params, dict) or set(params) - {"mhla", "linear"}:
-        raise ValueError(f"config {CONFIG_KEY!r}.parameters must map 'mhla'/'linear' to layer lists, got {params!r}")
-    for kind, layers in params.items():
-        bad = [i for i in layers if not (isinstance(i, int) and 0 <= i < num_layers)]
-        if bad:
+        Args:
+            variant: one of :data:`pipelines.attention.VARIANTS`.
+            layers: the MHLA layers of ``mhla-hybrid`` (default :func:`pipelines.attention.hybrid_layers`).
+            options: :class:`AttentionOptions`; default: the model's own (if converted before) or the paper's.
+                Options that shape parameters (blocks, output norm, gate) cannot change once a layer has them.
+            allow_new_parameters: create the new parameters (locality-initialised mixing, RMSNorm weight 1, zero
+                gate) of layers that lack them. ``False`` only switches between variants whose parameters the
+                model already has, and raises naming the layers otherwise.
+
+        Existing new-parameter modules are reused, never re-initialised, so ``flash -> mhla -> flash -> mhla``
+        keeps trained mixing matrices. Only ``attn1`` processors change; ``attn2`` keeps its processor.
+        """
+        self._install(plan(self.conversion, len(self.blocks), variant, layers, options, allow_new_parameters))
+        return self
+
+    def set_variant(self, variant: str, layers: Iterable[int] | None = None) -> MHLAWanTransformer3DModel:
+        """Switches the variant without creating parameters (e.g. ``mhla`` <-> ``flash``); ``ValueError`` naming the
+        layers that lack the variant's parameters."""
+        return self.convert(variant, layers, allow_new_parameters=False)
+
+    def resolve_blocks(
+        self,
+        grid: Sequence[int],
+        requested: str | Sequence[int] | None = None,
+        block_shape: Grid = mhla.PAPER_BLOCK_SHAPE,
+    ) -> mhla.ResolvedBlocks:
+        """The block rule for this model on ``grid`` (:meth:`pipelines.conversion.Conversion.resolve_blocks`)."""
+        return self.conversion.resolve_blocks(grid, requested, block_shape)
+
+    def clone(self) -> MHLAWanTransformer3DModel:
+        """An independent copy: the same weights (copied), variant and options, its own processors and context. For
+        keeping one transformer per variant while sharing the rest of a pipeline."""
+        return copy.deepcopy(self)  # the processors' shared context is copied once (SelfAttentionContext.__deepcopy__)
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        """diffusers' forward, after recording the latent-token grid ``(F, H, W)`` that the self-attention processors
+        read: ``hidden_states`` is ``(batch, channels, frames, height, width)`` before patching."""
+        if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 5:
+            shape = tuple(hidden_states.shape) if isinstance(hidden_states, torch.Tensor) else type(hidden_states)
             raise ValueError(
-                f"config {CONFIG_KEY!r}.parameters[{kind!r}] names layers {bad} outside 0 ... {num_layers - 1}"
+                f"the Wan transformer expects hidden_states shaped (batch, channels, frames, height, width), got {shape}"
             )
-    return dict(state)
+        p_t, p_h, p_w = self.config.patch_size
+        _, _, t, h, w = hidden_states.shape
+        self.attention_context.grid = (t // p_t, h // p_h, w // p_w)
+        return super().forward(hidden_states, *args, **kwargs)
+
+    @classmethod
+    def from_transformer(cls, transformer: WanTransformer3DModel) -> MHLAWanTransformer3DModel:
+        """A model of this class sharing ``transformer``'s weights and buffers (no copy), unconverted, in the same
+        train/eval mode. ``transformer`` itself is left as it was (its processors included)."""
+        if isinstance(transformer, cls):
+            return transformer
+        config = {k: v for k, v in transformer.config.items() if not k.startswith("_")}
+        with torch.device("meta"):
+            model = cls.from_config(config)
+        for name, tensor in [*transformer.named_parameters(), *transformer.named_buffers()]:
+            owner, _, leaf = name.rpartition(".")
+            module = model.get_submodule(owner)
+            table = module._parameters if leaf in module._parameters else module._buffers
+            table[leaf] = tensor
+        left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+        if left:
+            raise ValueError(f"{type(transformer).__name__} lacks tensors this model has, e.g. {left[:4]}")
+        model.train(transformer.training)
+        return model
+
+
+def convert_self_attention(
+    transformer: WanTransformer3DModel,
+    variant: str,
+    layers: Iterable[int] | None = None,
+    options: AttentionOptions | None = None,
+    allow_new_parameters: bool = True,
+) -> MHLAWanTransformer3DModel:
+    """Makes ``transformer``'s self-attention run as ``variant``; returns the converted model.
+
+    An :class:`MHLAWanTransformer3DModel` (every model this project builds or loads) is converted in place
+    (:meth:`MHLAWanTransformer3DModel.convert`: arguments and rules there). A plain diffusers
+    ``WanTransformer3DModel`` is left as it is and a new model sharing its weights is returned: use the result.
+    """
+    model = MHLAWanTransformer3DModel.from_transformer(transformer)
+    return model.convert(variant, layers, options, allow_new_parameters)
+
+
+def set_variant(
+    transformer: MHLAWanTransformer3DModel, variant: str, layers: Iterable[int] | None = None
+) -> MHLAWanTransformer3DModel:
+    """:meth:`MHLAWanTransformer3DModel.set_variant`: a switch that creates no parameters, in place."""
+    return _ours(transformer).set_variant(variant, layers)
+
+
+def clone_transformer(transformer: MHLAWanTransformer3DModel) -> MHLAWanTransformer3DModel:
+    """:meth:`MHLAWanTransformer3DModel.clone`."""
+    return _ours(transformer).clone()
+
+
+def current_variant(transformer: Any) -> str:
+    """The variant ``transformer`` runs (a plain diffusers model: ``flash``)."""
+    return conversion_of(transformer).variant
+
+
+def conversion_of(transformer: Any) -> Conversion:
+    """The :class:`Conversion` of any Wan transformer: its own for this class, read from the config otherwise."""
+    if isinstance(transformer, MHLAWanTransformer3DModel):
+        return transformer.conversion
+    return Conversion.from_config(transformer.config.get(CONFIG_KEY), len(transformer.blocks))
+
+
+def model_blocks(transformer: Any) -> Grid | None:
+    """:attr:`pipelines.conversion.Conversion.blocks` of ``transformer``."""
+    return conversion_of(transformer).blocks
+
+
+def resolve_model_blocks(
+    transformer: Any,
+    grid: Sequence[int],
+    requested: str | Sequence[int] | None = None,
+    block_shape: Grid = mhla.PAPER_BLOCK_SHAPE,
+) -> mhla.ResolvedBlocks:
+    """:meth:`pipelines.conversion.Conversion.resolve_blocks` of ``transformer``'s conversion."""
+    return conversion_of(transformer).resolve_blocks(grid, requested, block_shape)
+
+
+def _ours(transformer: Any) -> MHLAWanTransformer3DModel:
+    if not isinstance(transformer, MHLAWanTransformer3DModel):
+        raise TypeError(
+            f"expected a converted model (MHLAWanTransformer3DModel), got {type(transformer).__name__}; "
+            "convert it first: model = convert_self_attention(transformer, variant)"
+        )
+    return transformer
 
 
 def model_index_entry() -> list[str]:

@@ -1,7 +1,8 @@
 """What a model directory on disk must hold, what it says (:class:`ModelDir`), and checks of its files before
 anything is loaded.
 
-Used by every model source in :mod:`pipelines.loading` and by :mod:`pipelines.builtin`; reads only
+Used by every model source in :mod:`pipelines.loading`, the app and the recipe; also where the built-in model
+lives (:data:`BUILTIN_DIR`) and what its folder holds. Reads only
 config files and safetensors headers (and, in :func:`check_finite`, tensors already loaded).
 """
 
@@ -386,6 +387,61 @@ def vae_strides(config: Mapping[str, Any]) -> tuple[int, int, int]:
     return (int(config.get("scale_factor_temporal") or 4), spatial, spatial)
 
 
+# ------------------------------------------------------------------------------------------ the built-in model
+# A small Wan2.1-architecture text-to-video model trained by this project. It ships in ``assets/builtin/`` as a
+# complete diffusers-format Wan2.1 T2V directory (tokenizer, text encoder, VAE, scheduler, the softmax-attention
+# transformer) plus one fine-tuned transformer per converted variant in ``assets/builtin/variants/<variant>/``,
+# trained on the synthetic moving-shapes world of :mod:`world.synthetic` (docs/builtin-model.md): coloured shapes
+# moving on plain or textured backgrounds, nothing else. ``builtin.json`` beside it records how it was made and
+# the model's defaults and block shape, which :class:`ModelDir` reads like any other folder's files.
+
+BUILTIN_DIR = Path(__file__).resolve().parents[1] / "assets" / "builtin"
+VARIANTS_SUBDIR = "variants"
+# 17 frames at 128x160 -> 5x16x20 latent cells; the transformer's patch is (1, 1, 1), so 1,600 tokens.
+BUILTIN_DEFAULTS = {
+    "height": 128,
+    "width": 160,
+    "num_frames": 17,
+    "num_inference_steps": 20,
+    "guidance_scale": 4.0,
+    "max_sequence_length": 32,
+}
+# target block shape in tokens for the default MHLA layout: 5x16x20 -> 2x4x5 blocks (M = 40, M*M = N)
+BUILTIN_BLOCK_SHAPE = (2, 4, 4)
+# the name that asks for the random-weight tiny model (tests, smoke runs)
+TINY_RANDOM = "tiny-random"
+
+
+def builtin_available(root: str | Path = BUILTIN_DIR) -> bool:
+    """Whether the trained built-in model is present (its base directory and ``builtin.json``)."""
+    root = Path(root)
+    return (root / "builtin.json").is_file() and not missing_model_files(root)
+
+
+def builtin_info(root: str | Path = BUILTIN_DIR) -> dict[str, Any]:
+    """Contents of ``builtin.json``: how the built-in model was trained."""
+    return json.loads((Path(root) / "builtin.json").read_text())
+
+
+def builtin_examples(root: str | Path = BUILTIN_DIR) -> list[str]:
+    """The example prompts ``builtin.json`` records (chosen from an evaluation by
+    ``python -m factory.examples``); [] when it has none."""
+    path = Path(root) / "builtin.json"
+    if not path.is_file():
+        return []
+    record = json.loads(path.read_text()).get("example_prompts")
+    prompts = record.get("prompts") if isinstance(record, dict) else None
+    return [p for p in prompts if isinstance(p, str) and p.strip()] if isinstance(prompts, list) else []
+
+
+def builtin_variant_dirs(root: str | Path = BUILTIN_DIR) -> dict[str, Path]:
+    """Fine-tuned transformer folders of the converted variants, by variant name."""
+    folder = Path(root) / VARIANTS_SUBDIR
+    if not folder.is_dir():
+        return {}
+    return {p.name: p for p in sorted(folder.iterdir()) if (p / "config.json").is_file()}
+
+
 class ModelDir:
     """A model as its files describe it, read without loading a weight: each file once, when first asked.
 
@@ -397,8 +453,6 @@ class ModelDir:
     model's own for the patch, the layers and the heads."""
 
     def __init__(self, model_dir: str | Path | None = None):
-        from .builtin import BUILTIN_DIR, TINY_RANDOM, builtin_available  # builtin imports this module
-
         if model_dir is None:
             model_dir = BUILTIN_DIR if builtin_available() else TINY_RANDOM
         self.tiny_random = str(model_dir) == TINY_RANDOM
@@ -433,8 +487,6 @@ class ModelDir:
 
     @cached_property
     def _settings(self) -> tuple[dict[str, Any], tuple[int, int, int], dict[str, Path]]:
-        from .builtin import builtin_variant_dirs
-
         if self.random_weights:
             return dict(TINY_DEFAULTS), TINY_BLOCK_SHAPE, {}
         assert self.path is not None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -19,19 +20,11 @@ from common.timing import Timing, sync
 from mhla.mixing import reuse_constrained_mixing
 
 from .attention import AttentionOptions, variant_spec
-from .convert import (
-    attention_context,
-    attention_options,
-    convert_self_attention,
-    resolve_model_blocks,
-    self_attention_state,
-)
 from .request import GenerationRequest, check_model_inputs
 
 if TYPE_CHECKING:
-    from diffusers import WanTransformer3DModel
-
     from .loading import WanComponents
+    from .model import MHLAWanTransformer3DModel
 
 RANDOM_WEIGHTS_NOTE = (
     "tiny random-weight model (tiny-random) with RANDOM weights: this video is noise, made to test the plumbing"
@@ -75,7 +68,7 @@ def initial_noise(seed: int, shape: tuple[int, ...], device: torch.device | str)
 
 
 def model_request(
-    components: WanComponents, request: GenerationRequest, transformer: WanTransformer3DModel | None = None
+    components: WanComponents, request: GenerationRequest, transformer: MHLAWanTransformer3DModel | None = None
 ) -> GenerationRequest:
     """``request`` checked for this model: unset (None) sizes, steps and guidance take the model's defaults
     (``components.defaults``), then :meth:`GenerationRequest.check` against its patch (``transformer``'s, default
@@ -90,41 +83,41 @@ def model_request(
 
 
 def _attention_options(
-    transformer: WanTransformer3DModel,
+    transformer: MHLAWanTransformer3DModel,
     request: GenerationRequest,
     block_shape: tuple[int, int, int],
     overrides: dict[str, Any] | None,
 ) -> tuple[AttentionOptions, mhla.ResolvedBlocks | None]:
     """The options to convert with, and for an MHLA variant the block rule's answer on the request's grid
-    (:func:`resolve_model_blocks`: the request's blocks, else the model's own, else the default)."""
-    options = attention_options(transformer)
+    (the model's ``resolve_blocks``: the request's blocks, else the model's own, else the default)."""
+    options = transformer.conversion.options
     if overrides:
         options = options.replace(**overrides)
     if not request.uses_blocks:
         return options, None
     grid = cast(tuple[int, int, int], request.grid)  # generate() checks requests first
-    resolved = resolve_model_blocks(transformer, grid, request.blocks, block_shape)
+    resolved = transformer.resolve_blocks(grid, request.blocks, block_shape)
     return options.replace(blocks=resolved.blocks), resolved
 
 
 def _hybrid_layers(
-    transformer: WanTransformer3DModel, request: GenerationRequest, layers: list[int] | None
+    transformer: MHLAWanTransformer3DModel, request: GenerationRequest, layers: list[int] | None
 ) -> list[int] | None:
     """The MHLA layers of mhla-hybrid: ``layers`` (the request's for this expert), else the model's own split
     (from its checkpoint, kept across switches to other variants), else None (the default split)."""
     if not variant_spec(request.variant).layers or layers is not None:
         return layers
-    state = self_attention_state(transformer)
-    if variant_spec(state["variant"]).layers:
-        return state["linear_layers"]
-    if 0 < len(state["parameters"]["mhla"]) < len(transformer.blocks):
-        return state["parameters"]["mhla"]
+    conversion = transformer.conversion
+    if variant_spec(conversion.variant).layers:
+        return list(conversion.linear_layers)
+    if 0 < len(conversion.parameters["mhla"]) < len(transformer.blocks):
+        return list(conversion.parameters["mhla"])
     return None
 
 
 def convert_for_request(
     components: WanComponents,
-    transformer: WanTransformer3DModel,
+    transformer: MHLAWanTransformer3DModel,
     request: GenerationRequest,
     overrides: dict[str, Any] | None,
     layers: list[int] | None = None,
@@ -134,9 +127,9 @@ def convert_for_request(
     this transformer); warns when that adds untrained parameters to a real (non-random) model. Returns the
     MHLA blocks it runs with (None for other variants)."""
     options, resolved = _attention_options(transformer, request, components.block_shape, overrides)
-    before = self_attention_state(transformer)["parameters"]
-    convert_self_attention(transformer, request.variant, _hybrid_layers(transformer, request, layers), options)
-    added = {k: sorted(set(v) - set(before[k])) for k, v in self_attention_state(transformer)["parameters"].items()}
+    before = transformer.conversion.parameters
+    transformer.convert(request.variant, _hybrid_layers(transformer, request, layers), options)
+    added = {k: sorted(set(v) - set(before[k])) for k, v in transformer.conversion.parameters.items()}
     if any(added.values()) and not components.random_weights:
         where = ", ".join(f"{kind} in layers {v}" for kind, v in added.items() if v)
         warnings.warn(
@@ -170,14 +163,14 @@ def fit_image(image: Any, width: int, height: int) -> Any:
 def _build_pipeline(
     components: WanComponents,
     scheduler: Any,
-    transformer: WanTransformer3DModel,
-    transformer_2: WanTransformer3DModel | None,
+    transformer: MHLAWanTransformer3DModel,
+    transformer_2: MHLAWanTransformer3DModel | None,
     image: bool,
 ) -> Any:
     """The model's diffusers pipeline over the shared parts: ``WanImageToVideoPipeline`` for an image (an
     image-to-video model, or Wan2.2-TI2V's image mode), else ``WanPipeline``; both with the model's second
     expert, ``boundary_ratio`` and ``expand_timesteps``."""
-    from .loading import quiet_image_processors
+    from .compat import quiet_image_processors
 
     quiet_image_processors()  # diffusers' image-to-video module imports transformers' CLIPImageProcessor
     from diffusers import WanImageToVideoPipeline, WanPipeline
@@ -205,11 +198,12 @@ def generate(
     components: WanComponents,
     request: GenerationRequest,
     *,
-    transformer: WanTransformer3DModel | None = None,
-    transformer_2: WanTransformer3DModel | None = None,
+    transformer: MHLAWanTransformer3DModel | None = None,
+    transformer_2: MHLAWanTransformer3DModel | None = None,
     attention_options: dict[str, Any] | None = None,
     max_sequence_length: int | None = None,
     show_progress: bool = True,
+    on_step: Callable[[int, torch.Tensor, Any], None] | None = None,
 ) -> GenerationResult:
     """Generates one video as ``request`` asks (prompt, size, steps, guidance, seed, variant, blocks, ...) and
     times it::
@@ -230,6 +224,9 @@ def generate(
         attention_options: overrides of :class:`pipelines.attention.AttentionOptions` (e.g. ``{"normalize": True}``).
         max_sequence_length: text tokens (default: the model's own, else 512).
         show_progress: a progress bar over the denoising steps.
+        on_step: called after each denoising step ``i`` (0-based) with ``(i, latents, scheduler)``: the latents
+            ``(1, C, F, H, W)`` after the step, as the pipeline holds them (normalised), and the scheduler (a
+            multistep one keeps its latest denoised estimate); the app's live previews.
     The pipeline is the model's (:attr:`WanComponents.pipeline_class`): ``WanPipeline`` (with ``transformer_2``
     and ``boundary_ratio`` for Wan2.2-A14B, ``expand_timesteps`` for Wan2.2-TI2V) or, when the request has an
     ``image``, ``WanImageToVideoPipeline`` (the image fitted to the video's size, centre-cropped to its aspect).
@@ -274,7 +271,7 @@ def generate(
     scheduler = type(components.scheduler).from_config(components.scheduler.config)
     pipe = _build_pipeline(components, scheduler, transformer, transformer_2, image=request.image is not None)
     pipe.set_progress_bar_config(disable=not show_progress, desc=f"denoising [{request.variant}]", leave=False)
-    contexts = [attention_context(t) for t in experts]
+    contexts = [t.attention_context for t in experts]
     for ctx in contexts:
         ctx.layouts.clear()
         ctx.softmax_backend = None
@@ -302,6 +299,7 @@ def generate(
     noise = initial_noise(request.seed, shape, device)
     image_input = {} if request.image is None else {"image": fit_image(request.image, width, height)}
     step_ends: list[float] = []
+    step_starts: list[float] = []  # each step's start: the last one's end, or after ``on_step`` where it ran
     guided = _guided_steps(scheduler, request)
 
     def embeds_for(step: int) -> torch.Tensor:
@@ -320,6 +318,10 @@ def generate(
                 f"{request.num_inference_steps} ({str(transformer.dtype).replace('torch.', '')} on {device.type}); "
                 "no video is written. Check the weights, or try --dtype float32"
             )
+        if on_step is not None:  # after the step's clock read, and the next step starts after it: in neither
+            on_step(i, kwargs["latents"], _pipe.scheduler)
+            sync(device)
+        step_starts.append(time.perf_counter() if on_step is not None else step_ends[-1])
         if not all(guided) and i + 1 < len(guided):
             return {"negative_prompt_embeds": embeds_for(i + 1)}
         return {}
@@ -364,7 +366,7 @@ def generate(
     timing.total = t_end - t_start
     timing.text_encoding = t_text - t_start
     timing.denoising = t_denoise - t_text
-    timing.steps = [b - a for a, b in zip([t_text, *step_ends[:-1]], step_ends, strict=True)]
+    timing.steps = [b - a for a, b in zip([t_text, *step_starts[:-1]], step_ends, strict=True)]
     timing.vae_decode = t_end - t_denoise
     timing.self_attention = sum(ctx.timer.seconds() for ctx in contexts)
     timing.self_attention_calls = sum(ctx.timer.calls for ctx in contexts)

@@ -27,6 +27,7 @@ from .memory import OFFLOAD_MODES, Offload, apply_offload, check_offload
 
 if TYPE_CHECKING:
     from .loading import WanComponents
+    from .model import MHLAWanTransformer3DModel
     from .request import GenerationRequest
 
 CP_MODES = ("ulysses", "ring")
@@ -120,7 +121,7 @@ class Scale:
         self,
         components: WanComponents,
         request: GenerationRequest,
-        transformer: torch.nn.Module,
+        transformer: MHLAWanTransformer3DModel,
         overrides: dict[str, Any] | None,
     ) -> None:
         """Before ``generate(components, request, transformer=transformer)``: converts ``transformer`` to the
@@ -131,13 +132,17 @@ class Scale:
 
         # the experts this run uses, each converted as generate() will convert it (its own hybrid split), so that
         # generate() adds nothing under the hooks
-        experts: list[tuple[torch.nn.Module, list[int] | None, str]] = [(transformer, request.layers, "transformer")]
+        experts: list[tuple[MHLAWanTransformer3DModel, list[int] | None, str]] = [
+            (transformer, request.layers, "transformer")
+        ]
         second = getattr(components, "transformer_2", None)
         if second is not None:
             experts.append((second, request.layers_2, "transformer_2"))
         for expert, layers, name in experts:
 
-            def convert(expert: torch.nn.Module = expert, layers: list[int] | None = layers, name: str = name) -> None:
+            def convert(
+                expert: MHLAWanTransformer3DModel = expert, layers: list[int] | None = layers, name: str = name
+            ) -> None:
                 convert_for_request(components, expert, request, overrides, layers, name)
 
             if self._offload is not None:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from diffusers import WanTransformer3DModel
+    from .model import MHLAWanTransformer3DModel
 
 # the sizes other modules read without building anything live in .tiny_sizes: importing them from here made
 # `import pipelines` import this module, and `python -m pipelines.tiny` then warned that it was run as __main__
@@ -52,13 +52,14 @@ TINY_TEXT_ENCODER: dict[str, Any] = dict(
 )
 
 
-def build_tiny_transformer(seed: int = 0, num_layers: int = 30, **overrides: Any) -> WanTransformer3DModel:
-    """A random-weight ``WanTransformer3DModel`` of the tiny config (float32, CPU)."""
-    from diffusers import WanTransformer3DModel
+def build_tiny_transformer(seed: int = 0, num_layers: int = 30, **overrides: Any) -> MHLAWanTransformer3DModel:
+    """A random-weight Wan transformer of the tiny config (float32, CPU), unconverted (``flash``); its weights are
+    those a plain ``WanTransformer3DModel`` of the same config and seed draws."""
+    from .model import MHLAWanTransformer3DModel
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return WanTransformer3DModel(**{**TINY_TRANSFORMER, "num_layers": num_layers, **overrides}).eval()
+        return MHLAWanTransformer3DModel(**{**TINY_TRANSFORMER, "num_layers": num_layers, **overrides}).eval()
 
 
 def build_tiny_components(seed: int = 0) -> dict[str, Any]:
@@ -152,7 +153,7 @@ def build_tiny_pipeline(architecture: str = "wan2.1-t2v", seed: int = 0, num_lay
       (:func:`build_tiny_image_encoder`), the 36-channel transformer with an image embedder (``image_dim``) and
       image key/value projections in every cross-attention (``added_kv_proj_dim``).
     """
-    from .loading import quiet_image_processors
+    from .compat import quiet_image_processors
 
     quiet_image_processors()  # diffusers' image-to-video module imports transformers' CLIPImageProcessor
     from diffusers import AutoencoderKLWan, WanImageToVideoPipeline, WanPipeline

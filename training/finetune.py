@@ -45,10 +45,8 @@ from common.video import write_mp4
 from pipelines import (
     AttentionOptions,
     GenerationRequest,
-    convert_self_attention,
     latent_grid,
     load_transformer,
-    resolve_model_blocks,
     save_transformer,
 )
 from pipelines.attention import PARAM_ATTRS, LinearSelfAttention
@@ -91,10 +89,10 @@ def build_model(cfg, device: torch.device, target: TrainingTarget | None = None)
     grid = latent_grid(cfg.data.height, cfg.data.width, cfg.data.num_frames, patch, target.vae_stride)
     # the block rule: the config's blocks (they must fit the training grid: a ValueError names the axis), else
     # the transformer's own (a fine-tuned MHLA checkpoint's), else the default for the model's block shape
-    blocks = resolve_model_blocks(transformer, grid, cfg.model.blocks or None, components.block_shape).blocks
+    blocks = transformer.resolve_blocks(grid, cfg.model.blocks or None, components.block_shape).blocks
     options = AttentionOptions(blocks=blocks, **OmegaConf.to_container(cfg.model.attention))
     layers = list(cfg.model.layers) if cfg.model.layers is not None else None
-    convert_self_attention(transformer, cfg.model.variant, layers, options)
+    transformer.convert(cfg.model.variant, layers, options)
     components.transformer = transformer
     return components, transformer, grid
 

@@ -13,6 +13,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 import mhla
 from pipelines import AttentionOptions, latent_grid
 from pipelines.attention import linear_layers_for
+from pipelines.conversion import CONFIG_KEY, Conversion
 from pipelines.model_dir import ModelDir, check_transformer_config, read_json, saved_transformer_config
 from training.experts import TrainingTarget, expert_folder, read_target
 
@@ -28,15 +29,12 @@ ARCHITECTURE_KEYS = (
 
 
 def _own_blocks(cfg: DictConfig, target: TrainingTarget) -> tuple[int, int, int] | None:
-    """The starting transformer's own MHLA blocks, from its config.json (as ``pipelines.convert.model_blocks``
-    reads them from a loaded one): ``model.transformer``'s, else the expert's in ``model.path``; None for a
-    softmax one."""
+    """The starting transformer's own MHLA blocks, from its config.json (its conversion record's
+    :attr:`pipelines.conversion.Conversion.blocks`, as a loaded model's): ``model.transformer``'s, else the
+    expert's in ``model.path``; None for a softmax one."""
     folder = expert_folder(cfg, target)
-    config = saved_transformer_config(folder) if folder is not None and Path(folder).is_dir() else None
-    state = (config or {}).get("self_attention") or {}
-    if not (state.get("parameters") or {}).get("mhla"):
-        return None
-    return mhla.parse_blocks(state["options"]["blocks"])
+    config = (saved_transformer_config(folder) if folder is not None and Path(folder).is_dir() else None) or {}
+    return Conversion.from_config(config.get(CONFIG_KEY), int(config.get("num_layers") or 0)).blocks
 
 
 def planned_blocks(

@@ -688,7 +688,7 @@ def test_a_stored_example_opens_with_its_side_by_side_video(models, tmp_path):
 
 def test_the_committed_examples_name_the_softmax_backend_as_a_fresh_run_here_does():
     """Issue 38 (6): the stored results said "sdpa_flash" (an older dispatch), fresh runs "sdpa"."""
-    from pipelines.builtin import BUILTIN_DIR
+    from pipelines.model_dir import BUILTIN_DIR
 
     stored = compare.load_stored(BUILTIN_DIR / "examples")
     assert stored, "the built-in model's examples are committed"

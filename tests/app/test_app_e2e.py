@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from common.video import read_video
-from pipelines.builtin import BUILTIN_DIR, builtin_available
+from pipelines.model_dir import BUILTIN_DIR, builtin_available
 
 pytestmark = pytest.mark.slow  # drives a browser against a launched app
 

@@ -12,7 +12,7 @@ import pytest
 
 from app import compare, quality
 from app.interleave import NOISY, Countdown, Turns, median_rank, paired_speedup
-from pipelines.builtin import BUILTIN_DIR, builtin_available
+from pipelines.model_dir import BUILTIN_DIR, builtin_available
 
 # ---- paired speedups --------------------------------------------------------------------------------------
 

@@ -51,6 +51,80 @@ def test_the_reader_sees_lazy_imports():
     assert "common" in project_imports("world")["world/synthetic.py"]
 
 
+def module_graph() -> dict[str, set[str]]:
+    """{module: the project modules it imports} over every package, each import statement at any depth (a lazy
+    import inside a function is an arrow too), relative imports resolved; ``from pkg import name`` points at
+    ``pkg.name`` when that is a module, else at ``pkg``."""
+    modules: dict[str, Path] = {}
+    for package in sorted(PROJECT - {"run_app"}):
+        for path in (ROOT / package).rglob("*.py"):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+
+    def known(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for module, path in modules.items():
+        here = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = here[: len(here) - node.level + 1] if node.level else []
+                prefix = ".".join([*base, node.module] if node.module else base)
+                names = [f"{prefix}.{a.name}" if f"{prefix}.{a.name}" in modules else prefix for a in node.names]
+            graph[module].update(m for m in map(known, names) if m is not None and m != module)
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_module_imports_itself_back_through_others():
+    """Arrows point one way inside each package too: no import circle between modules, lazy imports counted."""
+    assert circles(module_graph()) == []
+
+
+def test_the_circle_finder_finds_a_circle_and_the_graph_sees_lazy_relative_imports():
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    graph = module_graph()
+    assert "pipelines.model" in graph["pipelines.loading"]  # imported inside load_transformer, relatively
+    assert "pipelines.convert" in graph["pipelines.model"]
+
+
 def test_replace_dir_puts_the_new_folder_in_place_and_leaves_no_old_one(tmp_path):
     from common.outputs import replace_dir
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pipelines import BUILTIN_DIR, load_components
-from pipelines.builtin import builtin_available
+from pipelines.model_dir import builtin_available
 from world.analyse import analyse
 
 pytestmark = pytest.mark.slow  # loads the built-in model
@@ -311,8 +311,8 @@ def test_the_default_settings_draw_colour_and_motion_of_most_prompts(builtin):
     """The built-in model's defaults give the right colour in every one of the first 12 validation captions (seed 0)
     and the right colour and motion in most (the shipped third design: 10 of 12; its 48 x 3 evaluation: motion
     0.84), judged by the analyser; the shape it does not draw yet (README)."""
-    from pipelines.builtin import builtin_info
     from pipelines.cli import GenerationRequest, generate
+    from pipelines.model_dir import builtin_info
     from world.synthetic import SyntheticVideoDataset, world_named
 
     d, world = builtin.defaults, world_named(builtin_info().get("world", "v1"))

@@ -8,7 +8,7 @@ import pytest
 from app.models import BUILTIN_PROMPTS, GENERAL_PROMPTS, AppModels
 from factory import output_path
 from factory.examples import choose, main
-from pipelines.builtin import builtin_examples
+from pipelines.model_dir import builtin_examples
 
 
 def video(caption, seed, count=True, colour=True, shape=True, motion=True):

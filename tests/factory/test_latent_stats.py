@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from factory.latent_stats import frame_statistics, main
-from pipelines.builtin import builtin_available
+from pipelines.model_dir import builtin_available
 
 
 def test_a_first_frame_drawn_like_the_second_is_found():

@@ -48,7 +48,7 @@ def test_the_schedule_is_wans_shifted_one():
 
 @pytest.mark.slow
 def test_both_diagnoses_run_on_the_built_in_model(tmp_path):
-    from pipelines.builtin import builtin_info
+    from pipelines.model_dir import builtin_info
 
     if builtin_info().get("world") != "v3":
         pytest.skip("the shipped built-in model is not the third design")

@@ -9,7 +9,7 @@ import torch
 from PIL import Image
 
 from pipelines.attention import LinearSelfAttnProcessor
-from pipelines.convert import convert_self_attention
+from pipelines.model import convert_self_attention
 from pipelines.tiny import TINY_ARCHITECTURES, build_tiny_pipeline
 
 

@@ -91,8 +91,8 @@ def test_import_official_refuses_malformed_values(extra, outputs, capsys):
 
 @pytest.fixture(scope="module")
 def saved_tiny(tmp_path_factory):
-    from pipelines.convert import convert_self_attention
     from pipelines.loading import save_transformer
+    from pipelines.model import convert_self_attention
     from pipelines.tiny import build_tiny_transformer
 
     folder = tmp_path_factory.mktemp("tiny") / "transformer"

@@ -83,7 +83,7 @@ def _model_worker(rank: int, world: int, init: str, variant: str, mode: str, out
     from diffusers import ContextParallelConfig
 
     from pipelines.attention import AttentionOptions
-    from pipelines.convert import convert_self_attention
+    from pipelines.model import convert_self_attention
     from pipelines.tiny import build_tiny_transformer
 
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)

@@ -16,7 +16,7 @@ import torch
 from diffusers import DiffusionPipeline, WanPipeline, WanTransformer3DModel
 
 from pipelines.attention import PARAM_ATTRS, AttentionOptions, LinearSelfAttnProcessor, SoftmaxSelfAttnProcessor
-from pipelines.convert import attention_context, convert_self_attention, self_attention_state
+from pipelines.model import convert_self_attention
 from pipelines.tiny import build_tiny_components, build_tiny_transformer
 
 VARIANTS = ("flash", "linear", "mhla", "mhla-hybrid")
@@ -93,7 +93,7 @@ def test_plain_from_pretrained_restores_the_variant(variant, tmp_path):
 
     loaded = MHLAWanTransformer3DModel.from_pretrained(tmp_path)
     assert type(loaded) is MHLAWanTransformer3DModel
-    assert self_attention_state(loaded) == self_attention_state(model)
+    assert loaded.conversion.to_config() == model.conversion.to_config()
     assert _kinds(loaded) == _expected_kinds(variant)
     _assert_same_weights(loaded, model)
     torch.testing.assert_close(_run(loaded), before, rtol=0, atol=0)
@@ -145,7 +145,7 @@ def test_pipeline_folder_names_the_class_and_loads_through_diffusers(tmp_path):
     for cls in (DiffusionPipeline, WanPipeline):
         pipe = cls.from_pretrained(tmp_path)
         assert type(pipe) is WanPipeline
-        assert self_attention_state(pipe.transformer) == self_attention_state(parts["transformer"])
+        assert pipe.transformer.conversion.to_config() == parts["transformer"].conversion.to_config()
         _assert_same_weights(pipe.transformer, parts["transformer"])
 
 
@@ -215,13 +215,13 @@ def test_an_imported_official_checkpoint_loads_through_diffusers(tmp_path):
     pipe = WanPipeline.from_pretrained(out)
     assert type(pipe.transformer) is MHLAWanTransformer3DModel
     ours = load_transformer(out / "transformer", dtype="float32", device="cpu")
-    assert self_attention_state(pipe.transformer) == self_attention_state(ours)
-    assert self_attention_state(ours)["linear_layers"] == [1, 2]
+    assert pipe.transformer.conversion.to_config() == ours.conversion.to_config()
+    assert ours.conversion.to_config()["linear_layers"] == [1, 2]
     _assert_same_weights(pipe.transformer, ours)
 
 
 def test_shipped_variant_folders_name_the_class():
-    from pipelines.builtin import BUILTIN_DIR, builtin_available
+    from pipelines.model_dir import BUILTIN_DIR, builtin_available
 
     if not builtin_available():
         pytest.skip("the built-in model is not in this checkout")
@@ -233,14 +233,131 @@ def test_shipped_variant_folders_name_the_class():
         assert config["self_attention"]["variant"] == folder.name
 
 
-def test_converting_makes_the_project_class():
+def test_every_model_the_project_builds_is_the_project_class_and_converts_in_place():
     from pipelines.model import MHLAWanTransformer3DModel
 
     model = build_tiny_transformer(0, num_layers=2)
-    assert type(model) is WanTransformer3DModel
-    convert_self_attention(model, "mhla", options=OPTIONS)
-    assert type(model) is MHLAWanTransformer3DModel
+    assert type(model) is MHLAWanTransformer3DModel and model.conversion.variant == "flash"
+    same = convert_self_attention(model, "mhla", options=OPTIONS)
+    assert same is model and type(model) is MHLAWanTransformer3DModel
     assert isinstance(model.blocks[1].attn1.processor, LinearSelfAttnProcessor)
+
+
+def test_a_plain_diffusers_model_is_left_alone_and_the_converted_one_shares_its_weights():
+    """No class swap: diffusers' own model keeps its class and processors; the result is a new object whose
+    tensors are the plain model's (no copy), running as asked."""
+    from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+
+    from pipelines.model import MHLAWanTransformer3DModel
+
+    ours = build_tiny_transformer(3, num_layers=LAYERS)
+    plain = WanTransformer3DModel.from_config({k: v for k, v in ours.config.items() if k != "self_attention"})
+    plain.load_state_dict(ours.state_dict())
+    plain.eval()
+    before = _run(plain)
+    converted = convert_self_attention(plain, "flash")
+    assert type(plain) is WanTransformer3DModel and type(converted) is MHLAWanTransformer3DModel
+    assert all(type(b.attn1.processor) is WanAttnProcessor for b in plain.blocks)
+    tensors = dict(plain.named_parameters()) | dict(plain.named_buffers())
+    for name, t in [*converted.named_parameters(), *converted.named_buffers()]:
+        assert t is tensors[name], name
+    assert not converted.training
+    # diffusers' softmax and ours (same weights) agree; the plain model still gives what it gave
+    torch.testing.assert_close(_run(converted), before, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(_run(plain), before, rtol=0, atol=0)
+    mhla = convert_self_attention(plain, "mhla", options=OPTIONS)
+    assert mhla is not converted and mhla.conversion.variant == "mhla" and converted.conversion.variant == "flash"
+
+
+def test_the_conversion_is_typed_frozen_and_what_the_config_says():
+    import dataclasses
+
+    from pipelines.conversion import CONFIG_KEY, Conversion
+
+    model = _converted("mhla-hybrid")
+    conversion = model.conversion
+    assert isinstance(conversion, Conversion)
+    assert conversion.variant == "mhla-hybrid" and conversion.linear_layers == tuple(HYBRID)
+    assert dict(conversion.parameters) == {"mhla": tuple(HYBRID), "linear": ()}
+    assert conversion.options == OPTIONS and conversion.blocks == (1, 2, 2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        conversion.variant = "flash"
+    with pytest.raises(TypeError):
+        conversion.parameters["mhla"] = (0,)
+    assert model.config[CONFIG_KEY] == conversion.to_config()
+    assert Conversion.from_config(json.loads(json.dumps(conversion.to_config())), LAYERS) == conversion
+    # a switch back to flash keeps the parameters (and their blocks), runs no linear layer
+    model.set_variant("flash")
+    assert model.conversion.linear_layers == () and model.conversion.parameters["mhla"] == tuple(HYBRID)
+    assert model.conversion.blocks == (1, 2, 2) and model.config[CONFIG_KEY] == model.conversion.to_config()
+
+
+@pytest.mark.parametrize(
+    ("entry", "named"),
+    [
+        ([1, 2], "must be a JSON object"),
+        ({"variant": "mhla"}, "lacks ['linear_layers', 'parameters', 'options']"),
+        ({"variant": "mhla", "linear_layers": [], "parameters": {"rwkv": []}, "options": {}}, "'mhla'/'linear'"),
+        (
+            {"variant": "mhla", "linear_layers": [0, 3], "parameters": {}, "options": {}},
+            "linear_layers names layers [3]",
+        ),
+        ({"variant": "mhla", "linear_layers": [], "parameters": {"mhla": [-1]}, "options": {}}, "layers [-1]"),
+        ({"variant": "mhla", "linear_layers": [], "parameters": {"mhla": "12"}, "options": {}}, "list of layer"),
+        ({"variant": "softmax", "linear_layers": [], "parameters": {}, "options": {}}, "unknown variant 'softmax'"),
+        (
+            {"variant": "mhla", "linear_layers": [], "parameters": {}, "options": {"tau": 1}},
+            "unknown attention options",
+        ),
+    ],
+)
+def test_a_malformed_conversion_record_is_refused_naming_what_is_wrong(entry, named):
+    from pipelines.conversion import Conversion
+
+    with pytest.raises(ValueError) as e:
+        Conversion.from_config(entry, 3)
+    assert named in str(e.value)
+
+
+def test_a_clone_has_its_own_context_and_processors_and_the_same_weights():
+    model = _converted("mhla")
+    clone = model.clone()
+    assert clone.attention_context is not model.attention_context and clone.conversion == model.conversion
+    for a, b in zip(model.blocks, clone.blocks, strict=True):
+        assert a.attn1.processor is not b.attn1.processor
+        assert a.attn1.processor.context is model.attention_context
+        assert b.attn1.processor.context is clone.attention_context
+    _assert_same_weights(model, clone)
+    torch.testing.assert_close(_run(clone), _run(model), rtol=0, atol=0)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        clone(torch.randn(1, 16, 4, 8, 8, generator=g), torch.tensor([3]), torch.randn(1, 6, 32, generator=g))
+    assert clone.attention_context.grid == (4, 4, 4) and model.attention_context.grid == (2, 4, 4)
+
+
+def test_the_forward_records_the_grid_and_refuses_a_flat_input():
+    model = _converted("mhla")
+    _run(model)
+    assert model.attention_context.grid == (2, 4, 4)
+    with pytest.raises(ValueError, match=r"\(batch, channels, frames, height, width\), got \(1, 16, 8\)"):
+        model(torch.zeros(1, 16, 8), torch.tensor([1]), torch.zeros(1, 6, 32))
+
+
+def test_no_class_swap_and_no_attribute_smuggling_in_the_product():
+    """What the conversion used to do (switch an instance's class, attach state with object.__setattr__ and a
+    forward pre-hook): nowhere in the product's source now."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    found = []
+    for package in ("pipelines", "app", "training", "factory", "benchmarks"):
+        for path in (root / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                targets = node.targets if isinstance(node, ast.Assign) else []
+                if any(isinstance(t, ast.Attribute) and t.attr == "__class__" for t in targets):
+                    found.append(f"{path.name}:{node.lineno} assigns __class__")
+    assert found == []
 
 
 # ---- 2. torch.compile
@@ -427,7 +544,7 @@ def test_set_attention_backend_reaches_the_softmax_layers(counted_math_backend):
         _AttentionBackendRegistry.set_active_backend(active)
     # one softmax self-attention layer (0) and the cross-attention of all three
     assert counted_math_backend.calls == 1 + LAYERS
-    assert attention_context(model).softmax_backend == "sdpa_math"
+    assert model.attention_context.softmax_backend == "sdpa_math"
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
 
 

@@ -19,8 +19,8 @@ import mhla
 from common.video import read_video
 from pipelines import cli
 from pipelines.attention import LinearSelfAttnProcessor, hybrid_layers
-from pipelines.convert import convert_self_attention, current_variant, self_attention_state
 from pipelines.loading import load_components
+from pipelines.model import convert_self_attention, current_variant
 from pipelines.model_dir import ModelDir, check_model_dir
 from pipelines.pipeline import fit_image, generate
 from pipelines.request import GenerationRequest, latent_grid
@@ -229,7 +229,7 @@ def test_each_expert_gets_its_own_hybrid_split_and_keeps_its_parameters(loaded):
     request = _request("wan2.2-t2v-a14b", variant="mhla-hybrid", layers=[0, 1], layers_2=[3, 4, 5])
     generate(c, request, show_progress=False)
     assert _linear_layers(c.transformer) == [0, 1] and _linear_layers(c.transformer_2) == [3, 4, 5]
-    assert self_attention_state(c.transformer_2)["linear_layers"] == [3, 4, 5]
+    assert c.transformer_2.conversion.to_config()["linear_layers"] == [3, 4, 5]
     # each expert's MHLA parameters are its own: changing one expert's leaves the other's, and a rerun keeps both
     with torch.no_grad():
         for p in c.transformer_2.blocks[3].attn1.mhla.parameters():

@@ -10,7 +10,7 @@ import torch
 from diffusers import WanPipeline
 
 from pipelines.cli import main, validate_request
-from pipelines.convert import set_variant
+from pipelines.model import set_variant
 from pipelines.pipeline import generate
 from pipelines.request import GenerationRequest
 

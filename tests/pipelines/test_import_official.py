@@ -20,8 +20,8 @@ import mhla
 from mhla import BlockLayout, MixingCoefficients, locality_columns_init, resample_mixing
 from pipelines import import_official as imp
 from pipelines.attention import AttentionOptions, hybrid_layers
-from pipelines.convert import attention_context, convert_self_attention, current_variant, self_attention_state
 from pipelines.loading import load_components, load_transformer, save_transformer
+from pipelines.model import convert_self_attention, current_variant
 from pipelines.tiny import TINY_TRANSFORMER, build_tiny_components, build_tiny_transformer
 
 # ---------------------------------------------------------------------------------------------------------
@@ -72,7 +72,7 @@ def test_constrain_mixing_option_defaults_on_and_travels_in_the_config(tmp_path)
     # our own conversions keep the paper's constraint
     ours = convert_self_attention(build_tiny_transformer(seed=4, num_layers=2), "mhla")
     assert ours.blocks[0].attn1.mhla.mhla.mixing.constrain is True
-    assert self_attention_state(ours)["options"]["constrain_mixing"] is True
+    assert ours.conversion.to_config()["options"]["constrain_mixing"] is True
 
 
 def test_resample_without_renormalising_keeps_row_totals(gen):
@@ -266,7 +266,7 @@ def test_imported_layers_equal_their_dense_forward(tmp_path):
     out = imp.import_official(_checkpoint_file(tmp_path, ckpt, "pt"), base, tmp_path / "out", grid=grid, blocks="2x2x3")
     model = load_transformer(out / "transformer", dtype=torch.float64, device="cpu")
     assert current_variant(model) == "mhla"
-    options = self_attention_state(model)["options"]
+    options = model.conversion.to_config()["options"]
     assert options["constrain_mixing"] is False and options["normalize"] is False and options["blocks"] == [2, 2, 3]
 
     g = torch.Generator().manual_seed(3)
@@ -279,7 +279,7 @@ def test_imported_layers_equal_their_dense_forward(tmp_path):
     rotary = tuple(t.repeat_interleave(2, dim=-1)[None, :, None, :] for t in (freqs.real, freqs.imag))
     for ours, wan in zip(model.rope(latent), rotary):
         torch.testing.assert_close(ours.double(), wan, rtol=0, atol=1e-6)
-    attention_context(model).grid = grid
+    model.attention_context.grid = grid
     for layer in range(num_layers):
         with torch.no_grad():
             ours = model.blocks[layer].attn1(x.double(), rotary_emb=rotary)
@@ -323,7 +323,7 @@ def test_hybrid_import_loads_and_generates(base_dir, tmp_path, capsys):
 
     components = load_components(out, dtype="float32", device="cpu")
     model = components.transformer
-    state = self_attention_state(model)
+    state = model.conversion.to_config()
     assert state["variant"] == "mhla-hybrid" and state["linear_layers"] == hybrid_layers(30)
     assert state["options"]["constrain_mixing"] is False and state["options"]["blocks"] == [1, 2, 3]
     # every weight is the checkpoint's: mapped names, the conv as the (M, M) mixing matrix, g_norm as norm_out
@@ -342,7 +342,7 @@ def test_hybrid_import_loads_and_generates(base_dir, tmp_path, capsys):
     result = generate(components, request, show_progress=False)
     assert result.frames.shape == (9, 64, 96, 3) and np.isfinite(result.frames).all()
     assert result.timing.num_blocks == 6 and "1x2x3 blocks (M=6)" in result.timing.layout
-    assert self_attention_state(model)["linear_layers"] == hybrid_layers(30)  # its own split, not re-chosen
+    assert model.conversion.to_config()["linear_layers"] == hybrid_layers(30)  # its own split, not re-chosen
 
     # the generation CLI runs it like any local model
     video = tmp_path / "fox.mp4"
@@ -374,13 +374,13 @@ def test_imported_model_round_trips_through_save_and_load(tmp_path):
         before = model(**inputs)[0]
     save_transformer(model, tmp_path / "again")
     again = load_transformer(tmp_path / "again", dtype="float32", device="cpu")
-    assert self_attention_state(again) == self_attention_state(model)
+    assert again.conversion.to_config() == model.conversion.to_config()
     sa, sb = model.state_dict(), again.state_dict()
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
     with torch.no_grad():
         torch.testing.assert_close(again(**inputs)[0], before, rtol=0, atol=1e-6)
     # switching variants keeps the imported parameters and the compatibility mode
-    from pipelines.convert import set_variant
+    from pipelines.model import set_variant
 
     set_variant(again, "flash")
     set_variant(again, "mhla-hybrid", layers=[1, 2])

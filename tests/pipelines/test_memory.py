@@ -22,9 +22,9 @@ import pytest
 import torch
 
 from benchmarks.memory_table import model_counts, transformer_resident
-from pipelines.convert import convert_self_attention
 from pipelines.loading import WanComponents
 from pipelines.memory import OFFLOAD_MODES, apply_offload, check_offload
+from pipelines.model import convert_self_attention
 from pipelines.pipeline import convert_for_request, generate, model_request
 from pipelines.request import GenerationRequest
 from pipelines.tiny import TINY_BLOCK_SHAPE, TINY_DEFAULTS, build_tiny_components, build_tiny_transformer

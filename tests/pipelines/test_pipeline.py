@@ -12,8 +12,8 @@ import torch
 from common.video import read_video, write_frame_grid, write_gif, write_mp4
 from pipelines.attention import AttentionOptions
 from pipelines.cli import main, validate_request
-from pipelines.convert import convert_self_attention, current_variant, self_attention_state, set_variant
 from pipelines.loading import check_model_dir, load_components, load_transformer, save_transformer
+from pipelines.model import convert_self_attention, current_variant, set_variant
 from pipelines.pipeline import generate
 from pipelines.request import GenerationRequest
 from pipelines.tiny import build_tiny_components, build_tiny_transformer
@@ -146,7 +146,7 @@ def test_save_load_round_trip(variant, tmp_path):
 
     loaded = load_transformer(tmp_path / "t")
     assert current_variant(loaded) == variant
-    assert self_attention_state(loaded) == self_attention_state(model)
+    assert loaded.conversion.to_config() == model.conversion.to_config()
     sa, sb = model.state_dict(), loaded.state_dict()
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
     with torch.no_grad():
@@ -180,10 +180,10 @@ def test_local_model_dir_round_trip(components, tmp_path):
     assert current_variant(local.transformer) == "mhla-hybrid"
     hybrid = GenerationRequest(prompt="a boat", variant="mhla-hybrid", seed=5, output_type="latent", **SMALL)
     from_dir = generate(local, hybrid, show_progress=False).frames  # keeps the checkpoint's own hybrid layers
-    assert self_attention_state(local.transformer)["linear_layers"] == layers
+    assert local.transformer.conversion.to_config()["linear_layers"] == layers
     generate(local, replace(hybrid, variant="flash"), show_progress=False)
     generate(local, hybrid, show_progress=False)  # back to hybrid: still the checkpoint's split, not the default one
-    assert self_attention_state(local.transformer)["linear_layers"] == layers
+    assert local.transformer.conversion.to_config()["linear_layers"] == layers
     # same tiny weights, converted the same way
     built = generate(components, replace(hybrid, layers=layers), show_progress=False).frames
     # identical weights; outputs agree to float32 noise (tensors loaded from safetensors can take other CPU kernels)

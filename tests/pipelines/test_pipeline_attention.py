@@ -17,14 +17,7 @@ from pipelines.attention import (
     linear_layers_for,
     parse_layers,
 )
-from pipelines.convert import (
-    attention_context,
-    convert_self_attention,
-    model_blocks,
-    resolve_model_blocks,
-    self_attention_state,
-    set_variant,
-)
+from pipelines.model import convert_self_attention, model_blocks, resolve_model_blocks, set_variant
 from pipelines.tiny import build_tiny_transformer
 from tests import independent
 
@@ -82,7 +75,7 @@ def test_conversion_changes_only_requested_self_attention(variant, base_state):
         assert isinstance(p, LinearSelfAttnProcessor if i in targets else SoftmaxSelfAttnProcessor)
     for name, proc in cross_before.items():
         assert procs[name] is proc  # cross-attention processors are the very same objects
-    assert self_attention_state(model)["linear_layers"] == targets
+    assert model.conversion.to_config()["linear_layers"] == targets
     assert model.config["self_attention"]["variant"] == variant
 
 
@@ -244,7 +237,7 @@ def test_variant_switch_keeps_weights():
     set_variant(model, "mhla")
     torch.testing.assert_close(_forward(model), mixed, rtol=0, atol=0)
     set_variant(model, "mhla-hybrid", layers=[1, 2])
-    assert self_attention_state(model)["linear_layers"] == [1, 2]
+    assert model.conversion.to_config()["linear_layers"] == [1, 2]
     with pytest.raises(ValueError, match="needs linear parameters in layers"):
         set_variant(model, "linear")
     with pytest.raises(ValueError, match="built with blocks"):
@@ -274,19 +267,19 @@ def test_output_gate_starts_as_identity():
 
 
 def test_clone_is_independent():
-    from pipelines.convert import clone_transformer
+    from pipelines.model import clone_transformer
 
     model = convert_self_attention(
         build_tiny_transformer(seed=10, num_layers=4), "mhla", options=AttentionOptions(blocks=(1, 2, 2))
     )
     clone = clone_transformer(model)
-    assert self_attention_state(clone) == self_attention_state(model)
+    assert clone.conversion.to_config() == model.conversion.to_config()
     torch.testing.assert_close(_forward(clone), _forward(model), rtol=0, atol=0)
     set_variant(clone, "flash")
     _forward(clone, grid=(2, 3, 3))  # the clone records its own grid, not the original's
     assert clone.blocks[0].attn1.processor.context.grid == (2, 3, 3)
     assert model.blocks[0].attn1.processor.context.grid == (3, 4, 6)
-    assert self_attention_state(model)["variant"] == "mhla"
+    assert model.conversion.to_config()["variant"] == "mhla"
     assert (
         clone.blocks[0].attn1.mhla.mhla.mixing.weight.data_ptr()
         != model.blocks[0].attn1.mhla.mhla.mixing.weight.data_ptr()
@@ -317,7 +310,7 @@ def test_each_mhla_call_applies_the_block_rule_once_and_reports_what_ran(monkeyp
         return original(grid, *args, **kwargs)
 
     monkeypatch.setattr(mhla.module, "resolve_blocks", counting)
-    ctx = attention_context(model)
+    ctx = model.attention_context
     ctx.layouts.clear()
     _forward(model, grid=(1, 4, 6))  # one frame: the model's 3 frame blocks shrink to 1
     assert calls == [(1, 4, 6)] * 4  # once per layer call: the processor's note and the layer share the answer

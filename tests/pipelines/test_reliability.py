@@ -13,9 +13,9 @@ from safetensors.torch import load_file, save_file
 import pipelines.cli as gen
 from common.video import MAX_COMMENT_CHARS, check_output_path, read_video, write_mp4
 from pipelines.attention import AttentionOptions, parse_layers
-from pipelines.builtin import BUILTIN_DIR
-from pipelines.convert import convert_self_attention
 from pipelines.loading import load_transformer, save_transformer
+from pipelines.model import convert_self_attention
+from pipelines.model_dir import BUILTIN_DIR
 from pipelines.tiny import build_tiny_transformer
 
 WEIGHTS = "diffusion_pytorch_model.safetensors"

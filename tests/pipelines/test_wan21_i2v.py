@@ -18,8 +18,8 @@ from PIL import Image
 
 from common.video import read_video
 from pipelines.attention import LinearSelfAttnProcessor
-from pipelines.convert import convert_self_attention, current_variant
 from pipelines.loading import load_components
+from pipelines.model import convert_self_attention, current_variant
 from pipelines.pipeline import generate
 from pipelines.request import GenerationRequest
 from pipelines.tiny import TINY_IMAGE_ENCODER, TINY_TRANSFORMER, save_tiny_model

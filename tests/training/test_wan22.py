@@ -211,7 +211,7 @@ def test_shipped_wan22_configs_fit_their_token_grid(models, name):
 
 @pytest.mark.slow
 def test_ti2v_trains_with_a_timestep_per_token(models, tmp_path, monkeypatch):
-    from pipelines import load_transformer, self_attention_state
+    from pipelines import load_transformer
 
     run = tmp_path / "run"
     with recorded_calls(monkeypatch) as calls:
@@ -228,7 +228,7 @@ def test_ti2v_trains_with_a_timestep_per_token(models, tmp_path, monkeypatch):
     saved = run / "checkpoints" / "step-0000002"
     assert sorted(p.name for p in saved.iterdir() if p.is_dir()) == ["transformer"]
     reloaded = load_transformer(saved / "transformer", dtype="float32", device="cpu")
-    assert self_attention_state(reloaded)["variant"] == "mhla" and reloaded.config.in_channels == 48
+    assert reloaded.conversion.to_config()["variant"] == "mhla" and reloaded.config.in_channels == 48
 
 
 @pytest.mark.slow
@@ -237,7 +237,7 @@ def test_a14b_trains_one_expert_on_its_range_and_writes_only_it(models, tmp_path
     from diffusers import WanPipeline
     from safetensors.torch import load_file
 
-    from pipelines import load_transformer, self_attention_state
+    from pipelines import load_transformer
     from pipelines.model import MHLAWanTransformer3DModel
 
     model_dir = models["wan2.2-t2v-a14b"]
@@ -283,14 +283,14 @@ def test_a14b_trains_one_expert_on_its_range_and_writes_only_it(models, tmp_path
     assert n_params == len(trained)
 
     reloaded = load_transformer(saved / expert, dtype="float32", device="cpu")
-    record = self_attention_state(reloaded)
+    record = reloaded.conversion.to_config()
     assert record["variant"] == "mhla-hybrid"
     assert record["linear_layers"] == ([1] if expert == "transformer" else [1, 2])
     # it drops into the model directory in its expert's place
     pipe = WanPipeline.from_pretrained(model_dir, **{expert: MHLAWanTransformer3DModel.from_pretrained(saved / expert)})
     assert pipe.config.boundary_ratio == 0.875
-    assert self_attention_state(getattr(pipe, expert))["variant"] == "mhla-hybrid"
-    assert self_attention_state(getattr(pipe, other))["variant"] == "flash"
+    assert getattr(pipe, expert).conversion.to_config()["variant"] == "mhla-hybrid"
+    assert getattr(pipe, other).conversion.to_config()["variant"] == "flash"
 
 
 @pytest.mark.slow
