@@ -139,13 +139,13 @@ def _main(argv) -> int:
     resolve_dtype(args.dtype, resolve_device(args.device))  # named before any model loads
     check_offload(args.offload, resolve_device(args.device))
     variant_dirs = parse_variant_dirs(args.variant)
-    if args.model is not None and args.model != "tiny-random":
-        from pipelines import check_model_dir
+    from pipelines.model_dir import ModelDir
 
-        check_model_dir(args.model)
-        from pipelines.model_dir import ModelDir
-
-        if args.store_examples and ModelDir(args.model).index.image_to_video:
+    # the model folder described once for the whole run: checked here, read by the page's facts and by loading
+    folder = ModelDir(args.model) if args.random_weights is None else None
+    if folder is not None and not folder.tiny_random and args.model is not None:
+        folder.check()
+        if args.store_examples and folder.index.image_to_video:
             raise ValueError(
                 f"--store-examples: model {args.model!r} is image-to-video; its runs need an uploaded first frame, "
                 "so it has no stored example results"
@@ -153,7 +153,7 @@ def _main(argv) -> int:
     from app.compare import Warmup, store_examples, warm_up
     from app.models import describe_app_models
 
-    load_args = (args.model, variant_dirs, args.random_weights, args.device, args.dtype)
+    load_args = (folder, variant_dirs, args.random_weights, args.device, args.dtype)
     memory_args = (args.offload, args.vae_tiling, args.compile, args.cache)
     if args.store_examples:
         models = compose(*load_args, args.decode_dtype, *memory_args)

@@ -28,7 +28,7 @@ from pipelines import (
 from pipelines.attention import LINEAR, MHLA, SOFTMAX
 from pipelines.conversion import CONFIG_KEY, Conversion
 from pipelines.loading import WAN_CONFIGS, build_random_wan
-from pipelines.model_dir import BUILTIN_DIR, ModelIndex, builtin_examples
+from pipelines.model_dir import BUILTIN_DIR, ModelDir, ModelIndex, builtin_examples
 
 STORED_SUBDIR = "examples"  # beside the model's components: the example prompts' precomputed results
 CONVERTED_NOTE = "converted, not fine-tuned: latency is real, quality is not"
@@ -297,7 +297,7 @@ SHARED_NOTE = (
 
 
 def describe_app_models(
-    model: str | Path | None = None,
+    model: str | Path | ModelDir | None = None,
     variant_dirs: dict[str, Path] | None = None,
     random_weights: str | None = None,
     device="auto",
@@ -313,7 +313,7 @@ def describe_app_models(
         raise ValueError(f"compile must be none, blocks or full, got {compile!r}")
     from pipelines.loading import random_wan_source, resolve_device, resolve_dtype
     from pipelines.memory import Offload, check_offload
-    from pipelines.model_dir import ModelDir, check_model_dir, saved_transformer_config
+    from pipelines.model_dir import check_model_dir, saved_transformer_config
     from pipelines.tiny_sizes import WAN_DEFAULTS
 
     run_device = resolve_device(device)
@@ -327,13 +327,13 @@ def describe_app_models(
             raise ValueError(
                 f"random-weight Wan2.1 size must be one of {', '.join(WAN_CONFIGS)}, got {random_weights!r}"
             )
-        source, random = random_wan_source(random_weights), True
+        source, random, described = random_wan_source(random_weights), True, None
         defaults, block_shape, shipped = dict(WAN_DEFAULTS), mhla.PAPER_BLOCK_SHAPE, {}
         patch, stride, index = tuple(WAN_CONFIGS[random_weights]["patch_size"]), (4, 8, 8), ModelIndex()
     else:
-        described = ModelDir(model)
+        described = model if isinstance(model, ModelDir) else ModelDir(model)
         if described.path is not None:
-            check_model_dir(described.path)
+            check_model_dir(described)  # once per ModelDir: the launcher's was checked already
             base_config = described.transformer_config()
         source, random = described.source(), described.random_weights
         defaults, block_shape, shipped = described.defaults, described.block_shape, described.variant_dirs
@@ -366,7 +366,7 @@ def describe_app_models(
         )
     else:
         random_note = f"{source}: every video is noise, made to test the plumbing" if random else None
-    model_dir = BUILTIN_DIR if model is None else Path(model)
+    model_dir = BUILTIN_DIR if described is None or described.path is None else described.path
     return ModelFacts(
         source=source,
         device=run_device,
@@ -397,7 +397,7 @@ def _config_blocks(config: dict[str, Any]) -> tuple[int, int, int] | None:
 
 
 def load_app_models(
-    model: str | Path | None = None,
+    model: str | Path | ModelDir | None = None,
     variant_dirs: dict[str, Path] | None = None,
     random_weights: str | None = None,
     device="auto",
@@ -418,6 +418,8 @@ def load_app_models(
     The page's notes are :func:`describe_app_models`' for the same arguments."""
     from pipelines.memory import apply_offload
 
+    if random_weights is None and not isinstance(model, ModelDir):
+        model = ModelDir(model)  # one description of the folder, for the facts and the loading alike
     facts = describe_app_models(model, variant_dirs, random_weights, device, dtype, offload, vae_tiling, compile, cache)
     run_device, dtype = facts.device, facts.dtype
     device = torch.device("cpu") if offload != "none" else run_device

@@ -63,6 +63,7 @@ if TYPE_CHECKING:
 
     from .loading import WanComponents
     from .lora import LoraAdapters
+    from .model_dir import ModelDir
 
 
 def _parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -197,6 +198,7 @@ class _Plan:
     scale: Scale | None = None  # offload, VAE tiling, context parallelism (pipelines/scale.py)
     frames_npy: list[Path] | None = None  # per request, with --frames-npy
     lora: LoraAdapters | None = None  # --lora, read and checked
+    folder: ModelDir | None = None  # the model's files as read (once) and checked: loading reads none again
 
 
 def _preflight(args: argparse.Namespace) -> _Plan:
@@ -205,7 +207,7 @@ def _preflight(args: argparse.Namespace) -> _Plan:
     from common.video import check_fps, check_output_path, read_image
 
     from .loading import resolve_device, resolve_dtype
-    from .model_dir import TINY_RANDOM, ModelDir, check_model_dir, check_transformer_config
+    from .model_dir import ModelDir, check_transformer_config
 
     # each file is asked once, in this order: the values alone, the model's files, the variant table, the
     # request's checks, the image, the output paths, the device
@@ -223,8 +225,8 @@ def _preflight(args: argparse.Namespace) -> _Plan:
                 "save_transformer (e.g. runs/<run>/checkpoints/step-XXXXXXX/transformer)"
             )
         check_transformer_config(saved, Path(args.transformer) / "config.json", "--transformer")
-    if args.model and args.model != TINY_RANDOM:
-        check_model_dir(args.model)
+    if not folder.tiny_random:
+        folder.check()
     shape, defaults, index, stride = folder.shape(args.transformer), folder.defaults, folder.index, folder.vae_stride
     experts_2 = folder.shape(part="transformer_2").num_layers if args.layers_2 is not None else None
     trained = {name: folder.transformer_config(d) for name, d in folder.variant_dirs.items()}
@@ -391,7 +393,7 @@ def _load(args: argparse.Namespace, plan: _Plan) -> WanComponents:
     from .loading import load_components, load_transformer
 
     device = plan.scale.load_device(plan.device) if plan.scale else plan.device  # the CPU when offloaded
-    components = load_components(args.model, dtype=plan.dtype, device=device)
+    components = load_components(plan.folder or args.model, dtype=plan.dtype, device=device)
     if args.transformer:
         loaded = load_transformer(args.transformer, dtype=plan.dtype, device=device)
         base = components.transformer.config

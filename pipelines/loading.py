@@ -23,13 +23,9 @@ from mhla import PAPER_BLOCK_SHAPE
 from .compat import quiet_image_processors
 from .conversion import CONFIG_KEY, Conversion
 from .model_dir import (
-    BUILTIN_DIR,
-    TINY_RANDOM,
     ModelDir,
     ModelIndex,
-    builtin_available,
     check_finite,
-    check_model_dir,
     check_weight_files,
     read_json,
     require_key,
@@ -128,7 +124,10 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
 
 
 def load_transformer(
-    path: str | Path, dtype: str | torch.dtype | None = "auto", device: str | torch.device | None = "auto"
+    path: str | Path,
+    dtype: str | torch.dtype | None = "auto",
+    device: str | torch.device | None = "auto",
+    config: dict[str, Any] | None = None,
 ) -> MHLAWanTransformer3DModel:
     """Loads a transformer folder written by ``save_pretrained``, as the variant it was saved as.
 
@@ -136,7 +135,8 @@ def load_transformer(
     before anything loads), then :class:`pipelines.model.MHLAWanTransformer3DModel` ``.from_pretrained`` builds
     the saved variant from ``config.json`` (its ``self_attention`` entry; a plain Wan folder loads as
     ``flash``) and loads every weight, refusing a checkpoint that lacks one the config promises.
-    ``dtype``/``device``: as :func:`load_components` (default bfloat16 on GPU, float32 on CPU).
+    ``dtype``/``device``: as :func:`load_components` (default bfloat16 on GPU, float32 on CPU). ``config``: the
+    folder's ``config.json`` when the caller has read it (:meth:`pipelines.model_dir.ModelDir.transformer_config`).
     """
     from .model import MHLAWanTransformer3DModel
 
@@ -144,7 +144,7 @@ def load_transformer(
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{str(folder)!r} has no config.json; expected a save_pretrained transformer folder")
-    config = read_json(config_file, "transformer config")
+    config = read_json(config_file, "transformer config") if config is None else config
     for key in ("patch_size", "num_layers", "num_attention_heads", "attention_head_dim"):
         require_key(config, key, config_file)
     Conversion.from_config(config.get(CONFIG_KEY), int(config["num_layers"]))  # a malformed record, named
@@ -287,14 +287,15 @@ def build_random_wan(
 
 
 def load_components(
-    model_dir: str | Path | None = None,
+    model_dir: str | Path | ModelDir | None = None,
     dtype: str | torch.dtype | None = "auto",
     device: str | torch.device | None = "auto",
     seed: int = 0,
     expert: str | None = None,
 ) -> WanComponents:
-    """Loads a local Wan directory; ``None`` loads the built-in model (``assets/builtin``: trained
-    on synthetic moving shapes); ``"tiny-random"`` builds the tiny random-weight model (tests, smoke runs).
+    """Loads a local Wan directory (a path, or the run's :class:`pipelines.model_dir.ModelDir` of it: its files are
+    then not read again); ``None`` loads the built-in model (``assets/builtin``: trained on synthetic moving
+    shapes); ``"tiny-random"`` builds the tiny random-weight model (tests, smoke runs).
 
     A directory is read as its files say (:class:`pipelines.model_dir.ModelDir`; the pipeline class is checked
     before anything loads): ``WanPipeline`` or ``WanImageToVideoPipeline``, each transformer (``transformer``, and
@@ -311,10 +312,9 @@ def load_components(
     dtype = resolve_dtype(dtype, device)
     if expert not in (None, "transformer", "transformer_2"):
         raise ValueError(f"expert must be 'transformer', 'transformer_2' or None, got {expert!r}")
-    builtin = model_dir is None and builtin_available()
-    if model_dir is None:
-        model_dir = BUILTIN_DIR if builtin else TINY_RANDOM
-    if str(model_dir) == TINY_RANDOM:
+    # one description of the folder per run: a caller's (the CLI's, already checked), else made here
+    folder = model_dir if isinstance(model_dir, ModelDir) else ModelDir(model_dir)
+    if folder.tiny_random:
         if expert == "transformer_2":
             raise ValueError("expert 'transformer_2': the tiny random model has one transformer")
         from .tiny import build_tiny_components  # here: `python -m pipelines.tiny` runs that module as __main__
@@ -327,7 +327,7 @@ def load_components(
             vae=parts["vae"].to(device),
             scheduler=parts["scheduler"],
             transformer=transformer,
-            source=ModelDir(TINY_RANDOM).source(seed),
+            source=folder.source(seed),
             random_weights=True,
             device=device,
             dtype=dtype,
@@ -335,8 +335,7 @@ def load_components(
             block_shape=TINY_BLOCK_SHAPE,
         )
 
-    root = check_model_dir(model_dir)
-    folder = ModelDir(root)
+    root = folder.check()  # once per ModelDir: a caller that checked it (the CLI) reads nothing again
     index = folder.index  # an unsupported pipeline class is named here, before any weights load
     from diffusers import AutoencoderKLWan
     from transformers import AutoTokenizer, UMT5EncoderModel
@@ -350,13 +349,14 @@ def load_components(
         raise ValueError(
             f"expert 'transformer_2': {str(root)!r} has one transformer (its model_index.json names no transformer_2)"
         )
-    transformer = load_transformer(root / (expert or "transformer"), dtype=dtype, device=device)
+    part = expert or "transformer"
+    transformer = load_transformer(root / part, dtype, device, folder.transformer_config(part=part))
     transformer_2 = (
-        load_transformer(root / "transformer_2", dtype=dtype, device=device)
+        load_transformer(root / "transformer_2", dtype, device, folder.transformer_config(part="transformer_2"))
         if index.transformer_2 and expert is None
         else None
     )
-    image_encoder, image_processor = _load_image_encoder(root, device) if index.image_encoder else (None, None)
+    image_encoder, image_processor = _load_image_encoder(folder, device) if index.image_encoder else (None, None)
     source = folder.source()
     random_weights = folder.random_weights
     return WanComponents(
@@ -379,14 +379,14 @@ def load_components(
     )
 
 
-def _load_image_encoder(root: Path, device: torch.device) -> tuple[torch.nn.Module | None, object | None]:
+def _load_image_encoder(folder: ModelDir, device: torch.device) -> tuple[torch.nn.Module | None, object | None]:
     """Wan2.1-I2V's image encoder and processor, the ``transformers`` classes its ``model_index.json`` names
     (CLIPVisionModel, CLIPImageProcessor); float32 like the VAE, as diffusers' Wan2.1-I2V example keeps it."""
     import transformers
 
     quiet_image_processors()
 
-    index = read_json(root / "model_index.json", "model_index.json")
+    root, index = folder.check(), folder.index_json
     loaded: dict[str, Any] = {}
     for part in ("image_encoder", "image_processor"):
         library, name = index.get(part) or (None, None)

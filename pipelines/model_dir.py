@@ -58,8 +58,9 @@ def _has_weights(folder: Path, name: str) -> bool:
     return (folder / name).is_file() or (folder / f"{name}.index.json").is_file()
 
 
-def missing_model_files(model_dir: str | Path) -> list[str]:
-    """The expected files of a diffusers-format Wan directory that ``model_dir`` lacks."""
+def missing_model_files(model_dir: str | Path, named: set[str] | None = None) -> list[str]:
+    """The expected files of a diffusers-format Wan directory that ``model_dir`` lacks; ``named``: the parts its
+    ``model_index.json`` names (:func:`named_parts`; read here when not given)."""
     root = Path(model_dir)
     missing = []
     if not (root / "model_index.json").is_file():
@@ -74,7 +75,8 @@ def missing_model_files(model_dir: str | Path) -> list[str]:
         if not (folder / "config.json").is_file() or not _has_weights(folder, weights):
             missing.append(EXPECTED[part])
     # the optional parts the model index names (Wan2.2-A14B's second expert, Wan2.1-I2V's image encoder)
-    named = _named_parts(root / "model_index.json")
+    if named is None:
+        named = named_parts(_read_index_or_none(root / "model_index.json"))
     if "transformer_2" in named:
         folder = root / "transformer_2"
         if not (folder / "config.json").is_file() or not _has_weights(folder, WEIGHTS[0]):
@@ -99,14 +101,18 @@ SUPPORTED_PIPELINES = ("WanPipeline", "WanImageToVideoPipeline")
 IMAGE_TO_VIDEO = "WanImageToVideoPipeline"
 
 
-def _named_parts(index_file: Path) -> set[str]:
-    """The components ``model_index.json`` names with a class (``[library, class]``, not ``[null, null]``);
-    an unreadable index names none (:func:`read_model_index` reports it)."""
+def _read_index_or_none(index_file: Path) -> dict[str, Any] | None:
+    """``model_index.json`` as a dict; None when it is missing or unreadable (:func:`model_index` reports that)."""
     try:
         index = json.loads(index_file.read_text())
     except (OSError, ValueError):
-        return set()
-    if not isinstance(index, dict):
+        return None
+    return index if isinstance(index, dict) else None
+
+
+def named_parts(index: Mapping[str, Any] | None) -> set[str]:
+    """The components a ``model_index.json`` names with a class (``[library, class]``, not ``[null, null]``)."""
+    if not index:
         return set()
     return {k for k, v in index.items() if isinstance(v, list) and len(v) == 2 and v[0] is not None}
 
@@ -147,19 +153,17 @@ class ModelIndex:
         return ", ".join(parts)
 
 
-def read_model_index(model_dir: str | Path) -> ModelIndex:
-    """The architecture of a model directory from its ``model_index.json``; ValueError naming the class when
-    it is not a pipeline this product runs (before anything loads)."""
-    index_file = Path(model_dir) / "model_index.json"
-    index = read_json(index_file, "model_index.json")
+def model_index(index: Mapping[str, Any], index_file: Path) -> ModelIndex:
+    """The architecture a ``model_index.json`` (read, at ``index_file``) names; ValueError naming the class when it
+    is not a pipeline this product runs, or a bad ``boundary_ratio`` (before anything loads)."""
     name = index.get("_class_name", "WanPipeline")
     if name not in SUPPORTED_PIPELINES:
         raise ValueError(
-            f"model {str(model_dir)!r} is a {name!r} (its model_index.json's _class_name); supported: "
+            f"model {str(index_file.parent)!r} is a {name!r} (its model_index.json's _class_name); supported: "
             f"{', '.join(SUPPORTED_PIPELINES)} (Wan2.1 / Wan2.2 text-to-video, text-image-to-video and "
             "image-to-video)"
         )
-    named = _named_parts(index_file)
+    named = named_parts(index)
     ratio = index.get("boundary_ratio")
     if "transformer_2" in named and (
         isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio < 1
@@ -177,28 +181,17 @@ def read_model_index(model_dir: str | Path) -> ModelIndex:
     )
 
 
-def check_model_dir(model_dir: str | Path) -> Path:
+def read_model_index(model_dir: str | Path) -> ModelIndex:
+    """The architecture of a model directory from its ``model_index.json`` (:meth:`ModelDir.index`)."""
+    return ModelDir(model_dir).index
+
+
+def check_model_dir(model_dir: str | Path | ModelDir) -> Path:
     """Raises ``FileNotFoundError`` naming what is missing unless ``model_dir`` is a complete Wan model dir
-    (``ValueError`` naming the class when its ``model_index.json`` names a pipeline this product does not run)."""
-    root = Path(model_dir)
-    if root.is_file():
-        raise FileNotFoundError(
-            f"model directory {str(root)!r} is a file; expected a local diffusers-format Wan (2.1 or 2.2) directory "
-            "(the folder holding model_index.json, transformer/, vae/, ...)"
-        )
-    if not root.is_dir():
-        raise FileNotFoundError(
-            f"model directory {str(root)!r} does not exist; expected a local diffusers-format Wan (2.1 or 2.2) directory "
-            f"({', '.join(EXPECTED.values())}), or no --model for the built-in model"
-        )
-    if (root / "model_index.json").is_file():
-        read_model_index(root)  # a pipeline this product does not run is named first, not by its missing files
-    missing = missing_model_files(root)
-    if missing:
-        raise FileNotFoundError(
-            f"model directory {str(root)!r} is incomplete (nothing is downloaded); missing: " + "; ".join(missing)
-        )
-    return root
+    (``ValueError`` naming the class when its ``model_index.json`` names a pipeline this product does not run).
+    A :class:`ModelDir` is checked once (:meth:`ModelDir.check`), its files read once."""
+    folder = model_dir if isinstance(model_dir, ModelDir) else ModelDir(model_dir)
+    return folder.check()
 
 
 def weight_files(folder: Path) -> list[Path]:
@@ -415,7 +408,7 @@ TINY_RANDOM = "tiny-random"
 def builtin_available(root: str | Path = BUILTIN_DIR) -> bool:
     """Whether the trained built-in model is present (its base directory and ``builtin.json``)."""
     root = Path(root)
-    return (root / "builtin.json").is_file() and not missing_model_files(root)
+    return (root / "builtin.json").is_file() and not ModelDir(root).missing_files
 
 
 def builtin_info(root: str | Path = BUILTIN_DIR) -> dict[str, Any]:
@@ -458,15 +451,62 @@ class ModelDir:
         self.tiny_random = str(model_dir) == TINY_RANDOM
         self.path: Path | None = None if self.tiny_random else Path(model_dir)
         self._configs: dict[Path, dict[str, Any] | None] = {}
+        self._checked: Path | None = None
 
     def __repr__(self) -> str:
         return f"ModelDir({'tiny-random' if self.path is None else str(self.path)!r})"
 
     @cached_property
+    def index_json(self) -> dict[str, Any]:
+        """``model_index.json`` as read, once per ``ModelDir`` ({} for the tiny random model); ValueError naming
+        a file that is not a JSON object."""
+        return {} if self.path is None else read_json(self.path / "model_index.json", "model_index.json")
+
+    @cached_property
     def index(self) -> ModelIndex:
         """The architecture ``model_index.json`` names (Wan2.1 text-to-video for the tiny random model);
         ValueError for a pipeline class this product does not run."""
-        return ModelIndex() if self.path is None else read_model_index(self.path)
+        return ModelIndex() if self.path is None else model_index(self.index_json, self.path / "model_index.json")
+
+    @cached_property
+    def missing_files(self) -> list[str]:
+        """The expected files the folder lacks (:func:`missing_model_files`; [] for the tiny random model)."""
+        if self.path is None:
+            return []
+        try:
+            named = named_parts(self.index_json) if (self.path / "model_index.json").is_file() else set()
+        except (OSError, ValueError):  # unreadable: check() names that through index
+            named = set()
+        return missing_model_files(self.path, named)
+
+    def check(self) -> Path:
+        """The folder, once it is known to be a complete Wan model folder of a pipeline this product runs; raises
+        ``FileNotFoundError`` naming what is missing (``ValueError`` naming an unsupported pipeline class first).
+        Checked once: later calls return at once."""
+        if self._checked is not None:
+            return self._checked
+        root = self.path
+        if root is None:
+            raise FileNotFoundError("the tiny random model has no folder to check")
+        if root.is_file():
+            raise FileNotFoundError(
+                f"model directory {str(root)!r} is a file; expected a local diffusers-format Wan (2.1 or 2.2) "
+                "directory (the folder holding model_index.json, transformer/, vae/, ...)"
+            )
+        if not root.is_dir():
+            raise FileNotFoundError(
+                f"model directory {str(root)!r} does not exist; expected a local diffusers-format Wan (2.1 or 2.2) "
+                f"directory ({', '.join(EXPECTED.values())}), or no --model for the built-in model"
+            )
+        if (root / "model_index.json").is_file():
+            _ = self.index  # a pipeline this product does not run is named first, not by its missing files
+        if self.missing_files:
+            raise FileNotFoundError(
+                f"model directory {str(root)!r} is incomplete (nothing is downloaded); missing: "
+                + "; ".join(self.missing_files)
+            )
+        self._checked = root
+        return root
 
     @cached_property
     def random_weights(self) -> bool:

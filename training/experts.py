@@ -15,7 +15,7 @@ Wan2.2 T2V-A14B, read from the model directory's config files before anything lo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -39,6 +39,8 @@ class TrainingTarget:
     expand_timesteps: bool = False
     num_train_timesteps: int = 1000
     vae_stride: tuple[int, int, int] = (4, 8, 8)
+    # the model folder as read for this run (each file once), handed to every later reader and to loading
+    model_dir: ModelDir | None = field(default=None, compare=False, repr=False)
 
     @property
     def two_experts(self) -> bool:
@@ -118,6 +120,7 @@ def read_target(cfg: DictConfig) -> TrainingTarget:
         expand_timesteps=expand,
         num_train_timesteps=steps,
         vae_stride=model.vae_stride,
+        model_dir=model,
     )
 
 
@@ -126,7 +129,7 @@ def expert_folder(cfg: DictConfig, target: TrainingTarget) -> Path | None:
     (None for the tiny random model)."""
     if cfg.model.transformer:
         return Path(cfg.model.transformer)
-    root = ModelDir(cfg.model.path).path
+    root = (target.model_dir or ModelDir(cfg.model.path)).path
     return None if root is None else root / target.expert
 
 
@@ -149,4 +152,5 @@ def load_expert_components(cfg: DictConfig, target: TrainingTarget, device: torc
     from pipelines import load_components
 
     expert = target.expert if target.two_experts else None
-    return load_components(cfg.model.path, dtype=cfg.model.dtype, device=device, seed=cfg.model.seed, expert=expert)
+    model = target.model_dir or cfg.model.path
+    return load_components(model, dtype=cfg.model.dtype, device=device, seed=cfg.model.seed, expert=expert)

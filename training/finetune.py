@@ -331,10 +331,10 @@ def _main(argv) -> int:
         from training import vae
 
         return vae.main(argv)
-    check_model_plan(cfg)  # model.* against the model's config files, before the run folder is touched
+    target = check_model_plan(cfg)  # model.* against the model's config files, before the run folder is touched
     with hold_run_dir(cfg.run_dir), intra_op_threads(cfg.train.threads):  # one run per folder, for its life
         try:
-            return train(cfg)
+            return train(cfg, target)
         except (KeyboardInterrupt, Terminated):
             if is_main_launch():
                 print(interrupted_note(cfg), file=sys.stderr)
@@ -408,7 +408,7 @@ class ImageStream:
         return next(self._iter)
 
 
-def train(cfg) -> int:
+def train(cfg, target: TrainingTarget | None = None) -> int:
     """The recipe: checks, model, data, resume, then the flow-matching loop with its checkpoints."""
     from accelerate import Accelerator, DistributedDataParallelKwargs
 
@@ -471,7 +471,8 @@ def train(cfg) -> int:
     torch.manual_seed(cfg.train.seed)
 
     # ---- model
-    target = read_target(cfg)  # which transformer trains, on which noise levels, called how
+    # which transformer trains, on which noise levels, called how (the model folder read once per run)
+    target = read_target(cfg) if target is None else target
     components, transformer, grid = build_model(cfg, device, target)
     trainable = select_trainable(transformer, cfg)
     if start_lora is not None:  # a resume loads the checkpoint's adapters instead

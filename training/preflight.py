@@ -45,7 +45,7 @@ def planned_blocks(
     the starting transformer's own, else the default for the model's block shape). The grid comes from the clip
     size, the VAE's strides (16x for Wan2.2-TI2V's) and the expert's patch."""
     target = read_target(cfg) if target is None else target
-    model = ModelDir(cfg.model.path)
+    model = target.model_dir or ModelDir(cfg.model.path)
     patch = model.shape(expert_folder(cfg, target)).patch
     grid = latent_grid(cfg.data.height, cfg.data.width, cfg.data.num_frames, patch, target.vae_stride)
     resolved = mhla.resolve_blocks(grid, cfg.model.blocks or None, _own_blocks(cfg, target), model.block_shape)
@@ -86,8 +86,9 @@ def check_expert_run(cfg: DictConfig, target: TrainingTarget) -> None:
         )
 
 
-def check_model_plan(cfg: DictConfig) -> None:
-    """``model.*`` against the model's config files, before anything loads."""
+def check_model_plan(cfg: DictConfig) -> TrainingTarget:
+    """``model.*`` against the model's config files, before anything loads; returns the run's
+    :class:`TrainingTarget` (its ``model_dir`` read once, for the rest of the run)."""
     if cfg.model.transformer:
         folder = Path(cfg.model.transformer)
         config = saved_transformer_config(folder) if folder.is_dir() else None
@@ -111,7 +112,7 @@ def check_model_plan(cfg: DictConfig) -> None:
     target = read_target(cfg)  # model.expert against the model's transformers
     check_expert_run(cfg, target)
     folder = expert_folder(cfg, target)
-    shape = ModelDir(cfg.model.path).shape(folder)
+    shape = (target.model_dir or ModelDir(cfg.model.path)).shape(folder)
     num_layers = shape.num_layers
     check_clip_size(cfg, target, shape.patch)
     layers = list(cfg.model.layers) if cfg.model.layers is not None else None
@@ -145,6 +146,7 @@ def check_cache_fits(cfg: DictConfig, target: TrainingTarget) -> None:
     folder = expert_folder(cfg, target)
     config = (saved_transformer_config(folder) if folder is not None else None) or {}
     channels = int(config.get("in_channels", 16))
+    return target
     d = cfg.data
     expected = (channels, *latent_grid(d.height, d.width, d.num_frames, (1, 1, 1), target.vae_stride))
     if shape != expected:

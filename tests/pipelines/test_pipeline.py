@@ -12,8 +12,9 @@ import torch
 from common.video import read_video, write_frame_grid, write_gif, write_mp4
 from pipelines.attention import AttentionOptions
 from pipelines.cli import main, validate_request
-from pipelines.loading import check_model_dir, load_components, load_transformer, save_transformer
+from pipelines.loading import load_components, load_transformer, save_transformer
 from pipelines.model import convert_self_attention, current_variant, set_variant
+from pipelines.model_dir import check_model_dir
 from pipelines.pipeline import generate
 from pipelines.request import GenerationRequest
 from pipelines.tiny import build_tiny_components, build_tiny_transformer

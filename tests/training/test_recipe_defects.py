@@ -267,7 +267,7 @@ def test_saved_models_and_checkpoints_read_like_other_outputs(saved_variants, tm
 def test_an_interrupted_run_names_resume_latest(tmp_path, monkeypatch):
     from training import finetune as ft
 
-    def interrupted(cfg):
+    def interrupted(cfg, target=None):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(ft, "train", interrupted)
