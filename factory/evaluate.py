@@ -44,7 +44,7 @@ from common.outputs import atomic_write, write_text_atomic
 from factory import output_path, write_json
 from factory.vae_ceiling import reconstruction_ceiling, to_frames
 from pipelines import BUILTIN_DIR, VARIANTS, GenerationRequest, load_components, load_transformer
-from pipelines.attention import HYBRID, LINEAR, MHLA, SOFTMAX
+from pipelines.attention import SOFTMAX, VARIANT_SPECS
 from pipelines.model_dir import builtin_info
 from pipelines.pipeline import generate
 from training.encoding import Encoder
@@ -52,7 +52,7 @@ from training.flow import FlowMatching
 from world.analyse import ANALYSER_VERSION, ATTRIBUTES, analyse, score
 from world.synthetic import WORLDS, SyntheticVideoDataset
 
-NAMES = {SOFTMAX: "softmax (FA)", LINEAR: "linear", MHLA: "MHLA", HYBRID: "MHLA-hybrid"}
+NAMES = {name: spec.label for name, spec in VARIANT_SPECS.items()}
 
 
 def variant_transformers(components, variants: list[str]) -> dict:

@@ -49,6 +49,7 @@ class VariantSpec:
 
     Args:
         name: the variant's name (``--variant``, ``GenerationRequest.variant``, a saved model's config).
+        label: how tables and reports name it for a reader (``"softmax (FA)"``, ``"MHLA-hybrid"``).
         param_kind: the kind of new parameters (a key of :data:`PARAM_ATTRS`) its linear-attention layers run
             on; for a variant without such layers, the kind a switch from it would add.
         linear: which layers run linear attention: ``"none"``, ``"all"`` or ``"hybrid"`` (a chosen list).
@@ -57,6 +58,7 @@ class VariantSpec:
     """
 
     name: str
+    label: str
     param_kind: str
     linear: str
     blocks: bool
@@ -68,19 +70,20 @@ class VariantSpec:
         return self.linear != "all"
 
 
-# The variants, in the order the CLI and the app list them: the one place their names and rules are written.
+# the names by role, for code that means one: SOFTMAX is a model as loaded, before any conversion
+SOFTMAX, LINEAR, MHLA, HYBRID = "flash", "linear", "mhla", "mhla-hybrid"
+# The variants, in the order the CLI and the app list them: the one place their names and rules are written. A new
+# variant is a row here (and its processor's branch, if it runs a new kind of attention: docs/architecture.md).
 VARIANT_SPECS: dict[str, VariantSpec] = {
     spec.name: spec
     for spec in (
-        VariantSpec("flash", param_kind="mhla", linear="none", blocks=False, layers=False),
-        VariantSpec("linear", param_kind="linear", linear="all", blocks=False, layers=False),
-        VariantSpec("mhla", param_kind="mhla", linear="all", blocks=True, layers=False),
-        VariantSpec("mhla-hybrid", param_kind="mhla", linear="hybrid", blocks=True, layers=True),
+        VariantSpec(SOFTMAX, "softmax (FA)", param_kind="mhla", linear="none", blocks=False, layers=False),
+        VariantSpec(LINEAR, "linear", param_kind="linear", linear="all", blocks=False, layers=False),
+        VariantSpec(MHLA, "MHLA", param_kind="mhla", linear="all", blocks=True, layers=False),
+        VariantSpec(HYBRID, "MHLA-hybrid", param_kind="mhla", linear="hybrid", blocks=True, layers=True),
     )
 }
 VARIANTS = tuple(VARIANT_SPECS)
-# the names by role, for code that means one: SOFTMAX is a model as loaded, before any conversion
-SOFTMAX, LINEAR, MHLA, HYBRID = VARIANTS
 DEFAULT_VARIANT = HYBRID  # what the CLI generates when no variant is named
 MHLA_VARIANTS = tuple(v for v, spec in VARIANT_SPECS.items() if spec.blocks)  # take a block layout
 LAYERS_VARIANTS = tuple(v for v, spec in VARIANT_SPECS.items() if spec.layers)  # take an explicit layer list

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, cast
 import mhla
 
 from .attention import LAYERS_VARIANTS, MHLA_VARIANTS, SOFTMAX, VARIANTS
+from .conversion import CONFIG_KEY, Conversion
 
 if TYPE_CHECKING:
     from .model_dir import ModelIndex
@@ -228,10 +229,9 @@ def check_trained_blocks(
     ``config``: ``transformer_dir``'s ``config.json``."""
     if not request.uses_blocks or request.blocks is None or transformer_dir is None:
         return
-    state = (config or {}).get("self_attention")
-    if not state or not state["parameters"]["mhla"]:
-        return  # a softmax or linear transformer: converted afresh with the requested blocks
-    trained = state["options"].get("blocks")
+    config = config or {}
+    trained = Conversion.from_config(config.get(CONFIG_KEY), int(config.get("num_layers") or 0)).blocks
+    # None: a softmax or linear transformer, converted afresh with the requested blocks
     if trained is not None and tuple(trained) != tuple(request.blocks):
         m = math.prod(trained)
         raise ValueError(
