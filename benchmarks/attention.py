@@ -16,6 +16,9 @@ Times, on q, k, v of shape ``(1, N, heads, dim)`` over latent-token grids ``F x 
   installed; ``--impls torch,triton`` forces them, e.g. in Triton's interpreter on a CPU);
   ``linear[triton-v1]`` / ``mhla[triton-v1]``: the first kernel version (float32 summaries, strided
   channel reads, one fixed launch setting), timed in the same run so that v2's gain is measured;
+- ``linear[triton-graph]`` / ``mhla[triton-graph]`` (CUDA only, forward): the fused operator captured once in a
+  CUDA graph and replayed: the GPU's own time for the call, without the host's launches and Python (the
+  graph's one launch instead); next to ``[triton]`` it splits a call's time into GPU work and fixed host cost;
 - ``linear[layer]`` / ``mhla[layer]`` (``--impls`` ``layer``, in the default set): the attention core of a
   converted Wan layer as the pipeline runs it (:class:`pipelines.LinearSelfAttention`: q, k, v in
   their own dtype, the operator with ``impl="auto"`` writing a float32 output, output RMSNorm, cast
@@ -29,7 +32,8 @@ move (q, k, v read and the output written once forward; plus the output gradient
 written backward) over the measured copy bandwidth; and the arithmetic floor, its FLOPs over the
 measured bf16/fp16/fp32 matrix-product rate. ``x mem floor`` is measured time over the memory floor.
 Median of ``--repeats`` runs after ``--warmup``; CUDA events with the L2 flushed before each run on a
-GPU, wall clock on a CPU, where the variants of one grid and pass are timed in turn (``a b c a b c``)
+GPU (and ``host ms``: the median time from a call to its return with the GPU idle before it, not waited
+for after: what the call costs the CPU, launches and Python; a GPU call shorter than that is host-bound), wall clock on a CPU, where the variants of one grid and pass are timed in turn (``a b c a b c``)
 so that the load of a shared machine hits them alike, and the load average is recorded. Peak memory:
 above what was allocated before the call (CUDA allocator; on a CPU the profiler's record of
 PyTorch's CPU allocator, one extra untimed call). Writes JSON, markdown and a PNG to ``benchmarks/results/`` (``--out-dir``).
@@ -39,6 +43,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -71,7 +77,7 @@ CPU_GRIDS = "2x16x16,4x16x16,8x16x16"
 # 1k ... 128k tokens, with the two Wan2.1 480p grids (31,500 and 32,760 tokens) in between
 GPU_GRIDS = "1x32x32,4x32x32,16x32x32,21x30x50,21x30x52,32x48x48,32x64x64"
 PASSES = ("fwd", "fwd+bwd")
-IMPLS = ("torch", "naive", "triton", "triton-v1", "layer")
+IMPLS = ("torch", "naive", "triton", "triton-v1", "layer", "triton-graph")
 
 
 def triton_runs_here(device: torch.device) -> bool:
@@ -128,6 +134,18 @@ def timed_call(kind, impl, q, k, v, layout, mixing, rope, backward):
     """The call the benchmark times: operator ``kind`` (softmax, linear, mhla) through ``impl`` (a softmax
     backend, an MHLA/linear implementation such as ``auto``, ``torch``, ``triton``, ``triton-v1``, ``naive``,
     or ``layer`` for the whole attention layer); forward only, or forward and backward."""
+    if impl == "triton-graph":
+        if q.device.type != "cuda":
+            raise RuntimeError("triton-graph replays a CUDA graph: CUDA only")
+        if backward:
+            raise NotImplementedError("triton-graph times the forward only")
+        if kind == "linear":
+            eager = lambda: linear_attention(q, k, v, normalize=False, rotary_emb=rope, impl="triton")  # noqa: E731
+        else:
+            eager = lambda: mhla_attention(  # noqa: E731
+                q, k, v, layout, mixing, normalize=False, rotary_emb=rope, impl="triton"
+            )
+        return graphed(eager)
     if impl == "layer":
         core = layer_core(kind, layout, q.shape[2], q.shape[3], q.device, q.dtype)
         fwd = lambda: core(q, k, v, layout.grid, rope)  # noqa: E731
@@ -166,6 +184,42 @@ def timed_call(kind, impl, q, k, v, layout, mixing, rope, backward):
     return step
 
 
+def graphed(fn):
+    """``fn`` (a forward, no gradient) captured in a CUDA graph after three warm-up calls on a side stream (the
+    kernels compiled and their launches kept); returns the graph's replay. Tables the operator would keep
+    between calls are made inside the graph instead (see ``mhla.triton_ops._rope_halves``), so a replay also
+    slices the RoPE halves: about 24 MB more at 31,500 tokens (~8 us)."""
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            kept = fn()  # the graph's output buffer, alive as long as the replay closure
+
+    def replay():
+        graph.replay()
+        return kept
+
+    return replay
+
+
+def host_time(fn, repeats: int) -> float:
+    """Median milliseconds from a call of ``fn`` to its return on a GPU, the GPU idle before it and not waited
+    for after: the host's own cost of the call (Python, launches), which a GPU call cannot go below."""
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -183,8 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--impls",
         default=None,
-        help="linear/MHLA paths: comma-separated torch, naive, triton, triton-v1, layer "
-        "(default torch,naive,layer; on CUDA all five)",
+        help="linear/MHLA paths: comma-separated torch, naive, triton, triton-v1, layer, triton-graph "
+        "(default torch,naive,layer; on CUDA all six)",
     )
     p.add_argument("--warmup", type=int, default=None, help="untimed runs first (default 3 on GPU, 1 on CPU)")
     p.add_argument("--repeats", type=int, default=None, help="timed runs, median reported (default 10 GPU, 3 CPU)")
@@ -218,9 +272,7 @@ def main(argv=None) -> dict:
     bad = [s for s in passes if s not in PASSES]
     if bad:
         raise SystemExit(f"unknown passes {bad}; expected some of {PASSES}")
-    default_impls = (
-        ["torch", "naive", "triton", "triton-v1", "layer"] if triton_runs_here(device) else ["torch", "naive", "layer"]
-    )
+    default_impls = list(IMPLS) if triton_runs_here(device) else ["torch", "naive", "layer"]
     impls = args.impls.split(",") if args.impls else default_impls
     bad = [i for i in impls if i not in IMPLS]
     if bad:
@@ -308,6 +360,7 @@ def main(argv=None) -> dict:
                             pending.append((row, fn))
                             continue
                         row.update(measure(fn, device, warmup, repeats, timer))
+                        row["host_ms"] = host_time(fn, repeats)
                         finish_row(row, kind)
                     except (RuntimeError, ValueError, NotImplementedError, torch.cuda.OutOfMemoryError) as e:
                         row["skipped"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160]}"
@@ -375,7 +428,8 @@ def format_row(row: dict) -> str:
     if "skipped" in row:
         return f"{head} skipped: {row['skipped']}"
     peak = f" peak {row['peak_mib']:.0f} MiB" if row.get("peak_mib") is not None else ""
-    return f"{head} {row['ms']:10.3f} ms ({row['x_mem_floor']:.1f}x mem floor {row['mem_floor_ms']:.3f} ms){peak}"
+    host = f" host {row['host_ms']:.3f} ms" if row.get("host_ms") is not None else ""
+    return f"{head} {row['ms']:10.3f} ms ({row['x_mem_floor']:.1f}x mem floor {row['mem_floor_ms']:.3f} ms){host}{peak}"
 
 
 def _load(load) -> str:
@@ -403,20 +457,20 @@ def markdown(rows: list[dict], meta: dict) -> str:
             "",
         ]
     lines += [
-        "| pass | grid | tokens | variant | backend | ms | mem floor ms | x mem floor | x flop floor | x floor | "
+        "| pass | grid | tokens | variant | backend | ms | host ms | mem floor ms | x mem floor | x flop floor | x floor | "
         "vs softmax | x linear | vs torch | peak MiB |",
-        "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in sorted(rows, key=lambda r: (PASSES.index(r["pass"]), r["tokens"], r["grid"])):
         if "skipped" in r:
             lines.append(
-                f"| {r['pass']} | {r['grid']} | {r['tokens']} | {r['variant']} | | skipped | "
+                f"| {r['pass']} | {r['grid']} | {r['tokens']} | {r['variant']} | | skipped | | "
                 f"{r['mem_floor_ms']:.3f} | | | | | | | |"
             )
             continue
         lines.append(
             f"| {r['pass']} | {r['grid']} | {r['tokens']} | {r['variant']} | {r.get('backend') or r.get('impl') or ''} | "
-            f"{r['ms']:.3f} | {r['mem_floor_ms']:.3f} | {r['x_mem_floor']:.1f} | {_fmt(r.get('x_flop_floor'), '.1f')} | "
+            f"{r['ms']:.3f} | {_fmt(r.get('host_ms'), '.3f')} | {r['mem_floor_ms']:.3f} | {r['x_mem_floor']:.1f} | {_fmt(r.get('x_flop_floor'), '.1f')} | "
             f"{r['x_floor']:.1f} | {_fmt(r.get('speedup_vs_softmax'), '.2f', 'x')} | {_fmt(r.get('x_linear'), '.2f')} | "
             f"{_fmt(r.get('speedup_vs_torch'), '.2f', 'x')} | "
             f"{_fmt(r.get('peak_mib'), '.0f')} |"
@@ -427,7 +481,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
         "bandwidth; x flop floor: measured over FLOPs / measured matmul rate; x floor: measured over max(mem floor, "
         "flop floor). vs softmax: the fastest softmax backend's time over this row's, same grid and pass. x linear: "
         "this MHLA row's time over linear[torch]'s. vs torch: the PyTorch path's time over the fused kernel's. "
-        "peak MiB: allocated above what was allocated before the call (output included).",
+        "peak MiB: allocated above what was allocated before the call (output included). host ms (GPU): the "
+        "median time from a call to its return with the GPU idle before it: the host's own cost of the call; "
+        "[triton-graph]: the forward replayed from a CUDA graph, the GPU's own time without that cost.",
     ]
     return "\n".join(lines) + "\n"
 

@@ -57,9 +57,18 @@ def _run(device: str, impl: str, dtype: torch.dtype) -> list[str]:
             try:
                 out = run(*leaves)
                 out.float().square().sum().backward()
+                with torch.no_grad():  # again: the kernels kept by the first call, launched directly on a GPU
+                    again = run(*leaves)
             except Exception as e:  # noqa: BLE001 - reported, not hidden
                 problems.append(f"{name}(impl={impl!r}) raised {type(e).__name__}: {e}")
                 continue
+        fused = getattr(out.grad_fn, "_forward_cls", None) is triton_ops._MHLAFunction
+        if fused and not torch.equal(again, out.detach()):  # deterministic kernels: a launch that differs is wrong
+            problems.append(
+                f"{name}(impl={impl!r}): the second call (direct launches: "
+                f"{'on' if triton_ops.DIRECT_LAUNCH else 'off'}) differs from the first; MHLA_DIRECT_LAUNCH=0 "
+                "launches through Triton's launcher every time"
+            )
         for w in caught:
             if str(w.message).startswith(FALLBACK_WARNING):
                 problems.append(f"{name}(impl={impl!r}) fell back to the PyTorch path: {w.message}")
@@ -86,9 +95,10 @@ def main(argv=None) -> int:
         return 1
     from mhla import triton_ops
 
+    direct = f"on, {len(triton_ops._DIRECT)} compiled kernels kept" if triton_ops.DIRECT_LAUNCH else "OFF"
     print(
         f"fused path OK: impl={args.impl!r} runs the Triton kernels forward and backward on {args.device} "
-        f"(benchmarks autotune: {'on' if triton_ops.AUTOTUNE else 'off'})"
+        f"(benchmarks autotune: {'on' if triton_ops.AUTOTUNE else 'off'}; direct launches: {direct})"
     )
     return 0
 

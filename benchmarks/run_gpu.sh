@@ -26,6 +26,10 @@
 #   7. compile  benchmarks.wan_step --compile blocks: the step torch.compile'd per variant at 81x480x800,
 #               softmax (cuDNN) first, MHLA second (the issue's target: MHLA >= 3x the same-compiled cuDNN);
 #               cut short by the budget, its partial JSON keeps the variants it finished
+#   7b. levers  the same step with the levers on the part every variant pays (benchmarks/NOTES.md, issue 50):
+#               LEVERS_MODE (torch.compile mode, default reduce-overhead: CUDA graphs, replayed per block) and
+#               fused q, k, v projections (--fuse-qkv), flash, MHLA and linear; against compile's rows, same
+#               GPU. Predicted: MHLA 2.93-3.0x the same-compiled cuDNN step (target >= 3x); ~90-150 s
 # Measured on an H100 (2026-11-26, benchmarks/results/h100-2026-11-26b/): kernels 118 s, model 36 s, cli 56 s,
 # app 152 s before the app's per-video checks streamed over frames (~75 s expected now), compile 60-67 s.
 #   8. 14b      benchmarks.wan_14b: Wan2.1-14B at 720p (81x720x1280 = 75,600 tokens), random bf16 weights built on
@@ -33,11 +37,13 @@
 #               whole model), flash (cuDNN), MHLA, linear, eager then compiled, peak memory each; mhla-hybrid
 #               composed. Predicted (benchmarks/results/count_step_14b_75600.md): ~2.5 min; MHLA 3.4x eager and
 #               3.8x compiled on an H200 (target >= 3x), softmax attention ~73% of flash's eager step
-#   9. op       benchmarks.attention: the operator alone, forward, bf16, B=1, 12 heads x 128, fused MHLA and linear
-#               against cuDNN softmax at 2,048, 4,096 and 31,500 tokens (the issue's targets: MHLA <= 0.3 ms at
-#               31,500, never slower than cuDNN from 2,048 up); ~30-60 s
+#   9. op       benchmarks.attention: the operator alone, bf16, B=1, 12 heads x 128, forward and forward+backward,
+#               fused MHLA and linear (each also replayed from a CUDA graph: its GPU time without the host's;
+#               and every row's host time) against cuDNN softmax at 2,048, 4,096, 8,192, 16,384 and 31,500
+#               tokens (issue 50's targets: MHLA <= 0.3 ms forward at 31,500, never slower than cuDNN from 2,048
+#               up; benchmarks/NOTES.md has the prediction per size); ~40-90 s with the kernels' compiles
 #  10. cp       benchmarks.context_parallel over NCCL: only where there are 2+ GPUs (else "skipped: 1 GPU")
-# Before video, compile, 14b, op and the extras that time: "fused path check" (benchmarks.check_fused, FUSED_S).
+# Before video, compile, levers, 14b, op and the extras that time: "fused path check" (benchmarks.check_fused, FUSED_S).
 # Longer extras, not in the default list: tests (the other GPU tests), wan (eager step, 2 sizes, fwd and
 # fwd+bwd), profile, attention, and extra (EXTRA_CMD run by bash, first, writing into $STAGE_OUT: a one-off
 # check under the same limits and packing). Name stages as one comma list: `bash benchmarks/run_gpu.sh kernels,compile`.
@@ -72,7 +78,7 @@
 # runs none but `extra`, makes the files each stage would write empty and publishes them, so the files $OUT
 # would hold show on a CPU (tests/benchmarks/test_run_gpu.py checks the commands' arguments and those files).
 # Limits (seconds): BUDGET_S (whole call, default 540 for a timeout_s of 600), FINISH_S (kept back for the end,
-# 30), and per stage EXTRA_S, BUILD_S, VIDEO_S, FUSED_S, KERNELS_S, MODEL_S, CLI_S, APP_S, COMPILE_S, B14_S,
+# 30), and per stage EXTRA_S, BUILD_S, VIDEO_S, FUSED_S, KERNELS_S, MODEL_S, CLI_S, APP_S, COMPILE_S, LEVERS_S, B14_S,
 # OP_S, CP_S, TESTS_S, WAN_S, PROFILE_S, ATTENTION_S; each is cut to what is left of BUDGET_S (and so is every
 # probe). A first call whose build stage takes its ~500 s leaves the rest for a second call: `video` alone needs
 # ~6 min, `14b` ~2.5 min; name them, e.g. `bash benchmarks/run_gpu.sh video` (BUDGET_S as its timeout allows).
@@ -103,7 +109,9 @@ APP_S="${APP_S:-150}"
 COMPILE_S="${COMPILE_S:-200}"
 VIDEO_S="${VIDEO_S:-400}"
 B14_S="${B14_S:-220}"
-OP_S="${OP_S:-90}"
+OP_S="${OP_S:-150}"
+LEVERS_S="${LEVERS_S:-200}"
+LEVERS_MODE="${LEVERS_MODE:-reduce-overhead}"
 CP_S="${CP_S:-150}"
 TESTS_S="${TESTS_S:-200}"
 WAN_S="${WAN_S:-500}"
@@ -117,7 +125,7 @@ B14_LAYERS="${B14_LAYERS:-4}"
 EXTRA_CMD="${EXTRA_CMD:-}"
 PROMPT="a red fox runs through fresh snow, morning light"
 DATE=$(date -u +%Y%m%d)
-ALL="build,video,kernels,model,cli,app,compile,14b,op,cp"
+ALL="build,video,kernels,model,cli,app,compile,levers,14b,op,cp"
 EXTRA="tests,wan,profile,attention,extra"
 STAGES=",${1:-$ALL},"
 for s in $(echo "${STAGES//,/ }"); do
@@ -421,6 +429,13 @@ if [[ $STAGES == *,compile,* ]] && fused_path_ok; then
         --variants flash,mhla,linear,mhla-hybrid --softmax-backend sdpa_cudnn --compile blocks --warmup 1 --repeats 3 \
         --out-dir "$RES" --tag "$tag"
 fi
+if [[ $STAGES == *,levers,* ]] && fused_path_ok; then # the shared part's levers: CUDA graphs, fused projections
+    tag="wan_step_1.3b_compiled-blocks-${LEVERS_MODE}_fused-qkv_${GPU_TAG}_$DATE"
+    EXPECT=("$tag.json" "$tag.md" "$tag.png")
+    run_stage "levers" "$LEVERS_S" python3 -m benchmarks.wan_step --config 1.3b --sizes 81x480x800 --passes fwd \
+        --variants flash,mhla,linear --softmax-backend sdpa_cudnn --compile blocks --compile-mode "$LEVERS_MODE" \
+        --fuse-qkv --warmup 3 --repeats 3 --out-dir "$RES" --tag "$tag"
+fi
 if [[ $STAGES == *,14b,* ]] && fused_path_ok; then # Wan2.1-14B at 720p: a block of layers timed, scaled to 40
     tag="wan_step_14b_720p_${GPU_TAG}_$DATE"
     EXPECT=("$tag.json" "$tag.md")
@@ -432,8 +447,8 @@ if [[ $STAGES == *,op,* ]] && fused_path_ok; then
     tag="operator_${GPU_TAG}_$DATE"
     EXPECT=("$tag.json" "$tag.md" "$tag.png")
     run_stage "op" "$OP_S" python3 -m benchmarks.attention --dtype bf16 --heads 12 --dim 128 \
-        --grids 2x32x32,4x32x32,21x30x50 --passes fwd --impls triton --softmax-backends sdpa_cudnn \
-        --warmup 3 --repeats 10 --out-dir "$RES" --tag "$tag"
+        --grids 2x32x32,4x32x32,8x32x32,16x32x32,21x30x50 --passes fwd,fwd+bwd --impls triton,triton-graph \
+        --softmax-backends sdpa_cudnn --warmup 3 --repeats 10 --out-dir "$RES" --tag "$tag"
 fi
 if [[ $STAGES == *,cp,* ]]; then
     if [ "$GPUS" -ge 2 ]; then

@@ -186,7 +186,38 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch.compile the transformer (mhla.compiled.compile_transformer): its repeated blocks or the whole "
         "forward; the warm-up runs include the compile, the breakdown is skipped (its timers would break graphs)",
     )
+    p.add_argument(
+        "--compile-mode",
+        choices=TORCH_COMPILE_MODES,
+        default="default",
+        help="torch.compile's mode with --compile: reduce-overhead (CUDA graphs where shapes are static: one replay "
+        "per block instead of its launches; use --warmup 3, the second call records), max-autotune-no-cudagraphs "
+        "(inductor's tuned matrix-product templates: minutes of tuning in the warm-up), max-autotune (both)",
+    )
+    p.add_argument(
+        "--fuse-qkv",
+        action="store_true",
+        help="fuse each self-attention's q, k, v projections into one product (and each cross-attention's k, v): "
+        "diffusers' WanAttention.fuse_projections, which the project's processors follow; the input is read once "
+        "instead of three times",
+    )
     return p
+
+
+# torch.compile's modes (``--compile-mode``); "default" passes none
+TORCH_COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
+
+
+def fuse_qkv(model: torch.nn.Module) -> int:
+    """Fuses the projections of every attention that can (diffusers' ``fuse_projections``: self-attention's q, k, v
+    into ``to_qkv``, cross-attention's k, v into ``to_kv``); returns how many. Same numbers up to the products'
+    summation order; the processors (the project's and diffusers') take ``to_qkv`` when ``fused_projections``."""
+    fused = 0
+    for module in model.modules():
+        if hasattr(module, "fuse_projections") and hasattr(module, "to_q"):
+            module.fuse_projections()
+            fused += 1
+    return fused
 
 
 def main(argv=None) -> dict:
@@ -223,10 +254,15 @@ def main(argv=None) -> dict:
     convert_self_attention(model, MHLA, options=options)
     if args.grad_ckpt:
         model.enable_gradient_checkpointing()
+    fused = fuse_qkv(model) if args.fuse_qkv else 0
+    if args.compile_mode != "default" and args.compile == "none":
+        raise SystemExit(f"--compile-mode {args.compile_mode} needs --compile blocks or full")
     if args.compile != "none":
         from mhla.compiled import compile_transformer
 
-        compile_transformer(model, args.compile)
+        compile_transformer(
+            model, args.compile, compile_mode=None if args.compile_mode == "default" else args.compile_mode
+        )
         args.no_breakdown = True
     params = sum(p.numel() for p in model.parameters())
     ctx = model.attention_context
@@ -250,6 +286,8 @@ def main(argv=None) -> dict:
         "repeats": repeats,
         "attention_options": options.to_dict(),
         "compile": args.compile,
+        "compile_mode": args.compile_mode,
+        "fused_projections": fused,
     }
     print(
         f"# Wan2.1 {config_name} ({num_layers} layers, {params / 1e9:.2f}B parameters, random weights) on "
@@ -261,6 +299,8 @@ def main(argv=None) -> dict:
     gen = torch.Generator().manual_seed(args.seed)
     timer = Timer(device)
     compiled = "" if args.compile == "none" else f"_compiled-{args.compile}"
+    compiled += "" if args.compile_mode == "default" else f"-{args.compile_mode}"
+    compiled += "_fused-qkv" if args.fuse_qkv else ""
     tag = args.tag or default_tag(f"wan_step_{config_name}{compiled}", device)
     rows = []
     for size, grid in cases:

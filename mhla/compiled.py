@@ -133,6 +133,9 @@ def _attention_backward_fake(
     return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dm]
 
 
+# torch.compile's own modes (its ``mode`` argument), for :func:`compile_transformer`'s ``compile_mode``
+TORCH_COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
+
 _ARGS = ("grid", "blocks", "feature_map", "normalize", "eps", "renormalize", "out_dtype")
 
 
@@ -183,7 +186,11 @@ def attention_op(
 
 
 def compile_transformer(
-    model: torch.nn.Module, mode: str = "blocks", backend: str | None = None, fullgraph: bool = False
+    model: torch.nn.Module,
+    mode: str = "blocks",
+    backend: str | None = None,
+    fullgraph: bool = False,
+    compile_mode: str | None = None,
 ) -> torch.nn.Module:
     """``torch.compile`` of a diffusers transformer, in place (the pipelines call it as before).
 
@@ -193,13 +200,19 @@ def compile_transformer(
     the rest (norms, modulation, activations, residual adds) into fewer kernels. Switching a layer's
     processor afterwards (another variant) recompiles once for it: the recompile limit is raised to allow
     every variant. ``backend``: default inductor, or the environment's ``MHLA_COMPILE_BACKEND`` (tests on a
-    CPU use ``aot_eager``: the same graphs, no C++ compiler). A second call with the same mode does nothing."""
+    CPU use ``aot_eager``: the same graphs, no C++ compiler). ``compile_mode``: torch.compile's own ``mode``
+    (``"reduce-overhead"``: CUDA graphs, replayed per block where the shapes are static; the kernels' layer makes
+    the tables it keeps inside a graph being captured rather than keeping them, see ``mhla.triton_ops``;
+    ``"max-autotune-no-cudagraphs"``, ``"max-autotune"``), for inductor; None: its default. A second call with the
+    same arguments does nothing."""
     import os
 
     import torch._dynamo
 
     backend = backend or os.environ.get("MHLA_COMPILE_BACKEND", "inductor")
-    if getattr(model, "_mhla_compiled", None) == (mode, backend, fullgraph):
+    # (mode, backend, fullgraph), which pipelines.caching reads; torch.compile's mode beside it
+    marker = (mode, backend, fullgraph)
+    if getattr(model, "_mhla_compiled", None) == marker and getattr(model, "_mhla_compile_mode", None) == compile_mode:
         return model
 
     check_compile_mode(mode)
@@ -209,9 +222,13 @@ def compile_transformer(
             setattr(config, name, max(getattr(config, name), 64))
     if hasattr(config, "accumulated_cache_size_limit"):
         config.accumulated_cache_size_limit = max(config.accumulated_cache_size_limit, 512)
+    if compile_mode is not None and compile_mode not in TORCH_COMPILE_MODES:
+        raise ValueError(f"compile_mode must be one of {', '.join(TORCH_COMPILE_MODES)} or None, got {compile_mode!r}")
+    extra = {} if compile_mode is None else {"mode": compile_mode}
     if mode == "blocks" and getattr(model, "_repeated_blocks", None):
-        model.compile_repeated_blocks(fullgraph=fullgraph, backend=backend)  # type: ignore[operator]
+        model.compile_repeated_blocks(fullgraph=fullgraph, backend=backend, **extra)  # type: ignore[operator]
     else:
-        model.compile(fullgraph=fullgraph, backend=backend)
-    model._mhla_compiled = (mode, backend, fullgraph)  # type: ignore[assignment]
+        model.compile(fullgraph=fullgraph, backend=backend, **extra)
+    model._mhla_compiled = marker  # type: ignore[assignment]
+    model._mhla_compile_mode = compile_mode  # type: ignore[assignment]
     return model

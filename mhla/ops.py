@@ -649,11 +649,11 @@ def mhla_attention(
     check_rotary_dtype(rotary_emb, q.device)
     eps = check_eps(eps)
     if _use_fused(impl, q):
-        from .triton_ops import mhla_attention_fused
+        from .triton_ops import fused_attention
 
         out = _run_fused(
-            mhla_attention_fused,
-            *(q, k, v, layout, mixing, feature_map, normalize, rotary_emb, eps, out_dtype),
+            fused_attention,
+            *(q, k, v, layout, mixing.float(), feature_map, normalize, rotary_emb, eps, out_dtype, "v2"),
             impl=impl,
         )
         if out is not None:
@@ -682,9 +682,10 @@ def linear_attention(
     check_rotary_dtype(rotary_emb, q.device)
     eps = check_eps(eps)
     if _use_fused(impl, q):
-        from .triton_ops import linear_attention_fused
+        from .triton_ops import fused_attention, linear_layout
 
-        out = _run_fused(linear_attention_fused, q, k, v, feature_map, normalize, rotary_emb, eps, out_dtype, impl=impl)
+        args = (q, k, v, linear_layout(q.shape[1]), None, feature_map, normalize, rotary_emb, eps, out_dtype, "v2")
+        out = _run_fused(fused_attention, *args, impl=impl)
         if out is not None:
             return out
     if not _takes_fast_path(feature_map, rotary_emb):

@@ -132,6 +132,73 @@ if triton is not None:
         return bh // H, bh % H, blk, bh, row
 
     @triton.jit
+    def _mixed_summary(
+        S,
+        Z,
+        MIX,
+        smix_h,
+        smix_r,
+        smix_c,
+        bh,
+        h,
+        blk,
+        row,
+        M,
+        D_HALF,
+        E,
+        BLOCK_D: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+        NORMALIZE: tl.constexpr,
+        SHARED: tl.constexpr,
+        MIX_IN: tl.constexpr,
+        DOT_DTYPE: tl.constexpr,
+    ):
+        """The summary a program multiplies by: even and odd halves ``(BLOCK_D, BLOCK_E)`` in DOT_DTYPE, and the
+        normalizer sums ``(BLOCK_D,)`` float32 (zeros without the normalizer).
+
+        Without MIX_IN, row ``row`` of S and Z, mixed beforehand (``m @ S`` by torch). With MIX_IN, mixed here:
+        ``sum_b w_b S[bh, b]`` over the M rows of this (batch, head), ``w_b = MIX[h * smix_h + blk * smix_r +
+        b * smix_c]`` in float32 (1 when SHARED: the plain sum), accumulated in float32 and rounded once; this
+        saves the mixing's own launches where every program reading all M summaries costs little (small M,
+        see ``triton_ops.MIX_IN_KERNEL_BYTES``)."""
+        d = tl.arange(0, BLOCK_D)
+        e = tl.arange(0, BLOCK_E)
+        md = d < D_HALF
+        ms = md[:, None] & (e < E)[None, :]
+        tile = d[:, None] * E + e[None, :]
+        if MIX_IN:
+            s_e = tl.zeros((BLOCK_D, BLOCK_E), dtype=tl.float32)
+            s_o = tl.zeros((BLOCK_D, BLOCK_E), dtype=tl.float32)
+            z_e = tl.zeros((BLOCK_D,), dtype=tl.float32)
+            z_o = tl.zeros((BLOCK_D,), dtype=tl.float32)
+            wp = MIX + h * smix_h + blk * smix_r
+            for b in range(0, M):
+                if SHARED:
+                    w = 1.0
+                else:
+                    w = tl.load(wp + b * smix_c)
+                sp = S + (bh * M + b) * (2 * D_HALF * E)
+                s_e += w * tl.load(sp + tile, mask=ms, other=0.0).to(tl.float32)
+                s_o += w * tl.load(sp + D_HALF * E + tile, mask=ms, other=0.0).to(tl.float32)
+                if NORMALIZE:
+                    zp = Z + (bh * M + b) * (2 * D_HALF)
+                    z_e += w * tl.load(zp + d, mask=md, other=0.0)
+                    z_o += w * tl.load(zp + D_HALF + d, mask=md, other=0.0)
+            return s_e.to(DOT_DTYPE), s_o.to(DOT_DTYPE), z_e, z_o
+        else:
+            sp = S + row * (2 * D_HALF * E)
+            s_e = tl.load(sp + tile, mask=ms, other=0.0).to(DOT_DTYPE)
+            s_o = tl.load(sp + D_HALF * E + tile, mask=ms, other=0.0).to(DOT_DTYPE)
+            if NORMALIZE:
+                zp = Z + row * (2 * D_HALF)
+                z_e = tl.load(zp + d, mask=md, other=0.0)
+                z_o = tl.load(zp + D_HALF + d, mask=md, other=0.0)
+            else:
+                z_e = tl.zeros((BLOCK_D,), dtype=tl.float32)
+                z_o = tl.zeros((BLOCK_D,), dtype=tl.float32)
+            return s_e, s_o, z_e, z_o
+
+    @triton.jit
     def _summaries_kernel(
         K,
         V,
@@ -219,6 +286,7 @@ if triton is not None:
         SIN,
         S,
         Z,
+        MIX,
         OUT,
         DEN,
         sq_b,
@@ -231,6 +299,9 @@ if triton is not None:
         so_d,
         sr_n,
         sr_d,
+        smix_h,
+        smix_r,
+        smix_c,
         B,
         N,
         H,
@@ -248,6 +319,7 @@ if triton is not None:
         USE_ROPE: tl.constexpr,
         NORMALIZE: tl.constexpr,
         SHARED: tl.constexpr,
+        MIX_IN: tl.constexpr,
         DOT_DTYPE: tl.constexpr,
         PRECISION: tl.constexpr,
         WIDE: tl.constexpr,
@@ -262,15 +334,11 @@ if triton is not None:
         e = tl.arange(0, BLOCK_E)
         md = d < D_HALF
         me = e < E
-        ms = md[:, None] & me[None, :]
-        # the block's mixed summary is read once and kept for all its tokens
-        sp = S + row * (2 * D_HALF * E)
-        s_e = tl.load(sp + d[:, None] * E + e[None, :], mask=ms, other=0.0).to(DOT_DTYPE)
-        s_o = tl.load(sp + (D_HALF + d[:, None]) * E + e[None, :], mask=ms, other=0.0).to(DOT_DTYPE)
-        if NORMALIZE:
-            zp = Z + row * (2 * D_HALF)
-            z_e = tl.load(zp + d, mask=md, other=0.0)
-            z_o = tl.load(zp + D_HALF + d, mask=md, other=0.0)
+        # the block's mixed summary is read (or mixed) once and kept for all its tokens
+        s_e, s_o, z_e, z_o = _mixed_summary(
+            S, Z, MIX, smix_h, smix_r, smix_c, bh, h, blk, row, M, D_HALF, E,
+            BLOCK_D, BLOCK_E, NORMALIZE, SHARED, MIX_IN, DOT_DTYPE,
+        )  # fmt: skip
         qp = Q + b * sq_b + h * sq_h
         op = OUT + b * so_b + h * so_h
         for start in range(0, nb, BLOCK_N):
@@ -302,6 +370,7 @@ if triton is not None:
         SIN,
         S,
         Z,
+        MIX,
         DEN,
         DQ,
         DS,
@@ -320,6 +389,9 @@ if triton is not None:
         sdq_d,
         sr_n,
         sr_d,
+        smix_h,
+        smix_r,
+        smix_c,
         B,
         N,
         H,
@@ -336,6 +408,7 @@ if triton is not None:
         USE_ROPE: tl.constexpr,
         NORMALIZE: tl.constexpr,
         SHARED: tl.constexpr,
+        MIX_IN: tl.constexpr,
         DOT_DTYPE: tl.constexpr,
         PRECISION: tl.constexpr,
         WIDE: tl.constexpr,
@@ -353,13 +426,11 @@ if triton is not None:
         md = d < D_HALF
         me = e < E
         ms = md[:, None] & me[None, :]
-        sp = S + row * (2 * D_HALF * E)
-        s_e = tl.load(sp + d[:, None] * E + e[None, :], mask=ms, other=0.0).to(DOT_DTYPE)
-        s_o = tl.load(sp + (D_HALF + d[:, None]) * E + e[None, :], mask=ms, other=0.0).to(DOT_DTYPE)
+        s_e, s_o, z_e, z_o = _mixed_summary(
+            S, Z, MIX, smix_h, smix_r, smix_c, bh, h, blk, row, M, D_HALF, E,
+            BLOCK_D, BLOCK_E, NORMALIZE, SHARED, MIX_IN, DOT_DTYPE,
+        )  # fmt: skip
         if NORMALIZE:
-            zp = Z + row * (2 * D_HALF)
-            z_e = tl.load(zp + d, mask=md, other=0.0)
-            z_o = tl.load(zp + D_HALF + d, mask=md, other=0.0)
             dz_e = tl.zeros((BLOCK_D,), dtype=tl.float32)
             dz_o = tl.zeros((BLOCK_D,), dtype=tl.float32)
         ds_e = tl.zeros((BLOCK_D, BLOCK_E), dtype=tl.float32)
@@ -422,6 +493,7 @@ if triton is not None:
         SIN,
         DS,
         DZ,
+        MIX,
         DK,
         DV,
         sk_b,
@@ -442,6 +514,9 @@ if triton is not None:
         sdv_d,
         sr_n,
         sr_d,
+        smix_h,
+        smix_r,
+        smix_c,
         B,
         N,
         H,
@@ -458,6 +533,7 @@ if triton is not None:
         USE_ROPE: tl.constexpr,
         NORMALIZE: tl.constexpr,
         SHARED: tl.constexpr,
+        MIX_IN: tl.constexpr,
         DOT_DTYPE: tl.constexpr,
         PRECISION: tl.constexpr,
         WIDE: tl.constexpr,
@@ -465,7 +541,8 @@ if triton is not None:
         BLOCK_D: tl.constexpr,
         BLOCK_E: tl.constexpr,
     ):
-        """dk, dv for the block's key tokens from dS_b = (m^T dS~)_b and dz_b."""
+        """dk, dv for the block's key tokens from dS_b = (m^T dS~)_b and dz_b (with MIX_IN that sum over the
+        query blocks' dS~_i is formed here: the launcher passes the mixing's strides transposed)."""
         b, h, blk, bh, row = _program(H, M, SHARED)
         f0, h0, w0, lf, lh, lw = _block_geometry(blk, GF, GH, GW, BF, BH, BW)
         nb = lf * lh * lw
@@ -473,14 +550,10 @@ if triton is not None:
         e = tl.arange(0, BLOCK_E)
         md = d < D_HALF
         me = e < E
-        ms = md[:, None] & me[None, :]
-        dsp = DS + row * (2 * D_HALF * E)
-        ds_e = tl.load(dsp + d[:, None] * E + e[None, :], mask=ms, other=0.0).to(DOT_DTYPE)
-        ds_o = tl.load(dsp + (D_HALF + d[:, None]) * E + e[None, :], mask=ms, other=0.0).to(DOT_DTYPE)
-        if NORMALIZE:
-            dzp = DZ + row * (2 * D_HALF)
-            dz_e = tl.load(dzp + d, mask=md, other=0.0)
-            dz_o = tl.load(dzp + D_HALF + d, mask=md, other=0.0)
+        ds_e, ds_o, dz_e, dz_o = _mixed_summary(
+            DS, DZ, MIX, smix_h, smix_r, smix_c, bh, h, blk, row, M, D_HALF, E,
+            BLOCK_D, BLOCK_E, NORMALIZE, SHARED, MIX_IN, DOT_DTYPE,
+        )  # fmt: skip
         kp = K + b * sk_b + h * sk_h
         vp = V + b * sv_b + h * sv_h
         dkp = DK + b * sdk_b + h * sdk_h
@@ -518,6 +591,64 @@ if triton is not None:
             dke, dko = dfe * _dphi(xe, FEATURE), dfo * _dphi(xo, FEATURE)
             _store_halves(dkp, n, sdk_n, sdk_d, mj, D_HALF, dke, dko, BLOCK_N, BLOCK_D, WIDE)
 
+    @triton.jit
+    def _mixing_kernel(
+        S,
+        MIX,
+        OUT,
+        smix_h,
+        smix_r,
+        smix_c,
+        H,
+        M,
+        COLS,
+        SPLIT: tl.constexpr,
+        PRECISION: tl.constexpr,
+        ROUND_BITS: tl.constexpr,
+        BLOCK_I: tl.constexpr,
+        BLOCK_B: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        """``OUT[bh, i, c] = sum_b w_ib S[bh, b, c]``, ``w_ib = MIX[h * smix_h + i * smix_r + b * smix_c]`` float32:
+        the mixing of M block summaries (each COLS values, rows of S and OUT contiguous) for one (batch x head),
+        BLOCK_I output rows and BLOCK_N columns per program, accumulated in float32 and rounded once.
+
+        SPLIT (bf16 S): the float32 coefficients enter the tensor-core products as bf16 ``hi + lo`` (16
+        significant bits together; rounding them to bf16 would cost 0.4% each), both products accumulated in
+        one float32 tile: what two torch products (``bmm`` then ``baddbmm``) did with a launch and a round trip
+        of the result through memory more. Otherwise float32 operands at ``PRECISION``. ROUND_BITS (Triton's
+        interpreter, whose float32 -> bf16 conversion truncates): rounded to nearest even on the bits first, as a
+        GPU's conversion does, so that a CPU test sees the rounding the GPU makes."""
+        bh = tl.program_id(0).to(tl.int64)
+        h = bh % H
+        i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+        c = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mi = i < M
+        mc = c < COLS
+        acc = tl.zeros((BLOCK_I, BLOCK_N), dtype=tl.float32)
+        wp = MIX + h * smix_h + i[:, None] * smix_r
+        sp = S + bh * M * COLS + c[None, :]
+        for b0 in range(0, M, BLOCK_B):
+            bb = b0 + tl.arange(0, BLOCK_B)
+            mb = bb < M
+            w = tl.load(wp + bb[None, :] * smix_c, mask=mi[:, None] & mb[None, :], other=0.0)
+            x = tl.load(sp + bb[:, None] * COLS, mask=mb[:, None] & mc[None, :], other=0.0)
+            if SPLIT:
+                hi = w.to(tl.bfloat16)
+                lo = (w - hi.to(tl.float32)).to(tl.bfloat16)
+                acc += tl.dot(hi, x)
+                acc += tl.dot(lo, x)
+            else:
+                acc += tl.dot(w, x.to(tl.float32), input_precision=PRECISION)
+        if ROUND_BITS:
+            bits = acc.to(tl.uint32, bitcast=True)
+            bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+            acc = bits.to(tl.float32, bitcast=True)
+        op = OUT + bh * M * COLS + i[:, None] * COLS + c[None, :]
+        tl.store(op, acc.to(OUT.dtype.element_ty), mask=mi[:, None] & mc[None, :])
+
     KERNELS = dict(zip(KERNEL_NAMES, (_summaries_kernel, _output_kernel, _backward_query_kernel, _backward_key_kernel)))
+    MIXING_KERNEL = _mixing_kernel
 else:
     KERNELS = {}
+    MIXING_KERNEL = None

@@ -6,11 +6,14 @@ and walks the block's tokens, whose positions it computes from the layout's spli
 uneven layouts need no index tensors or padding.
 
     summaries   S_b = sum_{s in b} rope(phi(k_s))^T v_s,  z_b = sum phi(k_s)      (kernel, fp32)
-    mixing      S~ = m @ S,  z~ = m @ z        (torch matmuls, M^2 d^2, float32 coefficients)
+    mixing      S~ = m @ S,  z~ = m @ z        (M^2 d^2, float32 coefficients: inside the output kernel for
+                small M, else the mixing kernel for bf16 summaries and torch products for float32 ones)
     output      out_t = rope(phi(q_t)) S~_i  [ / (phi(q_t) . z~_i + eps) ]        (kernel)
 
-The backward pass mirrors it: one kernel over query blocks yields dq and dS~, dz~; torch mixes
-them back (dS = m^T dS~, dm = <dS~, S> + <dz~, z>); one kernel over key blocks yields dk, dv.
+The backward pass mirrors it: one kernel over query blocks yields dq and dS~, dz~; they are mixed
+back (dS = m^T dS~: inside the key kernel for small M; dm = <dS~, S> + <dz~, z> by torch); one kernel
+over key blocks yields dk, dv. Repeated calls keep their launch geometry and launch the compiled
+kernels directly (see DIRECT_LAUNCH); inference calls make no autograd node.
 Channels are processed as two halves (even and odd) so RoPE's interleaved pairs rotate without
 shuffles; summaries are stored in that de-interleaved channel order, which the dot products do not
 see. Feature map, RoPE and normalizer are fused. Summaries accumulate in float32; inputs and
@@ -34,6 +37,7 @@ against the dense reference when no GPU is present.
 from __future__ import annotations
 
 import os
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -48,9 +52,9 @@ except ImportError:  # CPU-only installs: the PyTorch path in ops.py is used
     triton = None
 
 from .checks import check_mixing, check_qkv
-from .layout import BlockLayout
+from .layout import BlockLayout, cached_layout
 from .rope import Rotary, check_rotary
-from .triton_kernels import FEATURE_IDS, KERNEL_NAMES, KERNELS, RELU_EPS  # noqa: F401 (re-exported)
+from .triton_kernels import FEATURE_IDS, KERNEL_NAMES, KERNELS, MIXING_KERNEL, RELU_EPS  # noqa: F401 (re-exported)
 
 # v1 stays only until a GPU run has timed it beside v2 (benchmarks.attention's mhla[triton-v1] row): then
 # the slower one goes.
@@ -198,7 +202,8 @@ def _mixing_operands(
     a call launches the products alone instead of 5 more small kernels."""
     m = mixing.float()
     key = (id(mixing), mixing.data_ptr(), mixing._version, batch, heads, transpose, dtype, mixing.device)
-    reuse = not mixing.requires_grad
+    # not while a CUDA graph is captured: made inside it, they would live in its memory pool (see _rope_halves)
+    reuse = not mixing.requires_grad and not (mixing.is_cuda and torch.cuda.is_current_stream_capturing())
     if reuse:
         hit = _MIXING_CACHE.get(key)
         if hit is not None and hit[0] is mixing:
@@ -228,13 +233,45 @@ def _mix(mixing: torch.Tensor, x: torch.Tensor, batch: int, heads: int, transpos
     into bf16 ``hi + lo`` (16 significant bits together) and both products run on bf16 tensor cores,
     accumulating in float32, the ``lo`` product added into the ``hi`` one's float32 accumulator
     (``baddbmm``) before the one rounding of the result to bf16. Two cheap products instead of one
-    float32 product on the FP32 units (benchmarks/NOTES.md, item 3)."""
+    float32 product on the FP32 units (benchmarks/NOTES.md, item 3). Since issue 50 both products run in one
+    kernel (:func:`_mix_by_kernel`): one launch, and the float32 result never leaves the registers; the torch
+    products stay for float32 ``x`` and while launches are intercepted."""
     flat = x.reshape(batch * heads, x.shape[1], -1)
+    if x.dtype == torch.bfloat16 and triton is not None and _INTERCEPT is None:
+        return _mix_by_kernel(mixing, flat, heads, transpose).reshape(x.shape)
     operands = _mixing_operands(mixing, batch, heads, transpose, x.dtype)
     if x.dtype == torch.float32:
         return torch.bmm(operands[0], flat).reshape(x.shape)
     hi, lo = operands
     return torch.baddbmm(torch.bmm(lo, flat), hi, flat).reshape(x.shape)
+
+
+# The mixing kernel's launch setting: all M output rows of a (batch x head) in one program where M <= 128, so
+# that the summaries are read once; 128 columns per program (12 heads x 128 x 128 at M = 105: 1,536 programs),
+# 16 blocks per step in three stages. Compiled for sm_90a here (bf16, M = 105): 128 registers, no spills, 32 KB
+# shared, 2 programs per SM; (128 rows, 64 columns, 32 blocks, 4 warps) spilled at 255 registers, and 32 columns
+# per program read the float32 coefficients from L2 four times as often (270 MB instead of 68 MB at M = 105).
+MIXING_LAUNCH = dict(BLOCK_N=128, BLOCK_B=16, num_warps=8, num_stages=3)
+
+
+def _mix_by_kernel(mixing: torch.Tensor, flat: torch.Tensor, heads: int, transpose: bool) -> torch.Tensor:
+    """``m @ x`` (``m^T @ x`` with ``transpose``) per (batch x head) for ``flat`` ``(B*H, M, C)`` bf16, by
+    :func:`mhla.triton_kernels._mixing_kernel` from the float32 coefficients as they are (no expanded or split
+    copies of them): ``(B*H, M, C)`` bf16."""
+    flat = flat if flat.is_contiguous() else flat.contiguous()
+    bh, blocks, cols = flat.shape
+    out = torch.empty_like(flat)
+    head = mixing.stride(0) if mixing.dim() == 3 else 0
+    rows, cols_stride = mixing.stride(-2), mixing.stride(-1)
+    if transpose:
+        rows, cols_stride = cols_stride, rows
+    block_i = min(128, _pow2(blocks))
+    interpreted = _interpreted()  # its bf16 products are wrong (see _dot_types): float32 there
+    grid = (bh, triton.cdiv(blocks, block_i), triton.cdiv(cols, MIXING_LAUNCH["BLOCK_N"]))
+    meta = dict(SPLIT=not interpreted, PRECISION="ieee", ROUND_BITS=interpreted, BLOCK_I=block_i)
+    args = (flat, mixing, out, head, rows, cols_stride, heads, blocks, cols)
+    _launch_kernel("mixing", MIXING_KERNEL, MIXING_LAUNCH, grid, args, meta)
+    return out
 
 
 def _mixing_grad(d_mixed: torch.Tensor, summaries: torch.Tensor) -> torch.Tensor:
@@ -262,8 +299,13 @@ def _rope_halves(rotary_emb: Rotary, dtype: torch.dtype = torch.float32) -> tupl
     Wan passes one (cos, sin) pair to all its layers, forward and backward, so the halves of the last
     pair are kept (with the pair itself, so that its memory cannot be reused by other tables) and made
     once per denoising or training step instead of twice per layer; an in-place change of the pair
-    (its version counter) makes them again."""
+    (its version counter) makes them again. While a CUDA graph is captured (``torch.compile``'s
+    "reduce-overhead", ``torch.cuda.graph``) they are made inside the graph and not kept: a replay runs no
+    Python, so a kept table would be read at its capture-time address, which the graph's memory pool may
+    hand to another tensor."""
     cos, sin = rotary_emb
+    if cos.is_cuda and torch.cuda.is_current_stream_capturing():
+        return cos[..., 0::2].to(dtype).contiguous(), sin[..., 1::2].to(dtype).contiguous()
     key = (cos._version, sin._version)
     hit = _rope_cache.get("pair")
     if hit is None or hit[0] is not cos or hit[1] is not sin or _rope_cache["version"] != key:
@@ -293,7 +335,27 @@ def check_offsets(name: str, t: torch.Tensor) -> None:
         )
 
 
+# In-kernel mixing (MIX_IN in the kernels): each program of the output and backward kernels forms its block's
+# mixed summary itself, reading all M summaries of its (batch, head) from L2, instead of two torch products
+# before it. That saves the products' launches and host work (the fixed cost per call that dominates below
+# ~8k tokens) and costs B*H*M^2 summary reads: taken where those stay under this many bytes and M is small
+# (M = 9 at 2,048-4,096 tokens: 32 MB at batch 1, 12 heads x 128 in bf16). 0 turns it off (the tests time
+# both paths on one shape); see benchmarks/NOTES.md ("The operator's fixed cost").
+MIX_IN_KERNEL_BYTES = 64 * 2**20
+MIX_IN_KERNEL_BLOCKS = 32
+
+
+def mix_in_kernel(batch: int, heads: int, blocks: int, head_dim: int, value_dim: int, summary: torch.dtype) -> bool:
+    """Whether the kernels mix the block summaries themselves (see MIX_IN_KERNEL_BYTES)."""
+    row = head_dim * value_dim * torch.empty((), dtype=summary).element_size()
+    return blocks <= MIX_IN_KERNEL_BLOCKS and batch * heads * blocks * blocks * row <= MIX_IN_KERNEL_BYTES
+
+
 class _Geometry:
+    """What the launches need that depends only on the shapes, strides, dtypes, device and version of a call:
+    made once per such key and kept (``_geometry``), so that a repeated call (every layer of a model, every
+    step) does no Python-side shape work."""
+
     def __init__(
         self, q: torch.Tensor, v: torch.Tensor, layout: BlockLayout, rotary_emb: Rotary | None, version: str
     ) -> None:
@@ -303,40 +365,128 @@ class _Geometry:
         self.grid_args = (self.B, self.N, self.H, *layout.grid, *layout.blocks, self.M, self.D_HALF, self.E)
         self.launch = (self.B * self.H, self.M)
         self.use_rope = rotary_emb is not None
-        if rotary_emb is None:
-            self.cos = self.sin = q  # unused pointers
-            self.rope_strides = (0, 0)
-        else:
-            if version != "v1":
-                cos, sin = _rope_halves(rotary_emb, rope_table_dtype(version, q.dtype))
-            else:  # v1 reads the full tables, both with the same strides
-                cos, sin = (t.float() for t in rotary_emb)
-                if cos.stride() != sin.stride():
-                    cos, sin = cos.contiguous(), sin.contiguous()
-            self.cos, self.sin = cos, sin
-            self.rope_strides = (cos.stride(1), cos.stride(3))
         self.version = version
         # compile-time arguments fixed by the shape and the version (BLOCK_N comes from the launch setting)
         self.static = dict(BLOCK_D=_pow2(self.D_HALF), BLOCK_E=_pow2(self.E), WIDE=version != "v1")
         self.dot_dtype, self.precision = _dot_types(q.dtype)
         self.summary_dtype = summary_dtype(version, q.dtype)  # the normalizer sums z stay float32 (small)
+        self.summary_shape = (self.B * self.H, self.M, 2 * self.D_HALF, self.E)
+        self.table_dtype = rope_table_dtype(version, q.dtype)
+        self.mix_in = mix_in_kernel(self.B, self.H, self.M, D, self.E, self.summary_dtype)
+
+    def tables(self, rotary_emb: Rotary | None, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
+        """The RoPE tables the kernels read and their (token, channel) strides; without RoPE, q as an unused
+        pointer. v2: the half tables, kept per pair (``_rope_halves``)."""
+        if rotary_emb is None:
+            return q, q, (0, 0)
+        if self.version != "v1":
+            cos, sin = _rope_halves(rotary_emb, self.table_dtype)
+        else:  # v1 reads the full tables, both with the same strides
+            cos, sin = (t.float() for t in rotary_emb)
+            if cos.stride() != sin.stride():
+                cos, sin = cos.contiguous(), sin.contiguous()
+        return cos, sin, (cos.stride(1), cos.stride(3))
 
     def run(self, name: str, *args: Any, **meta: Any) -> None:
         if PROFILE_RANGES:  # a named range per launch, so that a profile shows interpreted kernels too
             with torch.profiler.record_function(f"mhla.{name}"):
-                return self._launch(name, *args, **meta)
-        return self._launch(name, *args, **meta)
+                return self._launch(name, args, meta)
+        return self._launch(name, args, meta)
 
-    def _launch(self, name: str, *args: Any, **meta: Any) -> None:
+    def _launch(self, name: str, args: tuple[Any, ...], meta: dict[str, Any]) -> None:
         if _INTERCEPT is not None:  # see intercept_launches
             _INTERCEPT(self, name, args, meta)
             return
         if self.version == "v1":
-            KERNELS[name][self.launch](*args, **meta, **self.static, **V1_LAUNCH)
+            fn, settings = KERNELS[name], V1_LAUNCH
         elif not AUTOTUNE:
-            KERNELS[name][self.launch](*args, **meta, **self.static, **FIXED_LAUNCH[name])
+            fn, settings = KERNELS[name], FIXED_LAUNCH[name]
         else:
-            _TUNED[name][self.launch](*args, **meta, **self.static)
+            fn, settings = _TUNED[name], None
+        _launch_kernel(name, fn, settings, self.launch, args, {**meta, **self.static})
+
+
+def _launch_kernel(
+    name: str,
+    fn: Any,
+    settings: dict[str, Any] | None,
+    grid: tuple[int, ...],
+    args: tuple[Any, ...],
+    meta: dict[str, Any],
+) -> None:
+    """Launches ``fn`` (a JIT kernel with ``settings``, or an autotuner: ``settings`` None) on ``grid``, directly
+    through the compiled kernel when one is kept for this specialisation (see DIRECT_LAUNCH)."""
+    if DIRECT_LAUNCH:
+        # what Triton specialises on: tensors' dtype, device and 16-byte alignment, the other arguments' values
+        spec = [(a.dtype, a.device, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a for a in args]
+        key = (name, id(fn), grid, settings and tuple(settings.values()), tuple(spec), *meta.values())
+        hit = _DIRECT.get(key)
+        if hit is not None:
+            try:
+                hit[0][grid](*args, *hit[1])
+                return
+            except (TypeError, AttributeError, IndexError) as e:  # this Triton's launcher differs: stop trying
+                _direct_failed(e)
+    if settings is None:
+        ran = fn[grid](*args, **meta)
+        best = getattr(fn, "best_config", None)
+        settings = dict(best.kwargs) if best is not None else {}
+    else:
+        ran = fn[grid](*args, **meta, **settings)
+    if DIRECT_LAUNCH and _is_compiled(ran):
+        values = {**meta, **settings}
+        names = KERNELS.get(name, fn).arg_names[len(args) :]  # an autotuner's kernel is KERNELS[name]
+        if all(n in values for n in names):
+            _DIRECT[key] = (ran, tuple(values[n] for n in names))
+            while len(_DIRECT) > DIRECT_CACHE_SIZE:
+                _DIRECT.pop(next(iter(_DIRECT)))
+
+
+# Direct launches: Triton's launcher (JITFunction.run) binds and specialises every argument on every call,
+# tens of microseconds of host time per launch for these kernels' ~40 arguments. The kernel it compiled is
+# kept per specialisation key (the kernel, the pointers' dtypes and 16-byte alignment, every int argument by
+# value, the compile-time options) and launched again through its own launcher (``compiled[grid](*args)``,
+# the path Triton's ahead-of-time runner uses), all arguments in the kernel's order as JITFunction.run passes
+# them. MHLA_DIRECT_LAUNCH=0 turns it off; a launcher that refuses the call turns it off with a warning.
+DIRECT_LAUNCH = os.environ.get("MHLA_DIRECT_LAUNCH", "1") != "0"
+DIRECT_CACHE_SIZE = 256
+_DIRECT: dict[tuple[Any, ...], tuple[Any, tuple[Any, ...]]] = {}
+
+
+def _is_compiled(ran: Any) -> bool:
+    """Whether a JIT launch returned a compiled kernel with its own launcher (not the interpreter's None)."""
+    return ran is not None and hasattr(ran, "function") and hasattr(type(ran), "__getitem__")
+
+
+def _direct_failed(e: Exception) -> None:
+    global DIRECT_LAUNCH
+    DIRECT_LAUNCH = False
+    _DIRECT.clear()
+    warnings.warn(
+        f"MHLA direct kernel launches turned off ({type(e).__name__}: {e}); using Triton's launcher", stacklevel=4
+    )
+
+
+_GEOMETRY: OrderedDict[tuple[Any, ...], _Geometry] = OrderedDict()
+GEOMETRY_CACHE_SIZE = 64
+
+
+def _geometry(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLayout, rotary_emb: Rotary | None, version: str
+) -> _Geometry:
+    """The call's :class:`_Geometry`, made (and q, k, v's extents checked) once per shapes, strides, dtype,
+    device, layout, version and product precision."""
+    tf32 = torch.backends.cuda.matmul.allow_tf32 if q.dtype == torch.float32 else None
+    key: tuple[Any, ...] = (q.shape, q.stride(), k.stride(), v.shape, v.stride(), q.dtype, q.device, layout.grid)
+    key += (layout.blocks, version, rotary_emb is None, tf32, MIX_IN_KERNEL_BYTES, MIX_IN_KERNEL_BLOCKS)
+    g = _GEOMETRY.get(key)
+    if g is None:
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            check_offsets(name, t)
+        g = _GEOMETRY[key] = _Geometry(q, v, layout, rotary_emb, version)
+        while len(_GEOMETRY) > GEOMETRY_CACHE_SIZE:
+            _GEOMETRY.popitem(last=False)
+    return g
 
 
 LaunchCallback = Callable[[_Geometry, str, tuple[Any, ...], dict[str, Any]], None]
@@ -363,9 +513,55 @@ def _dense_like(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, device=t.device)
 
 
+def _forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mixing: torch.Tensor | None,
+    layout: BlockLayout,
+    feature: int,
+    normalize: bool,
+    rotary_emb: Rotary | None,
+    eps: float,
+    out_dtype: torch.dtype,
+    version: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    """The forward launches: ``(out, summaries, z, den, mix_in)``, the last four what the backward needs."""
+    g = _geometry(q, k, v, layout, rotary_emb, version)
+    cos, sin, rope_strides = g.tables(rotary_emb, q)
+    shared = mixing is None
+    summaries = q.new_empty(g.summary_shape, dtype=g.summary_dtype)
+    z = q.new_empty(g.summary_shape[:3] if normalize else (1,), dtype=torch.float32)
+    common = dict(FEATURE=feature, USE_ROPE=g.use_rope, NORMALIZE=normalize, DOT_DTYPE=g.dot_dtype)
+    common["PRECISION"] = g.precision
+    g.run("summaries", k, v, cos, sin, summaries, z, *k.stride(), *v.stride(), *rope_strides, *g.grid_args, **common)
+    if g.mix_in:
+        mixed, mixed_z = summaries, z
+    else:
+        mixed, mixed_z = _mix_all(mixing, summaries, z, g, normalize)
+    out = q.new_empty((g.B, g.N, g.H, g.E), dtype=out_dtype)
+    den = q.new_empty((g.B * g.H, g.N), dtype=torch.float32) if normalize else z
+    g.run(
+        "output",
+        *(q, cos, sin, mixed, mixed_z, q if shared else mixing, out, den),
+        *q.stride(),
+        *out.stride(),
+        *rope_strides,
+        *_mixing_strides(mixing, transpose=False),
+        *g.grid_args,
+        eps,
+        SHARED=shared,
+        MIX_IN=g.mix_in,
+        **common,
+    )
+    return out, summaries, z, den, g.mix_in
+
+
 class _MHLAFunction(torch.autograd.Function):
     """``mixing`` None: every query block uses the sum of all block summaries (linear attention). The
-    mixed summary is then one per (batch, head), ``SHARED`` in the kernels, instead of M equal copies."""
+    mixed summary is then one per (batch, head), ``SHARED`` in the kernels, instead of M equal copies.
+    Where :func:`mix_in_kernel` says so, the output and backward kernels mix the summaries themselves
+    (``MIX_IN``): two launches forward, two backward, and no torch operation between them."""
 
     @staticmethod
     def forward(
@@ -382,70 +578,46 @@ class _MHLAFunction(torch.autograd.Function):
         out_dtype: torch.dtype,
         version: str,
     ) -> torch.Tensor:
-        g = _Geometry(q, v, layout, rotary_emb, version)
-        shared = mixing is None
-        summaries = q.new_empty((g.B * g.H, g.M, 2 * g.D_HALF, g.E), dtype=g.summary_dtype)
-        z = q.new_empty((g.B * g.H, g.M, 2 * g.D_HALF) if normalize else (1,), dtype=torch.float32)
-        common = dict(FEATURE=feature, USE_ROPE=g.use_rope, NORMALIZE=normalize, DOT_DTYPE=g.dot_dtype)
-        common["PRECISION"] = g.precision
-        g.run(
-            "summaries",
-            k,
-            v,
-            g.cos,
-            g.sin,
-            summaries,
-            z,
-            *k.stride(),
-            *v.stride(),
-            *g.rope_strides,
-            *g.grid_args,
-            **common,
-        )
-        mixed, mixed_z = _mix_all(mixing, summaries, z, g, normalize)
-        out = q.new_empty((g.B, g.N, g.H, g.E), dtype=out_dtype)
-        den = q.new_empty((g.B * g.H, g.N), dtype=torch.float32) if normalize else z
-        g.run(
-            "output",
-            *(q, g.cos, g.sin, mixed, mixed_z, out, den),
-            *q.stride(),
-            *out.stride(),
-            *g.rope_strides,
-            *g.grid_args,
-            eps,
-            SHARED=shared,
-            **common,
+        out, summaries, z, den, mix_in = _forward(
+            q, k, v, mixing, layout, feature, normalize, rotary_emb, eps, out_dtype, version
         )
         ctx.save_for_backward(q, k, v, mixing, summaries, z, den)
         ctx.layout, ctx.feature, ctx.normalize, ctx.rotary_emb = layout, feature, normalize, rotary_emb
-        ctx.version = version
+        ctx.version, ctx.mix_in = version, mix_in
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, mixing, summaries, z, den = ctx.saved_tensors
-        normalize = ctx.normalize
+        normalize, mix_in = ctx.normalize, ctx.mix_in  # as the forward chose (a setting changed since: ignored)
         shared = mixing is None
-        g = _Geometry(q, v, ctx.layout, ctx.rotary_emb, ctx.version)
-        common = dict(FEATURE=ctx.feature, USE_ROPE=g.use_rope, NORMALIZE=normalize, SHARED=shared)
+        g = _geometry(q, k, v, ctx.layout, ctx.rotary_emb, ctx.version)
+        cos, sin, rope_strides = g.tables(ctx.rotary_emb, q)
+        common = dict(FEATURE=ctx.feature, USE_ROPE=g.use_rope, NORMALIZE=normalize, SHARED=shared, MIX_IN=mix_in)
         common.update(DOT_DTYPE=g.dot_dtype, PRECISION=g.precision)
-        mixed, mixed_z = _mix_all(mixing, summaries, z, g, normalize)
+        if mix_in:
+            mixed, mixed_z = summaries, z
+        else:
+            mixed, mixed_z = _mix_all(mixing, summaries, z, g, normalize)
         grad_out = grad_out.contiguous() if grad_out.stride(-1) != 1 else grad_out
         dq = _dense_like(q)
         d_mixed = torch.empty_like(summaries)  # per query block, also when the summary is shared
         d_mixed_z = torch.empty_like(summaries[..., 0], dtype=torch.float32) if normalize else z
         g.run(
             "backward_query",
-            *(q, grad_out, g.cos, g.sin, mixed, mixed_z, den, dq, d_mixed, d_mixed_z),
+            *(q, grad_out, cos, sin, mixed, mixed_z, q if shared else mixing, den, dq, d_mixed, d_mixed_z),
             *q.stride(),
             *grad_out.stride(),
             *dq.stride(),
-            *g.rope_strides,
+            *rope_strides,
+            *_mixing_strides(mixing, transpose=False),
             *g.grid_args,
             **common,
         )
         # back through the mixing: dS = m^T dS~, dm_ib = <dS~_i, S_b> (+ <dz~_i, z_b>), all in float32
-        if shared:  # dS_b = sum_i dS~_i for every b: one shared sum
+        if mix_in:  # dS_b = sum_i m_ib dS~_i formed by the key kernel (the mixing's strides transposed)
+            d_summaries, d_z = d_mixed, d_mixed_z
+        elif shared:  # dS_b = sum_i dS~_i for every b: one shared sum
             d_summaries = d_mixed.sum(1, keepdim=True, dtype=torch.float32)
             d_z = d_mixed_z.sum(1, keepdim=True) if normalize else z
         else:
@@ -461,16 +633,27 @@ class _MHLAFunction(torch.autograd.Function):
         dk, dv = _dense_like(k), _dense_like(v)
         g.run(
             "backward_key",
-            *(k, v, g.cos, g.sin, d_summaries, d_z, dk, dv),
+            *(k, v, cos, sin, d_summaries, d_z, q if shared else mixing, dk, dv),
             *k.stride(),
             *v.stride(),
             *dk.stride(),
             *dv.stride(),
-            *g.rope_strides,
+            *rope_strides,
+            *_mixing_strides(mixing, transpose=True),
             *g.grid_args,
             **common,
         )
         return dq, dk, dv, d_mixing, None, None, None, None, None, None, None
+
+
+def _mixing_strides(mixing: torch.Tensor | None, transpose: bool) -> tuple[int, int, int]:
+    """(head, row, column) strides of the mixing matrix as the kernels index it (head stride 0 when one matrix
+    serves every head; row and column swapped for ``m^T``); zeros without one."""
+    if mixing is None:
+        return (0, 0, 0)
+    head = mixing.stride(0) if mixing.dim() == 3 else 0
+    rows, cols = mixing.stride(-2), mixing.stride(-1)
+    return (head, cols, rows) if transpose else (head, rows, cols)
 
 
 def _mix_all(
@@ -506,10 +689,10 @@ def mhla_attention_fused(
     """
     check_qkv(q, k, v)
     check_mixing(mixing, layout.num_blocks, q.shape[2], q.device)
-    return _fused(q, k, v, layout, mixing.float(), feature_map, normalize, rotary_emb, eps, out_dtype, version)
+    return fused_attention(q, k, v, layout, mixing.float(), feature_map, normalize, rotary_emb, eps, out_dtype, version)
 
 
-def _fused(
+def fused_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -522,10 +705,14 @@ def _fused(
     out_dtype: torch.dtype | None,
     version: str,
 ) -> torch.Tensor:
-    """Checks the arguments the kernels rely on and runs them; ``mixing`` None: linear attention."""
+    """Checks the arguments the kernels rely on and runs them; ``mixing`` None: linear attention (``layout``
+    from :func:`linear_layout`). The caller has checked q, k, v (``check_qkv``) and the mixing matrix
+    (``check_mixing``, float32), as :func:`mhla_attention_fused` and :func:`mhla.mhla_attention` do.
+
+    Without a gradient to take (inference, ``torch.no_grad``, or no input that requires one) the launches run
+    without an autograd node: nothing is kept for a backward that will not come."""
     if triton is None:
         raise RuntimeError("the fused kernels need Triton; use mhla.mhla_attention on this machine")
-    check_qkv(q, k, v)
     if layout.num_tokens != q.shape[1]:
         g = layout.grid
         raise ValueError(f"token grid {g[0]}x{g[1]}x{g[2]} has {layout.num_tokens} tokens but q has {q.shape[1]}")
@@ -543,11 +730,12 @@ def _fused(
         raise ValueError(f"out_dtype must be fp16, bf16 or fp32, got {out_dtype}")
     if version not in VERSIONS:
         raise ValueError(f"unknown kernel version {version!r}; expected one of {VERSIONS}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        check_offsets(name, t)
-    return _MHLAFunction.apply(
-        q, k, v, mixing, layout, FEATURE_IDS[feature_map], normalize, rotary_emb, eps, out_dtype, version
-    )
+    feature = FEATURE_IDS[feature_map]
+    if torch.is_grad_enabled() and (
+        q.requires_grad or k.requires_grad or v.requires_grad or (mixing is not None and mixing.requires_grad)
+    ):
+        return _MHLAFunction.apply(q, k, v, mixing, layout, feature, normalize, rotary_emb, eps, out_dtype, version)
+    return _forward(q, k, v, mixing, layout, feature, normalize, rotary_emb, eps, out_dtype, version)[0]
 
 
 def linear_attention_fused(
@@ -569,7 +757,12 @@ def linear_attention_fused(
     copies of the one summary).
     """
     check_qkv(q, k, v)
-    n = q.shape[1]
-    chunks = max(1, min(256, n // 256))
-    layout = BlockLayout((1, 1, n), (1, 1, chunks))
-    return _fused(q, k, v, layout, None, feature_map, normalize, rotary_emb, eps, out_dtype, version)
+    layout = linear_layout(q.shape[1])
+    return fused_attention(q, k, v, layout, None, feature_map, normalize, rotary_emb, eps, out_dtype, version)
+
+
+def linear_layout(tokens: int) -> BlockLayout:
+    """The chunks linear attention's kernels cut ``tokens`` into: up to 256 chunks of at least 256 tokens (one
+    layout per token count, kept)."""
+    chunks = max(1, min(256, tokens // 256))
+    return cached_layout((1, 1, tokens), (1, 1, chunks))

@@ -125,7 +125,7 @@ def test_dry_run_commands_parse_in_order(tmp_path):
     found = commands(out)
     order = [n for n in found if n != "fused path check"]
     # the headline (a whole video) right after the built-in model's build; Wan2.1-14B after the compiled step
-    expected = ["video", "kernels", "model", "cli", "app", "compile", "14b", "op", "cp"]
+    expected = ["video", "kernels", "model", "cli", "app", "compile", "levers", "14b", "op", "cp"]
     if (ROOT / "factory" / "gpu_build.py").exists():
         expected.insert(0, "build")
     else:  # the placeholder stage comes first and says why it did not run (not a failure)
@@ -140,6 +140,30 @@ def test_dry_run_commands_parse_in_order(tmp_path):
     assert found["cli"][found["cli"].index("--model") + 1] == model_dir
     assert found["app"][found["app"].index("--model") + 1] == model_dir
     assert found["video"][found["video"].index("--model") + 1] == model_dir  # it builds the folder the others use
+
+
+def test_op_and_levers_stages_measure_issue_50s_sweep(tmp_path):
+    # the next GPU call checks issue 50's predictions (benchmarks/NOTES.md): the operator at 2,048..31,500 tokens,
+    # B=1, 12 heads x 128, bf16, forward and forward+backward, fused and CUDA-graph-replayed, against cuDNN;
+    # and the compiled step with the shared part's levers (CUDA graphs, fused projections) beside MHLA and cuDNN
+    from benchmarks.attention import build_parser as attention_parser
+    from benchmarks.wan_step import build_parser as step_parser
+    from mhla.layout import parse_grid
+
+    rc, out = dry_run(tmp_path, "compile,levers,op")
+    assert rc == 0, out
+    found = commands(out)
+    op = attention_parser().parse_args(found["op"][3:])
+    tokens = [f * h * w for f, h, w in (parse_grid(g) for g in op.grids.split(","))]
+    assert tokens == [2048, 4096, 8192, 16384, 31500], tokens
+    assert (op.dtype, op.heads, op.dim) == ("bf16", 12, 128)
+    assert set(op.passes.split(",")) == {"fwd", "fwd+bwd"}
+    assert set(op.impls.split(",")) == {"triton", "triton-graph"} and op.softmax_backends == "sdpa_cudnn"
+    levers = step_parser().parse_args(found["levers"][3:])
+    compiled = step_parser().parse_args(found["compile"][3:])
+    assert levers.fuse_qkv and levers.compile_mode == "reduce-overhead" and levers.warmup >= 3
+    assert (levers.sizes, levers.softmax_backend, levers.compile) == (compiled.sizes, "sdpa_cudnn", "blocks")
+    assert {"flash", "mhla"} <= set(levers.variants.split(","))
 
 
 def test_dry_run_extras_and_one_gpu(tmp_path):
@@ -248,6 +272,8 @@ def test_dry_run_brings_back_at_most_8_files_log_first(tmp_path):
     expected |= {"whole_video_h200.json", "whole_video_h200.md"}
     expected |= {f"wan_step_14b_720p_h200_{day}.{x}" for x in ("json", "md")}
     expected |= {f"wan_step_1.3b_compiled-blocks_h200_{day}.{x}" for x in ("json", "md", "png")}
+    levers = f"wan_step_1.3b_compiled-blocks-reduce-overhead_fused-qkv_h200_{day}"
+    expected |= {f"{levers}.{x}" for x in ("json", "md", "png")}
     expected |= {f"operator_h200_{day}.{x}" for x in ("json", "md", "png")}
     if (ROOT / "factory" / "gpu_build.py").exists():
         expected |= {r for r in results if r.startswith("builtin/")}

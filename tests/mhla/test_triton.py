@@ -122,16 +122,19 @@ def test_rope_halves_are_made_once_per_pair_of_tables(gen):
     layout = BlockLayout((2, 4, 6), (2, 2, 2))
     (q, k, v, _), rope = inputs(gen, layout, b=1)
     rope = tuple(t.float() for t in rope)
-    first = triton_ops._Geometry(q, v, layout, rope, "v2")
-    again = triton_ops._Geometry(q, v, layout, rope, "v2")
-    assert again.cos is first.cos and again.sin is first.sin
-    torch.testing.assert_close(first.cos, rope[0][..., 0::2], rtol=0, atol=0)
-    torch.testing.assert_close(first.sin, rope[1][..., 1::2], rtol=0, atol=0)
+
+    def tables(rope):
+        return triton_ops._Geometry(q, v, layout, rope, "v2").tables(rope, q)
+
+    first, again = tables(rope), tables(rope)
+    assert again[0] is first[0] and again[1] is first[1]
+    torch.testing.assert_close(first[0], rope[0][..., 0::2], rtol=0, atol=0)
+    torch.testing.assert_close(first[1], rope[1][..., 1::2], rtol=0, atol=0)
     rope[1].mul_(-1)  # in place: the kept halves are stale
-    changed = triton_ops._Geometry(q, v, layout, rope, "v2")
-    torch.testing.assert_close(changed.sin, rope[1][..., 1::2], rtol=0, atol=0)
+    changed = tables(rope)
+    torch.testing.assert_close(changed[1], rope[1][..., 1::2], rtol=0, atol=0)
     other = tuple(t.clone() for t in rope)  # equal values, other tensors: made for them
-    assert triton_ops._Geometry(q, v, layout, other, "v2").cos is not changed.cos
+    assert tables(other)[0] is not changed[0]
 
 
 @pytest.fixture
@@ -296,6 +299,38 @@ def test_fused_gpu_wan_grids(gen, monkeypatch, grid, dtype, version, tuned):
         assert {"summaries", "output", "backward_query", "backward_key"} <= triton_ops.tuned_launches().keys()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("budget", [64 * 2**20, 0], ids=["mixed in the kernels", "mixing kernel"])
+def test_fused_gpu_direct_launches(gen, monkeypatch, budget):
+    """Compiled: from the second call on the kernels are launched through the compiled kernels kept by the
+    first (no Triton launcher); the same numbers, forward and backward, with both ways of mixing (bf16)."""
+    import warnings
+
+    monkeypatch.setattr(triton_ops, "AUTOTUNE", False)
+    monkeypatch.setattr(triton_ops, "MIX_IN_KERNEL_BYTES", budget)
+    monkeypatch.setattr(triton_ops, "DIRECT_LAUNCH", True)
+    triton_ops._DIRECT.clear()
+    layout = BlockLayout((3, 16, 20), (1, 3, 3))
+    (q, k, v, m), rope = inputs(gen, layout, b=2, h=4, d=128, e=128)
+    rope = tuple(t.to(DEVICE, torch.float32) for t in rope)
+    results = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "direct kernel launches turned off" would fail here
+        for _ in range(3):
+            leaves = [t.to(DEVICE, torch.bfloat16).requires_grad_() for t in (q, k, v)]
+            out = triton_ops.mhla_attention_fused(
+                *leaves, layout, m.to(DEVICE).float(), normalize=False, rotary_emb=rope
+            )
+            out.float().square().sum().backward()
+            results.append([out.detach(), *(t.grad for t in leaves)])
+            assert triton_ops._DIRECT, "no compiled kernel was kept"
+    assert triton_ops.DIRECT_LAUNCH
+    for first, later in zip(results[0], results[2]):
+        assert torch.equal(first, later)  # the kernels are deterministic: direct launches change nothing
+    ref = mhla_attention_dense(q, k, v, layout, m, normalize=False, rotary_emb=tuple(t.double().cpu() for t in rope))
+    assert rel_err(results[2][0], ref) < 2e-2
+
+
 @pytest.mark.skipif(DEVICE == "cuda", reason="the gpu test above covers these grids compiled")
 @pytest.mark.parametrize("grid,normalize", [((21, 30, 52), True), ((21, 30, 50), False)])
 def test_fused_wan_grids_interpreted(gen, grid, normalize):
@@ -437,9 +472,10 @@ def test_launch_arguments_follow_the_options(gen):
         (torch.float16, torch.float32),
         (torch.float32, torch.float32),
     ):
-        geo = triton_ops._Geometry(q.to(dtype), v.to(dtype), layout, rope32, "v2")
-        assert geo.cos.dtype == table and geo.sin.dtype == table, dtype
-        assert triton_ops._Geometry(q.to(dtype), v.to(dtype), layout, rope32, "v1").cos.dtype == torch.float32
+        cos, sin, _ = triton_ops._Geometry(q.to(dtype), v.to(dtype), layout, rope32, "v2").tables(rope32, q)
+        assert cos.dtype == table and sin.dtype == table, dtype
+        v1 = triton_ops._Geometry(q.to(dtype), v.to(dtype), layout, rope32, "v1").tables(rope32, q)
+        assert v1[0].dtype == torch.float32
     summaries = torch.randn(2, 5, 32, 32)
     geo = triton_ops._Geometry(q, v, layout, None, "v2")
     shared, shared_z = triton_ops._mix_all(None, summaries, torch.randn(2, 5, 32), geo, True)
