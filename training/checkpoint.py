@@ -40,7 +40,7 @@ STATE_FILE = "training_state.pt"
 LOCK_FILE = ".lock"  # training.lock's file, kept by clear_run
 MANIFEST = "manifest.json"
 FINAL = "final"  # <run>/final/<transformer folder>: the model at the end of the run
-FINISHED = "finished.json"  # <run>/final/finished.json: {"step": ..., "model": folder name}, written after the model
+FINISHED = "finished.json"  # <run>/final/finished.json: {"step": ..., "model": folder name}, written last
 LORA = "lora"  # <checkpoint>/lora, <run>/final/lora: a LoRA run's adapters in diffusers' format (pipelines/lora.py)
 _NAME = re.compile(r"^step-(\d{7})$")
 
@@ -291,11 +291,66 @@ def finish_checkpoint(run_dir, step: int, keep: int | None = None) -> Path:
     normalize_modes(tmp)  # safetensors writes its files 0600; a checkpoint reads like the run's other outputs
     write_manifest(tmp)
     replace_dir(tmp, final)  # a re-run of the same step replaces it, still without a window of no checkpoint
+    prune_checkpoints(run_dir, keep, spare=final)
+    return final
+
+
+def prune_checkpoints(run_dir, keep: int | None, spare: Path | None = None) -> None:
+    """Drops all but the newest ``keep`` checkpoints (never ``spare``, the one just written; ``keep`` 0 or None:
+    none). After each checkpoint, and at the end of a run (a kill between a checkpoint's rename and its pruning
+    left one more)."""
     if keep:
         for stale in list_checkpoints(run_dir)[:-keep]:
-            if stale != final:
-                shutil.rmtree(stale, ignore_errors=True)
-    return final
+            if stale != spare:
+                drop_checkpoint(stale)
+
+
+def drop_checkpoint(path: str | Path) -> None:
+    """Removes a checkpoint folder: renamed first to ``.step-NNNNNNN.del`` (no longer a checkpoint, at once), then
+    deleted, so a kill while it is deleted never leaves a half-removed folder under a checkpoint's name; the
+    hidden one left goes with the next run's :func:`sweep_temporaries`."""
+    path = Path(path)
+    gone = path.with_name(f".{path.name}.del")
+    shutil.rmtree(gone, ignore_errors=True)
+    os.replace(path, gone)
+    shutil.rmtree(gone, ignore_errors=True)
+
+
+# the hidden temporaries of common.outputs' atomic writers (.<name>.<pid>.tmp, .<name>.<pid>.old beside <name>) and of
+# checkpoints (begin_checkpoint's .step-NNNNNNN.tmp, replace_dir's .old, drop_checkpoint's .del)
+_TEMPORARY = re.compile(r"^\.(.+)\.\d+\.(tmp|old)$")
+_CHECKPOINT_TEMPORARY = re.compile(r"^\.step-\d{7}\.(tmp|old|del)$")
+
+
+def sweep_temporaries(run_dir: str | Path) -> list[str]:
+    """Removes what writers stopped mid-write without clean-up (SIGKILL, a power cut) left in ``run_dir``: the
+    temporaries of the atomic writes of files and folders the run lists (:func:`record_run_files`; for a run
+    without the list, :func:`_legacy_run_files`) and the checkpoints' own. Called by the run holding the run
+    folder's lock (:mod:`training.lock`) before it writes, so none of them belongs to a live writer. Nothing
+    else is touched. Returns what it removed, relative to ``run_dir``."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    listed = _read_run_files(run_dir)
+    written, _ = listed if listed is not None else _legacy_run_files(run_dir)
+    names = {Path(n) for n in (*written, *_FIXED)}
+    removed = []
+    for folder in sorted({n.parent for n in names} | {Path("checkpoints")}):
+        where = run_dir / folder
+        if not where.is_dir() or where.is_symlink() or not _inside(where / "x", run_dir):
+            continue
+        for p in where.iterdir():
+            match = _TEMPORARY.match(p.name)
+            ours = (match is not None and folder / match.group(1) in names) or (
+                folder == Path("checkpoints") and _CHECKPOINT_TEMPORARY.match(p.name) is not None
+            )
+            if ours:
+                if p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    p.unlink(missing_ok=True)
+                removed.append(str(p.relative_to(run_dir)))
+    return sorted(removed)
 
 
 def save_state(state: dict, path: str | Path) -> None:
@@ -410,8 +465,10 @@ def restore_optimizer(optimizer, scheduler, state: dict) -> None:
 
 def read_metrics(path: str | Path) -> tuple[list[tuple[str, int | float]], bool]:
     """The rows of a run's ``metrics.jsonl`` as ``(line, step)`` and whether its last line is a half-written row
-    (a crash mid-append; it is dropped with a warning naming the file). Any other line that is not a JSON
-    object with a numeric ``step`` is a BadInputError naming the file and line (exit 2)."""
+    (a crash mid-append; it is dropped with a warning naming the file). A row is whole only with its line end (it
+    is appended in one write with it): a last line without one is half-written even when it parses, else the next
+    row would be appended to it. Any other line that is not a JSON object with a numeric ``step`` is a
+    BadInputError naming the file and line (exit 2)."""
     from common.errors import BadInputError
 
     path = Path(path)
@@ -425,12 +482,15 @@ def read_metrics(path: str | Path) -> tuple[list[tuple[str, int | float]], bool]
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
+        cut_short = number == len(lines) and not text.endswith("\n")  # the row a crash cut short
         try:
             row = json.loads(line)
             if not isinstance(row, dict):
                 raise ValueError(f"a JSON {type(row).__name__}, not an object")
+            if cut_short:
+                raise ValueError("no line end")
         except ValueError as e:
-            if number == len(lines) and not text.endswith("\n"):  # the row a crash cut short
+            if cut_short:
                 warnings.warn(
                     f"{str(path)!r}: line {number}, the last, is a half-written row ({e}); dropped, it is redone",
                     stacklevel=3,
@@ -448,20 +508,28 @@ def read_metrics(path: str | Path) -> tuple[list[tuple[str, int | float]], bool]
     return rows, half
 
 
-def trim_metrics(path: str | Path, step: int) -> int:
+def trim_metrics(path: str | Path, step: int, end_of_run: bool = False) -> int:
     """A resumed run drops the ``metrics.jsonl`` rows logged after its checkpoint's ``step`` (the part of the
     interrupted run that is redone), so every step appears once, and a half-written last row (see
-    :func:`read_metrics`). Atomic; returns the number of rows dropped."""
+    :func:`read_metrics`). With ``end_of_run`` (a resume from the run's last checkpoint, which redoes only the end
+    of the run) also the end-of-run evaluation row at ``step``: a row without a training ``loss`` or a ``probe``,
+    logged after that checkpoint. Atomic; returns the number of rows dropped."""
     from common.outputs import write_text_atomic
 
     path = Path(path)
     if not path.is_file():
         return 0
     rows, half = read_metrics(path)
-    kept = [line for line, at in rows if at <= step]
+    kept = [line for line, at in rows if at < step or (at == step and not (end_of_run and _end_row(line)))]
     if len(kept) != len(rows) or half:
         write_text_atomic(path, "".join(x + "\n" for x in kept))
     return len(rows) - len(kept) + int(half)
+
+
+def _end_row(line: str) -> bool:
+    """A ``metrics.jsonl`` row the end of a run logs: its evaluation (neither a step's ``loss`` nor a ``probe``)."""
+    row = json.loads(line)
+    return "loss" not in row and "probe" not in row
 
 
 # --------------------------------------------------------------------------- the end of a run
@@ -486,7 +554,8 @@ def record_final(run_dir: str | Path, folder: str = "transformer") -> None:
 
 
 def write_finished(run_dir: str | Path, step: int, folder: str = "transformer") -> None:
-    """``final/finished.json``, after the model: the run ended at ``step`` with its model in ``final/<folder>``."""
+    """``final/finished.json``, the last thing a run writes: the run ended at ``step`` with its model in
+    ``final/<folder>``."""
     from common.outputs import write_text_atomic
 
     path = Path(run_dir) / FINAL / FINISHED

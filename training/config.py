@@ -59,6 +59,16 @@ DEFAULTS: dict = {
         # data.source=folder, length buckets: a video too short for data.num_frames but long enough for this many
         # frames (4k+1) trains at the longest 4k+1 clip it holds instead of being skipped; null = skip it
         "min_frames": None,
+        # data.source=folder, resolution and aspect buckets: each clip trains at the (height, width) bucket nearest its
+        # aspect ratio, of about data.height x data.width pixels in multiples of the model's VAE stride x patch
+        # (resized to cover it, centre-cropped), a batch of one bucket (and one length); null (auto) = on when the
+        # clips fall in more than one bucket, else every clip at data.height x data.width; true = on; false = off.
+        # data.bucket_sizes: the buckets, e.g. [[480, 832], [832, 480], [624, 624]]; null = made from the size
+        "buckets": None,
+        "bucket_sizes": None,
+        # data.source=folder, for python -m training.precompute: windows (clips) the cache stores of each long video,
+        # spread evenly over it; training reads another of them each epoch (live decoding draws a new clip each epoch)
+        "cache_windows": 1,
         # data.source=folder: put this word in front of every caption ("WORD, caption"; not where it already is),
         # the clips' and data.image_path's images'
         "trigger_word": None,
@@ -243,6 +253,8 @@ NULLABLE_TYPES: dict[str, tuple] = {
     "data.trigger_word": (str,),
     "data.fps": _NUM,
     "data.min_frames": (int,),
+    "data.buckets": (bool,),
+    "data.bucket_sizes": (list,),
     "data.image_num_samples": (int,),
     "data.default_background": (str,),
     "data.short_captions": _NUM,
@@ -277,6 +289,7 @@ RANGES: dict[str, tuple] = {
     "data.fps": (0, False, None),
     "data.repeats": (1, True, None),
     "data.min_frames": (1, True, None),
+    "data.cache_windows": (1, True, None),
     "data.num_workers": (0, True, None),
     "data.max_sequence_length": (1, True, None),
     "log.every": (1, True, None),
@@ -486,12 +499,16 @@ FOLDER_ONLY = {
     "data.trigger_word": None,
     "data.repeats": 1,
     "data.min_frames": None,
+    "data.buckets": None,
+    "data.bucket_sizes": None,
+    "data.cache_windows": 1,
 }  # keys of data.source=folder
 EXTRA_KEYS = ("path", "repeats")
 
 
 def check_folder_keys(cfg: DictConfig, need) -> None:
-    """``data.fps``, ``data.min_frames``, ``data.trigger_word``, ``data.repeats``, ``data.extra``: only with ``data.source=folder``
+    """``data.fps``, ``data.min_frames``, ``data.buckets``, ``data.bucket_sizes``, ``data.cache_windows``,
+    ``data.trigger_word``, ``data.repeats``, ``data.extra``: only with ``data.source=folder``
     (the synthetic world has no files; a cache's captions and clips were fixed when it was written, so there they
     go to ``training.precompute``), each of the right form."""
     source = cfg.data.source
@@ -519,6 +536,19 @@ def check_folder_keys(cfg: DictConfig, need) -> None:
         "data.min_frames",
         f"null or 4k+1 (e.g. 5, 9) at most data.num_frames={cfg.data.num_frames}",
     )
+    sizes = cfg.data.bucket_sizes
+    if sizes is not None:
+        pairs = OmegaConf.to_container(sizes)
+        need(
+            bool(pairs)
+            and all(
+                isinstance(p, list) and len(p) == 2 and all(_is(v, (int,)) and v > 0 for v in p)
+                for p in pairs  # type: ignore[union-attr]
+            ),
+            "data.bucket_sizes",
+            "null or a list of [height, width] pairs of positive integers, e.g. [[480, 832], [832, 480]]",
+        )
+        need(cfg.data.buckets is not False, "data.bucket_sizes", "null with data.buckets=false (no buckets)")
     trigger = cfg.data.trigger_word
     if trigger is not None:
         from common.errors import check_text

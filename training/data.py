@@ -21,6 +21,13 @@ whatever the video's own rate), resized (aspect preserved) and centre-cropped to
 (length buckets) a video too short for ``num_frames`` gives the longest ``4k + 1`` clip it holds instead of
 being skipped, and :func:`collate` groups a batch by length.
 
+Resolution and aspect buckets (``buckets``; :func:`aspect_buckets`, :func:`nearest_bucket`): clips of mixed sizes
+(320x240, 640x360, portrait) each train at the ``(height, width)`` bucket nearest their aspect ratio, every bucket
+of about ``height x width`` pixels in multiples of the model's VAE stride x patch; :meth:`VideoFolderDataset.probe_shapes`
+opens each video once to assign them, and :class:`BucketBatchSampler` draws each batch from one bucket (one size
+and one length). A cache (``training/precompute.py``) stores each clip at its bucket's size and, with
+``cache_windows``, several windows of each long video (:class:`CachedLatents` draws among them by epoch).
+
 Bad data never stops a run: entries with a missing file, an empty or missing caption or a bad
 manifest row are dropped when the dataset is built; videos that fail to decode or are too short
 are found when loaded and replaced by the next good video. Both are counted by reason in
@@ -60,9 +67,11 @@ from typing import NamedTuple
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.utils.data import Dataset, Sampler
+from omegaconf import OmegaConf
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from training.encoding import Encoder
+from training.experts import TrainingTarget, read_target, size_multiples
 from world.synthetic import SyntheticVideoDataset, SyntheticWorld, world_named
 
 VIDEO_EXTENSIONS: tuple[str, ...] = (".mp4", ".webm", ".mov", ".mkv", ".avi")
@@ -75,6 +84,8 @@ IMAGE_COLUMNS: tuple[str, ...] = ("image", "file_name")  # an image folder's man
 CAPTION_COLUMNS: tuple[str, ...] = ("caption", "text")
 BACKENDS: tuple[str, ...] = ("auto", "decord", "imageio")
 LENGTH_CHECK_LIMIT = 256  # videos VideoFolderDataset.check_clip_lengths opens before training (spread over more)
+# generated buckets span aspect ratios 1:4 to 4:1, as musubi-tuner's: a clip past them crops to the last one
+MAX_BUCKET_ASPECT = 4.0
 # Codes 1.. index this tuple in the shared per-entry tensor; 0 means "not skipped".
 SKIP_REASONS: tuple[str, ...] = (
     "missing_file",  # the manifest names a file that is not there
@@ -114,6 +125,75 @@ def validate_num_frames(num_frames: int) -> int:
     if not isinstance(num_frames, int) or num_frames < 1 or (num_frames - 1) % 4:
         raise ValueError(f"num_frames must be 4k+1 (1, 5, 9, ..., 17, ..., 81) for Wan's VAE, got {num_frames!r}")
     return num_frames
+
+
+# --------------------------------------------------------------------------- resolution and aspect buckets
+
+
+def aspect_buckets(
+    height: int, width: int, multiple: int | tuple[int, int] = 16, max_aspect: float = MAX_BUCKET_ASPECT
+) -> list[tuple[int, int]]:
+    """``(height, width)`` buckets of about ``height * width`` pixels, both sides multiples of ``multiple`` (the VAE's
+    spatial stride x the transformer's patch: 16 for Wan2.1, 32 for Wan2.2-TI2V; an int or ``(for height, for
+    width)``), aspect ratios from ``1 : max_aspect`` to ``max_aspect : 1``, sorted by aspect (width / height).
+
+    The short side steps over its multiples up to the square, the long side is the multiple nearest ``area /
+    short`` (landscape: heights step, portrait: widths, so both halves are as fine); ``(height, width)`` itself is
+    always one of them (a clip of the configured aspect trains at exactly the configured size). Of sizes of one
+    aspect the one nearest the area is kept. E.g. ``aspect_buckets(64, 96)``: 128x48, 96x64, 80x80, 64x96, 48x128.
+    """
+    mh, mw = (multiple, multiple) if isinstance(multiple, int) else multiple
+    if height % mh or width % mw or height < mh or width < mw:
+        raise ValueError(f"aspect_buckets: {height}x{width} must be positive multiples of {mh} (height) x {mw} (width)")
+    area = height * width
+    side = math.sqrt(area)
+    candidates = [(h, max(mw, round(area / h / mw) * mw)) for h in range(mh, int(side) + mh, mh)]  # landscape
+    candidates += [(max(mh, round(area / w / mh) * mh), w) for w in range(mw, int(side) + mw, mw)]  # portrait
+    found: dict[float, tuple[int, int]] = {width / height: (height, width)}
+    for h, w in candidates:
+        aspect = w / h
+        if not 1 / max_aspect <= aspect <= max_aspect:
+            continue
+        if aspect not in found or abs(h * w - area) < abs(math.prod(found[aspect]) - area):
+            found[aspect] = (h, w)
+    return [found[a] for a in sorted(found)]
+
+
+def nearest_bucket(height: int, width: int, sizes: Sequence[tuple[int, int]]) -> tuple[int, int]:
+    """The bucket of ``sizes`` nearest a ``height x width`` frame's aspect ratio, nearest in ``log(width / height)``
+    (3:2 is as far from 1:1 as 2:3 is); the first of equals."""
+    target = math.log(width / height)
+    return min(sizes, key=lambda s: abs(math.log(s[1] / s[0]) - target))
+
+
+def check_bucket_sizes(sizes, multiple: tuple[int, int], key: str = "data.bucket_sizes", model: str = "the model"):
+    """``sizes`` as a list of ``(height, width)``, each side a positive multiple of ``multiple`` (for height, for
+    width); ValueError naming the bad bucket, the multiple and the nearest one that fits."""
+    mh, mw = multiple
+    out = []
+    for size in sizes:
+        if len(size) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in size):
+            raise ValueError(f"{key}: bucket {list(size)!r}: expected [height, width], two integers")
+        h, w = int(size[0]), int(size[1])
+        if h < mh or w < mw or h % mh or w % mw:
+            fit = [max(mh, round(h / mh) * mh), max(mw, round(w / mw) * mw)]
+            raise ValueError(
+                f"{key}: bucket {[h, w]} does not fit {model}: expected a height that is a multiple of {mh} and a "
+                f"width that is a multiple of {mw} (the VAE's spatial stride x the transformer's patch), e.g. {fit}"
+            )
+        out.append((h, w))
+    if len(set(out)) != len(out):
+        raise ValueError(f"{key}={[list(s) for s in out]}: a bucket is listed twice")
+    return out
+
+
+def check_bucket_sizes_fit(cfg, target: TrainingTarget | None = None) -> None:
+    """``data.bucket_sizes`` against the model: every bucket's sides multiples of :func:`size_multiples` (a
+    ValueError names the bucket, the multiples and the nearest bucket that fits)."""
+    if cfg.data.get("bucket_sizes"):
+        target = read_target(cfg) if target is None else target
+        sizes = [tuple(s) for s in OmegaConf.to_container(cfg.data.bucket_sizes)]  # type: ignore[union-attr]
+        check_bucket_sizes(sizes, size_multiples(cfg, target), model=target.architecture)
 
 
 # --------------------------------------------------------------------------- finding entries
@@ -351,11 +431,16 @@ def resolve_backend(backend: str) -> str:
 
 
 class _VideoReader:
-    """An open video: ``num_frames``, ``fps`` (None when the file does not say), ``read(indices) -> uint8
-    (T, H, W, 3)``; a context manager."""
+    """An open video: ``num_frames``, ``fps`` (None when the file does not say), ``size`` ``(height, width)``,
+    ``read(indices) -> uint8 (T, H, W, 3)``; a context manager."""
 
     num_frames: int
     fps: float | None = None
+
+    @property
+    def size(self) -> tuple[int, int]:
+        """``(height, width)`` of the frames ``read`` gives."""
+        return tuple(self.read(np.zeros(1, dtype=np.int64)).shape[1:3])  # type: ignore[return-value]
 
     def read(self, indices: np.ndarray) -> np.ndarray:
         raise NotImplementedError
@@ -393,10 +478,18 @@ class _ImageioVideo(_VideoReader):
         try:
             # Container metadata only estimates the count (duration x fps); this decodes to count exactly.
             self.num_frames = int(self._reader.count_frames())
-            self.fps = float(self._reader.get_meta_data().get("fps") or 0) or None
+            meta = self._reader.get_meta_data()
+            self.fps = float(meta.get("fps") or 0) or None
+            self._size = meta.get("size")  # (width, height) as ffmpeg reports it (after rotation)
         except Exception:
             self.close()
             raise
+
+    @property
+    def size(self) -> tuple[int, int]:
+        if self._size:
+            return int(self._size[1]), int(self._size[0])
+        return super().size
 
     def read(self, indices: np.ndarray) -> np.ndarray:
         wanted = {int(i) for i in indices}
@@ -422,6 +515,10 @@ class _ImageFile(_VideoReader):
         from PIL import Image
 
         self._image = Image.open(path)  # reads the header: a file that is no image raises here
+
+    @property
+    def size(self) -> tuple[int, int]:
+        return self._image.height, self._image.width
 
     def read(self, indices: np.ndarray) -> np.ndarray:
         frame = np.asarray(self._image.convert("RGB"))
@@ -483,10 +580,16 @@ class VideoFolderDataset(Dataset):
         min_frames: length buckets: a video too short for ``num_frames`` but long enough for ``min_frames``
             (``4k + 1``) gives the longest ``4k + 1`` clip it holds instead of being skipped (items then differ in
             length: :func:`collate` groups a batch by shape).
+        buckets: resolution and aspect buckets: ``True`` every clip trains at the bucket of ``bucket_sizes`` nearest
+            its aspect ratio (resized to cover it, centre-cropped); ``None`` (auto) the same when the clips fall in
+            more than one bucket, else every clip at ``height x width``; ``False`` every clip at ``height x width``.
+            Assigned by :meth:`probe_shapes` (until then, and for videos it could not open: ``height x width``).
+        bucket_sizes: the ``(height, width)`` buckets; None: :func:`aspect_buckets` of ``height x width`` in
+            multiples of ``bucket_multiple`` (the VAE's spatial stride x the transformer's patch).
 
     Items: ``{"video": float32 (3, num_frames, height, width) in [-1, 1], "caption": str,
-    "index": int, "path": str}``. ``dataset[i]`` uses epoch 0; ``dataset[ClipKey(i, epoch)]``
-    (or any ``(index, epoch)`` tuple) that epoch's clip.
+    "index": int, "path": str}`` (with buckets: the clip's bucket's length and size). ``dataset[i]`` uses epoch 0;
+    ``dataset[ClipKey(i, epoch)]`` (or any ``(index, epoch)`` tuple) that epoch's clip.
     """
 
     def __init__(
@@ -508,6 +611,9 @@ class VideoFolderDataset(Dataset):
         trigger_word: str | None = None,
         fps: float | None = None,
         min_frames: int | None = None,
+        buckets: bool | None = False,
+        bucket_sizes: Sequence[tuple[int, int]] | None = None,
+        bucket_multiple: int | tuple[int, int] = 16,
     ):
         self.num_frames = validate_num_frames(num_frames)
         if min_frames is not None and (validate_num_frames(min_frames) > num_frames):
@@ -538,6 +644,18 @@ class VideoFolderDataset(Dataset):
         # Per-entry skip code found while loading, in shared memory so that DataLoader worker
         # processes report into the same counts the training loop reads.
         self._load_failures = torch.zeros(len(self.entries), dtype=torch.int8).share_memory_()
+        self.buckets = buckets
+        multiple = (bucket_multiple, bucket_multiple) if isinstance(bucket_multiple, int) else tuple(bucket_multiple)
+        if buckets is False:
+            self.bucket_sizes = [(height, width)]
+        elif bucket_sizes is not None:
+            self.bucket_sizes = check_bucket_sizes(bucket_sizes, multiple)
+        else:
+            self.bucket_sizes = aspect_buckets(height, width, multiple)
+        # per entry, set by probe_shapes: (clip frames, height, width) it trains at; None = (num_frames, height, width)
+        self._shapes: list[tuple[int, int, int] | None] = [None] * len(self.entries)
+        self.source_sizes: list[tuple[int, int] | None] = [None] * len(self.entries)  # (height, width) of each video
+        self.bucketed = False  # whether probe_shapes assigned aspect buckets
 
     IMAGES = False  # ImageFolderDataset: a folder of images, each a one-frame clip
     NOUN = "videos"
@@ -564,13 +682,31 @@ class VideoFolderDataset(Dataset):
         longest = (available - 1) // 4 * 4 + 1 if available >= 1 else 0
         return longest if longest >= self.min_frames else 0
 
-    def _clip_frames(self, video: _VideoReader, index: int, epoch: int, copy: int, length: int) -> np.ndarray:
+    def _step(self, video: _VideoReader) -> float:
+        """Source frames between a clip's frames: ``frame_stride``, or at ``fps`` the video's rate / ``fps``."""
+        return video.fps / self.fps if self.fps is not None and video.fps else float(self.frame_stride)
+
+    def _last_start(self, video: _VideoReader, length: int) -> int:
+        """The latest first frame a clip of ``length`` frames can have in ``video``."""
+        return max(0, math.floor(video.num_frames - 1 - (length - 1) * self._step(video) + 1e-6))
+
+    def window_starts(self, video: _VideoReader, length: int, count: int) -> list[int]:
+        """First frames of ``count`` windows spread evenly over ``video`` (its first and last clip among them), fewer
+        where the video has fewer distinct clips: what a cache with ``data.cache_windows=count`` stores."""
+        last = self._last_start(video, length)
+        return sorted({round(float(x)) for x in np.linspace(0, last, count)})
+
+    def _clip_frames(
+        self, video: _VideoReader, index: int, epoch: int, copy: int, length: int, start: int | None = None
+    ) -> np.ndarray:
         """The frame indices of the clip of entry ``index`` for ``(epoch, copy)``: a start drawn from
-        ``(seed, epoch, index[, copy])`` (the centred clip without ``random_clip``), then every ``frame_stride``-th
-        frame, or at ``fps`` the frame nearest each ``1 / fps`` step."""
-        step = video.fps / self.fps if self.fps is not None and video.fps else float(self.frame_stride)
-        last_start = max(0, math.floor(video.num_frames - 1 - (length - 1) * step + 1e-6))
-        if self.random_clip:
+        ``(seed, epoch, index[, copy])`` (the centred clip without ``random_clip``; ``start`` when given), then every
+        ``frame_stride``-th frame, or at ``fps`` the frame nearest each ``1 / fps`` step."""
+        step = self._step(video)
+        last_start = self._last_start(video, length)
+        if start is not None:
+            pass
+        elif self.random_clip:
             key = [self.seed, epoch, index] + ([copy] if copy else [])
             start = int(np.random.default_rng(key).integers(0, last_start + 1))
         else:
@@ -593,9 +729,9 @@ class VideoFolderDataset(Dataset):
         if not 0 <= index < len(self._order):
             raise IndexError(f"index {index} out of range for a dataset of {len(self._order)} {self.NOUN}")
         entry, copy = self._order[index]
-        # A bad video is replaced by the next good one, deterministically, so the batch keeps its size.
-        for offset in range(len(self.entries)):
-            candidate = (entry + offset) % len(self.entries)
+        # A bad video is replaced by the next good one, deterministically, so the batch keeps its size: the next of
+        # its bucket first (the batch keeps one shape), then any
+        for candidate in self._replacements(entry):
             if self._load_failures[candidate]:
                 continue
             try:
@@ -603,6 +739,15 @@ class VideoFolderDataset(Dataset):
             except SkippedSample as skipped:
                 self._load_failures[candidate] = SKIP_REASONS.index(skipped.reason) + 1
         raise RuntimeError(f"every video in {self.source} failed to load; {self.skip_summary()}")
+
+    def _replacements(self, entry: int) -> Iterator[int]:
+        """``entry``, then the entries after it (wrapping round) of its shape, then those of other shapes."""
+        n, shape = len(self.entries), self._shapes[entry]
+        for same in (True, False):
+            for offset in range(n):
+                candidate = (entry + offset) % n
+                if (self._shapes[candidate] == shape) == same:
+                    yield candidate
 
     def _open_checked(self, entry: VideoEntry) -> _VideoReader:
         """Opens a video long enough for one clip, else raises :class:`SkippedSample`."""
@@ -615,36 +760,107 @@ class VideoFolderDataset(Dataset):
             raise SkippedSample("too_few_frames", entry.path, f"{video.num_frames} < {self.span}")
         return video
 
-    def load(self, index: int, epoch: int = 0, copy: int = 0) -> dict:
-        """Loads entry ``index`` (its clip for ``epoch`` and, for a repeated dataset, ``copy``); raises
-        :class:`SkippedSample` for an unreadable or too-short video."""
+    def size_of(self, index: int) -> tuple[int, int]:
+        """``(height, width)`` entry ``index``'s clips train at: its bucket's, else ``height x width``."""
+        shape = self._shapes[index]
+        return (self.height, self.width) if shape is None else (shape[1], shape[2])
+
+    def load(self, index: int, epoch: int = 0, copy: int = 0, windows: int = 1) -> dict:
+        """Loads entry ``index`` (its clip for ``epoch`` and, for a repeated dataset, ``copy``) at its bucket's size;
+        raises :class:`SkippedSample` for an unreadable or too-short video. ``windows > 1`` (a cache's
+        ``data.cache_windows``): ``"windows"``, a list of up to that many clips spread over the video
+        (:meth:`window_starts`), ``"video"`` the first of them."""
         entry = self.entries[index]
+        height, width = self.size_of(index)
         with self._open_checked(entry) as video:
             try:
                 length = self.clip_length(video)
-                frames = video.read(self._clip_frames(video, index, epoch, copy, length))
+                if windows > 1:
+                    starts = self.window_starts(video, length, windows)
+                    picks = [self._clip_frames(video, index, epoch, copy, length, start) for start in starts]
+                    wanted = np.unique(np.concatenate(picks))  # one decoding pass for all windows
+                    decoded = video.read(wanted)
+                    if len(decoded) != len(wanted):
+                        raise SkippedSample("too_few_frames", entry.path, f"decoded {len(decoded)} of {len(wanted)}")
+                    where = {int(f): k for k, f in enumerate(wanted)}
+                    clips = [decoded[[where[int(f)] for f in pick]] for pick in picks]
+                else:
+                    clips = [video.read(self._clip_frames(video, index, epoch, copy, length))]
+            except SkippedSample:
+                raise
             except Exception as error:
                 raise SkippedSample("unreadable", entry.path, repr(error)) from error
-        if len(frames) != length:  # the container claimed more frames than it decodes
-            raise SkippedSample("too_few_frames", entry.path, f"decoded {len(frames)} of {length}")
-        return {
-            "video": resize_center_crop(frames, self.height, self.width),
-            "caption": entry.caption,
-            "index": index,
-            "path": str(entry.path),
-        }
+        if len(clips[0]) != length:  # the container claimed more frames than it decodes
+            raise SkippedSample("too_few_frames", entry.path, f"decoded {len(clips[0])} of {length}")
+        videos = [resize_center_crop(frames, height, width) for frames in clips]
+        item = {"video": videos[0], "caption": entry.caption, "index": index, "path": str(entry.path)}
+        if windows > 1:
+            item["windows"] = videos
+        return item
 
-    def load_or_skip(self, index: int, epoch: int = 0) -> dict | None:
-        """Sample ``index`` itself (its entry's clip), or None (counted in :meth:`skip_summary`) when it is
-        unreadable or too short: for one pass over the data that must not substitute another video (a cache)."""
+    def load_or_skip(self, index: int, epoch: int = 0, windows: int = 1) -> dict | None:
+        """Sample ``index`` itself (its entry's clip; ``windows``: :meth:`load`'s), or None (counted in
+        :meth:`skip_summary`) when it is unreadable or too short: for one pass over the data that must not
+        substitute another video (a cache)."""
         entry, copy = self._order[index]
         if self._load_failures[entry]:
             return None
         try:
-            return self.load(entry, epoch, copy)
+            return self.load(entry, epoch, copy, windows)
         except SkippedSample as skipped:
             self._load_failures[entry] = SKIP_REASONS.index(skipped.reason) + 1
             return None
+
+    # ----------------------------------------------------------------------- buckets
+
+    def probe_shapes(self, progress: bool = False) -> str | None:
+        """Opens every video once (decord: its header and first frame) for its clip length and frame size, then
+        assigns each its shape: ``(clip frames, height, width)``, the size the bucket nearest its aspect ratio
+        (with ``buckets``; ``None``: when the videos fall in more than one bucket), else ``height x width``.
+        Unreadable and too-short videos are skipped (and counted) from then on. Returns a line saying what was
+        assigned (None when every clip trains at ``num_frames x height x width``)."""
+        from tqdm import tqdm
+
+        for index in tqdm(range(len(self.entries)), desc="reading video sizes", disable=not progress):
+            if self._load_failures[index] or self.source_sizes[index] is not None:
+                continue
+            try:
+                with self._open_checked(self.entries[index]) as video:
+                    self.source_sizes[index] = tuple(video.size)  # type: ignore[assignment]
+                    length = self.clip_length(video)
+            except SkippedSample as skipped:
+                self._load_failures[index] = SKIP_REASONS.index(skipped.reason) + 1
+                continue
+            except Exception:  # a first frame that does not decode
+                self._load_failures[index] = SKIP_REASONS.index("unreadable") + 1
+                continue
+            self._shapes[index] = (length, self.height, self.width)
+        sizes = {i: s for i, s in enumerate(self.source_sizes) if s is not None and not self._load_failures[i]}
+        nearest = {i: nearest_bucket(h, w, self.bucket_sizes) for i, (h, w) in sizes.items()}
+        self.bucketed = self.buckets is True or (self.buckets is None and len(set(nearest.values())) > 1)
+        for i, bucket in nearest.items():
+            frames = self._shapes[i][0]  # type: ignore[index]
+            self._shapes[i] = (frames, *bucket) if self.bucketed else (frames, self.height, self.width)
+        if bool(self._load_failures.all()):
+            raise ValueError(f"no usable {self.NOUN} in {self.source}; {self.skip_summary()}")
+        counts = Counter(s for s in self._shapes if s is not None)
+        if set(counts) <= {(self.num_frames, self.height, self.width)}:
+            return None
+        shown = ", ".join(f"{f}x{h}x{w}: {n}" for (f, h, w), n in sorted(counts.items(), key=lambda x: -x[1]))
+        why = "aspect buckets (data.buckets)" if self.bucketed else "length buckets (data.min_frames)"
+        return f"{why}: {len(counts)} clip shapes (frames x height x width: videos): {shown}"
+
+    @property
+    def needs_probe(self) -> bool:
+        """Whether clips can differ in shape (aspect buckets not off, or length buckets): :meth:`probe_shapes` then
+        assigns them before training."""
+        return self.buckets is not False or self.min_frames < self.num_frames
+
+    def shape_keys(self) -> list[tuple[int, int, int]]:
+        """Per sample (``dataset[i]``): the ``(frames, height, width)`` its clip has; a batch takes one of them
+        (:class:`BucketBatchSampler`). All ``(num_frames, height, width)`` before :meth:`probe_shapes`."""
+        nominal = (self.num_frames, self.height, self.width)
+        return [self._shapes[entry] or nominal for entry, _ in self._order]
 
     def check_clip_lengths(self, limit: int = LENGTH_CHECK_LIMIT) -> str | None:
         """Counts the videos too short for one clip (``(num_frames - 1) * frame_stride + 1`` frames) by opening
@@ -890,37 +1106,163 @@ class ResumableSampler(Sampler[ClipKey]):
         self.samples_consumed = int(state["samples_consumed"])
 
 
+class BucketBatchSampler(Sampler[list[ClipKey]]):
+    """Batches of ``ClipKey(index, epoch)`` that each hold samples of one shape (``keys[index]``: a bucket's
+    ``(frames, height, width)``), in a seeded order that can restart mid-epoch: the batch sampler of a dataset whose
+    clips differ in size or length (:class:`ResumableSampler` orders one of a single shape).
+
+    Each epoch: the samples in the order :class:`ResumableSampler` draws from ``(seed, epoch)``, split by shape
+    (keeping that order), each shape's cut into batches of ``batch_size`` (the last one filled up with that shape's
+    first samples, so every batch is full and of one shape), the batches shuffled (the same generator), padded by
+    wrapping to a multiple of ``world_size`` and dealt out rank by rank. The position is the number of samples this
+    rank consumed (whole batches), as :class:`ResumableSampler`'s: the loop passes it to :meth:`state_dict`.
+    """
+
+    def __init__(
+        self,
+        keys: Sequence,
+        batch_size: int,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        rank: int = 0,
+        world_size: int = 1,
+        samples_consumed: int = 0,
+    ):
+        if not keys:
+            raise ValueError("BucketBatchSampler needs at least one sample")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+        self.keys, self.batch_size = list(keys), batch_size
+        self.num_samples, self.seed, self.shuffle = len(self.keys), seed, shuffle
+        self.rank, self.world_size, self.samples_consumed = rank, world_size, samples_consumed
+        counts = Counter(self.keys)
+        batches = sum(math.ceil(n / batch_size) for n in counts.values())
+        self.batches_per_epoch = math.ceil(batches / world_size)  # this rank's
+        self.num_buckets = len(counts)
+
+    @property
+    def samples_per_epoch(self) -> int:
+        """Samples this rank gets per epoch (whole batches)."""
+        return self.batches_per_epoch * self.batch_size
+
+    def epoch_batches(self, epoch: int) -> list[list[int]]:
+        """This rank's batches of dataset indices for ``epoch``, in order."""
+        rng = np.random.default_rng([self.seed, epoch])
+        order = rng.permutation(self.num_samples) if self.shuffle else np.arange(self.num_samples)
+        by_key: dict = {}
+        for index in order.tolist():
+            by_key.setdefault(self.keys[index], []).append(index)
+        batches = []
+        for members in by_key.values():  # in order of each shape's first sample: seeded
+            padded = np.resize(members, math.ceil(len(members) / self.batch_size) * self.batch_size).tolist()
+            batches += [padded[i : i + self.batch_size] for i in range(0, len(padded), self.batch_size)]
+        if self.shuffle:
+            batches = [batches[i] for i in rng.permutation(len(batches))]
+        total = self.batches_per_epoch * self.world_size
+        batches = [batches[i % len(batches)] for i in range(total)]  # wraps around
+        return batches[self.rank :: self.world_size]
+
+    def position(self, samples_consumed: int) -> tuple[int, int]:
+        """``(epoch, batch in epoch)`` after this rank has consumed ``samples_consumed`` samples."""
+        epoch, offset = divmod(samples_consumed, self.samples_per_epoch)
+        return epoch, offset // self.batch_size
+
+    def __iter__(self) -> Iterator[list[ClipKey]]:
+        epoch, offset = self.position(self.samples_consumed)
+        while True:
+            for batch in self.epoch_batches(epoch)[offset:]:
+                yield [ClipKey(index, epoch) for index in batch]
+            epoch, offset = epoch + 1, 0
+
+    def state_dict(self, samples_consumed: int) -> dict:
+        """State to checkpoint after the training loop consumed ``samples_consumed`` samples on this rank."""
+        return {
+            "num_samples": self.num_samples,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "world_size": self.world_size,
+            "samples_consumed": int(samples_consumed),
+            "buckets": self.num_buckets,
+            "batch_size": self.batch_size,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continues from a checkpointed position; the dataset size, seed and world size must match."""
+        ResumableSampler.load_state_dict(self, state)  # type: ignore[arg-type]
+
+
+def make_sampler(dataset, batch_size: int, *, seed: int, rank: int = 0, world_size: int = 1):
+    """The order a run reads ``dataset`` in: a :class:`BucketBatchSampler` when its samples differ in shape
+    (``dataset.shape_keys()``: aspect or length buckets, or a cache of them), else a :class:`ResumableSampler`
+    (a dataset of one shape keeps the order it always had)."""
+    keys = dataset.shape_keys() if hasattr(dataset, "shape_keys") else None
+    if keys is None or len(set(keys)) <= 1:
+        return ResumableSampler(len(dataset), seed=seed, rank=rank, world_size=world_size)
+    return BucketBatchSampler(keys, batch_size, seed=seed, rank=rank, world_size=world_size)
+
+
+def data_loader(dataset, sampler, batch_size: int, num_workers: int = 0) -> DataLoader:
+    """The DataLoader of ``dataset`` read in ``sampler``'s order (from its ``samples_consumed``): batches of
+    ``batch_size`` (a :class:`BucketBatchSampler` makes them itself) through :func:`collate`."""
+    if isinstance(sampler, BucketBatchSampler):
+        return DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers, collate_fn=collate)
+    return DataLoader(
+        dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers, drop_last=True, collate_fn=collate
+    )
+
+
 # --------------------------------------------------------------------------- what the recipe reads
 
 
 class CachedLatents(Dataset):
-    """Items of a cache written by ``training/precompute.py``: latents and text embeddings, no decoding."""
+    """Items of a cache written by ``training/precompute.py``: latents and text embeddings, no decoding.
 
-    def __init__(self, path: str | Path):
-        from safetensors.torch import load_file
+    A cache of aspect or length buckets records each item's clip shape (``"video": [frames, height, width]`` in
+    ``index.json``; :meth:`shape_keys`), and one written with ``data.cache_windows`` several windows of each
+    long video (``"windows": n``; tensors ``latents``, ``latents.1``, ...): ``dataset[ClipKey(i, epoch)]`` reads
+    window ``w`` of them, each window once every ``n`` epochs in an order drawn from ``(seed, index, epoch // n)``,
+    as live decoding draws a new clip each epoch. Checksums (:mod:`training.cache`): the index and every entry's
+    size at open, each entry's SHA-256 when it is read (whole, every window); a damaged file is refused by name."""
+
+    def __init__(self, path: str | Path, seed: int = 0):
+        from training.cache import empty_text_item, load_entry, read_index
 
         root = Path(path)
-        index = root / "index.json"
-        if not index.is_file():
-            raise FileNotFoundError(
-                f"{str(root)!r} is not a precomputed cache (no index.json); run training/precompute.py"
-            )
-        meta = json.loads(index.read_text())
+        meta = read_index(root)
         self.meta = meta
         self.items = meta["items"]
         if not self.items:
             raise ValueError(f"cache {str(root)!r} holds no samples")
-        self.root = root
-        self.empty_text = load_file(root / "empty_text.safetensors")["text"]
-        self._load = load_file
+        self.root, self.seed = root, seed
+        self.empty_text = load_entry(root, empty_text_item(meta))["text"]
+        self._load = load_entry
 
     def __len__(self) -> int:
         return len(self.items)
 
+    def shape_keys(self) -> list[tuple[int, ...]]:
+        """Per item, the ``(frames, height, width)`` of its clip: as ``index.json`` records it, else (a cache written
+        before buckets) the cache's one ``video`` shape."""
+        nominal = tuple(self.meta.get("video") or ())
+        return [tuple(item.get("video") or nominal) for item in self.items]
+
+    def window(self, index: int, epoch: int) -> int:
+        """Which of item ``index``'s windows epoch ``epoch`` reads: every one once in each ``n`` epochs."""
+        n = int(self.items[index].get("windows", 1))
+        if n <= 1:
+            return 0
+        return int(np.random.default_rng([self.seed, index, epoch // n]).permutation(n)[epoch % n])
+
     def __getitem__(self, key):
-        index = int(key[0] if isinstance(key, tuple) else key)
-        t = self._load(self.root / self.items[index]["file"])
-        return {"latents": t["latents"], "text": t["text"], "caption": self.items[index]["caption"], "index": index}
+        index, epoch = (int(key[0]), int(key[1])) if isinstance(key, tuple) else (int(key), 0)
+        item = self.items[index]
+        window = self.window(index, epoch)
+        t = self._load(self.root, item)  # read whole: its checksum covers every window
+        latents, text = t[f"latents.{window}" if window else "latents"], t["text"]
+        return {"latents": latents, "text": text, "caption": item["caption"], "index": index}
 
 
 def build_validation_dataset(cfg, size: int):
@@ -973,8 +1315,13 @@ def build_dataset(cfg, images: bool = False):
             d.image_path, height=d.height, width=d.width, seed=cfg.train.seed, trigger_word=d.get("trigger_word")
         )
     if images:  # a cache of images (training.precompute --images)
-        return _checked_cache(d.image_path, [1, d.height, d.width], "data.image_path")
+        return _checked_cache(d.image_path, [1, d.height, d.width], "data.image_path", cfg.train.seed)
     if d.source == "folder":
+        buckets = d.get("buckets")
+        multiple = (16, 16)
+        if buckets is not False:  # the model's VAE stride x patch, from its config files
+            check_bucket_sizes_fit(cfg)  # data.bucket_sizes: a bucket that does not fit is named with the model
+            multiple = size_multiples(cfg)
         return VideoFolderDataset(
             d.path,
             num_frames=d.num_frames,
@@ -990,12 +1337,15 @@ def build_dataset(cfg, images: bool = False):
             trigger_word=d.get("trigger_word"),
             fps=d.get("fps"),
             min_frames=d.get("min_frames"),
+            buckets=buckets,
+            bucket_sizes=[tuple(s) for s in d.bucket_sizes] if d.get("bucket_sizes") else None,
+            bucket_multiple=multiple,
         )
-    return _checked_cache(d.path, [d.num_frames, d.height, d.width], "data.path")
+    return _checked_cache(d.path, [d.num_frames, d.height, d.width], "data.path", cfg.train.seed)
 
 
-def _checked_cache(path: str, want: list[int], key: str) -> CachedLatents:
-    cache = CachedLatents(path)
+def _checked_cache(path: str, want: list[int], key: str, seed: int = 0) -> CachedLatents:
+    cache = CachedLatents(path, seed)
     if cache.meta.get("video") != want:
         raise ValueError(
             f"{key}: cache {path!r} holds samples of (frames, height, width) {cache.meta.get('video')}, "

@@ -133,6 +133,14 @@ def expert_folder(cfg: DictConfig, target: TrainingTarget) -> Path | None:
     return None if root is None else root / target.expert
 
 
+def size_multiples(cfg: DictConfig, target: TrainingTarget | None = None) -> tuple[int, int]:
+    """What a clip's ``(height, width)`` must be a multiple of for the run's model: the VAE's spatial stride x the
+    transformer's patch (16 for Wan2.1, 32 for Wan2.2-TI2V), from config files only: the step of aspect buckets."""
+    target = read_target(cfg) if target is None else target
+    patch = (target.model_dir or ModelDir(cfg.model.path)).shape(expert_folder(cfg, target)).patch
+    return target.vae_stride[1] * patch[1], target.vae_stride[2] * patch[2]
+
+
 def model_timestep(t: torch.Tensor, latents: torch.Tensor, patch_size, expand_timesteps: bool) -> torch.Tensor:
     """The ``timestep`` argument of the transformer for per-sample timesteps ``t`` ``(B,)`` and latents
     ``(B, C, F, H, W)``, as diffusers' ``WanPipeline`` passes it: ``t`` itself, or with ``expand_timesteps``

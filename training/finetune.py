@@ -61,7 +61,9 @@ from training.data import (
     build_dataset,
     build_validation_dataset,
     collate,
+    data_loader,
     image_batch_size,
+    make_sampler,
 )
 from training.ema import EMA
 from training.encoding import Encoder
@@ -429,6 +431,10 @@ def train(cfg, target: TrainingTarget | None = None) -> int:
         short = dataset.check_clip_lengths()
         if short and is_main_launch():
             print(short, file=sys.stderr)
+    if getattr(dataset, "needs_probe", False):  # aspect and length buckets: every video's size and length
+        shapes = dataset.probe_shapes(progress=is_main_launch())
+        if shapes and is_main_launch():
+            print(shapes, file=sys.stderr)
     if hasattr(dataset, "require_usable"):
         dataset.require_usable()
     image_set = build_dataset(cfg, images=True) if image_batch_size(cfg) else None  # a cache's shape checked now
@@ -461,6 +467,8 @@ def train(cfg, target: TrainingTarget | None = None) -> int:
     print_main = accelerator.print  # prints on the main process only
     if cfg.train.threads:  # set by _main for the run (intra_op_threads)
         print_main(f"CPU threads: {torch.get_num_threads()} (train.threads)")
+    if main_proc:  # what writers of a killed run left mid-write (this run holds the lock: none of them is alive)
+        ckpt.sweep_temporaries(run_dir)
     if replaced and main_proc:
         print_main(f"overwrite=true: removing the earlier run's {len(replaced)} file(s) and folder(s) in {run_dir}")
         left = ckpt.clear_run(run_dir)  # only what its run manifest lists
@@ -499,7 +507,8 @@ def train(cfg, target: TrainingTarget | None = None) -> int:
         )
 
     # ---- data (the dataset was built and checked before the model)
-    sampler = ResumableSampler(len(dataset), seed=cfg.train.seed, rank=rank, world_size=world)
+    # a batch of one clip shape: aspect / length buckets, or a cache of them (one shape: the order it always had)
+    sampler = make_sampler(dataset, cfg.train.batch_size, seed=cfg.train.seed, rank=rank, world_size=world)
     flow = FlowMatching(
         **OmegaConf.to_container(cfg.flow),
         sigma_range=target.sigma_range,  # an A14B expert's share of the noise levels
@@ -566,9 +575,13 @@ def train(cfg, target: TrainingTarget | None = None) -> int:
         ckpt.record_run_files(run_dir, "config.yaml", "metrics.jsonl", *skipped, *tensorboard)
         write_text_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(cfg))
         write_skipped(run_dir, dataset)
-        metrics.start(at.step)
+        metrics.start(at.step, end_of_run=at.step >= total_steps)
     if cfg.log.tensorboard:
-        # a resumed run: TensorBoard drops what the stopped run logged after the checkpoint (it is redone)
+        # a resumed run: what the stopped run logged after the checkpoint is redone, so it is cut from the earlier
+        # event files (every reader then sees each step once) and TensorBoard is told to purge it too
+        if at.step and main_proc:  # a resume at the run's end redoes its end-of-run evaluation (finish_run)
+            redone = ("eval_loss", "eval_loss_ema") if at.step >= total_steps else ()
+            trim_event_files(run_dir / "finetune", at.step, redone)
         purge = {"tensorboard": {"purge_step": at.step + 1}} if at.step else {}
         config = {k: str(v) for k, v in OmegaConf.to_container(cfg).items()}
         accelerator.init_trackers("finetune", config=config, init_kwargs=purge)
@@ -606,16 +619,7 @@ def train(cfg, target: TrainingTarget | None = None) -> int:
                 ckpt.restore_optimizer(optimizer, scheduler, resume_state)  # a changed train.lr takes effect
             model, optimizer = accelerator.prepare(transformer, optimizer)
             sampler.samples_consumed = at.samples  # the next stage continues the data order where this one stopped
-            loader = DataLoader(
-                dataset,
-                batch_size=cfg.train.batch_size,
-                sampler=sampler,
-                num_workers=cfg.data.num_workers,
-                drop_last=True,
-                collate_fn=collate,
-                persistent_workers=False,
-            )
-            data_iter = iter(loader)
+            data_iter = iter(data_loader(dataset, sampler, cfg.train.batch_size, cfg.data.num_workers))
             with_images = images is not None and transfer is None  # attention transfer copies on clips only
             while at.step < stage_end:
                 t0 = time.perf_counter()
@@ -719,8 +723,22 @@ def train(cfg, target: TrainingTarget | None = None) -> int:
                 ):
                     unwrapped = accelerator.unwrap_model(model)
                     with ema.swapped_in(unwrapped) if ema is not None else contextlib.nullcontext():
-                        validation_videos(cfg, components, unwrapped, run_dir, at.step)
-                if probe is not None and (at.step % cfg.validation.probe_every == 0 or at.step == total_steps):
+                        videos = validation_videos(cfg, components, unwrapped, run_dir, at.step)
+                    if cfg.log.tensorboard:
+                        log_videos(accelerator, videos, at.step)
+                probed = probe is not None and (at.step % cfg.validation.probe_every == 0 or at.step == total_steps)
+                if (
+                    main_proc
+                    and cfg.validation.every
+                    and at.step % cfg.validation.every == 0
+                    and at.step < total_steps  # the end of the run evaluates (finish_run)
+                    and not probed  # the probe logs the eval loss with its own
+                ):
+                    row = {"step": at.step, "eval_loss": evaluate(accelerator.unwrap_model(model))}
+                    metrics.write(row)
+                    if cfg.log.tensorboard:
+                        accelerator.log({"eval_loss": row["eval_loss"]}, step=at.step)
+                if probed:
                     row = log_probe(probe, evaluate, accelerator.unwrap_model(model), ema, at.step)
                     metrics.write(row)
                     if cfg.log.tensorboard:
@@ -780,11 +798,12 @@ class Metrics:
     def __init__(self, path: Path, main_proc: bool):
         self.path, self.main_proc = path, main_proc
 
-    def start(self, step: int) -> None:
+    def start(self, step: int, end_of_run: bool = False) -> None:
+        """``end_of_run``: a resume from the run's last checkpoint, which redoes the end of the run and its row."""
         if step == 0:
             write_text_atomic(self.path, "")
         else:
-            ckpt.trim_metrics(self.path, step)
+            ckpt.trim_metrics(self.path, step, end_of_run)
 
     def write(self, row: dict) -> None:
         if self.main_proc:
@@ -854,7 +873,7 @@ def save_or_explain(
 
 def finish_run(cfg, accelerator, evaluate, metrics, final, ema, step, start_loss, dataset, run_dir) -> None:
     """The final model (``final/transformer``, whatever the checkpoint schedule), the end-of-run evaluation (raw
-    weights, then the EMA's), the skip summary and list, and the parameter digest."""
+    weights, then the EMA's), the skip summary and list, the parameter digest, and last ``final/finished.json``."""
     print_main = accelerator.print
     save_final_model(cfg, accelerator, final, ema, step, run_dir)
     end_loss = evaluate(final)
@@ -882,13 +901,16 @@ def finish_run(cfg, accelerator, evaluate, metrics, final, ema, step, start_loss
         write_text_atomic(run_dir / "param_digest" / f"rank{accelerator.process_index}.txt", digest(final))
     accelerator.wait_for_everyone()
     accelerator.end_training()
+    if accelerator.is_main_process:  # last: a run stopped before it is finished by resume=latest, not said done
+        ckpt.prune_checkpoints(run_dir, cfg.checkpoint.keep)  # killed between a checkpoint's rename and its pruning
+        ckpt.write_finished(run_dir, step, cfg.model.expert or "transformer")
 
 
 def save_final_model(cfg, accelerator, final, ema, step: int, run_dir: Path) -> Path:
     """The trained model in the pipeline's format at ``<run_dir>/final/<transformer folder>`` (with EMA the
     averaged weights, a LoRA merged in, as in a checkpoint) and a LoRA run's adapters in diffusers' format at
-    ``final/lora`` (:func:`pipelines.lora.save_lora`), written atomically, then ``final/finished.json``.
-    Never pruned by ``checkpoint.keep``."""
+    ``final/lora`` (:func:`pipelines.lora.save_lora`), written atomically (``final/finished.json`` comes when
+    the whole end of the run is done: :func:`finish_run`). Never pruned by ``checkpoint.keep``."""
     folder = cfg.model.expert or "transformer"
     path = ckpt.final_model_dir(run_dir, folder)
     if accelerator.is_main_process:
@@ -897,7 +919,6 @@ def save_final_model(cfg, accelerator, final, ema, step: int, run_dir: Path) -> 
             save_model_for_pipeline(final, path, cfg.train.trainable == "lora")
         if cfg.train.trainable == "lora":
             adapters = save_lora(final, run_dir / ckpt.FINAL / ckpt.LORA, lora_info(cfg, step))
-        ckpt.write_finished(run_dir, step, folder)
         accelerator.print(f"final model (step {step}): {path}")
         if cfg.train.trainable == "lora":
             accelerator.print(f"LoRA adapters (diffusers' load_lora_weights format): {adapters}")
@@ -922,8 +943,10 @@ def write_skipped(run_dir: Path, dataset) -> None:
 
 def finished_run(cfg, resume_from: Path | None, total_steps: int) -> bool:
     """A resume of a run that already trained its ``total_steps``: says so, where its model is and how to train
-    on, and returns True (the caller exits 0; nothing is evaluated or logged again). A run of this run_dir whose
-    final model was not saved (stopped after its last checkpoint) gets it copied from that checkpoint first.
+    on, and returns True (the caller exits 0; nothing is evaluated or logged again). A run of this run_dir stopped
+    after its last checkpoint but before ``final/finished.json`` (killed in the end of the run: the final model, the
+    end-of-run evaluation row, the digest) has not finished: False, and the resume does the end of the run again
+    from that checkpoint.
     ``resume=latest`` on a run that finished without a checkpoint (``checkpoint.every=0``) and asks for more
     steps is refused: there is no optimizer state to continue from."""
     run_dir = Path(cfg.run_dir)
@@ -935,9 +958,8 @@ def finished_run(cfg, resume_from: Path | None, total_steps: int) -> bool:
             return False
         mine = resume_from.parent.resolve() == (run_dir / "checkpoints").resolve()
         done = ckpt.read_finished(run_dir)
-        if mine and is_main_launch() and (done is None or done["step"] != step):
-            ckpt.final_from_checkpoint(run_dir, resume_from, folder)
-            print(f"final model (step {step}) copied from {resume_from} to {final}")
+        if mine and (done is None or done["step"] != step):
+            return False  # stopped in the end of the run (after its last checkpoint): the resume does it whole
         where = f"its model is in {final}" if mine else f"its model is in {resume_from / folder}"
     elif cfg.resume == "latest":
         done = ckpt.read_finished(run_dir)
@@ -974,6 +996,8 @@ def check_resume_data(cfg, checkpoint: Path, dataset, image_set) -> list[str]:
     if image_set is not None:
         streams.append(("images", "images", len(image_set), cfg.train.seed + 1))
     step = ckpt.checkpoint_at(checkpoint)
+    keys = dataset.shape_keys() if hasattr(dataset, "shape_keys") else []
+    buckets = max(1, len(set(keys)))  # batches of one shape each (aspect or length buckets): BucketBatchSampler
     for key, what, size, seed in streams:
         saved = state.get(key)
         if not saved:
@@ -989,6 +1013,13 @@ def check_resume_data(cfg, checkpoint: Path, dataset, image_set) -> list[str]:
             raise ValueError(
                 f"train.seed={cfg.train.seed}: checkpoint {str(checkpoint)!r} was trained with train.seed={was} "
                 f"(it orders the data); expected train.seed={was} to resume, or start a new run_dir"
+            )
+        was, now = saved.get("buckets", 1), buckets if key == "data" else 1
+        if saved["num_samples"] == size and was != now:
+            notes.append(
+                f"note: the clips' shapes changed since {checkpoint.name}: {was} bucket(s) then, {now} now "
+                f"(data.buckets, data.min_frames). Resuming at step {step}: batches are drawn for the new buckets "
+                f"and continue from sample {saved['samples_consumed']}"
             )
         if saved["num_samples"] != size:
             notes.append(
@@ -1073,8 +1104,9 @@ def save(
     accelerator.wait_for_everyone()
 
 
-def validation_videos(cfg, components, transformer, run_dir: Path, step: int) -> None:
-    """Fixed prompts and seeds, written as mp4 under ``<run>/validation/step-XXXXXXX/``."""
+def validation_videos(cfg, components, transformer, run_dir: Path, step: int) -> dict:
+    """Fixed prompts and seeds, written as mp4 under ``<run>/validation/step-XXXXXXX/``; returns the videos,
+    ``{"validation/prompt<i>_seed<seed>": float (T, H, W, 3) in [0, 1]}`` (:func:`log_videos`)."""
     out = run_dir / "validation" / f"step-{step:07d}"
     names = [f"prompt{i}_seed{seed}.mp4" for i in range(len(cfg.validation.prompts)) for seed in cfg.validation.seeds]
     here = f"validation/{out.name}"
@@ -1083,6 +1115,7 @@ def validation_videos(cfg, components, transformer, run_dir: Path, step: int) ->
     was_training = transformer.training
     transformer.eval()
     variant = transformer.config["self_attention"]["variant"]
+    videos = {}
     with torch.no_grad():
         for i, prompt in enumerate(cfg.validation.prompts):
             for seed in cfg.validation.seeds:
@@ -1098,7 +1131,70 @@ def validation_videos(cfg, components, transformer, run_dir: Path, step: int) ->
                 )
                 result = generate(components, request, transformer=transformer, show_progress=False)
                 write_mp4(out / f"prompt{i}_seed{seed}.mp4", result.frames, fps=16)
+                videos[f"validation/prompt{i}_seed{seed}"] = result.frames
     transformer.train(was_training)
+    return videos
+
+
+def gif_summary(tag: str, frames, fps: float = 16):
+    """A TensorBoard image summary holding ``frames`` (``(T, H, W, 3)``, float in [0, 1] or uint8) as an animated GIF:
+    what ``SummaryWriter.add_video`` writes, without its moviepy dependency (TensorBoard's Images tab plays it)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+    from tensorboard.compat.proto.summary_pb2 import Summary
+
+    video = np.asarray(frames)
+    if video.dtype != np.uint8:
+        video = (np.clip(video, 0.0, 1.0) * 255.0 + 0.5).astype(np.uint8)
+    images = [Image.fromarray(frame) for frame in video]
+    buffer = io.BytesIO()
+    images[0].save(buffer, format="GIF", save_all=True, append_images=images[1:], duration=round(1000 / fps), loop=0)
+    height, width = video.shape[1:3]
+    image = Summary.Image(height=height, width=width, colorspace=3, encoded_image_string=buffer.getvalue())
+    return Summary(value=[Summary.Value(tag=tag, image=image)])
+
+
+def log_videos(accelerator, videos: dict, step: int, fps: float = 16) -> None:
+    """The validation videos in TensorBoard's event file at ``step`` (main process), one GIF each."""
+    if not accelerator.is_main_process:
+        return
+    writer = accelerator.get_tracker("tensorboard", unwrap=True)
+    for tag, frames in videos.items():
+        writer._get_file_writer().add_summary(gif_summary(tag, frames, fps), step)
+    writer.flush()
+
+
+def trim_event_files(folder: Path, step: int, redone: tuple[str, ...] = ()) -> None:
+    """Cuts the summaries of steps after ``step`` (and those of the ``redone`` tags at ``step``) from the TensorBoard
+    event files in ``folder``, each rewritten atomically: a run resumed from its checkpoint at ``step`` logs them
+    again. Records are copied as they were (framing and checksums); a record cut short by a crash ends its file."""
+    import struct
+
+    from tensorboard.compat.proto.event_pb2 import Event
+
+    from common.outputs import atomic_write
+
+    for path in sorted(folder.glob("events.out.tfevents.*")) if folder.is_dir() else []:
+        data, kept, at, cut = path.read_bytes(), [], 0, False
+        while at + 12 <= len(data):
+            (length,) = struct.unpack("<Q", data[at : at + 8])
+            end = at + 12 + length + 4
+            if end > len(data):
+                cut = True
+                break
+            event = Event.FromString(data[at + 12 : at + 12 + length])
+            tags = {v.tag for v in event.summary.value}
+            if event.HasField("summary") and (event.step > step or (event.step == step and tags & set(redone))):
+                cut = True
+            else:
+                kept.append(data[at:end])
+            at = end
+        cut = cut or at != len(data)
+        if cut:
+            with atomic_write(path, allow_empty=True) as tmp:
+                Path(tmp).write_bytes(b"".join(kept))
 
 
 if __name__ == "__main__":

@@ -7,10 +7,16 @@ The dataset, resolution and frame count come from the same config as training (`
 The cache holds one ``sample_XXXXXXX.safetensors`` per video (``latents`` ``(16, F, h, w)`` and
 ``text`` ``(max_sequence_length, text_dim)``), ``empty_text.safetensors`` (the embedding caption
 dropout swaps in) and ``index.json``. Each file is written under a temporary name and renamed, and an
-interrupted run picks up where it stopped. Each video is cached with one clip (its first-epoch clip). Videos are
-encoded ``--batch-size`` at a time (default: as many as hold about 1M frame pixels, at most 16: 16 of the built-in
+interrupted run picks up where it stopped. Each video is cached with one clip (its first-epoch clip), or with
+``data.cache_windows=N`` up to N clips spread evenly over it (``latents``, ``latents.1``, ...; training reads
+another each epoch, as live decoding draws a new clip each epoch). Clips of mixed sizes are stored at their aspect
+bucket's size (``data.buckets``), the item's ``(frames, height, width)`` in ``index.json`` where it is not the
+configured one. Videos are encoded ``--batch-size`` at a time (default: as many as hold about 1M frame pixels, at most 16: 16 of the built-in
 model's 9x64x80 clips, about 2.7x faster a video than one by one on a 2-core CPU; one 81-frame 480p clip); every
 sample still gets its own file.
+Each entry carries the SHA-256 of its tensors in its header and ``index.json`` lists them with a checksum of itself
+(:mod:`training.cache`): a re-run checks the entries already there and writes a damaged one again, and
+``--verify`` checks a cache without writing anything.
 ``precompute.json`` records the settings the cache was written with (the ``data.*`` keys that shape it
 and the model); a later run with other settings is refused instead of mixing two datasets in one folder.
 """
@@ -24,20 +30,22 @@ from pathlib import Path
 
 import torch
 from omegaconf import ListConfig, OmegaConf
-from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from common.errors import run_cli
 from common.outputs import atomic_write, ensure_output_folder, resolve_output_folder, write_text_atomic
 from pipelines import load_components
+from training import cache as checksums
 from training.config import load_config
 from training.encoding import Encoder
 
 
 def _atomic_save(tensors: dict, path: Path, metadata: dict | None = None) -> None:
+    tensors = {k: v.contiguous().cpu() for k, v in tensors.items()}
+    metadata = checksums.sealed_metadata(tensors, metadata)  # the entry vouches for itself (training/cache.py)
     with atomic_write(path) as tmp:  # a kill or SIGTERM mid-write leaves no partial sample behind
-        save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+        save_file(tensors, str(tmp), metadata=metadata)
 
 
 # frames x height x width of one encode call, by default: 16 of the built-in model's 9x64x80 clips (0.74M), one
@@ -75,7 +83,9 @@ def cache_record(cfg, images: bool = False) -> dict:
         if cfg.data.get(key) not in (None, "auto"):
             data[key] = cfg.data.get(key)
     # what else shapes a folder's samples: recorded when set (a record written before these keys matches without)
-    for key, default in (("trigger_word", None), ("fps", None), ("min_frames", None), ("repeats", 1), ("extra", [])):
+    shaping = [("trigger_word", None), ("fps", None), ("min_frames", None), ("repeats", 1), ("extra", [])]
+    shaping += [("buckets", None), ("bucket_sizes", None), ("cache_windows", 1)]  # aspect buckets, windows
+    for key, default in shaping:
         value = cfg.data.get(key, default)
         value = OmegaConf.to_container(value) if isinstance(value, ListConfig) else value
         if value != default:
@@ -84,7 +94,8 @@ def cache_record(cfg, images: bool = False) -> dict:
         data.update(num_frames=1, num_samples=cfg.data.image_num_samples or cfg.data.num_samples, images=True)
         if cfg.data.source == "folder":  # a folder of images: that folder, not the clips' settings
             data.update(image_path=cfg.data.image_path, num_samples=None, frame_stride=1)
-            for key in ("path", "layout", "video_column", "caption_column", "fps", "min_frames", "repeats", "extra"):
+            folder_keys = ("path", "layout", "video_column", "caption_column", "fps", "min_frames", "repeats", "extra")
+            for key in (*folder_keys, "buckets", "bucket_sizes", "cache_windows"):
                 data.pop(key, None)
     if cfg.data.source == "synthetic":  # the world's values where the config leaves them to it
         from training.data import synthetic_world
@@ -106,7 +117,14 @@ def stale_cache(out: str | Path, cfg, images: bool = False) -> str | None:
     path = Path(out) / RECORD
     if not path.is_file():
         return None
-    was, now = json.loads(path.read_text()), cache_record(cfg, images)
+    now = cache_record(cfg, images)
+    try:
+        was = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:  # cut short or damaged: named, never a guess at its settings
+        raise checksums.CacheDamaged(
+            f"{str(path)!r} is not readable JSON ({e}); expected the settings the cache was written with: move the "
+            "cache away and write it again, or write to a new folder"
+        ) from None
     was["data"].setdefault("world", "v1")  # written before worlds had names
     keys = [*now["data"], *(k for k in was["data"] if k not in now["data"])]  # a cache of images has one more
     diff = [
@@ -118,6 +136,22 @@ def stale_cache(out: str | Path, cfg, images: bool = False) -> str | None:
     return "; ".join(diff) or None
 
 
+def _windows(item: dict) -> list[torch.Tensor]:
+    """The clips of a loaded sample: its ``windows`` (``data.cache_windows``), else its one ``video``."""
+    return item.get("windows") or [item["video"]]
+
+
+def _index_item(name: str, meta: dict) -> dict:
+    """``index.json``'s entry for a sample file from its header's metadata: file, caption, and where recorded its
+    clip's ``video`` ``[frames, height, width]`` and ``windows`` (files written before buckets have neither)."""
+    item: dict = {"file": name, "caption": meta["caption"]}
+    if meta.get("video"):
+        item["video"] = json.loads(meta["video"])
+    if int(meta.get("windows", 1)) > 1:
+        item["windows"] = int(meta["windows"])
+    return item
+
+
 def main(argv=None) -> int:
     """``python -m training.precompute``, behind the error boundary of :func:`common.errors.run_cli`."""
     return run_cli(_main, argv, prog="training.precompute")
@@ -125,7 +159,7 @@ def main(argv=None) -> int:
 
 def _main(argv) -> int:
     p = argparse.ArgumentParser(prog="python -m training.precompute", description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", required=True)
+    p.add_argument("--config", help="the config the cache is written with (required, except with --verify)")
     p.add_argument("--out", required=True, help="cache folder to write")
     p.add_argument(
         "--batch-size",
@@ -140,8 +174,17 @@ def _main(argv) -> int:
         "stills of the synthetic world, or with data.source=folder the images of data.image_path (a folder of "
         "images with captions); training reads the cache as data.image_path with data.source=cache",
     )
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="check every entry of the cache in --out against its checksum (training/cache.py), write nothing",
+    )
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
+    if args.verify:
+        return verify(args.out)
+    if not args.config:
+        p.error("the following arguments are required: --config")
     if args.batch_size is not None and args.batch_size < 1:
         raise ValueError(f"--batch-size {args.batch_size}: expected a positive number of videos")
     # writing the images' cache: the run's own image settings (data.image_path: this cache, maybe not there yet)
@@ -171,6 +214,10 @@ def _main(argv) -> int:
         short = dataset.check_clip_lengths()
         if short:
             print(short, file=sys.stderr)
+    if getattr(dataset, "needs_probe", False):  # aspect and length buckets: each clip cached at its bucket's shape
+        shapes = dataset.probe_shapes(progress=True)
+        if shapes:
+            print(shapes, file=sys.stderr)
     if hasattr(dataset, "require_usable"):
         dataset.require_usable()
     out = ensure_output_folder(args.out)
@@ -182,33 +229,49 @@ def _main(argv) -> int:
     load_or_skip = getattr(dataset, "load_or_skip", dataset.__getitem__)  # synthetic clips never fail
     _atomic_save({"text": encoder.text([""])[0]}, out / "empty_text.safetensors")
 
+    windows = 1 if args.images else cfg.data.get("cache_windows", 1)  # clips per video (data.source=folder)
     items: list[dict | None] = [None] * len(dataset)
     todo = []  # indices not written by an earlier, interrupted run
     for i in range(len(dataset)):
         name = f"sample_{i:07d}.safetensors"
-        if (out / name).is_file():
-            with safe_open(str(out / name), framework="pt") as f:
-                items[i] = {"file": name, "caption": f.metadata()["caption"]}
+        found, damaged = checksums.intact_metadata(out / name)  # checked against its checksum: a damaged one is redone
+        if found is not None:
+            items[i] = _index_item(name, found)
         else:
             todo.append(i)
+            if damaged:
+                print(f"{damaged}: written again", file=sys.stderr)
     batch = args.batch_size or auto_batch(num_frames, cfg.data.height, cfg.data.width)
     with tqdm(total=len(dataset), initial=len(dataset) - len(todo), desc="precompute", unit="video") as bar:
         for start in range(0, len(todo), batch):  # a batch of videos encodes ~2.7x faster a video than one by one
             chunk = []
             for i in todo[start : start + batch]:
-                item = load_or_skip(i)  # an unreadable video is left out (and counted), never replaced by another
+                # an unreadable video is left out (and counted), never replaced by another
+                item = load_or_skip(i, windows=windows) if windows > 1 else load_or_skip(i)
                 if item is not None:
                     chunk.append((i, item))
-            # clips of one shape are one stack: (3, data.num_frames, data.height, data.width), and with
-            # data.min_frames the shorter lengths, each its own
-            for shape in sorted({tuple(item["video"].shape) for _, item in chunk}, reverse=True):
-                same = [(i, item) for i, item in chunk if tuple(item["video"].shape) == shape]
-                latents = encoder.latents(torch.stack([item["video"] for _, item in same]))
-                text = encoder.text([item["caption"] for _, item in same])
-                for k, (i, item) in enumerate(same):
-                    name = f"sample_{i:07d}.safetensors"
-                    _atomic_save({"latents": latents[k], "text": text[k]}, out / name, {"caption": item["caption"]})
-                    items[i] = {"file": name, "caption": item["caption"]}
+            text = encoder.text([item["caption"] for _, item in chunk]) if chunk else None
+            # every clip (each window of each video) by shape: (3, data.num_frames, data.height, data.width), and
+            # with data.min_frames / data.buckets the other lengths and sizes, each shape one stack
+            clips = [(k, w, clip) for k, (_, item) in enumerate(chunk) for w, clip in enumerate(_windows(item))]
+            latents: dict[tuple[int, int], torch.Tensor] = {}
+            for shape in sorted({tuple(clip.shape) for *_, clip in clips}, reverse=True):
+                same = [(k, w, clip) for k, w, clip in clips if tuple(clip.shape) == shape]
+                encoded = encoder.latents(torch.stack([clip for *_, clip in same]))
+                latents.update({(k, w): encoded[j].clone() for j, (k, w, _) in enumerate(same)})  # own storage each
+            for k, (i, item) in enumerate(chunk):
+                name = f"sample_{i:07d}.safetensors"
+                count = len(_windows(item))
+                tensors = {("latents" if w == 0 else f"latents.{w}"): latents[(k, w)] for w in range(count)}
+                # what index.json lists of it, also in its own header (an interrupted run's files are listed again):
+                # its clip's shape where it is not the cache's (a bucket's), its windows where more than one
+                meta = {"caption": item["caption"]}
+                if list(item["video"].shape[1:]) != [num_frames, cfg.data.height, cfg.data.width]:
+                    meta["video"] = json.dumps(list(item["video"].shape[1:]))
+                if count > 1:
+                    meta["windows"] = str(count)
+                _atomic_save({**tensors, "text": text[k]}, out / name, meta)  # type: ignore[index]
+                items[i] = _index_item(name, meta)
             bar.update(len(todo[start : start + batch]))
     items = [item for item in items if item is not None]
     if not items:
@@ -219,11 +282,29 @@ def _main(argv) -> int:
         "max_sequence_length": cfg.data.max_sequence_length,
         "items": items,
     }
-    write_text_atomic(out / "index.json", json.dumps(index, indent=1))
+    write_text_atomic(out / "index.json", json.dumps(checksums.seal_index(out, index), indent=1))
     print(f"wrote {len(items)} samples to {out}")
     summary = getattr(dataset, "skip_summary", None)
     if summary is not None:
         print(summary())
+    return 0
+
+
+def verify(out: str) -> int:
+    """``--verify``: every entry of the cache in ``out`` read and checked against its checksum; exit 2 naming the
+    damaged ones (a re-run of precompute writes them again)."""
+    checked, damaged, sealed = checksums.verify_cache(out)
+    if damaged:
+        more = f" and {len(damaged) - 5} more" if len(damaged) > 5 else ""
+        raise checksums.CacheDamaged(
+            f"cache {out!r}: {len(damaged)} damaged file(s) of {checked} entries and empty_text: "
+            f"{'; '.join(damaged[:5])}{more}; run "
+            f"training.precompute with the cache's config and --out {out!r} again to write them again"
+        )
+    if sealed:
+        print(f"cache {out!r}: all {checked} entries and empty_text match their checksums")
+    else:
+        print(f"cache {out!r}: all {checked} entries and empty_text read (written without checksums: none to check)")
     return 0
 
 

@@ -14,7 +14,9 @@ import mhla
 from pipelines import AttentionOptions, latent_grid
 from pipelines.attention import linear_layers_for
 from pipelines.conversion import CONFIG_KEY, Conversion
-from pipelines.model_dir import ModelDir, check_transformer_config, read_json, saved_transformer_config
+from pipelines.model_dir import ModelDir, check_transformer_config, saved_transformer_config
+from training.cache import latents_shape, read_index
+from training.data import check_bucket_sizes_fit
 from training.experts import TrainingTarget, expert_folder, read_target
 
 # the keys that decide the converted transformer's parameters: a resume must keep them
@@ -115,6 +117,7 @@ def check_model_plan(cfg: DictConfig) -> TrainingTarget:
     shape = (target.model_dir or ModelDir(cfg.model.path)).shape(folder)
     num_layers = shape.num_layers
     check_clip_size(cfg, target, shape.patch)
+    check_bucket_sizes_fit(cfg, target)
     layers = list(cfg.model.layers) if cfg.model.layers is not None else None
     try:
         linear_layers_for(cfg.model.variant, num_layers, layers)
@@ -126,6 +129,7 @@ def check_model_plan(cfg: DictConfig) -> TrainingTarget:
         size = f"{cfg.data.num_frames} frames at {cfg.data.height}x{cfg.data.width}"
         raise ValueError(f"model.blocks={cfg.model.blocks!r} for the training grid of {size}: {e}") from None
     check_cache_fits(cfg, target)
+    return target
 
 
 def check_cache_fits(cfg: DictConfig, target: TrainingTarget) -> None:
@@ -136,23 +140,21 @@ def check_cache_fits(cfg: DictConfig, target: TrainingTarget) -> None:
         return
     root = Path(cfg.data.path)
     index = root / "index.json"
-    items = (read_json(index, "cache index").get("items") or []) if index.is_file() else []
+    items = (read_index(root).get("items") or []) if index.is_file() else []  # its checksum, each entry's size
     if not items:
         return  # training.data.CachedLatents names what is missing
-    from safetensors import safe_open
-
-    with safe_open(str(root / items[0]["file"]), framework="pt") as f:
-        shape = tuple(f.get_slice("latents").get_shape())
+    shape = latents_shape(root / items[0]["file"])  # a damaged header: named (training/cache.py)
     folder = expert_folder(cfg, target)
     config = (saved_transformer_config(folder) if folder is not None else None) or {}
     channels = int(config.get("in_channels", 16))
-    return target
     d = cfg.data
-    expected = (channels, *latent_grid(d.height, d.width, d.num_frames, (1, 1, 1), target.vae_stride))
+    # a cache of buckets records each clip's (frames, height, width): its first clip's latents are of that size
+    frames, height, width = items[0].get("video") or (d.num_frames, d.height, d.width)
+    expected = (channels, *latent_grid(height, width, frames, (1, 1, 1), target.vae_stride))
     if shape != expected:
         raise ValueError(
             f"data.path={str(root)!r}: its latents are {shape} (channels, frames, height, width), but "
-            f"{target.architecture} at {d.num_frames} frames, {d.height}x{d.width} trains on {expected}; expected a "
+            f"{target.architecture} at {frames} frames, {height}x{width} trains on {expected}; expected a "
             "cache written with this model's VAE (python -m training.precompute with the same model.path)"
         )
 
@@ -173,9 +175,9 @@ def check_resume_matches(cfg: DictConfig, checkpoint: Path) -> None:
         if was != now:
             changed.append(f"{key} was {was!r}, now {now!r}")
     folder = checkpoint / (OmegaConf.select(saved, "model.expert", default=None) or "transformer")
-    state = (saved_transformer_config(folder) or {}).get("self_attention") or {}
-    trained = (state.get("options") or {}).get("blocks")
-    if trained is not None and state.get("parameters", {}).get("mhla"):
+    config = saved_transformer_config(folder) or {}
+    trained = Conversion.from_config(config.get(CONFIG_KEY), int(config.get("num_layers") or 0)).blocks
+    if trained is not None:
         _, blocks = planned_blocks(cfg)
         if tuple(trained) != tuple(blocks):
             t, b = "x".join(map(str, trained)), "x".join(map(str, blocks))

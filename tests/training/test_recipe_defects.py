@@ -328,13 +328,16 @@ def test_every_run_ends_with_a_final_model_and_a_finished_run_says_so(tmp_path):
     assert json.loads((run / "final" / "finished.json").read_text())["step"] == 3
     before = (run / "metrics.jsonl").read_bytes()
     assert [r["step"] for r in metrics(run) if "eval_loss" in r] == [0, 2, 3]
-    # stopped after its last checkpoint, before the final model: the resume of the finished run writes it
+    # stopped after its last checkpoint, before the end of the run was done (final/finished.json is written last):
+    # the resume does the end of the run from that checkpoint, its end-of-run row logged once (issue 53)
     import shutil
 
     shutil.rmtree(run / "final")
     done = finetune(run, "train.steps=3", "checkpoint.every=1", "checkpoint.keep=1", "resume=latest")
-    assert "already finished at step 3" in done.stdout and "copied from" in done.stdout
+    assert f"resumed from {ckpt.checkpoint_dir(run, 3)} at step 3" in done.stdout + done.stderr
+    assert "final model (step 3)" in done.stdout and "already finished" not in done.stdout
     assert (run / "final" / "transformer" / "config.json").is_file()
+    assert json.loads((run / "final" / "finished.json").read_text())["step"] == 3
     assert (run / "metrics.jsonl").read_bytes() == before
 
     # the final model generates with the CLI

@@ -228,9 +228,14 @@ def test_precompute_in_batches_writes_what_one_by_one_writes_and_an_interrupted_
     one, many = tmp_path / "one", tmp_path / "many"
     assert precompute("--out", str(one), "--batch-size", "1", "data.num_samples=5").returncode == 0
     assert precompute("--out", str(many), "--batch-size", "3", "data.num_samples=5").returncode == 0
-    assert (
-        json.loads((one / "index.json").read_text())["items"] == json.loads((many / "index.json").read_text())["items"]
-    )
+    listed = [  # the same files and captions (their checksums differ: latents encoded in another batch, see below)
+        [
+            {k: v for k, v in item.items() if k != "sha256"}
+            for item in json.loads((d / "index.json").read_text())["items"]
+        ]
+        for d in (one, many)
+    ]
+    assert listed[0] == listed[1]
     for i in range(5):
         a, b = load_file(str(one / f"sample_{i:07d}.safetensors")), load_file(str(many / f"sample_{i:07d}.safetensors"))
         torch.testing.assert_close(b["latents"], a["latents"], rtol=1e-4, atol=1e-5)
@@ -403,7 +408,9 @@ def test_builtin_build_restarts_a_conversion_whose_source_changed(tmp_path, monk
 def test_shipped_configs_load():
     for path in sorted((ROOT / "configs" / "finetune").glob("*.yaml")):
         cfg = load_config(path, ["data.path=null", "data.source=synthetic"])
-        assert cfg.model.variant in ("mhla", "mhla-hybrid", "linear")
+        # builtin-lora.yaml: a LoRA of the built-in model's softmax base, which plain diffusers loads whole
+        converted = ("mhla", "mhla-hybrid", "linear") + (("flash",) if path.name == "builtin-lora.yaml" else ())
+        assert cfg.model.variant in converted
         if path.name.startswith("wan2.1-1.3b"):
             assert (cfg.train.lr, cfg.train.weight_decay, cfg.flow.shift) == (2e-5, 0.0, 3.0)
             assert (cfg.data.num_frames, cfg.data.height, cfg.data.width) == (81, 480, 800)
