@@ -6,170 +6,307 @@ an error naming it, not a silently ignored setting.
 
 from __future__ import annotations
 
+import copy
 import math
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
+from typing import Any, get_args, get_origin, get_type_hints
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from pipelines.attention import MHLA, SOFTMAX, VARIANTS
 
-DEFAULTS: dict = {
-    "task": "transformer",  # transformer (flow matching) | vae (train model.path's VAE, see training/vae.py)
-    "run_dir": "runs/finetune",
-    "resume": None,  # null | latest | path to a checkpoint folder
-    "overwrite": False,  # true: a new run may replace an earlier run's files in run_dir (never mixed with them)
-    "model": {
-        # local diffusers Wan directory (Wan2.1-T2V, Wan2.2-TI2V-5B, Wan2.2-T2V-A14B); null = the built-in model;
-        # tiny-random = random tiny
-        "path": None,
-        # Wan2.2-A14B (two experts): the one this run converts and trains, transformer (high noise, t >= boundary)
-        # | transformer_2 (low noise, t < boundary); required there, null for a one-transformer model
-        "expert": None,
-        "transformer": None,  # optional: start from this transformer folder (e.g. a previous run's checkpoint)
-        # optional, train.trainable=lora: start the adapters (and a linear / MHLA run's attention parameters) from
-        # this LoRA folder or file in diffusers' format (a run's final/lora, or any diffusers Wan LoRA)
-        "lora": None,
-        "seed": 0,  # weights of the tiny model
-        "variant": MHLA,  # one of pipelines.attention.VARIANTS
-        "layers": None,  # MHLA layers of mhla-hybrid, e.g. [1, 2, 4, 5]; null = all but 0, 3, 6, ...
-        "blocks": None,  # MHLA layout, e.g. "7x3x5"; null = the default rule for the training grid
-        "attention": {},  # pipelines.AttentionOptions overrides: normalize, feature_map, output_norm, ...
-        "dtype": "auto",  # frozen text encoder / VAE: auto = bf16 on GPU, float32 on CPU
-    },
-    "data": {
-        "source": "synthetic",  # synthetic | folder | cache
-        "path": None,  # folder (manifest or .txt captions) or precomputed cache
-        # data.source=folder: which layout data.path has (auto = a manifest when there is one, else .txt
-        # captions) and the manifest's columns (null = 'video' / 'caption', or Hugging Face's metadata.csv /
-        # metadata.jsonl columns 'file_name' / 'text')
-        "layout": "auto",  # auto | jsonl | csv | txt
-        "video_column": None,
-        "caption_column": None,
-        "num_samples": 64,  # synthetic only
-        "world": "v1",  # synthetic only: the world preset (world.synthetic.WORLDS): v1 (shipped model) | v2
-        "short_captions": None,  # synthetic only: probability of leaving sizes / background out of a caption (null: the world's)
-        "default_background": None,  # synthetic only: the one background a caption may leave out (null: the world's)
-        "num_frames": 81,
-        "height": 480,
-        "width": 800,
-        "frame_stride": 1,
-        # data.source=folder: take the frames at this rate from every video whatever its own (24 and 30 fps clips
-        # then move at one speed), instead of every data.frame_stride-th frame; null = frame_stride
-        "fps": None,
-        # data.source=folder, length buckets: a video too short for data.num_frames but long enough for this many
-        # frames (4k+1) trains at the longest 4k+1 clip it holds instead of being skipped; null = skip it
-        "min_frames": None,
-        # data.source=folder, resolution and aspect buckets: each clip trains at the (height, width) bucket nearest its
-        # aspect ratio, of about data.height x data.width pixels in multiples of the model's VAE stride x patch
-        # (resized to cover it, centre-cropped), a batch of one bucket (and one length); null (auto) = on when the
-        # clips fall in more than one bucket, else every clip at data.height x data.width; true = on; false = off.
-        # data.bucket_sizes: the buckets, e.g. [[480, 832], [832, 480], [624, 624]]; null = made from the size
-        "buckets": None,
-        "bucket_sizes": None,
-        # data.source=folder, for python -m training.precompute: windows (clips) the cache stores of each long video,
-        # spread evenly over it; training reads another of them each epoch (live decoding draws a new clip each epoch)
-        "cache_windows": 1,
-        # data.source=folder: put this word in front of every caption ("WORD, caption"; not where it already is),
-        # the clips' and data.image_path's images'
-        "trigger_word": None,
-        # data.source=folder: how many times each video of data.path counts in an epoch, and more folders (or
-        # manifests) with theirs, e.g. [{path: more_clips, repeats: 2}]: one dataset in all
-        "repeats": 1,
-        "extra": [],
-        "caption_dropout": 0.1,
-        "num_workers": 0,
-        "max_sequence_length": 512,
-        # joint image-video training, as Wan is trained: each step also trains on round(image_ratio * batch_size)
-        # one-frame images (their own forward pass: another token count), the loss averaged over every sample;
-        # 0 = videos only. Images: stills of the synthetic world (data.source=synthetic, rendered on the fly), a
-        # folder of images (data.source=folder: data.image_path holds .png/.jpg/.webp with a .txt caption beside
-        # each, or a manifest with columns image|file_name and caption|text) or a cache of either
-        # (data.source=cache: data.image_path, written by training.precompute --images)
-        "image_ratio": 0.0,
-        "image_path": None,
-        "image_num_samples": None,  # images to draw from (synthetic, and what precompute --images writes); null: num_samples
-    },
-    "train": {
-        "steps": 1000,
-        "batch_size": 1,  # per process
-        "grad_accum": 1,
-        "trainable": "all",  # all | attention | new | lora
-        "lr": 2e-5,
-        "mixing_lr": None,  # lr of the MHLA mixing coefficients; null = lr
-        "betas": [0.9, 0.999],
-        "weight_decay": 0.0,
-        "adam_eps": 1e-10,
-        "warmup_steps": 1000,
-        "lr_schedule": "constant",  # after warm-up: constant | cosine (to min_lr_ratio * lr at train.steps)
-        "min_lr_ratio": 0.1,
-        "grad_clip": 0.1,
-        "precision": "bf16",  # no | bf16 | fp16 (autocast; master weights stay float32)
-        "gradient_checkpointing": True,
-        "seed": 0,
-        "max_nonfinite": 10,  # this many non-finite losses in a row stop the run
-        "ema_decay": 0.0,  # moving average of the trained weights, e.g. 0.999; 0 = off (training/ema.py)
-        # intra-op CPU threads for this run (torch.set_num_threads); null = torch's default (every core, or
-        # OMP_NUM_THREADS). A tiny model's ops are each too small to share: with two threads every op waits for both,
-        # and on a busy machine for the one that is descheduled (the smoke test: 1.6-20 s a step instead of 0.2 s)
-        "threads": None,
-        "lora": {"rank": 32, "alpha": 32, "target_modules": ["to_q", "to_k", "to_v", "to_out.0"]},
-    },
-    # object_weight > 0: the objects' latent cells weigh 1 + object_weight in the loss (flat-background data,
-    # training/flow.py); object_threshold marks them
-    "flow": {
-        "shift": 3.0,
-        "weighting": "logit_normal",
-        "logit_mean": 0.0,
-        "logit_std": 1.0,
-        "object_weight": 0.0,
-        "object_threshold": 1.0,
-    },
-    # attention transfer: this many steps before the train.steps end-to-end steps (0 = off)
-    "transfer": {"steps": 0, "lr": 1e-4},
-    "log": {"every": 10, "tensorboard": True, "param_digest": False},
-    "validation": {
-        "every": 0,  # steps between validation videos; 0 = none during training
-        "prompts": ["a red circle moves to the right on a grey background"],
-        "seeds": [0],
-        "num_inference_steps": 50,
-        "guidance_scale": 5.0,
-        "loss_batches": 1,  # fixed batches (fixed noise) for the eval loss at start and end
-        # steps between the conditioning probe (training/probe.py: the swap test on synthetic validation clips of
-        # data.world) and the eval loss, both logged to metrics.jsonl; 0 = off. Synthetic worlds only.
-        "probe_every": 0,
-        "probe_clips": 8,
-        # which clips the probe reads: validation (unseen: does the model generalise the words?) or train (the
-        # first probe_clips clips of a synthetic cache or dataset: can it read the words of clips it has seen?)
-        "probe_split": "validation",
-    },
-    "checkpoint": {"every": 500, "keep": 3},  # keep: the newest this many checkpoints; 0 = keep every one
-    # task=vae only: crop size of training clips, KL weight, clips for the latent statistics, where to install it
-    # trainable: all | decoder (the encoder, and so the latents and their statistics, stay as they are:
-    # a transformer trained on those latents stays valid while the decoder improves)
-    # latent_noise: Gaussian noise added to the posterior mean before decoding, in units of each latent channel's
-    # std over the batch (the decoder then also decodes the imperfect latents a transformer generates)
-    # edge_weight: L1 of the frames' horizontal and vertical pixel differences (object-weighted like the rest):
-    # corners and edges are a few pixels of a frame, so plain pixel losses let them go soft
-    "vae": {
-        "crop": 64,
-        "kl_weight": 1e-6,
-        "object_weight": 10.0,
-        "latent_noise": 0.0,
-        "edge_weight": 0.0,
-        "stats_samples": 64,
-        "export": None,
-        "trainable": "all",
-    },
-}
+# ---- the schema: one dataclass per section, one field per key: its default, its type (the annotation), its range or
+# choices (the field's metadata); DEFAULTS and the checks' tables come from here. A key is added here, once.
+
+
+def key(
+    default: Any,
+    *,
+    low: float | None = None,
+    above: bool = False,
+    high: float | None = None,
+    choices: tuple[Any, ...] | None = None,
+) -> Any:
+    """A config key's default and its bounds: numbers ``>= low`` (``> low`` with ``above``) and ``<= high``; values
+    among ``choices``. Lists and mappings are copied for each config."""
+    meta = {"low": low, "above": above, "high": high, "choices": choices}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
 TASKS = ("transformer", "vae")
 VAE_TRAINABLE = ("all", "decoder")
-
 SOURCES = ("synthetic", "folder", "cache")
 LAYOUTS = ("auto", "jsonl", "csv", "txt")  # training.data.LAYOUTS (that module imports torch)
 TRAINABLE = ("all", "attention", "new", "lora")
 PRECISIONS = ("no", "bf16", "fp16")
 LR_SCHEDULES = ("constant", "cosine")
 EXPERTS = ("transformer", "transformer_2")  # training.experts.EXPERTS (that module imports pipelines)
+PROBE_SPLITS = ("validation", "train")
+MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
+WEIGHTINGS = ("logit_normal", "uniform")
+SEED_MAX = 2**63 - 1  # a 64-bit generator's range
+TRAIN_SEED_MAX = SEED_MAX // 1000 - 1000  # train.seed also seeds rank r's generator with seed * 1000 + r
+
+
+@dataclass
+class ModelSection:
+    # local diffusers Wan directory (Wan2.1-T2V, Wan2.2-TI2V-5B, Wan2.2-T2V-A14B); null = the built-in model;
+    # tiny-random = random tiny
+    path: str | None = key(None)
+    # Wan2.2-A14B (two experts): the one this run converts and trains, transformer (high noise, t >= boundary)
+    # | transformer_2 (low noise, t < boundary); required there, null for a one-transformer model
+    expert: str | None = key(None)
+    transformer: str | None = key(None)  # optional: start from this transformer folder (e.g. a previous run's)
+    # optional, train.trainable=lora: start the adapters (and a linear / MHLA run's attention parameters) from
+    # this LoRA folder or file in diffusers' format (a run's final/lora, or any diffusers Wan LoRA)
+    lora: str | None = key(None)
+    seed: int = key(0, low=0, high=SEED_MAX)  # weights of the tiny model
+    variant: str = key(MHLA, choices=VARIANTS)
+    layers: list[int] | None = key(None)  # MHLA layers of mhla-hybrid, e.g. [1, 2, 4, 5]; null = all but 0, 3, 6, ...
+    blocks: str | None = key(None)  # MHLA layout, e.g. "7x3x5"; null = the default rule for the training grid
+    # pipelines.AttentionOptions overrides: normalize, feature_map, output_norm, ... (free-form: checked there)
+    attention: dict[str, Any] = key({})
+    dtype: str = key("auto", choices=MODEL_DTYPES)  # frozen text encoder / VAE: auto = bf16 on GPU, float32 on CPU
+
+
+@dataclass
+class DataSection:
+    source: str = key("synthetic", choices=SOURCES)
+    path: str | None = key(None)  # folder (manifest or .txt captions) or precomputed cache
+    # data.source=folder: which layout data.path has (auto = a manifest when there is one, else .txt captions) and
+    # the manifest's columns (null = 'video' / 'caption', or Hugging Face's metadata.csv / metadata.jsonl columns
+    # 'file_name' / 'text')
+    layout: str = key("auto", choices=LAYOUTS)
+    video_column: str | None = key(None)
+    caption_column: str | None = key(None)
+    num_samples: int = key(64, low=1)  # synthetic only
+    world: str = key("v1")  # synthetic only: the world preset (world.synthetic.WORLDS)
+    # synthetic only: probability of leaving sizes / background out of a caption (null: the world's)
+    short_captions: float | None = key(None, low=0, high=1)
+    # synthetic only: the one background a caption may leave out (null: the world's)
+    default_background: str | None = key(None)
+    num_frames: int = key(81)
+    height: int = key(480)
+    width: int = key(800)
+    frame_stride: int = key(1, low=1)
+    # data.source=folder: take the frames at this rate from every video whatever its own (24 and 30 fps clips then
+    # move at one speed), instead of every data.frame_stride-th frame; null = frame_stride
+    fps: float | None = key(None, low=0, above=True)
+    # data.source=folder, length buckets: a video too short for data.num_frames but long enough for this many
+    # frames (4k+1) trains at the longest 4k+1 clip it holds instead of being skipped; null = skip it
+    min_frames: int | None = key(None, low=1)
+    # data.source=folder, resolution and aspect buckets: each clip trains at the (height, width) bucket nearest its
+    # aspect ratio, of about data.height x data.width pixels in multiples of the model's VAE stride x patch
+    # (resized to cover it, centre-cropped), a batch of one bucket (and one length); null (auto) = on when the
+    # clips fall in more than one bucket, else every clip at data.height x data.width; true = on; false = off.
+    # data.bucket_sizes: the buckets, e.g. [[480, 832], [832, 480], [624, 624]]; null = made from the size
+    buckets: bool | None = key(None)
+    bucket_sizes: list[Any] | None = key(None)
+    # data.source=folder, for python -m training.precompute: windows (clips) the cache stores of each long video,
+    # spread evenly over it; training reads another of them each epoch (live decoding draws a new clip each epoch)
+    cache_windows: int = key(1, low=1)
+    # data.source=folder: put this word in front of every caption ("WORD, caption"; not where it already is), the
+    # clips' and data.image_path's images'
+    trigger_word: str | None = key(None)
+    # data.source=folder: how many times each video of data.path counts in an epoch, and more folders (or
+    # manifests) with theirs, e.g. [{path: more_clips, repeats: 2}]: one dataset in all
+    repeats: int = key(1, low=1)
+    extra: list[Any] = key([])
+    caption_dropout: float = key(0.1)
+    num_workers: int = key(0, low=0)
+    max_sequence_length: int = key(512, low=1)
+    # joint image-video training, as Wan is trained: each step also trains on round(image_ratio * batch_size)
+    # one-frame images (their own forward pass: another token count), the loss averaged over every sample;
+    # 0 = videos only. Images: stills of the synthetic world (data.source=synthetic, rendered on the fly), a
+    # folder of images (data.source=folder: data.image_path holds .png/.jpg/.webp with a .txt caption beside
+    # each, or a manifest with columns image|file_name and caption|text) or a cache of either
+    # (data.source=cache: data.image_path, written by training.precompute --images)
+    image_ratio: float = key(0.0, low=0)
+    image_path: str | None = key(None)
+    # images to draw from (synthetic, and what precompute --images writes); null: num_samples
+    image_num_samples: int | None = key(None, low=1)
+
+
+@dataclass
+class LoraSection:
+    rank: int = key(32, low=1)
+    alpha: int = key(32, low=0, above=True)
+    target_modules: list[str] = key(["to_q", "to_k", "to_v", "to_out.0"])
+
+
+@dataclass
+class TrainSection:
+    steps: int = key(1000, low=1)
+    batch_size: int = key(1, low=1)  # per process
+    grad_accum: int = key(1, low=1)
+    trainable: str = key("all", choices=TRAINABLE)
+    lr: float = key(2e-5, low=0, above=True)
+    mixing_lr: float | None = key(None, low=0, above=True)  # lr of the MHLA mixing coefficients; null = lr
+    betas: list[float] = key([0.9, 0.999])
+    weight_decay: float = key(0.0, low=0)
+    adam_eps: float = key(1e-10, low=0, above=True)
+    warmup_steps: int = key(1000, low=0)
+    # after warm-up: constant | cosine (to min_lr_ratio * lr at train.steps)
+    lr_schedule: str = key("constant", choices=LR_SCHEDULES)
+    min_lr_ratio: float = key(0.1, low=0, high=1)
+    grad_clip: float = key(0.1, low=0)
+    precision: str = key("bf16", choices=PRECISIONS)  # autocast; master weights stay float32
+    gradient_checkpointing: bool = key(True)
+    seed: int = key(0, low=0, high=TRAIN_SEED_MAX)
+    max_nonfinite: int = key(10, low=1)  # this many non-finite losses in a row stop the run
+    ema_decay: float = key(0.0, low=0)  # moving average of the trained weights, e.g. 0.999; 0 = off (training/ema.py)
+    # intra-op CPU threads for this run (torch.set_num_threads); null = torch's default (every core, or
+    # OMP_NUM_THREADS). A tiny model's ops are each too small to share: with two threads every op waits for both,
+    # and on a busy machine for the one that is descheduled (the smoke test: 1.6-20 s a step instead of 0.2 s)
+    threads: int | None = key(None, low=1)
+    lora: LoraSection = field(default_factory=LoraSection)
+
+
+@dataclass
+class FlowSection:
+    """object_weight > 0: the objects' latent cells weigh 1 + object_weight in the loss (flat-background data,
+    training/flow.py); object_threshold marks them."""
+
+    shift: float = key(3.0, low=0, above=True)
+    weighting: str = key("logit_normal", choices=WEIGHTINGS)
+    logit_mean: float = key(0.0)
+    logit_std: float = key(1.0, low=0, above=True)
+    object_weight: float = key(0.0, low=0)
+    object_threshold: float = key(1.0, low=0, above=True)
+
+
+@dataclass
+class TransferSection:
+    steps: int = key(0, low=0)  # attention transfer: this many steps before the train.steps ones (0 = off)
+    lr: float = key(1e-4, low=0, above=True)
+
+
+@dataclass
+class LogSection:
+    every: int = key(10, low=1)
+    tensorboard: bool = key(True)
+    param_digest: bool = key(False)
+
+
+@dataclass
+class ValidationSection:
+    every: int = key(0, low=0)  # steps between validation videos; 0 = none during training
+    prompts: list[str] = key(["a red circle moves to the right on a grey background"])
+    seeds: list[int] = key([0])
+    num_inference_steps: int = key(50, low=1)
+    guidance_scale: float = key(5.0, low=0)
+    loss_batches: int = key(1, low=1)  # fixed batches (fixed noise) for the eval loss at start and end
+    # steps between the conditioning probe (training/probe.py: the swap test on synthetic validation clips of
+    # data.world) and the eval loss, both logged to metrics.jsonl; 0 = off. Synthetic worlds only.
+    probe_every: int = key(0, low=0)
+    probe_clips: int = key(8, low=1)
+    # which clips the probe reads: validation (unseen: does the model generalise the words?) or train (the first
+    # probe_clips clips of a synthetic cache or dataset: can it read the words of clips it has seen?)
+    probe_split: str = key("validation", choices=PROBE_SPLITS)
+
+
+@dataclass
+class CheckpointSection:
+    every: int = key(500, low=0)
+    keep: int = key(3, low=0)  # the newest this many checkpoints; 0 = keep every one
+
+
+@dataclass
+class VaeSection:
+    """task=vae only: crop size of training clips, KL weight, clips for the latent statistics, where to install it.
+    trainable: all | decoder (the encoder, and so the latents and their statistics, stay as they are: a transformer
+    trained on those latents stays valid while the decoder improves). latent_noise: Gaussian noise added to the
+    posterior mean before decoding, in units of each latent channel's std over the batch (the decoder then also
+    decodes the imperfect latents a transformer generates). edge_weight: L1 of the frames' horizontal and vertical
+    pixel differences (object-weighted like the rest): corners and edges are a few pixels of a frame, so plain
+    pixel losses let them go soft."""
+
+    crop: int = key(64, low=8)
+    kl_weight: float = key(1e-6, low=0)
+    object_weight: float = key(10.0, low=0)
+    latent_noise: float = key(0.0, low=0)
+    edge_weight: float = key(0.0, low=0)
+    stats_samples: int = key(64, low=1)
+    export: str | None = key(None)
+    trainable: str = key("all", choices=VAE_TRAINABLE)
+
+
+@dataclass
+class FinetuneConfig:
+    """Every key a fine-tuning config may set, by section: ``configs/finetune/*.yaml`` and ``key=value`` overrides
+    write over these defaults."""
+
+    task: str = key("transformer", choices=TASKS)  # transformer (flow matching) | vae (training/vae.py)
+    run_dir: str = key("runs/finetune")
+    resume: str | None = key(None)  # null | latest | path to a checkpoint folder
+    # true: a new run may replace an earlier run's files in run_dir (never mixed with them)
+    overwrite: bool = key(False)
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    flow: FlowSection = field(default_factory=FlowSection)
+    transfer: TransferSection = field(default_factory=TransferSection)
+    log: LogSection = field(default_factory=LogSection)
+    validation: ValidationSection = field(default_factory=ValidationSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    vae: VaeSection = field(default_factory=VaeSection)
+
+
+def _schema(cls: type, prefix: str = "") -> dict[str, tuple[Any, dict[str, Any]]]:
+    """``{dotted key: (its type annotation, its field metadata)}`` of every leaf key of a section."""
+    out: dict[str, tuple[Any, dict[str, Any]]] = {}
+    hints = get_type_hints(cls)
+    for f in fields(cls):
+        name, hint = f"{prefix}{f.name}", hints[f.name]
+        if isinstance(hint, type) and is_dataclass(hint):
+            out.update(_schema(hint, name + "."))
+        else:
+            out[name] = (hint, dict(f.metadata))
+    return out
+
+
+def _plain(hint: Any) -> tuple[Any, bool]:
+    """``(the type without None, whether None is allowed)`` of an annotation such as ``int | None``."""
+    args = [a for a in get_args(hint) if a is not type(None)]
+    nullable = type(None) in get_args(hint)
+    return (args[0] if nullable and len(args) == 1 else hint), nullable
+
+
+def _runtime_types(hint: Any) -> tuple[type, ...]:
+    """What a value of an annotation may be: ``float`` takes integers too (``lr=1``), never a bool."""
+    base = get_origin(hint) or hint
+    table: dict[Any, tuple[type, ...]] = {
+        float: (int, float),
+        int: (int,),
+        str: (str,),
+        bool: (bool,),
+        list: (list,),
+        dict: (dict,),
+    }
+    return table[base]
+
+
+SCHEMA = _schema(FinetuneConfig)
+DEFAULTS: dict[str, Any] = asdict(FinetuneConfig())
+_NUM = (int, float)
+# the type of every key: its annotation (a float key takes an integer too; a null default takes null)
+TYPES: dict[str, tuple[type, ...]] = {k: _runtime_types(_plain(hint)[0]) for k, (hint, _) in SCHEMA.items()}
+NULLABLE = {k for k, (hint, _) in SCHEMA.items() if _plain(hint)[1]}
+FREE_FORM = ("model.attention",)  # validated by pipelines.AttentionOptions
+# key -> (lowest, lowest is allowed, highest or None): numbers outside are refused
+RANGES: dict[str, tuple[Any, bool, Any]] = {
+    k: (m["low"], not m["above"], m["high"]) for k, (_, m) in SCHEMA.items() if m.get("low") is not None
+}
+CHOICES: dict[str, tuple[Any, ...]] = {k: m["choices"] for k, (_, m) in SCHEMA.items() if m.get("choices")}
+# list keys -> the type of their items
+LIST_ITEMS: dict[str, tuple[type, ...]] = {
+    k: _runtime_types(get_args(_plain(hint)[0])[0])
+    for k, (hint, _) in SCHEMA.items()
+    if get_origin(_plain(hint)[0]) is list and get_args(_plain(hint)[0])[0] is not Any
+}
 
 
 def lr_multiplier(schedule: str, warmup: int, total: int, min_ratio: float):
@@ -235,94 +372,6 @@ class open_dict_at:
         return False
 
 
-# ---- the schema: the type of every key (DEFAULTS gives it where the default is not null) and the range
-# of every number. Checked before anything is loaded, so `train.lr=abc` or `train.lr=-1` stop at once.
-_NUM = (int, float)
-NULLABLE_TYPES: dict[str, tuple] = {
-    "resume": (str,),
-    "model.path": (str,),
-    "model.expert": (str,),
-    "model.transformer": (str,),
-    "model.lora": (str,),
-    "model.layers": (list,),
-    "model.blocks": (str,),
-    "data.path": (str,),
-    "data.video_column": (str,),
-    "data.caption_column": (str,),
-    "data.image_path": (str,),
-    "data.trigger_word": (str,),
-    "data.fps": _NUM,
-    "data.min_frames": (int,),
-    "data.buckets": (bool,),
-    "data.bucket_sizes": (list,),
-    "data.image_num_samples": (int,),
-    "data.default_background": (str,),
-    "data.short_captions": _NUM,
-    "train.mixing_lr": _NUM,
-    "train.threads": (int,),
-    "vae.export": (str,),
-}
-FREE_FORM = ("model.attention",)  # validated by pipelines.AttentionOptions
-# key -> (lowest, lowest is allowed, highest or None): numbers outside are refused
-RANGES: dict[str, tuple] = {
-    "train.lr": (0, False, None),
-    "train.mixing_lr": (0, False, None),
-    "train.weight_decay": (0, True, None),
-    "train.adam_eps": (0, False, None),
-    "train.warmup_steps": (0, True, None),
-    "train.grad_clip": (0, True, None),
-    "train.max_nonfinite": (1, True, None),
-    "train.ema_decay": (0, True, None),
-    "train.threads": (1, True, None),
-    "train.lora.rank": (1, True, None),
-    "train.lora.alpha": (0, False, None),
-    "transfer.lr": (0, False, None),
-    "flow.shift": (0, False, None),
-    "flow.logit_std": (0, False, None),
-    "flow.object_weight": (0, True, None),
-    "flow.object_threshold": (0, False, None),
-    "data.num_samples": (1, True, None),
-    "data.image_ratio": (0, True, None),
-    "data.image_num_samples": (1, True, None),
-    "data.short_captions": (0, True, 1),
-    "data.frame_stride": (1, True, None),
-    "data.fps": (0, False, None),
-    "data.repeats": (1, True, None),
-    "data.min_frames": (1, True, None),
-    "data.cache_windows": (1, True, None),
-    "data.num_workers": (0, True, None),
-    "data.max_sequence_length": (1, True, None),
-    "log.every": (1, True, None),
-    "validation.every": (0, True, None),
-    "validation.num_inference_steps": (1, True, None),
-    "validation.guidance_scale": (0, True, None),
-    "validation.loss_batches": (1, True, None),
-    # seeds: a 64-bit generator's range (train.seed also seeds rank r's generator with seed * 1000 + r)
-    "train.seed": (0, True, (2**63 - 1) // 1000 - 1000),
-    "model.seed": (0, True, 2**63 - 1),
-    "validation.probe_every": (0, True, None),
-    "validation.probe_clips": (1, True, None),
-    "checkpoint.every": (0, True, None),
-    "checkpoint.keep": (0, True, None),
-    "vae.crop": (8, True, None),
-    "vae.kl_weight": (0, True, None),
-    "vae.object_weight": (0, True, None),
-    "vae.latent_noise": (0, True, None),
-    "vae.edge_weight": (0, True, None),
-    "vae.stats_samples": (1, True, None),
-}
-PROBE_SPLITS = ("validation", "train")
-# list keys -> the type of their items
-LIST_ITEMS: dict[str, tuple] = {
-    "model.layers": (int,),
-    "train.betas": _NUM,
-    "train.lora.target_modules": (str,),
-    "validation.prompts": (str,),
-    "validation.seeds": (int,),
-}
-MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
-
-
 def _leaves(tree: dict, prefix: str = ""):
     for key, value in tree.items():
         name = f"{prefix}{key}"
@@ -346,19 +395,20 @@ def _is(value, types: tuple) -> bool:
 
 
 def check_types(cfg: DictConfig) -> None:
-    """Every key against the schema: its type (from :data:`DEFAULTS`, or :data:`NULLABLE_TYPES` where the
-    default is null) and, for numbers, :data:`RANGES`. Raises ValueError naming key, value and expectation."""
-    for key, default in _leaves(DEFAULTS):
+    """Every key against the schema (:class:`FinetuneConfig`): its type (the field's annotation), null only where
+    the annotation allows it, a list's items, a number's range and a value's choices. Raises ValueError naming key,
+    value and expectation."""
+    for key, _ in _leaves(DEFAULTS):
         value = OmegaConf.select(cfg, key)
         if key in FREE_FORM:
             if not isinstance(value, DictConfig):
                 raise ValueError(f"{key}={value!r}: expected a mapping of attention options")
             continue
+        types = TYPES[key]
         if value is None:
-            if default is None:
+            if key in NULLABLE:
                 continue
-            raise ValueError(f"{key}=null: expected {_type_name(_types_of(default))}")
-        types = NULLABLE_TYPES[key] if default is None else _types_of(default)
+            raise ValueError(f"{key}=null: expected {_type_name(types)}")
         if isinstance(value, ListConfig):
             value = OmegaConf.to_container(value)
         if not _is(value, types):
@@ -372,16 +422,8 @@ def check_types(cfg: DictConfig) -> None:
             if value < low or (value == low and not inclusive) or (high is not None and value > high):
                 span = f"{'>=' if inclusive else '>'} {low}" + ("" if high is None else f" and <= {high}")
                 raise ValueError(f"{key}={value!r}: expected a value {span}")
-
-
-def _types_of(default) -> tuple:
-    if isinstance(default, bool):
-        return (bool,)
-    if isinstance(default, float):
-        return _NUM
-    if isinstance(default, list):
-        return (list,)
-    return (type(default),)
+        if key in CHOICES and value not in CHOICES[key]:
+            raise ValueError(f"{key}={value!r}: expected one of {CHOICES[key]}")
 
 
 def validate(cfg: DictConfig) -> None:
@@ -392,16 +434,10 @@ def validate(cfg: DictConfig) -> None:
         if not ok:
             raise ValueError(f"{key}={OmegaConf.select(cfg, key)!r}: expected {expected}")
 
-    need(cfg.task in TASKS, "task", f"one of {TASKS}")
     need(cfg.task != "vae" or bool(cfg.model.path), "model.path", "a model directory whose vae/ to train (task=vae)")
-    need(cfg.vae.trainable in VAE_TRAINABLE, "vae.trainable", f"one of {VAE_TRAINABLE}")
-    need(cfg.data.source in SOURCES, "data.source", f"one of {SOURCES}")
-    need(cfg.data.layout in LAYOUTS, "data.layout", f"one of {LAYOUTS}")
     for key in ("data.video_column", "data.caption_column"):
         value = OmegaConf.select(cfg, key)
         need(value is None or bool(value.strip()), key, "null or a manifest column name")
-    need(cfg.train.trainable in TRAINABLE, "train.trainable", f"one of {TRAINABLE}")
-    need(cfg.train.precision in PRECISIONS, "train.precision", f"one of {PRECISIONS}")
     need(
         cfg.task != "vae" or cfg.train.precision in ("no", "bf16"),
         "train.precision",
@@ -420,20 +456,16 @@ def validate(cfg: DictConfig) -> None:
         "data.default_background",
         f"null or one of world {cfg.data.world}'s backgrounds {backgrounds}",
     )
-    need(cfg.train.steps >= 1, "train.steps", "at least 1")
-    need(all(0 <= s <= 2**63 - 1 for s in cfg.validation.seeds), "validation.seeds", "seeds in [0, 2**63 - 1]")
+    need(all(0 <= s <= SEED_MAX for s in cfg.validation.seeds), "validation.seeds", "seeds in [0, 2**63 - 1]")
     from common.errors import check_text
 
     for prompt in cfg.validation.prompts:
         check_text(prompt, "validation.prompts: a prompt")
-    need(cfg.model.variant in VARIANTS, "model.variant", f"one of {VARIANTS}")
-    need(cfg.model.dtype in MODEL_DTYPES, "model.dtype", f"one of {MODEL_DTYPES}")
     need(
         cfg.model.expert in (None, *EXPERTS),
         "model.expert",
         f"null or one of {EXPERTS} (the Wan2.2-A14B expert to train: transformer = high noise, transformer_2 = low)",
     )
-    need(cfg.flow.weighting in ("logit_normal", "uniform"), "flow.weighting", "'logit_normal' or 'uniform'")
     need(len(cfg.train.betas) == 2 and all(0 <= b < 1 for b in cfg.train.betas), "train.betas", "two numbers in [0, 1)")
     need(cfg.resume in (None, "latest") or Path(cfg.resume).is_dir(), "resume", "null, 'latest' or a checkpoint folder")
     need(cfg.train.ema_decay < 1, "train.ema_decay", "a decay in [0, 1) (0 = off, e.g. 0.999)")
@@ -450,12 +482,6 @@ def validate(cfg: DictConfig) -> None:
             "train.trainable=lora)",
         )
         need(Path(cfg.model.lora).exists(), "model.lora", "an existing LoRA folder (e.g. <run_dir>/final/lora) or file")
-    need(cfg.train.lr_schedule in LR_SCHEDULES, "train.lr_schedule", f"one of {LR_SCHEDULES}")
-    need(cfg.validation.probe_split in PROBE_SPLITS, "validation.probe_split", f"one of {PROBE_SPLITS}")
-    need(0 <= cfg.train.min_lr_ratio <= 1, "train.min_lr_ratio", "a fraction of train.lr in [0, 1]")
-    need(cfg.train.batch_size >= 1, "train.batch_size", "at least 1")
-    need(cfg.train.grad_accum >= 1, "train.grad_accum", "at least 1")
-    need(cfg.transfer.steps >= 0, "transfer.steps", "0 (off) or more")
     need(cfg.data.source == "synthetic" or cfg.data.path, "data.path", f"a folder for data.source={cfg.data.source}")
     if cfg.data.path and cfg.data.source != "synthetic":
         need(Path(cfg.data.path).exists(), "data.path", "an existing folder or manifest")
