@@ -73,6 +73,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 
     add_speed_arguments(p)  # --cache, --compile: the generation CLI's definitions and checks
     p.add_argument(
+        "--preview-every",
+        type=int,
+        default=None,
+        metavar="STEPS",
+        help="a live preview of each running variant every STEPS denoising steps (a fast colour map of its denoised "
+        "estimate; 0: none; default 4)",
+    )
+    p.add_argument(
         "--max-tokens",
         type=int,
         default=None,
@@ -108,8 +116,10 @@ def compose(
     )
     if models.builtin:
         from world.analyse import strict_verdicts
+        from world.synthetic import sample_clips
 
         models.judge = strict_verdicts  # judged as a person would: objects counted, a band is not a square
+        models.clip_source = sample_clips  # the live previews' colour map, fitted on clips of its world
     return models
 
 
@@ -129,6 +139,8 @@ def _main(argv) -> int:
         raise ValueError("--model and --random-weights exclude each other: random weights replace the model's")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port {args.port}: expected a port number in 0 ... 65535")
+    if args.preview_every is not None and args.preview_every < 0:
+        raise ValueError(f"--preview-every {args.preview_every}: expected 0 (no previews) or a number of steps")
     for name in ("max_tokens", "max_bench_tokens"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -181,10 +193,12 @@ def _main(argv) -> int:
         print(f"model loaded in {time.monotonic() - started:.1f} s (in the background); warming up", flush=True)
         return models
 
+    from app.preview import PREVIEW_EVERY
     from app.ui import CSS, QUEUE_SIZE, SESSIONS_KEPT, THEME, build_demo
 
-    warmup = Warmup.loading(load)
-    demo = build_demo(facts, max_tokens=max_tokens, max_bench_tokens=max_bench, warmup=warmup)
+    every = PREVIEW_EVERY if args.preview_every is None else args.preview_every
+    warmup = Warmup.loading(load, previews=every > 0)
+    demo = build_demo(facts, max_tokens=max_tokens, max_bench_tokens=max_bench, warmup=warmup, preview_every=every)
     print(f"model: {facts.source} on {facts.device}" + (f" ({facts.memory})" if facts.memory else ""))
     if facts.speed:
         print(f"speed: {facts.speed}")

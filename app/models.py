@@ -122,6 +122,9 @@ class AppModels(_ModelQuestions):
     # or None when it names nothing the analyser knows; set by whoever composes the app for a model with an
     # analyser (run_app.py, the built-in model)
     judge: Callable[[np.ndarray, str], dict[str, bool] | None] | None = None
+    # clips like those the model draws, to fit its live previews' colour map on (run_app.py gives the built-in
+    # model its world's): (count, frames, height, width, seed) -> uint8 (count, frames, height, width, 3)
+    clip_source: Callable[[int, int, int, int, int], np.ndarray] | None = None
     # prompts the model is known to draw (the built-in model's, chosen from its evaluation); [] = the defaults below
     examples: list[str] = field(default_factory=list)
     # where the example prompts' precomputed results are stored with the model (app.compare.store_examples)

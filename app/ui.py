@@ -9,6 +9,7 @@ transformer calls.
 
 from __future__ import annotations
 
+import math
 import queue
 import random
 import shutil
@@ -26,9 +27,9 @@ from common.timing import device_name
 from pipelines import VARIANTS
 from pipelines.attention import MHLA, SOFTMAX
 
-from . import bench, compare, gpu_results, inputs
+from . import bench, compare, gpu_results, inputs, preview
 from .compare import VARIANT_COLOURS
-from .interleave import Countdown, seconds_left
+from .interleave import Countdown, RunEstimate
 from .models import AppModels, ModelFacts
 
 # System fonts: the default theme pulls Google Fonts, and the app must work with no network at all.
@@ -77,6 +78,8 @@ POLL_SECONDS = 0.5  # how often the status line is refreshed while a run is goin
 # the shortest wait for the run's next event, whatever POLL_SECONDS says: a loop that never blocks would yield a page
 # per turn and starve the worker thread of the GIL (a test with POLL_SECONDS = 0 grew to 24 GB that way)
 MIN_WAIT_SECONDS = 0.02
+# the outputs of each variant's column: the column, its video, its details, its live preview
+PER_VARIANT = 4
 
 
 def stored_label(result: compare.CompareResult) -> str:
@@ -185,17 +188,17 @@ class _Runs:
 
 
 class _DecodeClock:
-    """Seconds per pixel (frames x height x width) of a variant's tail on this server: the warm-up's VAE decode
-    first, then each finished run's tail (decode, video writing and checks: the estimate of what a run has still to
-    do after its steps)."""
+    """Seconds per pixel (frames x height x width) of a stage after a variant's steps on this server (a variant's tail:
+    decode, video writing and checks; or the run's end): the warm-up's VAE decode first, then each finished run's
+    measure (what a run has still to do after its steps)."""
 
     def __init__(self):
         self._rate: float | None = None
-        self._steps: tuple[float, int] | None = None  # (a tail in denoising steps, at these pixels)
+        self._steps: tuple[float, float, int] | None = None  # (the stage in denoising steps, in seconds, at pixels)
         self._lock = threading.Lock()
 
     def add(self, seconds: float, pixels: int, step_seconds: float | None = None) -> None:
-        """A tail of ``seconds`` at ``pixels``; with ``step_seconds`` (the same run's denoising step) also as a
+        """A stage of ``seconds`` at ``pixels``; with ``step_seconds`` (the same run's denoising step) also as a
         number of steps: a busier machine slows both alike, so that count carries to the next run where seconds do
         not (two requests 15.5 s and 11.1 s apart, the first's tails said +44% for the second's)."""
         if seconds > 0 and pixels > 0:
@@ -205,21 +208,25 @@ class _DecodeClock:
                     self._steps = None
                     return
                 steps = seconds / step_seconds
-                if self._steps is not None and self._steps[1] == pixels:  # one run's tails are one sample: averaged
-                    steps = (steps + self._steps[0]) / 2
-                self._steps = (steps, pixels)
+                if self._steps is not None and self._steps[2] == pixels:  # one run is one sample: averaged
+                    steps, seconds = (steps + self._steps[0]) / 2, (seconds + self._steps[1]) / 2
+                self._steps = (steps, seconds, pixels)
 
     def in_steps(self, pixels: int) -> bool:
-        """Whether the last tail at ``pixels`` is known as a number of steps (a run's, not the warm-up's)."""
+        """Whether the last stage at ``pixels`` is known as a number of steps (a run's, not the warm-up's)."""
         with self._lock:
-            return self._steps is not None and self._steps[1] == pixels
+            return self._steps is not None and self._steps[2] == pixels
 
     def seconds(self, pixels: int, step_seconds: float | None = None) -> float | None:
-        """One tail's seconds at ``pixels``: as many of this run's steps (``step_seconds``) as the last run's tail
-        took at the same size, else the last tail's seconds per pixel."""
+        """The stage's seconds at ``pixels``. With this run's step (``step_seconds``) and an earlier run's measure at
+        the same size: the geometric mean of as many of this run's steps as it took there and of the seconds it took
+        there. Steps alone follow a busier machine but also carry a step that is slower for other reasons (another
+        process's burst, other variants chosen) into the decode, which it does not slow: on this CPU under a varying
+        load one run's tails in steps said 0.73 s for the next run's 0.37 s, its seconds 0.40 s. The geometric mean
+        errs by at most the square root of either's factor. Else the last seconds per pixel."""
         with self._lock:
-            if self._steps is not None and step_seconds and self._steps[1] == pixels:
-                return self._steps[0] * step_seconds
+            if self._steps is not None and step_seconds and self._steps[2] == pixels:
+                return math.sqrt(self._steps[0] * step_seconds * self._steps[1])
             return None if self._rate is None else self._rate * pixels
 
 
@@ -255,31 +262,12 @@ def stopped_line(finished: list[str], counts: dict[str, tuple[int, int]], varian
     return "**Stopped** by you: " + "; ".join(parts) + "."
 
 
-def _status(
-    text: str,
-    started: float,
-    fraction: float,
-    countdown: Countdown,
-    decodes_left: int = 0,
-    decode_seconds: float | None = None,
-    tail_since: float | None = None,
-    origin: tuple[float, float] | None = None,
-    tails_clock: float | None = None,
-) -> str:
-    elapsed = time.monotonic() - started
-    line = f"**Running:** {text} · {elapsed:.0f} s elapsed"
-    # an estimate once a few steps of every variant are measured (before that it is a guess), with the variants'
-    # tails still to come. Once the tails have begun (``tail_since``), the steps' rate is the one measured before
-    # them: the last round's few steps wait behind the tails, and counting the tails' seconds as denoising would
-    # make the steps look many times slower. ``tails_clock``: since when the ``decodes_left`` tails have been going
-    # (default ``tail_since``; later, the last tail's end, when the rate of those to come is this run's own)
-    denoising = elapsed if tail_since is None else tail_since - started
-    since = tail_since if tails_clock is None else tails_clock
-    tail_elapsed = 0.0 if since is None else time.monotonic() - since
-    # the rate from the first step done on (``origin``: its second since ``started`` and the fraction then)
-    left = countdown.update(
-        seconds_left(denoising, fraction, decodes_left, decode_seconds, tail_elapsed, origin or (0.0, 0.0))
-    )
+def _status(text: str, started: float, countdown: Countdown, estimate: RunEstimate | None = None) -> str:
+    """The status line while a run goes: its stage, the seconds elapsed and, once ``estimate`` can say, the seconds
+    left (:class:`app.interleave.RunEstimate`, shown through ``countdown`` so that it counts down)."""
+    now = time.monotonic()
+    line = f"**Running:** {text} · {now - started:.0f} s elapsed"
+    left = countdown.update(None if estimate is None else estimate.seconds_left(now))
     if left is not None:
         if left >= 1:
             line += f", about {left:.0f} s left"
@@ -287,7 +275,7 @@ def _status(
             # "finishing" only once no variant's video is still to come (the side-by-side video and the tables are
             # then all that is left): a tail that runs past its estimate is "about 1 s left", not minutes of
             # "finishing" (the issue's 6.3 s)
-            line += ", about 1 s left" if decodes_left > 0 else ", finishing"
+            line += ", about 1 s left" if estimate is not None and estimate.videos_left() > 0 else ", finishing"
     return line
 
 
@@ -439,12 +427,16 @@ def build_demo(
     max_bench_tokens: int | None = None,
     out_root: Path | None = None,
     warmup: compare.Warmup | None = None,
+    preview_every: int = preview.PREVIEW_EVERY,
 ) -> gr.Blocks:
     """The app's page. ``models``: the loaded models, or their :class:`~app.models.ModelFacts` while ``warmup``
     loads them in the background (the page is built from either; runs wait for the loaded ones).
     ``max_tokens``/``max_bench_tokens``: largest request accepted (None: no limit).
     ``out_root``: where videos and benchmark files are written (a fresh temporary folder by default).
-    ``warmup``: the background warm-up the server started with (runs wait for it; the page says it is going)."""
+    ``warmup``: the background warm-up the server started with (runs wait for it; the page says it is going).
+    ``preview_every``: a live preview in each running variant's column every this many steps (0: none)."""
+    if preview_every < 0:
+        raise ValueError(f"preview_every {preview_every}: expected 0 (no previews) or a number of steps")
     if isinstance(models, ModelFacts) and warmup is None:
         raise ValueError("a page built from a model's facts needs the Warmup that loads the model")
     out_root = Path(out_root or tempfile.mkdtemp(prefix="mhla-app-"))
@@ -456,7 +448,7 @@ def build_demo(
         warmup_line(demo, warmup)
         if models.random_note:
             gr.Markdown(f"**{models.random_note}.**", elem_classes="random-note", elem_id="random-note")
-        compare_tab(demo, source, max_tokens)
+        compare_tab(demo, source, max_tokens, preview_every)
         benchmark_tab(source, max_bench_tokens)
     return demo
 
@@ -477,9 +469,12 @@ def warmup_line(demo: gr.Blocks, warmup: compare.Warmup | None) -> None:
     )
 
 
-def compare_tab(demo: gr.Blocks, source: PageSource, max_tokens: int | None) -> None:
-    """The Compare tab: the request form, a column per variant streamed as each finishes, the verdict, tables,
-    chart and side-by-side video; stored examples and permalinks. ``max_tokens``: largest request accepted."""
+def compare_tab(
+    demo: gr.Blocks, source: PageSource, max_tokens: int | None, preview_every: int = preview.PREVIEW_EVERY
+) -> None:
+    """The Compare tab: the request form, a column per variant streamed as each finishes (a live preview every
+    ``preview_every`` steps before it: :mod:`app.preview`; 0: none), the verdict, tables, chart and side-by-side
+    video; stored examples and permalinks. ``max_tokens``: largest request accepted."""
     models, warmup, out_root, loaded = source.models, source.warmup, source.out_root, source.loaded
     # where gradio's upload route puts files: the only place an uploaded first frame may be read from
     upload_dirs = [Path(gr.utils.get_upload_folder())]
@@ -503,16 +498,20 @@ def compare_tab(demo: gr.Blocks, source: PageSource, max_tokens: int | None) -> 
             req.variants,
         )
 
-    decode_clock = _DecodeClock()
+    decode_clock = _DecodeClock()  # a variant's tail: decode, video, checks
+    finish_clock = _DecodeClock()  # a run's end after its last video: the side-by-side video, tables, chart
+    # each tail over their mean, in the order the videos came, by the number of variants of the last such run
+    tail_shapes: dict[int, list[float]] = {}
     line = _Queue()
     stored = _stored_copies(page, out_root / "stored")
-    # the outputs after the status line: headline, (column, video, details) per variant, summary, table,
+    # the outputs after the status line: headline, (column, video, details, preview) per variant, summary, table,
     # details table, chart, side-by-side file
-    n_outputs = 3 * len(VARIANTS) + 6
+    n_outputs = PER_VARIANT * len(VARIANTS) + 6
 
-    def outputs_for(result: compare.CompareResult, status: str, chart: bool = True) -> list:
-        """The page for ``result``; ``chart=False`` while variants still run (matplotlib in this thread would
-        slow the VAE decode of the variant whose turn it is: the chart is drawn once, at the end)."""
+    def outputs_for(result: compare.CompareResult, status: str, running: bool = False) -> list:
+        """The page for ``result``. ``running``: variants still run, so no chart yet (matplotlib in this thread
+        would slow the VAE decode of the variant whose turn it is: it is drawn once, at the end) and a running
+        variant's preview stays; a finished variant's video replaces its preview."""
         outs = [status, stored_label(result) + compare.headline_markdown(result) + _warning(result)]
         for name in VARIANTS:
             run = result.run(name)
@@ -521,12 +520,13 @@ def compare_tab(demo: gr.Blocks, source: PageSource, max_tokens: int | None) -> 
                 gr.Column(visible=chosen),
                 str(run.video) if run and run.video else None,
                 compare.variant_markdown(run, result) if run else f"### {name}\n_{page.variant_notes[name]}_\n\n…",
+                gr.skip() if running and run is None else "",
             ]
         outs += [
             compare.summary_markdown(result),
             compare.table_markdown(result) + table_device(result),
             compare.detail_rows(result),
-            compare.speedup_figure(result) if chart else gr.skip(),
+            gr.skip() if running else compare.speedup_figure(result),
             str(result.side_by_side) if result.side_by_side else None,
         ]
         return outs
@@ -540,6 +540,7 @@ def compare_tab(demo: gr.Blocks, source: PageSource, max_tokens: int | None) -> 
                 gr.skip() if variants is None else gr.Column(visible=name in variants),
                 None,
                 f"### {name}\n_{page.variant_notes[name]}_\n\n…",
+                "",
             ]
         return outs + ["", "", {"headers": compare.ALL_HEADERS, "data": []}, None, None]
 
@@ -611,6 +612,14 @@ def compare_tab(demo: gr.Blocks, source: PageSource, max_tokens: int | None) -> 
         pixels = req.num_frames * req.height * req.width
         events: queue.Queue = queue.Queue()
 
+        def show(name: str, step: int, steps: int, frame, estimate: bool) -> None:
+            """A variant's live preview (in its turn, between two timed steps): the column's HTML."""
+            events.put(("preview", (name, preview.preview_html(frame, name, step, steps, estimate))))
+
+        def counted(counts: dict[str, tuple[int, int]]) -> None:
+            events.put(("steps", (time.monotonic(), counts)))  # the second it was counted: the estimate's clock
+            runs.steps(session, stop, counts)
+
         def work():
             try:
                 for snapshot in compare.iter_compare(
@@ -619,66 +628,55 @@ def compare_tab(demo: gr.Blocks, source: PageSource, max_tokens: int | None) -> 
                     out_root / "compare",
                     progress=lambda t, f: events.put(("progress", (t, f))),
                     cancel=stop,
-                    variant_steps=lambda counts: (events.put(("steps", counts)), runs.steps(session, stop, counts)),
+                    variant_steps=counted,
+                    preview_every=preview_every,
+                    show_preview=show if preview_every > 0 else None,
                 ):
-                    events.put(("result", snapshot))
+                    events.put(("result", (time.monotonic(), snapshot)))
             except BaseException as e:  # noqa: BLE001 - reported to the page below, without details
                 events.put(("failed", e))
             finally:
                 events.put(("end", None))
 
+        def tail_prior(step: float | None) -> float | list[float] | None:
+            """The tails of this run's variants as the last runs had them: their mean (:class:`_DecodeClock`), in
+            the shape the last run of as many variants had (the first video's tail short, the later ones longer)."""
+            mean = decode_clock.seconds(pixels, step)
+            shape = tail_shapes.get(len(req.variants))
+            return mean if mean is None or shape is None else [mean * x for x in shape]
+
         started = time.monotonic()
         countdown = Countdown()
-
-        # interleaved variants (each its own transformer) all decode after the last round, one after another
-        interleaved = compare.interleaves(models, req.variants)
-
-        def decodes() -> tuple[int, float | None, float | None, tuple[float, float] | None, float | None]:
-            """The variants' tails to count (decode, video, checks), one tail's seconds, since when the tails have
-            been running (interleaved: all of them, one after another, from the first variant's last step on), the
-            second and fraction of the first step done (the rate's origin), and since when the tails still to come
-            have been going. One tail's seconds: this run's own once one of its tails is done (interleaved: the
-            tails so far over their number), else the last run's on this server (the warm-up's before any run)."""
-            done = len(last.runs) if last else 0
-            if interleaved and tails_at is not None:
-                if done and tail_done_at is not None:  # this run's own tails: the rate of those to come
-                    return len(req.variants) - done, (tail_done_at - tails_at) / done, tails_at, origin, tail_done_at
-                step = step_seconds(tails_at, tails_fraction)
-                tail = decode_clock.seconds(pixels, step)
-                if tail is not None and step and not decode_clock.in_steps(pixels):
-                    # the warm-up's tail is a decode and its checks; in a run each variant's tail also waits for
-                    # its last step (the first variant's tail begins the tails, the others' last steps come after)
-                    tail += step
-                return len(req.variants), tail, tails_at, origin, None
-            tail = decode_clock.seconds(pixels, step_seconds(time.monotonic(), fraction))
-            return len(req.variants) - done, tail, None, origin, None
-
-        def step_seconds(until: float, at: float) -> float | None:
-            """One denoising step's seconds in this run: from the first step done (``origin``) to ``until``, when
-            the fraction ``at`` of the steps was done (None before a tenth more than at the origin)."""
-            if origin is None or at - origin[1] < 0.1:
-                return None
-            return (until - started - origin[0]) / ((at - origin[1]) * len(req.variants) * req.repeats * steps_each)
+        # what the run measures of itself (app.interleave.RunEstimate); what it has not yet measured (a tail, the
+        # run's end) comes from earlier runs on this server, as many of this run's steps as they took there
+        estimate = RunEstimate(
+            req.variants,
+            req.num_inference_steps,
+            req.repeats,
+            compare.interleaves(models, req.variants),
+            tail_prior=tail_prior,
+            # before any whole run: one more tail (the side-by-side video is one more video to write)
+            finish_prior=lambda step: finish_clock.seconds(pixels, step) or decode_clock.seconds(pixels, step),
+            start=started,
+        )
 
         worker = threading.Thread(target=work, name="compare", daemon=True)
         worker.start()
-        text, fraction, last, shown = "starting", 0.0, None, 0.0
-        tails_at: float | None = None  # the first variant's steps done: its tail began (the others' wait behind it)
-        tail_done_at: float | None = None  # when the last of this run's finished variants was done (its tail's end)
-        tails_fraction = 0.0  # the share of the steps done at tails_at
-        steps_each = req.num_inference_steps
-        origin: tuple[float, float] | None = None  # (second, fraction) when every variant's first step was done
+        text, last, shown = "starting", None, 0.0
         counts: dict[str, tuple[int, int]] = {}  # each variant's steps done and in all
+        previews: dict[str, str] = {}  # each running variant's latest preview not yet shown
 
         def columns_in_progress() -> list:
-            """Each running variant's column: its steps done of its steps, as a bar (finished ones: unchanged)."""
+            """Each running variant's column: its steps done of its steps, as a bar, and its latest preview (finished
+            ones: unchanged)."""
             finished = {r.variant for r in last.runs} if last else set()
             outs: list = []
             for name in VARIANTS:
                 if name in counts and name not in finished:
-                    outs += [gr.skip(), gr.skip(), progress_markdown(name, page.variant_notes[name], *counts[name])]
+                    bar = progress_markdown(name, page.variant_notes[name], *counts[name])
+                    outs += [gr.skip(), gr.skip(), bar, previews.pop(name, gr.skip())]
                 else:
-                    outs += [gr.skip()] * 3
+                    outs += [gr.skip()] * PER_VARIANT
             return outs
 
         try:
@@ -688,23 +686,23 @@ def compare_tab(demo: gr.Blocks, source: PageSource, max_tokens: int | None) -> 
                 except queue.Empty:
                     kind, payload = "tick", None
                 if kind == "progress":
-                    text, fraction = payload
-                    # the rate's origin: every variant's first (cold) step done, the set-up before it left out
-                    if origin is None and fraction > 0 and (not interleaved or all(d for d, _ in counts.values())):
-                        origin = (time.monotonic() - started, fraction)
+                    text = payload[0]
                 elif kind == "steps":
-                    counts = payload
-                    if tails_at is None and any(total and done >= total for done, total in counts.values()):
-                        tails_at = time.monotonic()
-                        tails_fraction = sum(d for d, _ in counts.values()) / max(1, sum(t for _, t in counts.values()))
+                    at, counts = payload
+                    estimate.steps(at, counts)
+                    continue
+                elif kind == "preview":
+                    name, html_text = payload
+                    previews[name] = html_text  # shown with the next refresh of the columns
                     continue
                 elif kind == "result":
-                    if len(payload.runs) > (len(last.runs) if last else 0):
-                        tail_done_at = time.monotonic()
+                    at, payload = payload
+                    for r in payload.runs:
+                        estimate.finished(at, r.variant)
                     last, shown = payload, time.monotonic()
                     runs.finished(session, stop, last)
                     if not stop.is_set():
-                        yield outputs_for(last, _status(text, started, fraction, countdown, *decodes()), chart=False)
+                        yield outputs_for(last, _status(text, started, countdown, estimate), running=True)
                     continue
                 elif kind == "failed":
                     compare.log.error("compare run failed", exc_info=payload)
@@ -720,7 +718,7 @@ def compare_tab(demo: gr.Blocks, source: PageSource, max_tokens: int | None) -> 
                     continue
                 if time.monotonic() - shown >= POLL_SECONDS:  # the stage line and the bars, at most twice a second
                     shown = time.monotonic()
-                    status_line = _status(text, started, fraction, countdown, *decodes())
+                    status_line = _status(text, started, countdown, estimate)
                     yield [status_line, gr.skip(), *columns_in_progress()] + [gr.skip()] * 5
         finally:
             stop.set()  # the page went away or Stop cancelled this generator: end the worker's run too
@@ -748,19 +746,24 @@ def compare_tab(demo: gr.Blocks, source: PageSource, max_tokens: int | None) -> 
         if req.unknown_words:
             status += " " + compare.vocabulary_note(models, req.unknown_words)
         final = outputs_for(last, status)  # the table, the chart: part of what a run has still to do after its steps
-        # the next run's estimate of a variant's tail, this server's latest: with interleaved variants, everything
-        # after the last round (decodes, video writing, the checks, the side-by-side video, the final table and
-        # chart) per variant; else the VAE decode alone (a sequential run's tails fall inside the steps' own
-        # extrapolation)
+        # the next run's estimates, this server's latest, as many of this run's steps as they took: a variant's tail
+        # (its decode, video and checks) and the run's end after the last video (the side-by-side video, the tables,
+        # the chart); only from a whole run
         complete = not last.stopped and all(r.timings for r in last.runs) and len(last.runs) == len(req.variants)
-        if complete and last.interleaved and tails_at is not None:
-            decode_clock.add(
-                (time.monotonic() - tails_at) / len(req.variants), pixels, step_seconds(tails_at, tails_fraction)
-            )
-        else:
+        step = estimate.step_seconds
+        if complete and estimate.tails:
+            mean = sum(estimate.tails) / len(estimate.tails)
+            decode_clock.add(mean, pixels, step)
+            if len(estimate.tails) == len(req.variants) and mean > 0:  # one run is one sample: averaged with the last
+                shape, last_shape = [t / mean for t in estimate.tails], tail_shapes.get(len(req.variants))
+                tail_shapes[len(req.variants)] = (
+                    shape if last_shape is None else [(a + b) / 2 for a, b in zip(shape, last_shape, strict=True)]
+                )
+        elif complete:
             for r in last.runs:
-                if r.timings:
-                    decode_clock.add(r.stage("vae_decode").median, pixels)
+                decode_clock.add(r.stage("vae_decode").median, pixels)
+        if complete and estimate.finish_times:
+            finish_clock.add(time.monotonic() - max(estimate.finish_times.values()), pixels, step)
         yield final
 
     def on_stop(request: gr.Request):
@@ -931,6 +934,10 @@ def compare_tab(demo: gr.Blocks, source: PageSource, max_tokens: int | None) -> 
         with gr.Row(equal_height=False):
             for name in VARIANTS:
                 with gr.Column(min_width=200, elem_id=f"col-{name}") as col:
+                    # the live preview (app.preview) above the video: an image inside HTML, none in gradio's cache
+                    live = gr.HTML(
+                        "", label=f"{name} preview", elem_id=f"preview-{name}", elem_classes="variant-preview"
+                    )
                     video = gr.Video(
                         label=f"{name} video",
                         autoplay=True,
@@ -945,7 +952,7 @@ def compare_tab(demo: gr.Blocks, source: PageSource, max_tokens: int | None) -> 
                         elem_id=f"latency-{name}",
                         elem_classes="variant-info",
                     )
-                columns += [col, video, md]
+                columns += [col, video, md, live]
         table = gr.Markdown(label="By variant, best against the prompt first", elem_id="table")
         with gr.Row():
             chart = gr.Plot(label="denoising step latency", show_label=False, elem_id="chart")

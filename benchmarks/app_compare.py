@@ -101,11 +101,13 @@ def main(argv=None) -> int:
     from app.models import load_app_models
     from common.timing import device_name
     from world.analyse import strict_verdicts
+    from world.synthetic import sample_clips
 
     t0 = time.perf_counter()
     models = load_app_models(args.model, {}, None, "auto", "auto", args.decode_dtype)
     if models.builtin:  # as the launcher composes the app: the built-in model's world judges its videos
         models.judge = strict_verdicts
+        models.clip_source = sample_clips  # the previews' colour map, fitted on its world's clips
     loaded = time.perf_counter() - t0
     warm = compare.warm_up(models)
     d = models.components.defaults

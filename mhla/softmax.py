@@ -122,3 +122,28 @@ def softmax_attention(
         _auto_choice[key] = _last_backend = name
         return out
     raise RuntimeError("no softmax attention backend could run these inputs:\n" + "\n".join(errors))
+
+
+def backends_for(device_type: str) -> tuple[str, ...]:
+    """The values of ``backend`` that can run on a device type (``"cpu"``, ``"cuda"``): on a CPU only torch's
+    flash and math kernels (``"auto"`` and ``"sdpa"`` choose between them; cuDNN, the memory-efficient kernel and
+    the optional packages need a GPU); on a GPU every backend but the optional packages not installed here."""
+    if device_type == "cuda":
+        missing = set(_EXTERNAL) - set(installed_external_backends())
+        return tuple(b for b in SOFTMAX_BACKENDS if b not in missing)
+    return ("auto", "sdpa", "sdpa_flash", "sdpa_math")
+
+
+def check_backend(backend: str, device_type: str, name: str = "softmax backend") -> None:
+    """``ValueError`` naming ``backend`` and what runs on ``device_type`` when it cannot run there (before a model
+    loads: a named kernel that cannot run fails only at the first softmax layer, deep inside generation)."""
+    if backend not in SOFTMAX_BACKENDS:
+        raise ValueError(f"{name} {backend!r}: unknown; expected one of {', '.join(SOFTMAX_BACKENDS)}")
+    usable = backends_for(device_type)
+    if backend not in usable:
+        why = (
+            "is not installed here"
+            if backend in _EXTERNAL and device_type == "cuda"
+            else f"cannot run on {device_type}"
+        )
+        raise ValueError(f"{name} {backend!r} {why}; on {device_type} use one of: {', '.join(usable)}")

@@ -337,7 +337,12 @@ def _preflight(args: argparse.Namespace) -> _Plan:
     device = resolve_device(args.device)
     scale = check_scale(args, requests, device, shape.num_heads)
     device = scale.run_device(device)
-    return _Plan(requests, outputs, overrides, device, resolve_dtype(args.dtype, device), scale, frames_npy, lora)
+    if args.softmax_backend is not None:  # a kernel this device lacks would fail at the first softmax layer
+        from mhla.softmax import check_backend
+
+        check_backend(args.softmax_backend, device.type, "--softmax-backend")
+    dtype = resolve_dtype(args.dtype, device)
+    return _Plan(requests, outputs, overrides, device, dtype, scale, frames_npy, lora, folder)
 
 
 def _check_lora(args: argparse.Namespace, folder: Any) -> LoraAdapters:

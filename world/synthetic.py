@@ -568,6 +568,15 @@ class SyntheticVideoDataset(Dataset):
 # --------------------------------------------------------------------------- files
 
 
+def sample_clips(count: int, frames: int, height: int, width: int, seed: int = 0) -> np.ndarray:
+    """``count`` clips of the default world (samples ``0 ... count - 1`` of :func:`generate_sample`), uint8
+    ``(count, frames, height, width, 3)``: what the app fits its live previews' colour map on for the built-in
+    model."""
+    return np.stack(
+        [generate_sample(i, seed=seed, num_frames=frames, height=height, width=width).frames for i in range(count)]
+    )
+
+
 def write_mp4(path: str | Path, frames: np.ndarray, fps: float = 16) -> None:
     """Writes uint8 ``(T, H, W, 3)`` frames as H.264 mp4 at near-lossless quality so colours survive."""
     from common.video import write_mp4 as write_video

@@ -36,7 +36,7 @@ from pipelines.attention import HYBRID, LINEAR, MHLA, SOFTMAX
 from pipelines.caching import cached
 from pipelines.pipeline import generate
 
-from .. import quality
+from .. import preview, quality
 from ..models import AppModels
 from .request import CompareRequest, preset_tokens
 
@@ -110,6 +110,8 @@ class CompareResult:
     side_by_side: Path | None = None  # every variant's video in one labelled mp4
     measured: str = ""  # for a stored result: where and when it was measured
     speed: str = ""  # --compile / --cache as the page words them (app.models.speed_note); '' when neither is on
+    # the seconds each live preview took, by variant (in the variant's turn, outside its timed steps)
+    preview_seconds: dict[str, list[float]] = field(default_factory=dict)
 
     def run(self, variant: str) -> VariantRun | None:
         return next((r for r in self.runs if r.variant == variant), None)
@@ -172,9 +174,12 @@ def new_run_dir(out_root: Path) -> Path:
     return run_dir
 
 
-def _generate(models: AppModels, request: CompareRequest, variant: str, steps: int, output_type: str = "np"):
+def _generate(
+    models: AppModels, request: CompareRequest, variant: str, steps: int, output_type: str = "np", on_step=None
+):
     """The app's one call of :func:`pipelines.pipeline.generate`: the page's request as a
-    :class:`~pipelines.GenerationRequest`, checked once against the model (:func:`pipelines.model_request`)."""
+    :class:`~pipelines.GenerationRequest`, checked once against the model (:func:`pipelines.model_request`).
+    ``on_step``: generate's hook after each denoising step (the live previews)."""
     vm = models.variants[variant]
     checked = model_request(
         models.components,
@@ -198,7 +203,7 @@ def _generate(models: AppModels, request: CompareRequest, variant: str, steps: i
 
         compile_transformer(vm.transformer, models.compile)
     with cached(vm.transformer, models.cache, steps):  # as the CLI's --cache; nothing when None
-        return generate(models.components, checked, transformer=vm.transformer, show_progress=False)
+        return generate(models.components, checked, transformer=vm.transformer, show_progress=False, on_step=on_step)
 
 
 # "untrained attention parameters": each converted variant's column already says "converted, not fine-tuned"
@@ -281,7 +286,9 @@ class Warmup:
     the model's files (:class:`app.models.ModelFacts`) before diffusers is even imported; a load that fails
     is logged, named on the page, and every run is refused with it."""
 
-    def __init__(self, models: AppModels | None = None, load: Callable[[], AppModels] | None = None):
+    def __init__(
+        self, models: AppModels | None = None, load: Callable[[], AppModels] | None = None, previews: bool = True
+    ):
         if (models is None) == (load is None):
             raise ValueError("Warmup needs the loaded models or a function that loads them, not both")
         self.models = models
@@ -295,10 +302,11 @@ class Warmup:
         self.error: str | None = None  # why loading failed
         self.seconds: float | None = None  # how long the warm-up took, once done
         self.decodes: list[tuple[float, int]] = []  # (seconds, pixels) of its video decode
+        self.previews = previews  # then fit the live previews' colour map (no run pays for it)
 
     @classmethod
-    def loading(cls, load: Callable[[], AppModels]) -> Warmup:
-        return cls(load=load)
+    def loading(cls, load: Callable[[], AppModels], previews: bool = True) -> Warmup:
+        return cls(load=load, previews=previews)
 
     def start(self) -> Warmup:
         self.started = time.monotonic()
@@ -321,6 +329,10 @@ class Warmup:
             assert self.models is not None
             self.seconds = warm_up(self.models, self.decodes)
             log.info("warm-up: %.1f s (in the background)", self.seconds)
+            if self.previews:  # the live previews' colour map, fitted once (app.preview.latent_map)
+                started = time.perf_counter()
+                preview.latent_map(self.models)
+                log.info("live previews' colour map fitted: %.1f s", time.perf_counter() - started)
         except Exception:  # noqa: BLE001 - a failed warm-up only means cold caches
             log.exception("warm-up failed; requests pay the cold caches")
         finally:
@@ -391,6 +403,8 @@ def iter_compare(
     cancel: threading.Event | None = None,
     fps: int = 16,
     variant_steps: Callable[[dict[str, tuple[int, int]]], None] | None = None,
+    preview_every: int = 0,
+    show_preview: Callable[[str, int, int, np.ndarray, bool], None] | None = None,
 ) -> Iterator[CompareResult]:
     """Runs the chosen variants with the same seed and yields a snapshot of the result each time one is
     done (the page fills its column at once); writes one mp4 per variant and one side by side.
@@ -402,7 +416,11 @@ def iter_compare(
     generation per request (:func:`warm_up` runs once when the app starts); each run's first step is left
     out of the paired speedups instead. ``progress(text, fraction)`` gets readable stages, and
     ``variant_steps({variant: (steps done, steps in all)})`` each variant's own count at the same moments (the
-    page's bar per column while they take turns). Setting ``cancel`` stops the run before the next transformer call; the last snapshot then has ``stopped`` set.
+    page's bar per column while they take turns). With ``show_preview``, every ``preview_every`` steps (not the
+    last) ``show_preview(variant, step, steps, frame, is_estimate)`` gets the variant's latest denoised estimate as a
+    ``(h, w, 3)`` uint8 frame (:mod:`app.preview`), made in the variant's turn between two of its timed steps (the
+    seconds each took: ``CompareResult.preview_seconds``). Setting ``cancel`` stops the run before the next
+    transformer call; the last snapshot then has ``stopped`` set.
     A variant that fails (out of memory, anything raised inside generation) gets its error in its
     :class:`VariantRun`; the others run.
     """
@@ -447,12 +465,24 @@ def iter_compare(
         try:
             repeat = [0]
             clock.on_step = lambda n, k, f: on_step(n, k, f, repeat[0])
+            hook = None
+            if show_preview is not None:
+                spent = result.preview_seconds.setdefault(name, [])
+                hook = preview.make_previewer(
+                    models,
+                    request.height,
+                    request.width,
+                    preview_every,
+                    steps,
+                    lambda k, frame, estimate: show_preview(name, k, steps, frame, estimate),
+                    spent,
+                )
             for r in range(request.repeats):
                 clock.check()
                 repeat[0] = r
                 clock.begin()
                 start = time.perf_counter()
-                out = _generate(models, request, name, steps)
+                out = _generate(models, request, name, steps, on_step=hook)
                 run.timings.append(clock.timing(out.timing, start, time.perf_counter()))
             clock.check()
             report(f"{name}: writing video")

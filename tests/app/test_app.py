@@ -438,7 +438,7 @@ def test_page_api_has_named_outputs_and_an_optional_negative_prompt(models, tmp_
     assert names == [
         "status",
         "headline",
-        *(f"{v} {what}" for v in VARIANTS for what in ("video", "details")),
+        *(f"{v} {what}" for v in VARIANTS for what in ("video", "details", "preview")),
         "summary",
         "By variant, best against the prompt first",
         "All measurements by variant",

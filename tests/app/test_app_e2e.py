@@ -419,3 +419,36 @@ def test_browser_shows_only_this_request_s_results_and_an_honest_verdict(sync_pl
                 assert "drew the prompt" in text or "Drew the prompt" in text, text
         finally:
             browser.close()
+
+
+def test_browser_shows_a_live_preview_then_the_video(sync_playwright, server):
+    """Issue 52 (3): while a variant runs its column shows its latest denoised estimate, labelled "preview, step
+    k/n", before its video is there; the video replaces it when the variant is done."""
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 900})
+            page.set_default_timeout(60_000)
+            page.goto(server)
+            page.locator("#prompt textarea").wait_for()
+            _settle(page)
+            page.locator("#prompt textarea").fill("a red square moves to the right")
+            page.locator("#preset input").click()
+            page.get_by_role("option", name=SMALLEST_LABEL).click()
+            _set_number(page, "steps", 40)  # ten previews a variant at the app's default (every 4 steps)
+            for name in ("mhla-hybrid", "linear"):  # keep flash and mhla
+                page.locator("#variants").get_by_label(name, exact=True).uncheck()
+            page.locator("#generate").click()
+            shown = page.locator("#preview-mhla img")
+            shown.wait_for(state="attached", timeout=240_000)  # after any warm-up
+            label = page.locator("#preview-mhla").inner_text()
+            assert re.search(r"preview, step \d+/40", label), label
+            assert shown.get_attribute("src").startswith("data:image/jpeg;base64,")
+            assert shown.evaluate("img => img.complete && img.naturalWidth > 0")  # a picture the browser decoded
+            video = page.locator("#video-mhla video")
+            assert not video.count() or not video.get_attribute("src")  # the preview came first
+            page.locator("#status").filter(has_text="Done: 2 variant(s)").wait_for(timeout=240_000)
+            assert page.locator("#video-mhla video").get_attribute("src")
+            assert page.locator("#preview-mhla img").count() == 0 and page.locator("#preview-flash img").count() == 0
+        finally:
+            browser.close()

@@ -60,53 +60,6 @@ def test_a_run_waits_for_the_warm_up_and_says_so(models, tmp_path, monkeypatch):
     assert note == "" and not timer.active
 
 
-def test_the_estimate_counts_the_decodes_still_to_come():
-    """The issue's run: 4 interleaved variants, 32 s of denoising, then 4 tails of 4.5 s (all at the end; the page
-    counts the seconds spent on them since the last step). Replayed second by second, the estimate stays within 20% of the truth from 10% of the steps on; leaving
-    the decodes out (the old estimate) is 45% short at 30% of the steps and says "finishing" for 18 s."""
-    from app.interleave import Countdown, seconds_left
-
-    denoise, decode, n = 32.0, 4.5, 4
-    total = denoise + n * decode
-    now = [0.0]
-    countdown = Countdown(clock=lambda: now[0])
-    for tenth in range(10, int(total * 10)):
-        t = tenth / 10
-        now[0] = t
-        fraction = min(1.0, t / denoise)
-        shown = countdown.update(seconds_left(t, fraction, n, decode, max(0.0, t - denoise)))  # as the page does
-        if fraction >= 0.1:
-            assert shown == pytest.approx(total - t, rel=0.2, abs=1.0), t
-    assert seconds_left(0.3 * denoise, 0.3, n, None) == pytest.approx(0.7 * denoise)  # the old estimate
-    assert (0.7 * denoise) / (total - 0.3 * denoise) < 0.6
-    assert seconds_left(1.0, 0.05, n, decode) is None  # too early to say
-
-
-def test_the_estimate_leaves_the_set_up_and_cold_first_steps_out_of_the_rate():
-    """A run as this CPU has it (app_eta, 2026-11-27): 2 s of set-up (text encoding, threads) and a first round
-    of 4 cold steps at 1.0 s, then 76 steps at 0.3 s and 4 tails of 3 s. Extrapolating the elapsed time from 10%
-    of the steps (the old rate) says 35% too much; the rate since the first round (``origin``) stays within 20%
-    from the first estimate on."""
-    from app.interleave import seconds_left
-
-    setup, cold, warm, n_steps, n, tail = 2.0, 1.0, 0.3, 80, 4, 3.0
-    times = [setup + cold * min(k, n) + warm * max(0, k - n) for k in range(n_steps + 1)]  # second of step k
-    total = times[-1] + n * tail
-    origin = (times[n], n / n_steps)
-    shown = 0
-    for k in range(n + 1, n_steps):
-        t, fraction = times[k], k / n_steps
-        new = seconds_left(t, fraction, n, tail, 0.0, origin)
-        if new is not None:
-            shown += 1
-            assert new == pytest.approx(total - t, rel=0.2), k
-    assert shown >= 60
-    k = 8  # 10% of the steps: the first the old rate speaks at
-    old = seconds_left(times[k], k / n_steps, n, tail)
-    assert old / (total - times[k]) > 1.3
-    assert seconds_left(times[k], k / n_steps, n, tail, 0.0, origin) is None  # a tenth more after the origin first
-
-
 def test_the_warm_up_measures_a_decode(models):
     decodes = []
     compare.warm_up(models, decodes)
@@ -298,7 +251,8 @@ def test_the_columns_show_each_variants_bar_while_it_runs(models, tmp_path, monk
     demo = ui.build_demo(models, max_tokens=compare.CPU_MAX_TOKENS, out_root=tmp_path)
     fns = {getattr(f.fn, "__name__", ""): f.fn for f in demo.fns.values()}
     request = SimpleNamespace(session_hash="bars", query_params={})
-    flash_md, mhla_md = 2 + 2, 2 + 3 * 2 + 2  # status, headline, then (column, video, details) per variant
+    # status, headline, then (column, video, details, preview) per variant
+    flash_md, mhla_md = 2 + 2, 2 + ui.PER_VARIANT * 2 + 2
     bars, count, last, started = [], 0, None, time.monotonic()
     for page in fns["on_compare"]("a red fox", "", 0, 3, 5.0, SMALLEST, ["flash", "mhla"], 1, request=request):
         count, last = count + 1, page
