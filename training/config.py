@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
@@ -309,7 +310,7 @@ LIST_ITEMS: dict[str, tuple[type, ...]] = {
 }
 
 
-def lr_multiplier(schedule: str, warmup: int, total: int, min_ratio: float):
+def lr_multiplier(schedule: str, warmup: int, total: int, min_ratio: float) -> Callable[[int], float]:
     """``step -> factor of lr``: linear warm-up over ``warmup`` steps, then constant or a cosine down to
     ``min_ratio`` at step ``total`` (and ``min_ratio`` after it).
 
@@ -354,25 +355,28 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     try:
         # model.attention is free-form (validated by AttentionOptions)
         with open_dict_at(cfg, "model.attention"):
-            cfg = OmegaConf.merge(cfg, *layers)
+            merged = OmegaConf.merge(cfg, *layers)
     except Exception as e:  # omegaconf's ConfigKeyError and friends
         raise ValueError(f"bad configuration: {e}".splitlines()[0]) from None
-    validate(cfg)
-    return cfg
+    assert isinstance(merged, DictConfig)  # a merge onto a mapping is a mapping
+    validate(merged)
+    return merged
 
 
 class open_dict_at:
-    def __init__(self, cfg: DictConfig, key: str):
+    """``with open_dict_at(cfg, "model.attention"):`` lets a merge add keys under that one node of a struct config."""
+
+    def __init__(self, cfg: DictConfig, key: str) -> None:
         self.node = OmegaConf.select(cfg, key)
 
-    def __enter__(self):
+    def __enter__(self) -> None:
         OmegaConf.set_struct(self.node, False)
 
-    def __exit__(self, *exc):
-        return False
+    def __exit__(self, *exc: object) -> None:
+        return None
 
 
-def _leaves(tree: dict, prefix: str = ""):
+def _leaves(tree: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
     for key, value in tree.items():
         name = f"{prefix}{key}"
         if isinstance(value, dict) and name not in FREE_FORM:
@@ -381,12 +385,12 @@ def _leaves(tree: dict, prefix: str = ""):
             yield name, value
 
 
-def _type_name(types: tuple) -> str:
+def _type_name(types: tuple[type, ...]) -> str:
     names = {int: "an integer", float: "a number", str: "a string", list: "a list", bool: "true or false"}
     return names[float] if types == _NUM else " or ".join(names[t] for t in types)
 
 
-def _is(value, types: tuple) -> bool:
+def _is(value: Any, types: tuple[type, ...]) -> bool:
     if isinstance(value, bool):  # bool is an int to Python, never a number here
         return bool in types
     if types == _NUM and isinstance(value, float):
@@ -430,7 +434,7 @@ def validate(cfg: DictConfig) -> None:
     """Checks values that need no model: raises ValueError naming the key, the value and what was expected."""
     check_types(cfg)
 
-    def need(ok: bool, key: str, expected: str):
+    def need(ok: bool, key: str, expected: str) -> None:
         if not ok:
             raise ValueError(f"{key}={OmegaConf.select(cfg, key)!r}: expected {expected}")
 
@@ -532,7 +536,7 @@ FOLDER_ONLY = {
 EXTRA_KEYS = ("path", "repeats")
 
 
-def check_folder_keys(cfg: DictConfig, need) -> None:
+def check_folder_keys(cfg: DictConfig, need: Callable[[bool, str, str], None]) -> None:
     """``data.fps``, ``data.min_frames``, ``data.buckets``, ``data.bucket_sizes``, ``data.cache_windows``,
     ``data.trigger_word``, ``data.repeats``, ``data.extra``: only with ``data.source=folder``
     (the synthetic world has no files; a cache's captions and clips were fixed when it was written, so there they
