@@ -47,7 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from app import compare, ui
+    from app import compare, compare_tab, ui
     from app.models import load_app_models
     from app.preview import PREVIEW_EVERY
 
@@ -65,7 +65,7 @@ def main(argv=None) -> int:
     preset = args.preset or compare.preset_key((d["num_frames"], d["height"], d["width"]))
     demo = ui.build_demo(models, out_root=tempfile.mkdtemp(prefix="app-eta-"), warmup=warmup, preview_every=every)
     on_compare = next(f.fn for f in demo.fns.values() if getattr(f.fn, "__name__", "") == "on_compare")
-    estimates = _recording(ui)
+    estimates = _recording(compare_tab)
     snapshots = _last_snapshot(compare)
     print(
         f"model: {models.source}; preset {preset}, {d['num_inference_steps']} steps, every variant; "
@@ -154,11 +154,11 @@ def main(argv=None) -> int:
     return 0
 
 
-def _recording(ui) -> list:
+def _recording(compare_tab) -> list:
     """Every :class:`app.interleave.RunEstimate` the page makes from now on, each keeping its inputs (``calls``)."""
     made: list = []
 
-    class Recording(ui.RunEstimate):
+    class Recording(compare_tab.RunEstimate):
         def __init__(self, *a, **k):
             super().__init__(*a, **k)
             self.calls: list[tuple] = []
@@ -174,7 +174,7 @@ def _recording(ui) -> list:
             self.calls.append(("finished", now, name))
             super().finished(now, name)
 
-    ui.RunEstimate = Recording
+    compare_tab.RunEstimate = Recording
     return made
 
 

@@ -653,7 +653,7 @@ def test_stop_after_one_variant_keeps_that_variant_only(models, tmp_path):
 
 
 def test_a_stored_example_says_it_is_stored(models, tmp_path):
-    from app.ui import stored_label
+    from app.compare_tab import stored_label
 
     result = compare.CompareResult(
         compare.check_request(models, "a fox", "", 0, 2, 5.0, SMALLEST, ["flash"]), runs=[], device="cpu"
@@ -702,7 +702,7 @@ def test_the_committed_examples_name_the_softmax_backend_as_a_fresh_run_here_doe
 def test_the_third_design_opens_at_its_own_size_and_its_long_preset_has_2880_tokens(tmp_path):
     """The built-in model's third design (factory.v3: VAE 2x4x4, patch 1x2x2): its native 9x64x80 clip is a
     preset and the page's default, 400 tokens in 20 MHLA blocks; 17x128x160 is its long preset, 2,880 tokens."""
-    from app.ui import _default_preset
+    from app.compare_tab import _default_preset
     from factory import v3
 
     folder = v3.init(tmp_path / "model", next_dir=tmp_path / "next")

@@ -45,7 +45,8 @@ def test_the_apps_cache_gives_the_uncached_video_until_it_triggers(models, varia
 
 
 def test_the_page_says_a_cached_step_is_approximate(models, tmp_path):
-    from app.ui import build_demo, header_markdown, table_device
+    from app.compare_tab import table_device
+    from app.ui import build_demo, header_markdown
 
     models.cache = parse_cache("first-block:0.05")
     try:

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from app import compare, ui
+from app import compare, compare_tab, ui
 from app.interleave import Countdown, RunEstimate
 
 SMALLEST = compare.preset_key(compare.PRESETS[0])
@@ -20,7 +20,7 @@ RECORDED = Path(__file__).parents[1] / "data" / "app_eta_run_builtin.json"
 
 
 def test_a_tail_carries_to_the_next_run_as_steps_averaged_over_runs():
-    clock = ui._DecodeClock()
+    clock = compare_tab._DecodeClock()
     assert clock.seconds(1000) is None
     clock.add(2.0, 1000)  # the warm-up: seconds only
     assert clock.seconds(1000, step_seconds=0.25) == 2.0 and not clock.in_steps(1000)
@@ -36,19 +36,19 @@ def test_a_tail_carries_to_the_next_run_as_steps_averaged_over_runs():
 
 def test_finishing_only_once_no_video_is_still_to_come(monkeypatch):
     now = [100.0]
-    monkeypatch.setattr(ui.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(compare_tab.time, "monotonic", lambda: now[0])
     # two variants, 2 steps each, done by second 84; one video done at 90 s, its tail taken as 0.5 s: past it
     estimate = RunEstimate(["flash", "mhla"], 2, tail_prior=lambda step: 0.5, start=80.0)
     for t, counts in ((81.0, (1, 0)), (82.0, (1, 1)), (83.0, (2, 1)), (84.0, (2, 2))):
         estimate.steps(t, {"flash": (counts[0], 2), "mhla": (counts[1], 2)})
     estimate.intervals = {"flash": [1.0], "mhla": [1.0]}  # a rate for each (a 2-step run measures no warm step)
     estimate.finished(90.0, "flash")
-    line = ui._status("mhla: writing video", 80.0, Countdown(clock=lambda: now[0]), estimate)
+    line = compare_tab._status("mhla: writing video", 80.0, Countdown(clock=lambda: now[0]), estimate)
     assert line.endswith("about 1 s left") and "finishing" not in line
     estimate.finished(99.5, "mhla")  # the run's end (its prior: one tail, 0.5 s) is left
-    line = ui._status("writing the side-by-side video", 80.0, Countdown(clock=lambda: now[0]), estimate)
+    line = compare_tab._status("writing the side-by-side video", 80.0, Countdown(clock=lambda: now[0]), estimate)
     assert line.endswith("finishing")
-    line = ui._status("flash: step 1", 80.0, Countdown(), RunEstimate(["flash"], 20))
+    line = compare_tab._status("flash: step 1", 80.0, Countdown(), RunEstimate(["flash"], 20))
     assert "left" not in line and "finishing" not in line  # nothing measured: no estimate
 
 
@@ -68,12 +68,12 @@ def test_the_warm_ups_decode_is_the_first_guess_only(tmp_path, monkeypatch):
 
     added = []
 
-    class Clock(ui._DecodeClock):
+    class Clock(compare_tab._DecodeClock):
         def add(self, seconds, pixels, step_seconds=None):
             added.append((seconds, step_seconds))
             super().add(seconds, pixels, step_seconds)
 
-    monkeypatch.setattr(ui, "_DecodeClock", Clock)
+    monkeypatch.setattr(compare_tab, "_DecodeClock", Clock)
     models = load_app_models("tiny-random")
     warmup = compare.Warmup(models)
     warmup.decodes.append((123.0, 5 * 32 * 48))  # a planted warm-up measure
@@ -219,7 +219,7 @@ def test_repeats_count_each_repeat_s_decode():
 
 
 def test_priors_carried_from_an_earlier_run_follow_this_run_s_steps():
-    clock = ui._DecodeClock()
+    clock = compare_tab._DecodeClock()
     clock.add(3.0, 1000, step_seconds=0.25)  # 12 steps
     estimate = RunEstimate(["flash"], 20, tail_prior=lambda s: clock.seconds(1000, s))
     calls, _ = simulate({"flash": 0.5}, tail=6.0)

@@ -68,7 +68,7 @@ def test_the_live_table_names_the_machine_that_measured_it():
     from types import SimpleNamespace
 
     from app import compare
-    from app.ui import table_device
+    from app.compare_tab import table_device
 
     result = compare.CompareResult(SimpleNamespace(), [compare.VariantRun("flash", "")], "cpu (2 cores)")
     result.load = "load 6.1 on 2 cores"

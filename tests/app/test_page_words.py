@@ -10,8 +10,9 @@ import pytest
 
 from app import compare
 from app.compare import engine
+from app.compare_tab import stopped_line
 from app.models import describe_app_models
-from app.ui import build_demo, stopped_line
+from app.ui import build_demo
 from common.timing import Timing
 from pipelines import VARIANTS
 

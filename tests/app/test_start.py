@@ -226,7 +226,7 @@ def test_a_model_that_fails_to_load_is_named_and_runs_are_refused(tmp_path):
 
 def test_each_variant_reports_its_own_steps_done(models, tmp_path):
     """Issue 38 (3): during a run every variant's steps done of its steps, from iter_compare to the column."""
-    from app.ui import progress_markdown
+    from app.compare_tab import progress_markdown
 
     req = compare.check_request(models, "a red fox", "", 0, 3, 5.0, SMALLEST, ["flash", "mhla"])
     seen: list[dict] = []
@@ -242,23 +242,23 @@ def test_each_variant_reports_its_own_steps_done(models, tmp_path):
 
 
 def test_the_columns_show_each_variants_bar_while_it_runs(models, tmp_path, monkeypatch):
-    from app import ui
+    from app import compare_tab, ui
 
-    # a refresh at every event the loop waits for (its floor, ui.MIN_WAIT_SECONDS: a tiny run is quick); the pages
-    # are counted and only the bars kept, so a loop that yields too often is a failed assertion, not a machine out
+    # a refresh at every event the loop waits for (its floor, compare_tab.MIN_WAIT_SECONDS: a tiny run is quick);
+    # the pages are counted and only the bars kept, so a loop that yields too often is a failed assertion, not a machine out
     # of memory
-    monkeypatch.setattr(ui, "POLL_SECONDS", 0.0)
+    monkeypatch.setattr(compare_tab, "POLL_SECONDS", 0.0)
     demo = ui.build_demo(models, max_tokens=compare.CPU_MAX_TOKENS, out_root=tmp_path)
     fns = {getattr(f.fn, "__name__", ""): f.fn for f in demo.fns.values()}
     request = SimpleNamespace(session_hash="bars", query_params={})
     # status, headline, then (column, video, details, preview) per variant
-    flash_md, mhla_md = 2 + 2, 2 + ui.PER_VARIANT * 2 + 2
+    flash_md, mhla_md = 2 + 2, 2 + compare_tab.PER_VARIANT * 2 + 2
     bars, count, last, started = [], 0, None, time.monotonic()
     for page in fns["on_compare"]("a red fox", "", 0, 3, 5.0, SMALLEST, ["flash", "mhla"], 1, request=request):
         count, last = count + 1, page
         if isinstance(page[mhla_md], str) and "steps ·" in page[mhla_md]:
             bars.append(page[mhla_md])
     # at most one page per wait, plus one per variant's result
-    assert count <= (time.monotonic() - started) / ui.MIN_WAIT_SECONDS + 10, count
+    assert count <= (time.monotonic() - started) / compare_tab.MIN_WAIT_SECONDS + 10, count
     assert any("0/3 steps" in b for b in bars) and any("3/3 steps · decoding its video" in b for b in bars)
     assert "steps ·" not in last[flash_md] and "steps ·" not in last[mhla_md]  # the results replace them

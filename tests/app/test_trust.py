@@ -212,11 +212,11 @@ def test_words_outside_the_builtin_vocabulary_are_named():
 
 
 def test_a_queued_request_sees_its_position_and_wait(monkeypatch):
-    from app import ui
+    from app import compare_tab
 
     now = [100.0]
-    monkeypatch.setattr(ui.time, "monotonic", lambda: now[0])
-    line = ui._Queue()
+    monkeypatch.setattr(compare_tab.time, "monotonic", lambda: now[0])
+    line = compare_tab._Queue()
     assert line.join() == "Starting…"
     line.start()  # the first run starts
     assert line.join() == "**Queued:** position 1 in line"  # no run has finished yet: no wait to promise
