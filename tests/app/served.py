@@ -28,8 +28,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# the page's outputs after a compare, in order (app/ui.py): status, headline, (column, video, details) per variant,
-# then summary, table, details table, chart, side-by-side file (counted from the end)
+# the page's outputs after a compare, in order (app/compare_tab.py): status, headline, (column, video, details, live
+# preview) per variant (PER_VARIANT of them), then summary, table, details table, chart, side-by-side file (counted
+# from the end)
 STATUS, HEADLINE = 0, 1
 SUMMARY, TABLE, DETAILS, CHART, SIDE_BY_SIDE = -5, -4, -3, -2, -1
 QUEUED = re.compile(r"^\*\*Queued:\*\* position (\d+) in line")
@@ -83,7 +84,9 @@ class Outcome:
         """The variant videos of the final page (gradio's file data) by variant, from the page's columns."""
         assert self.data is not None
         out = {}
-        for i in range(2, len(self.data) - 5, 3):
+        from app.compare_tab import PER_VARIANT
+
+        for i in range(2, len(self.data) - 5, PER_VARIANT):
             video, details = self.data[i + 1], self.data[i + 2]
             if isinstance(video, dict) and video.get("path"):
                 name = details.split("\n", 1)[0].removeprefix("### ").strip()
