@@ -297,7 +297,7 @@ def test_lora_checkpoint_is_merged_into_the_pipeline_format(tmp_path):
         ("model.path=/no/such/dir", "model.path='/no/such/dir'"),
         ("train.lr_schedule=step", "train.lr_schedule='step': expected one of"),
         ("data.default_background=pink", "data.default_background='pink': expected null or one of"),
-        ("train.min_lr_ratio=2", "train.min_lr_ratio=2: expected a fraction"),
+        ("train.min_lr_ratio=2", "train.min_lr_ratio=2: expected a value >= 0 and <= 1"),
         ("train.lr=-1", "train.lr=-1: expected a value > 0"),
         ("train.lr=abc", "train.lr='abc': expected a number"),
         ("train.steps=abc", "train.steps='abc': expected an integer"),
