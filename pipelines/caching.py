@@ -96,9 +96,9 @@ def cached(transformer: Any, spec: CacheSpec | None, num_inference_steps: int) -
         transformer.disable_cache()
 
 
-# one torch.compile'd block forward per (block class, backend, fullgraph), shared by every block and transformer:
-# TorchDynamo then compiles one graph for all the layers, as diffusers' compile_repeated_blocks does
-_COMPILED_FORWARDS: dict[tuple[type, str, bool], Any] = {}
+# one torch.compile'd block forward per (block class, backend, fullgraph, torch.compile mode), shared by every block
+# and transformer: TorchDynamo then compiles one graph for all the layers, as diffusers' compile_repeated_blocks does
+_COMPILED_FORWARDS: dict[tuple[type, str, bool, str | None], Any] = {}
 _MAG_HOOKS = ("mag_cache_leader_block_hook", "mag_cache_block_hook")  # diffusers.hooks.mag_cache's names
 _FBC_HOOKS = ("fbc_leader_block_hook", "fbc_block_hook")  # diffusers.hooks.first_block_cache's
 
@@ -112,7 +112,8 @@ def _compiled_under_cache(transformer: Any) -> int:
     block ran EAGER whenever MagCache was on. FirstBlockCache's hooks are traced instead, so TorchDynamo guards on
     them: anything that changes them (a wrapper, new hook objects) recompiles the blocks during the run. Here every
     cache hook runs outside TorchDynamo (FirstBlockCache's made ``torch.compiler.disable`` too, as MagCache's are) and
-    calls the block's forward under ``torch.compile`` (the transformer's own backend): the computed steps run
+    calls the block's forward under ``torch.compile`` (the transformer's own backend and mode, e.g. reduce-overhead's
+    CUDA graphs): the computed steps run
     compiled, one graph for every block, and re-enabling the cache compiles nothing. Returns the hooks rewired (0
     for an uncompiled model)."""
     compiled = getattr(transformer, "_mhla_compiled", None)
@@ -123,6 +124,8 @@ def _compiled_under_cache(transformer: Any) -> int:
     import torch
 
     _, backend, fullgraph = compiled
+    mode = getattr(transformer, "_mhla_compile_mode", None)  # torch.compile's mode (None: its default)
+    extra = {} if mode is None else {"mode": mode}
     rewired = 0
     for module in transformer.modules():
         registry = getattr(module, "_diffusers_hook", None)
@@ -132,9 +135,10 @@ def _compiled_under_cache(transformer: Any) -> int:
             hook = registry.get_hook(name)
             if hook is None:
                 continue
-            key = (type(module), backend, fullgraph)
+            key = (type(module), backend, fullgraph, mode)
             if key not in _COMPILED_FORWARDS:
-                _COMPILED_FORWARDS[key] = torch.compile(type(module).forward, backend=backend, fullgraph=fullgraph)
+                forward = type(module).forward
+                _COMPILED_FORWARDS[key] = torch.compile(forward, backend=backend, fullgraph=fullgraph, **extra)
             if name in _FBC_HOOKS:
                 hook.fn_ref.forward = torch.compiler.disable(hook.fn_ref.forward)
             hook.fn_ref.original_forward = functools.partial(_COMPILED_FORWARDS[key], module)

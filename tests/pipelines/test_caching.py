@@ -157,3 +157,28 @@ def test_compiled_blocks_stay_compiled_under_the_cache(kind):
         for a, b in zip(got, eager):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert len(graphs) == first, f"{len(graphs) - first} graphs compiled while the cache was on"
+
+
+@pytest.mark.parametrize("compile_mode", [None, "reduce-overhead"])
+def test_the_cache_compiles_the_blocks_it_runs_in_the_transformer_s_compile_mode(monkeypatch, compile_mode):
+    """A transformer compiled with a torch.compile mode (reduce-overhead's CUDA graphs) keeps it under the step
+    cache: the block forward the cache's hooks call is compiled with the same mode, not torch's default."""
+    from mhla.compiled import compile_transformer
+    from pipelines import caching
+
+    calls: list[dict] = []
+
+    def recording(fn=None, **kwargs):  # records what is asked, compiles nothing
+        calls.append(kwargs)
+        return fn
+
+    monkeypatch.setattr(torch, "compile", recording)
+    monkeypatch.setattr(caching, "_COMPILED_FORWARDS", {})
+    model = converted("mhla")
+    compile_transformer(model, "blocks", backend="inductor", compile_mode=compile_mode)
+    asked = len(calls)
+    run(model, CacheSpec("first-block", 1e9), steps_inputs(2))
+    under_cache = calls[asked:]
+    assert under_cache, "the cache's hooks compiled no block forward"
+    for kwargs in under_cache:
+        assert kwargs.get("mode") == compile_mode and kwargs["backend"] == "inductor", kwargs
