@@ -490,6 +490,7 @@ def compare_tab(
                 state.finish_clock.seconds(pixels, step) or state.decode_clock.seconds(pixels, step)
             ),
             start=started,
+            finish_like_tails=state.finish_clock.seconds(pixels) is None,
         )
 
         worker = threading.Thread(target=work, name="compare", daemon=True)

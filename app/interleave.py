@@ -98,6 +98,7 @@ class RunEstimate:
         tail_prior: Prior | None = None,
         finish_prior: Prior | None = None,
         start: float = 0.0,
+        finish_like_tails: bool = False,
     ):
         if steps_each < 1 or repeats < 1 or not variants:
             raise ValueError(
@@ -112,6 +113,8 @@ class RunEstimate:
         )
         self.total = steps_each * repeats
         self._tail_prior, self._finish_prior = tail_prior, finish_prior
+        # the end's prior is a tail's (no run's end measured yet): corrected by this run's tails as they are
+        self._finish_like_tails = finish_like_tails
         self.done = dict.fromkeys(self.variants, 0)
         self.intervals: dict[str, list[float]] = {v: [] for v in self.variants}  # warm step intervals
         self.extras: list[float] = []  # a repeat's first step beyond a step
@@ -192,14 +195,28 @@ class RunEstimate:
         priors = [float(prior)] * len(self.variants) if isinstance(prior, (int, float)) else [float(p) for p in prior]
         if len(priors) != len(self.variants):  # another run's number of variants: its mean for each
             priors = [statistics.fmean(priors)] * len(self.variants)
-        # this run's tails so far over their priors, with one tail at its prior besides: the first video's tail
-        # alone is one sample (and in the built-in model's runs the shortest, flash computing no agreement)
+        return priors[min(position, len(priors) - 1)] * self._tail_scale(priors)
+
+    def _tail_scale(self, priors: list[float]) -> float:
+        """This run's tails so far over their priors, with one tail at its prior besides: the first video's tail
+        alone is one sample (and in the built-in model's runs the shortest, flash computing no agreement)."""
         measured, pseudo = len(self.tails), statistics.fmean(priors)
-        scale = (sum(self.tails) + pseudo) / (sum(priors[:measured]) + pseudo) if pseudo > 0 else 1.0
-        return priors[min(position, len(priors) - 1)] * scale
+        return (sum(self.tails) + pseudo) / (sum(priors[:measured]) + pseudo) if pseudo > 0 else 1.0
 
     def finish_seconds(self) -> float | None:
-        return self._finish_prior(self.step_seconds) if self._finish_prior is not None else None
+        """The run's end (side-by-side video, tables, chart): its prior; with ``finish_like_tails`` (the prior is a
+        tail's, no run's end having been measured: the warm-up's small decode scaled by pixels for the first run at
+        a larger size) scaled as the tails are, by what this run's tails took against theirs."""
+        prior = self._finish_prior(self.step_seconds) if self._finish_prior is not None else None
+        if prior is None or not self._finish_like_tails or not self.tails or self._tail_prior is None:
+            return prior
+        tail = self._tail_prior(self.step_seconds)
+        if tail is None:
+            return prior
+        priors = [float(tail)] * len(self.variants) if isinstance(tail, (int, float)) else [float(p) for p in tail]
+        if len(priors) != len(self.variants):
+            priors = [statistics.fmean(priors)] * len(self.variants)
+        return float(prior) * self._tail_scale(priors)
 
     def ready(self) -> bool:
         """Enough is measured to say (see the class)."""

@@ -266,3 +266,23 @@ def test_a_recorded_run_replays_as_it_was_measured():
     assert sum(e <= 0.25 for e in errors) > 0.5 * len(errors)
     finishing = [t for t, shown, _ in points if shown < 1 and estimate.videos_left() == 0]
     assert not finishing or end - min(finishing) <= 2.0
+
+
+def test_an_end_prior_from_the_same_clocks_as_the_tails_is_corrected_by_the_run_s_tails():
+    """The first run at a larger size than the warm-up's: its tails' and its end's priors both come from the
+    warm-up's small decode scaled by pixels (here 3x too long); once its tails are measured the end is scaled by
+    what they took against their priors, not left at 3x (a quiet CPU showed +149% near that run's end)."""
+    calls, end = simulate(finish=FINISH)
+    estimate = RunEstimate(
+        list(RATES), 20, tail_prior=lambda s: 3 * TAIL, finish_prior=lambda s: 3 * FINISH, finish_like_tails=True
+    )
+    points = replay(calls, end, estimate)
+    last_video = max(t for kind, t, _ in calls if kind == "finished")
+    assert estimate.finish_seconds() == pytest.approx(FINISH * 3 * (4 * TAIL + 3 * TAIL) / (4 * 3 * TAIL + 3 * TAIL))
+    # left alone the end's prior would say 3 s for the run's last second (2 s too many); scaled, 1.4 s (0.4 s)
+    after = [abs(s - left) for t, s, left in points if t >= last_video - 1e-9]
+    assert after and max(after) < 0.5, after
+    # an end measured by an earlier run is that run's measure: not scaled by this run's tails
+    measured = RunEstimate(list(RATES), 20, tail_prior=lambda s: 3 * TAIL, finish_prior=lambda s: 3 * FINISH)
+    replay(calls, end, measured)
+    assert measured.finish_seconds() == 3 * FINISH
