@@ -189,13 +189,20 @@ class RunEstimate:
     def tail_seconds(self, position: int | None = None) -> float | None:
         """The tail of the variant whose video comes ``position``-th (0-based; default the next to come)."""
         position = len(self.tails) if position is None else position
+        priors = self._tail_priors()
+        if priors is None:
+            return statistics.fmean(self.tails) if self.tails else None
+        return priors[min(position, len(priors) - 1)] * self._tail_scale(priors)
+
+    def _tail_priors(self) -> list[float] | None:
+        """One prior tail per variant, in the order the videos come (None: no prior)."""
         prior = self._tail_prior(self.step_seconds) if self._tail_prior is not None else None
         if prior is None:
-            return statistics.fmean(self.tails) if self.tails else None
+            return None
         priors = [float(prior)] * len(self.variants) if isinstance(prior, (int, float)) else [float(p) for p in prior]
         if len(priors) != len(self.variants):  # another run's number of variants: its mean for each
             priors = [statistics.fmean(priors)] * len(self.variants)
-        return priors[min(position, len(priors) - 1)] * self._tail_scale(priors)
+        return priors
 
     def _tail_scale(self, priors: list[float]) -> float:
         """This run's tails so far over their priors, with one tail at its prior besides: the first video's tail
@@ -208,15 +215,8 @@ class RunEstimate:
         tail's, no run's end having been measured: the warm-up's small decode scaled by pixels for the first run at
         a larger size) scaled as the tails are, by what this run's tails took against theirs."""
         prior = self._finish_prior(self.step_seconds) if self._finish_prior is not None else None
-        if prior is None or not self._finish_like_tails or not self.tails or self._tail_prior is None:
-            return prior
-        tail = self._tail_prior(self.step_seconds)
-        if tail is None:
-            return prior
-        priors = [float(tail)] * len(self.variants) if isinstance(tail, (int, float)) else [float(p) for p in tail]
-        if len(priors) != len(self.variants):
-            priors = [statistics.fmean(priors)] * len(self.variants)
-        return float(prior) * self._tail_scale(priors)
+        priors = self._tail_priors() if prior is not None and self._finish_like_tails and self.tails else None
+        return prior if priors is None else float(prior) * self._tail_scale(priors)
 
     def ready(self) -> bool:
         """Enough is measured to say (see the class)."""
