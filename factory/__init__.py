@@ -29,10 +29,35 @@ def output_path(out: str | Path, suffix: str) -> Path:
     return Path(out if out.endswith(suffix) else out + suffix)
 
 
+ROOT = Path(__file__).resolve().parents[1]  # the checkout this package runs from
+
+
+def portable(value):
+    """``value`` (a record: dicts, lists, strings, numbers) with this checkout's absolute path taken out of every
+    string: a path inside the checkout is written relative to its root (``assets/builtin``, not
+    ``/home/me/clone/assets/builtin``), so a committed record reads the same in every clone and names no one's
+    machine. Paths outside the checkout are kept as they are."""
+    if isinstance(value, dict):
+        return {k: portable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [portable(v) for v in value]
+    if isinstance(value, Path):
+        value = str(value)
+    if isinstance(value, str):
+        root = str(ROOT)
+        return "." if value == root else value.replace(root + "/", "")
+    return value
+
+
+def dump_json(result: dict, indent: int = 1) -> str:
+    """``result`` as the factory's records are written (:func:`portable`, indented, a final newline)."""
+    return json.dumps(portable(result), indent=indent) + "\n"
+
+
 def write_json(out: str | Path, result: dict) -> Path:
-    """Writes ``result`` to ``<out>.json`` (folders made as needed) and returns that path: the commands'
-    ``--out``."""
+    """Writes ``result`` to ``<out>.json`` (folders made as needed, paths :func:`portable`) and returns that
+    path: the commands' ``--out``."""
     from common.outputs import write_text_atomic
 
     path = output_path(out, ".json")
-    return write_text_atomic(path, json.dumps(result, indent=1) + "\n")
+    return write_text_atomic(path, dump_json(result))

@@ -22,6 +22,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from factory import dump_json
 from factory.build import CONVERSIONS, TRANSFORMER
 from pipelines.attention import SOFTMAX
 from pipelines.conversion import CONFIG_KEY
@@ -71,7 +72,7 @@ def init(
         info, changes = json.loads((tmp / "builtin.json").read_text()), json.loads(overlay.read_text())
         for key, value in changes.items():
             info[key] = {**info[key], **value} if isinstance(value, dict) and isinstance(info.get(key), dict) else value
-        (tmp / "builtin.json").write_text(json.dumps(info, indent=1) + "\n")
+        (tmp / "builtin.json").write_text(dump_json(info))
         laid.append(f"builtin.json's {', '.join(changes)} from {overlay}")
     if fresh_transformer and "transformer" not in laid:
         import torch

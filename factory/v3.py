@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from common.outputs import atomic_dir, atomic_write
-from factory import write_json
+from factory import dump_json, write_json
 from factory.build import CONVERSIONS, TEXT_ENCODER, TRANSFORMER, build_tokenizer, vae_settings
 from factory.next import NEXT_DIR
 from pipelines.model_dir import BUILTIN_DIR, VARIANTS_SUBDIR
@@ -136,7 +136,7 @@ def ship(next_dir: Path = NEXT, out: Path = BUILTIN_DIR, evaluation: Path | None
             evaluation=None if evaluation is None else str(evaluation),
             rebuild="python -m factory.v3 ship (from assets/builtin-next/v3; see configs/builtin/v3/)",
         )
-        (tmp / "builtin.json").write_text(json.dumps(info, indent=1) + "\n")
+        (tmp / "builtin.json").write_text(dump_json(info))
         for path in tmp.rglob("*"):
             path.chmod(0o755 if path.is_dir() else 0o644)
     for variant in CONVERSIONS:  # moved into the shipped model: one copy in the tree
@@ -221,7 +221,7 @@ def _lay_out(
         "transformer": ["diffusers", "WanTransformer3DModel"],
         "vae": ["diffusers", "AutoencoderKLWan"],
     }
-    (tmp / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
+    (tmp / "model_index.json").write_text(dump_json(index, indent=2))
     info = {
         "what": "Wan2.1-architecture text-to-video model trained from scratch on the synthetic moving-shapes world "
         "(third design)",
@@ -233,7 +233,7 @@ def _lay_out(
         "text_encoder": {**TEXT_ENCODER, "trained": False, "context_free": True, "tokenizer": "word-level"},
         "rebuild": "python -m factory.v3 init (see configs/builtin/v3/)",
     }
-    (tmp / "builtin.json").write_text(json.dumps(info, indent=1) + "\n")
+    (tmp / "builtin.json").write_text(dump_json(info))
 
 
 def clips(num_clips: int, split: str = "validation"):
@@ -466,7 +466,7 @@ def retime_vae(vae_dir: Path, temperal_downsample: list[bool], out: Path, model:
         if info_path.is_file():
             info = json.loads(info_path.read_text())
             info["vae"] = {**info.get("vae", {}), "temperal_downsample": list(temperal_downsample)}
-            info_path.write_text(json.dumps(info, indent=1) + "\n")
+            info_path.write_text(dump_json(info))
     print(f"wrote {out}: {vae_dir}'s VAE with temporal strides {temperal_downsample}, dropped {', '.join(dropped)}")
     return list(dropped)
 

@@ -1,0 +1,62 @@
+"""Committed records name paths inside the checkout relative to its root, never one machine's absolute path."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from factory import ROOT, portable, write_json
+
+# raw logs copied back from a device machine are kept as that machine printed them
+RAW_LOGS = ("_log.txt",)
+
+
+def test_portable_takes_the_checkout_out_of_every_string():
+    inside = ROOT / "assets" / "builtin"
+    record = {
+        "model": str(inside),
+        "parts": [str(ROOT / "a" / "b"), "a fresh VAE", f"written to {ROOT}/assets/x"],
+        "root": str(ROOT),
+        "path": inside,
+        "nested": {"n": 3, "outside": "/elsewhere/model"},
+        "sibling": f"{ROOT}-other/x",  # a folder beside the checkout whose name starts like it is not inside it
+    }
+    assert portable(record) == {
+        "model": "assets/builtin",
+        "parts": ["a/b", "a fresh VAE", "written to assets/x"],
+        "root": ".",
+        "path": "assets/builtin",
+        "nested": {"n": 3, "outside": "/elsewhere/model"},
+        "sibling": f"{ROOT}-other/x",
+    }
+
+
+def test_write_json_writes_portable_records(tmp_path):
+    out = write_json(tmp_path / "r", {"model": str(ROOT / "assets" / "builtin"), "tmp": str(tmp_path)})
+    data = json.loads(Path(out).read_text())
+    assert data == {"model": "assets/builtin", "tmp": str(tmp_path)}
+
+
+def test_no_tracked_file_names_this_checkouts_absolute_path():
+    try:
+        listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    root = str(ROOT) + "/"
+    offenders = []
+    for name in listed.split("\n"):
+        if not name or name.endswith(RAW_LOGS):
+            continue
+        path = ROOT / name
+        try:
+            if path.stat().st_size > 2_000_000:
+                continue
+            text = path.read_text()
+        except (UnicodeDecodeError, OSError):
+            continue  # binary files (weights, videos) and files absent from this checkout
+        if root in text:
+            offenders.append(name)
+    assert not offenders, f"files naming this checkout's absolute path {root!r}: {offenders[:10]}"
