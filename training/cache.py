@@ -34,6 +34,7 @@ import os
 import struct
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -64,18 +65,18 @@ def entry_digest(tensors: dict[str, torch.Tensor], caption: str = "") -> str:
     for name in sorted(tensors):
         t = tensors[name].detach().cpu().contiguous()
         h.update(f"{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy())  # the buffer itself, not a copy
+        h.update(t.reshape(-1).view(torch.uint8).numpy().data)  # the buffer itself, not a copy
     return h.hexdigest()
 
 
-def sealed_metadata(tensors: dict[str, torch.Tensor], metadata: dict | None) -> dict:
+def sealed_metadata(tensors: dict[str, torch.Tensor], metadata: dict[str, Any] | None) -> dict[str, Any]:
     """An entry's header metadata with its :func:`entry_digest` (of ``metadata["caption"]``, "" when none)."""
     metadata = dict(metadata or {})
     metadata[DIGEST_KEY] = entry_digest(tensors, metadata.get("caption", ""))
     return metadata
 
 
-def index_digest(index: dict) -> str:
+def index_digest(index: dict[str, Any]) -> str:
     """SHA-256 of an index without its own checksum, as canonical JSON (sorted keys, no spaces)."""
     rest = {k: v for k, v in index.items() if k != INDEX_DIGEST_KEY}
     return hashlib.sha256(json.dumps(rest, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
@@ -92,7 +93,7 @@ class _Damaged(Exception):
     """Why a cache file is damaged (naming it), before the advice is added."""
 
 
-def _header(data: bytes, path: Path) -> dict:
+def _header(data: bytes, path: Path) -> dict[str, Any]:
     """The JSON header of a safetensors file's bytes (tensor entries and ``__metadata__``)."""
     if len(data) < 8:
         raise _Damaged(f"cache entry {str(path)!r} has {len(data)} bytes (truncated)")
@@ -116,7 +117,7 @@ def _tensors(data: bytes, path: Path) -> dict[str, torch.Tensor]:
         raise _Damaged(f"cache entry {str(path)!r} is not a readable safetensors file ({first})") from None
 
 
-def _checked(root: Path, item: dict) -> dict[str, torch.Tensor]:
+def _checked(root: Path, item: dict[str, Any]) -> dict[str, torch.Tensor]:
     path = root / item["file"]
     try:
         data = path.read_bytes()
@@ -135,7 +136,7 @@ def _checked(root: Path, item: dict) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def read_index(root: str | Path, check_sizes: bool = True) -> dict:
+def read_index(root: str | Path, check_sizes: bool = True) -> dict[str, Any]:
     """A cache's ``index.json``, checked against its own checksum, and (``check_sizes``) every entry there with the
     size it lists (the open-time check: ``stat`` only). An index without checksums (a cache written before them)
     is returned as it is, with a note on stderr. FileNotFoundError when ``root`` holds no index; CacheDamaged
@@ -196,7 +197,7 @@ def read_index(root: str | Path, check_sizes: bool = True) -> dict:
     return index
 
 
-def load_entry(root: str | Path, item: dict) -> dict[str, torch.Tensor]:
+def load_entry(root: str | Path, item: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The tensors of the cache entry ``item`` (an index item: ``file``, ``caption``, and in a cache with checksums
     ``bytes``, ``sha256``), read whole and checked against its checksum; CacheDamaged naming the file when it is
     missing, cut short, unreadable or not what its checksum says."""
@@ -225,12 +226,12 @@ def latents_shape(path: str | Path) -> tuple[int, ...]:
     return tuple(int(x) for x in shape)
 
 
-def empty_text_item(index: dict) -> dict:
+def empty_text_item(index: dict[str, Any]) -> dict[str, Any]:
     """The index item of ``empty_text.safetensors`` (only its name in a cache written before checksums)."""
     return index.get("empty_text") or {"file": EMPTY_TEXT}
 
 
-def intact_metadata(path: str | Path) -> tuple[dict | None, str | None]:
+def intact_metadata(path: str | Path) -> tuple[dict[str, Any] | None, str | None]:
     """For a re-run of precompute: ``(metadata, None)`` of an entry already in the cache whose tensors match the
     checksum in its own header (one written before checksums: one that parses, its digest added), or
     ``(None, why)`` when it is damaged (it is written again), ``(None, None)`` when there is none."""
@@ -251,12 +252,12 @@ def intact_metadata(path: str | Path) -> tuple[dict | None, str | None]:
     return {**metadata, DIGEST_KEY: digest}, None
 
 
-def seal_index(root: str | Path, index: dict) -> dict:
+def seal_index(root: str | Path, index: dict[str, Any]) -> dict[str, Any]:
     """``index`` (as precompute assembled it) with each entry's ``bytes`` and ``sha256`` (from its header, else
     computed from its tensors: an entry written before checksums), ``empty_text``'s, and its own checksum."""
     root = Path(root)
 
-    def sealed(item: dict) -> dict:
+    def sealed(item: dict[str, Any]) -> dict[str, Any]:
         path = root / item["file"]
         try:
             with path.open("rb") as f:  # the header only: the entry was checked when it was written or found

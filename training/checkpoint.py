@@ -31,6 +31,7 @@ import re
 import shutil
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -60,7 +61,10 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
 
 
 def checkpoint_step(path: str | Path) -> int:
-    return int(_NAME.match(Path(path).name).group(1))
+    found = _NAME.match(Path(path).name)
+    if found is None:
+        raise ValueError(f"{str(path)!r} is not a checkpoint folder name (step-XXXXXXX)")
+    return int(found.group(1))
 
 
 def _sha256(path: Path) -> str:
@@ -262,7 +266,7 @@ def _inside(path: Path, folder: Path) -> bool:
     return ".." not in Path(path).relative_to(folder).parts
 
 
-def begin_checkpoint(run_dir, step: int) -> Path:
+def begin_checkpoint(run_dir: str | Path, step: int) -> Path:
     """The temporary folder checkpoint ``step`` is assembled in (the same path on every rank).
 
     Only the main process calls this (it clears a stale folder left by a crash); the others use
@@ -278,12 +282,12 @@ def begin_checkpoint(run_dir, step: int) -> Path:
     return tmp
 
 
-def pending_dir(run_dir, step: int) -> Path:
+def pending_dir(run_dir: str | Path, step: int) -> Path:
     final = checkpoint_dir(run_dir, step)
     return final.parent / f".{final.name}.tmp"
 
 
-def finish_checkpoint(run_dir, step: int, keep: int | None = None) -> Path:
+def finish_checkpoint(run_dir: str | Path, step: int, keep: int | None = None) -> Path:
     """Writes the manifest, renames the assembled folder into place, then drops all but the newest ``keep``
     checkpoints (never the one just written)."""
     final = checkpoint_dir(run_dir, step)
@@ -295,7 +299,7 @@ def finish_checkpoint(run_dir, step: int, keep: int | None = None) -> Path:
     return final
 
 
-def prune_checkpoints(run_dir, keep: int | None, spare: Path | None = None) -> None:
+def prune_checkpoints(run_dir: str | Path, keep: int | None, spare: Path | None = None) -> None:
     """Drops all but the newest ``keep`` checkpoints (never ``spare``, the one just written; ``keep`` 0 or None:
     none). After each checkpoint, and at the end of a run (a kill between a checkpoint's rename and its pruning
     left one more)."""
@@ -353,7 +357,7 @@ def sweep_temporaries(run_dir: str | Path) -> list[str]:
     return sorted(removed)
 
 
-def save_state(state: dict, path: str | Path) -> None:
+def save_state(state: dict[str, Any], path: str | Path) -> None:
     """``torch.save``; a full disk (torch's zip writer reports it as a RuntimeError) is an OutputError naming
     ``path`` (exit 4)."""
     from common.errors import OutputError, write_failure
@@ -367,7 +371,7 @@ def save_state(state: dict, path: str | Path) -> None:
         raise OutputError(f"could not write {str(path)!r}: {why}") from e
 
 
-def load_state(path: str | Path) -> dict:
+def load_state(path: str | Path) -> dict[str, Any]:
     """A state file of a checkpoint; only tensors, numbers, strings and containers are accepted. A file holding
     anything else (a pickle of objects, which ``weights_only`` refuses) or no readable torch file is a
     BadInputError naming it (exit 2)."""
@@ -399,8 +403,8 @@ def load_state(path: str | Path) -> dict:
 
 
 def restore_run(
-    path: Path, transformer, lora: bool, world: int, rank: int, folder: str = "transformer"
-) -> tuple[dict, dict]:
+    path: Path, transformer: Any, lora: bool, world: int, rank: int, folder: str = "transformer"
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """Loads a checkpoint's transformer weights (its ``folder``: ``transformer``, or ``transformer_2`` for an
     A14B low-noise expert) into ``transformer`` (in place; with ``lora`` its ``trainable.safetensors``: adapters
     and new parameters) and returns ``(training_state, rank_state)``.
@@ -431,7 +435,7 @@ def restore_run(
     return state, load_state(path / f"rank{rank}.pt")
 
 
-def restore_raw_weights(path: Path, transformer) -> bool:
+def restore_raw_weights(path: Path, transformer: Any) -> bool:
     """After :func:`restore_run` of a checkpoint written with EMA (its ``transformer/`` holds the averages),
     loads the raw trained values from its ``trainable.safetensors`` into ``transformer``; False when the
     checkpoint has none (written without EMA: ``transformer/`` is already the raw weights)."""
@@ -446,7 +450,9 @@ def restore_raw_weights(path: Path, transformer) -> bool:
     return True
 
 
-def restore_optimizer(optimizer, scheduler, state: dict) -> None:
+def restore_optimizer(
+    optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR, state: dict[str, Any]
+) -> None:
     """Load a checkpoint's optimizer and LambdaLR state, keeping the learning rates the config gives now.
 
     The schedule's position (``last_epoch``) and Adam's moments come from the checkpoint; the base rates
@@ -562,7 +568,7 @@ def write_finished(run_dir: str | Path, step: int, folder: str = "transformer") 
     write_text_atomic(path, json.dumps({"step": int(step), "model": folder}, indent=1) + "\n")
 
 
-def read_finished(run_dir: str | Path) -> dict | None:
+def read_finished(run_dir: str | Path) -> dict[str, Any] | None:
     """What ``final/finished.json`` says (``step``, ``model``), or None when the run never finished (or the
     file cannot be read: then it is as if it had not finished, with a warning naming it)."""
     path = Path(run_dir) / FINAL / FINISHED

@@ -1,19 +1,21 @@
 """Fine-tuning configuration: defaults, YAML files in ``configs/finetune/``, ``key=value`` overrides.
 
-Every key a config may set is in :data:`DEFAULTS`; a misspelt key in a file or on the command line is
-an error naming it, not a silently ignored setting.
+Every key a config may set is a field of :class:`FinetuneConfig` (its sections: :class:`DataSection`,
+:class:`TrainSection`, ...), with its default, type and range; a misspelt key in a file or on the command line is
+an error naming it, not a silently ignored setting. :func:`load_config` returns the checked config as a
+``FinetuneConfig``, and each part of a run takes its own section of it.
 """
 
 from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any, get_args, get_origin, get_type_hints
+from typing import Any, TypeVar, get_args, get_origin, get_type_hints
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from pipelines.attention import MHLA, SOFTMAX, VARIANTS
 
@@ -291,6 +293,13 @@ def _runtime_types(hint: Any) -> tuple[type, ...]:
 
 
 SCHEMA = _schema(FinetuneConfig)
+# every section's dotted name, outer ones first (train before train.lora), in the schema's order within a depth
+SECTIONS: tuple[str, ...] = tuple(
+    sorted(
+        dict.fromkeys(".".join(k.split(".")[:i]) for k in SCHEMA for i in range(1, k.count(".") + 1)),
+        key=lambda name: name.count("."),
+    )
+)
 DEFAULTS: dict[str, Any] = asdict(FinetuneConfig())
 _NUM = (int, float)
 # the type of every key: its annotation (a float key takes an integer too; a null default takes null)
@@ -330,8 +339,10 @@ def lr_multiplier(schedule: str, warmup: int, total: int, min_ratio: float) -> C
     return factor
 
 
-def load_config(path: str | Path | None, overrides: list[str] | None = None) -> DictConfig:
-    """Defaults <- the YAML file <- ``key=value`` overrides (dotted keys, e.g. ``train.steps=10``)."""
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> FinetuneConfig:
+    """Defaults <- the YAML file <- ``key=value`` overrides (dotted keys, e.g. ``train.steps=10``), checked
+    (:func:`check_types`, :func:`validate`) and returned as the typed :class:`FinetuneConfig`: each part of a run
+    takes its own section (``cfg.data``, ``cfg.train``, ...)."""
     cfg = OmegaConf.create(DEFAULTS)
     OmegaConf.set_struct(cfg, True)
     layers = []
@@ -356,11 +367,49 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         # model.attention is free-form (validated by AttentionOptions)
         with open_dict_at(cfg, "model.attention"):
             merged = OmegaConf.merge(cfg, *layers)
+        tree = OmegaConf.to_container(merged, resolve=True)
     except Exception as e:  # omegaconf's ConfigKeyError and friends
         raise ValueError(f"bad configuration: {e}".splitlines()[0]) from None
-    assert isinstance(merged, DictConfig)  # a merge onto a mapping is a mapping
-    validate(merged)
-    return merged
+    assert isinstance(tree, dict)  # a merge onto a mapping is a mapping
+    plain: dict[str, Any] = {str(k): v for k, v in tree.items()}  # its keys are the schema's names
+    check_types(plain)
+    typed = build(FinetuneConfig, plain)
+    validate(typed)
+    return typed
+
+
+S = TypeVar("S")
+
+
+def build(cls: type[S], tree: Mapping[str, Any]) -> S:
+    """The section ``cls`` (a dataclass of this schema) holding the values of ``tree`` (a plain mapping of every
+    key, as :func:`check_types` checked it), the sections inside it built alike. Values are kept as they are (an
+    integer ``lr`` stays an integer: a run's ``config.yaml`` is written as the config was given)."""
+    hints = get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for f in fields(cls):  # type: ignore[arg-type]  # cls is one of the schema's dataclasses
+        hint, value = hints[f.name], tree[f.name]
+        values[f.name] = build(hint, value) if isinstance(hint, type) and is_dataclass(hint) else value
+    return cls(**values)
+
+
+def as_tree(cfg: FinetuneConfig) -> dict[str, Any]:
+    """The config as plain nested dicts and lists, keys in the schema's order (what ``config.yaml`` holds)."""
+    return asdict(cfg)
+
+
+def config_yaml(cfg: FinetuneConfig) -> str:
+    """The YAML a run writes as ``<run_dir>/config.yaml`` and into each checkpoint: every key, in the schema's order
+    (:func:`load_config` of it gives the same config back; a resume compares against it)."""
+    return OmegaConf.to_yaml(OmegaConf.create(as_tree(cfg)))
+
+
+def select(cfg: Any, key: str) -> Any:
+    """The value at dotted ``key`` (``"data.height"``) of a typed config, or of a plain mapping of one."""
+    value = cfg
+    for part in key.split("."):
+        value = value[part] if isinstance(value, Mapping) else getattr(value, part)
+    return value
 
 
 class open_dict_at:
@@ -398,49 +447,63 @@ def _is(value: Any, types: tuple[type, ...]) -> bool:
     return isinstance(value, types)
 
 
-def check_types(cfg: DictConfig) -> None:
-    """Every key against the schema (:class:`FinetuneConfig`): its type (the field's annotation), null only where
-    the annotation allows it, a list's items, a number's range and a value's choices. Raises ValueError naming key,
-    value and expectation."""
+def check_value(key: str, value: Any) -> None:
+    """One key's value against the schema: its type (the field's annotation), null only where the annotation
+    allows it, a list's items, a number's range and a value's choices. Raises ValueError naming key, value and
+    expectation."""
+    if key in FREE_FORM:
+        if not isinstance(value, dict):
+            raise ValueError(f"{key}={value!r}: expected a mapping of attention options")
+        return
+    types = TYPES[key]
+    if value is None:
+        if key in NULLABLE:
+            return
+        raise ValueError(f"{key}=null: expected {_type_name(types)}")
+    if not _is(value, types):
+        raise ValueError(f"{key}={value!r}: expected {_type_name(types)}")
+    if key in LIST_ITEMS:
+        bad = [x for x in value if not _is(x, LIST_ITEMS[key])]
+        if bad:
+            raise ValueError(f"{key}={value!r}: expected a list of {_type_name(LIST_ITEMS[key]).split(' ', 1)[1]}s")
+    if key in RANGES:
+        low, inclusive, high = RANGES[key]
+        if value < low or (value == low and not inclusive) or (high is not None and value > high):
+            span = f"{'>=' if inclusive else '>'} {low}" + ("" if high is None else f" and <= {high}")
+            raise ValueError(f"{key}={value!r}: expected a value {span}")
+    if key in CHOICES and value not in CHOICES[key]:
+        raise ValueError(f"{key}={value!r}: expected one of {CHOICES[key]}")
+
+
+def check_types(tree: Mapping[str, Any]) -> None:
+    """Every key of a plain mapping of a whole config against the schema (:class:`FinetuneConfig`), by
+    :func:`check_value`."""
+    for name in SECTIONS:  # a section given as null or as one value (train.lora=null) is named, not a crash
+        node = select(tree, name)
+        if not isinstance(node, Mapping):
+            example = next(k for k in SCHEMA if k.startswith(name + "."))
+            raise ValueError(f"{name}={node!r}: expected a section of keys (e.g. {example}=...), not a value")
     for key, _ in _leaves(DEFAULTS):
-        value = OmegaConf.select(cfg, key)
-        if key in FREE_FORM:
-            if not isinstance(value, DictConfig):
-                raise ValueError(f"{key}={value!r}: expected a mapping of attention options")
-            continue
-        types = TYPES[key]
-        if value is None:
-            if key in NULLABLE:
-                continue
-            raise ValueError(f"{key}=null: expected {_type_name(types)}")
-        if isinstance(value, ListConfig):
-            value = OmegaConf.to_container(value)
-        if not _is(value, types):
-            raise ValueError(f"{key}={value!r}: expected {_type_name(types)}")
-        if key in LIST_ITEMS:
-            bad = [x for x in value if not _is(x, LIST_ITEMS[key])]
-            if bad:
-                raise ValueError(f"{key}={value!r}: expected a list of {_type_name(LIST_ITEMS[key]).split(' ', 1)[1]}s")
-        if key in RANGES:
-            low, inclusive, high = RANGES[key]
-            if value < low or (value == low and not inclusive) or (high is not None and value > high):
-                span = f"{'>=' if inclusive else '>'} {low}" + ("" if high is None else f" and <= {high}")
-                raise ValueError(f"{key}={value!r}: expected a value {span}")
-        if key in CHOICES and value not in CHOICES[key]:
-            raise ValueError(f"{key}={value!r}: expected one of {CHOICES[key]}")
+        check_value(key, select(tree, key))
 
 
-def validate(cfg: DictConfig) -> None:
-    """Checks values that need no model: raises ValueError naming the key, the value and what was expected."""
-    check_types(cfg)
+def check_section(section: Any, prefix: str) -> None:
+    """Every key of one section built in code (e.g. :class:`FlowSection` for ``training.flow.FlowMatching``)
+    against the schema, named as ``prefix.key``: the checks a loaded config's keys get (:func:`check_value`)."""
+    for key, value in _leaves(asdict(section), prefix + "."):
+        check_value(key, value)
+
+
+def validate(cfg: FinetuneConfig) -> None:
+    """Checks across keys that need no model: raises ValueError naming the key, the value and what was expected."""
 
     def need(ok: bool, key: str, expected: str) -> None:
         if not ok:
-            raise ValueError(f"{key}={OmegaConf.select(cfg, key)!r}: expected {expected}")
+            raise ValueError(f"{key}={select(cfg, key)!r}: expected {expected}")
 
     need(cfg.task != "vae" or bool(cfg.model.path), "model.path", "a model directory whose vae/ to train (task=vae)")
     for key in ("data.video_column", "data.caption_column"):
-        value = OmegaConf.select(cfg, key)
+        value = select(cfg, key)
         need(value is None or bool(value.strip()), key, "null or a manifest column name")
     need(
         cfg.task != "vae" or cfg.train.precision in ("no", "bf16"),
@@ -486,10 +549,14 @@ def validate(cfg: DictConfig) -> None:
             "train.trainable=lora)",
         )
         need(Path(cfg.model.lora).exists(), "model.lora", "an existing LoRA folder (e.g. <run_dir>/final/lora) or file")
-    need(cfg.data.source == "synthetic" or cfg.data.path, "data.path", f"a folder for data.source={cfg.data.source}")
+    need(
+        cfg.data.source == "synthetic" or bool(cfg.data.path),
+        "data.path",
+        f"a folder for data.source={cfg.data.source}",
+    )
     if cfg.data.path and cfg.data.source != "synthetic":
         need(Path(cfg.data.path).exists(), "data.path", "an existing folder or manifest")
-    check_folder_keys(cfg, need)
+    check_folder_keys(cfg.data, need)
     if cfg.data.image_ratio:
         need(
             cfg.data.source != "folder" or bool(cfg.data.image_path),
@@ -536,12 +603,12 @@ FOLDER_ONLY = {
 EXTRA_KEYS = ("path", "repeats")
 
 
-def check_folder_keys(cfg: DictConfig, need: Callable[[bool, str, str], None]) -> None:
+def check_folder_keys(data: DataSection, need: Callable[[bool, str, str], None]) -> None:
     """``data.fps``, ``data.min_frames``, ``data.buckets``, ``data.bucket_sizes``, ``data.cache_windows``,
     ``data.trigger_word``, ``data.repeats``, ``data.extra``: only with ``data.source=folder``
     (the synthetic world has no files; a cache's captions and clips were fixed when it was written, so there they
     go to ``training.precompute``), each of the right form."""
-    source = cfg.data.source
+    source = data.source
     where = (
         "data.source=folder (a cache's clips and captions were fixed when it was written: give it to "
         "python -m training.precompute)"
@@ -549,37 +616,31 @@ def check_folder_keys(cfg: DictConfig, need: Callable[[bool, str, str], None]) -
         else "data.source=folder (the synthetic world reads no files)"
     )
     for key, default in FOLDER_ONLY.items():
-        value, shown = OmegaConf.select(cfg, key), "null" if default is None else default
+        value, shown = getattr(data, key.split(".")[1]), "null" if default is None else default
         need(value == default or source == "folder", key, f"{shown} with data.source={source!r}; it applies to {where}")
+    need(not data.extra or source == "folder", "data.extra", f"[] with data.source={source!r}; it applies to {where}")
     need(
-        not cfg.data.extra or source == "folder", "data.extra", f"[] with data.source={source!r}; it applies to {where}"
-    )
-    need(
-        cfg.data.fps is None or cfg.data.frame_stride == 1,
+        data.fps is None or data.frame_stride == 1,
         "data.fps",
-        f"null with data.frame_stride={cfg.data.frame_stride} (frames are taken either at a rate or every "
+        f"null with data.frame_stride={data.frame_stride} (frames are taken either at a rate or every "
         "frame_stride-th): set one of them",
     )
-    least = cfg.data.min_frames
+    least = data.min_frames
     need(
-        least is None or ((least - 1) % 4 == 0 and least <= cfg.data.num_frames),
+        least is None or ((least - 1) % 4 == 0 and least <= data.num_frames),
         "data.min_frames",
-        f"null or 4k+1 (e.g. 5, 9) at most data.num_frames={cfg.data.num_frames}",
+        f"null or 4k+1 (e.g. 5, 9) at most data.num_frames={data.num_frames}",
     )
-    sizes = cfg.data.bucket_sizes
-    if sizes is not None:
-        pairs = OmegaConf.to_container(sizes)
+    pairs = data.bucket_sizes
+    if pairs is not None:
         need(
             bool(pairs)
-            and all(
-                isinstance(p, list) and len(p) == 2 and all(_is(v, (int,)) and v > 0 for v in p)
-                for p in pairs  # type: ignore[union-attr]
-            ),
+            and all(isinstance(p, list) and len(p) == 2 and all(_is(v, (int,)) and v > 0 for v in p) for p in pairs),
             "data.bucket_sizes",
             "null or a list of [height, width] pairs of positive integers, e.g. [[480, 832], [832, 480]]",
         )
-        need(cfg.data.buckets is not False, "data.bucket_sizes", "null with data.buckets=false (no buckets)")
-    trigger = cfg.data.trigger_word
+        need(data.buckets is not False, "data.bucket_sizes", "null with data.buckets=false (no buckets)")
+    trigger = data.trigger_word
     if trigger is not None:
         from common.errors import check_text
 
@@ -589,9 +650,9 @@ def check_folder_keys(cfg: DictConfig, need: Callable[[bool, str, str], None]) -
             "null or a word (no spaces around)",
         )
         check_text(trigger, "data.trigger_word")
-    for i, item in enumerate(cfg.data.extra):
+    for i, item in enumerate(data.extra):
         key = f"data.extra[{i}]"
-        if not isinstance(item, DictConfig):
+        if not isinstance(item, dict):
             raise ValueError(f"{key}={item!r}: expected a mapping like {{path: DIR, repeats: 2}}")
         unknown = sorted(set(item) - set(EXTRA_KEYS))
         if unknown:
@@ -603,20 +664,20 @@ def check_folder_keys(cfg: DictConfig, need: Callable[[bool, str, str], None]) -
             raise ValueError(f"{key}.repeats={repeats!r}: expected an integer >= 1 (times each video counts an epoch)")
 
 
-def check_data_source(cfg: DictConfig) -> None:
+def check_data_source(data: DataSection) -> None:
     """A training run reads the data ``data.source`` names: a ``data.path`` beside ``data.source=synthetic`` (which
     renders the synthetic world and reads no path) would be ignored, so it is refused, naming the sources that
     read a path. Not part of :func:`validate`: ``training.precompute`` renders a config's synthetic clips into
     the cache its ``data.path`` names (``data.source=synthetic`` on the command line)."""
-    if cfg.data.source == "synthetic" and cfg.data.image_path:
+    if data.source == "synthetic" and data.image_path:
         raise ValueError(
-            f"data.image_path={cfg.data.image_path!r} is set but data.source='synthetic' renders the world's stills "
+            f"data.image_path={data.image_path!r} is set but data.source='synthetic' renders the world's stills "
             "and reads no path; expected data.source=folder (a folder of images with captions) or data.source=cache "
             "(a cache written by python -m training.precompute --images) with it, or data.image_path=null"
         )
-    if cfg.data.source == "synthetic" and cfg.data.path:
+    if data.source == "synthetic" and data.path:
         raise ValueError(
-            f"data.path={cfg.data.path!r} is set but data.source='synthetic' renders the synthetic world and reads "
+            f"data.path={data.path!r} is set but data.source='synthetic' renders the synthetic world and reads "
             "no path; expected data.source=folder (a folder of videos with captions, or a manifest) or "
             "data.source=cache (a cache written by python -m training.precompute) with it, or data.path=null"
         )

@@ -62,14 +62,14 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from omegaconf import OmegaConf
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from training.config import DataSection, ModelSection
 from training.encoding import Encoder
 from training.experts import TrainingTarget, read_target, size_multiples
 from world.synthetic import SyntheticVideoDataset, SyntheticWorld, world_named
@@ -101,7 +101,7 @@ SKIP_REASONS: tuple[str, ...] = (
 class ClipKey(NamedTuple):
     """What a :class:`ResumableSampler` yields and :meth:`VideoFolderDataset.__getitem__` accepts."""
 
-    index: int
+    index: int  # type: ignore[assignment]  # a field named as tuple.index, which it hides
     epoch: int
 
 
@@ -166,7 +166,9 @@ def nearest_bucket(height: int, width: int, sizes: Sequence[tuple[int, int]]) ->
     return min(sizes, key=lambda s: abs(math.log(s[1] / s[0]) - target))
 
 
-def check_bucket_sizes(sizes, multiple: tuple[int, int], key: str = "data.bucket_sizes", model: str = "the model"):
+def check_bucket_sizes(
+    sizes: Sequence[Sequence[int]], multiple: tuple[int, int], key: str = "data.bucket_sizes", model: str = "the model"
+) -> list[tuple[int, int]]:
     """``sizes`` as a list of ``(height, width)``, each side a positive multiple of ``multiple`` (for height, for
     width); ValueError naming the bad bucket, the multiple and the nearest one that fits."""
     mh, mw = multiple
@@ -187,13 +189,14 @@ def check_bucket_sizes(sizes, multiple: tuple[int, int], key: str = "data.bucket
     return out
 
 
-def check_bucket_sizes_fit(cfg, target: TrainingTarget | None = None) -> None:
-    """``data.bucket_sizes`` against the model: every bucket's sides multiples of :func:`size_multiples` (a
-    ValueError names the bucket, the multiples and the nearest bucket that fits)."""
-    if cfg.data.get("bucket_sizes"):
-        target = read_target(cfg) if target is None else target
-        sizes = [tuple(s) for s in OmegaConf.to_container(cfg.data.bucket_sizes)]  # type: ignore[union-attr]
-        check_bucket_sizes(sizes, size_multiples(cfg, target), model=target.architecture)
+def check_bucket_sizes_fit(data: DataSection, model: ModelSection, target: TrainingTarget | None = None) -> None:
+    """``data.bucket_sizes`` against the model (``model.path``'s, ``target`` when read already): every bucket's sides
+    multiples of :func:`size_multiples` (a ValueError names the bucket, the multiples and the nearest bucket that
+    fits)."""
+    if data.bucket_sizes:
+        target = read_target(model) if target is None else target
+        sizes = [(int(h), int(w)) for h, w in data.bucket_sizes]
+        check_bucket_sizes(sizes, size_multiples(model, target), model=target.architecture)
 
 
 # --------------------------------------------------------------------------- finding entries
@@ -245,7 +248,7 @@ def read_caption_file(path: Path) -> str | None:
     return caption if _caption_ok(caption) else None
 
 
-def _read_manifest_rows(manifest: Path) -> list[dict | None]:
+def _read_manifest_rows(manifest: Path) -> list[dict[str, Any] | None]:
     """Rows as dicts; ``None`` for a JSONL line that does not parse to an object. A manifest that is not
     UTF-8 (a latin-1 spreadsheet export) raises ValueError naming the file and where."""
     try:
@@ -258,11 +261,11 @@ def _read_manifest_rows(manifest: Path) -> list[dict | None]:
         ) from None
 
 
-def _read_rows(manifest: Path) -> list[dict | None]:
+def _read_rows(manifest: Path) -> list[dict[str, Any] | None]:
     if manifest.suffix.lower() == ".csv":
         with open(manifest, newline="", encoding="utf-8-sig") as f:  # -sig: spreadsheet exports start with a BOM
             return list(csv.DictReader(f))
-    rows: list[dict | None] = []
+    rows: list[dict[str, Any] | None] = []
     with open(manifest, encoding="utf-8") as f:
         for line in f:
             if not line.strip():
@@ -323,7 +326,7 @@ def read_manifest(
             skipped.append((f"{manifest}:{line_number}", "bad_manifest_row"))
             continue
         path = manifest.parent / file  # absolute video paths stay absolute
-        text = str(row.get(caption) or "").strip()
+        text = str((row or {}).get(caption) or "").strip()
         if not path.is_file():
             skipped.append((str(path), "missing_file"))
         elif not text:
@@ -413,7 +416,7 @@ def with_trigger(caption: str, trigger_word: str | None) -> str:
 
 def decord_available() -> bool:
     try:
-        import decord  # noqa: F401
+        import decord  # type: ignore[import-untyped]  # noqa: F401
     except ImportError:
         return False
     return True
@@ -440,7 +443,8 @@ class _VideoReader:
     @property
     def size(self) -> tuple[int, int]:
         """``(height, width)`` of the frames ``read`` gives."""
-        return tuple(self.read(np.zeros(1, dtype=np.int64)).shape[1:3])  # type: ignore[return-value]
+        height, width = self.read(np.zeros(1, dtype=np.int64)).shape[1:3]
+        return int(height), int(width)
 
     def read(self, indices: np.ndarray) -> np.ndarray:
         raise NotImplementedError
@@ -448,10 +452,10 @@ class _VideoReader:
     def close(self) -> None:
         pass
 
-    def __enter__(self):
+    def __enter__(self) -> _VideoReader:
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
 
@@ -477,7 +481,7 @@ class _ImageioVideo(_VideoReader):
         self._reader = imageio.get_reader(str(path), format="FFMPEG")
         try:
             # Container metadata only estimates the count (duration x fps); this decodes to count exactly.
-            self.num_frames = int(self._reader.count_frames())
+            self.num_frames = int(self._reader.count_frames())  # type: ignore[attr-defined]  # imageio's pyav plugin
             meta = self._reader.get_meta_data()
             self.fps = float(meta.get("fps") or 0) or None
             self._size = meta.get("size")  # (width, height) as ffmpeg reports it (after rotation)
@@ -559,7 +563,7 @@ def resize_center_crop(frames: np.ndarray | torch.Tensor, height: int, width: in
 # --------------------------------------------------------------------------- dataset
 
 
-class VideoFolderDataset(Dataset):
+class VideoFolderDataset(Dataset[dict[str, Any]]):
     """Clips and captions from a folder of videos (see the module docstring for layouts).
 
     Args:
@@ -645,7 +649,11 @@ class VideoFolderDataset(Dataset):
         # processes report into the same counts the training loop reads.
         self._load_failures = torch.zeros(len(self.entries), dtype=torch.int8).share_memory_()
         self.buckets = buckets
-        multiple = (bucket_multiple, bucket_multiple) if isinstance(bucket_multiple, int) else tuple(bucket_multiple)
+        multiple = (
+            (bucket_multiple, bucket_multiple)
+            if isinstance(bucket_multiple, int)
+            else (int(bucket_multiple[0]), int(bucket_multiple[1]))
+        )
         if buckets is False:
             self.bucket_sizes = [(height, width)]
         elif bucket_sizes is not None:
@@ -724,7 +732,7 @@ class VideoFolderDataset(Dataset):
     def __len__(self) -> int:
         return len(self._order)
 
-    def __getitem__(self, key: int | ClipKey) -> dict:
+    def __getitem__(self, key: int | ClipKey) -> dict[str, Any]:
         index, epoch = (int(key[0]), int(key[1])) if isinstance(key, tuple) else (int(key), 0)
         if not 0 <= index < len(self._order):
             raise IndexError(f"index {index} out of range for a dataset of {len(self._order)} {self.NOUN}")
@@ -765,7 +773,7 @@ class VideoFolderDataset(Dataset):
         shape = self._shapes[index]
         return (self.height, self.width) if shape is None else (shape[1], shape[2])
 
-    def load(self, index: int, epoch: int = 0, copy: int = 0, windows: int = 1) -> dict:
+    def load(self, index: int, epoch: int = 0, copy: int = 0, windows: int = 1) -> dict[str, Any]:
         """Loads entry ``index`` (its clip for ``epoch`` and, for a repeated dataset, ``copy``) at its bucket's size;
         raises :class:`SkippedSample` for an unreadable or too-short video. ``windows > 1`` (a cache's
         ``data.cache_windows``): ``"windows"``, a list of up to that many clips spread over the video
@@ -798,7 +806,7 @@ class VideoFolderDataset(Dataset):
             item["windows"] = videos
         return item
 
-    def load_or_skip(self, index: int, epoch: int = 0, windows: int = 1) -> dict | None:
+    def load_or_skip(self, index: int, epoch: int = 0, windows: int = 1) -> dict[str, Any] | None:
         """Sample ``index`` itself (its entry's clip; ``windows``: :meth:`load`'s), or None (counted in
         :meth:`skip_summary`) when it is unreadable or too short: for one pass over the data that must not
         substitute another video (a cache)."""
@@ -819,14 +827,14 @@ class VideoFolderDataset(Dataset):
         (with ``buckets``; ``None``: when the videos fall in more than one bucket), else ``height x width``.
         Unreadable and too-short videos are skipped (and counted) from then on. Returns a line saying what was
         assigned (None when every clip trains at ``num_frames x height x width``)."""
-        from tqdm import tqdm
+        from tqdm import tqdm  # type: ignore[import-untyped]
 
         for index in tqdm(range(len(self.entries)), desc="reading video sizes", disable=not progress):
             if self._load_failures[index] or self.source_sizes[index] is not None:
                 continue
             try:
                 with self._open_checked(self.entries[index]) as video:
-                    self.source_sizes[index] = tuple(video.size)  # type: ignore[assignment]
+                    self.source_sizes[index] = video.size
                     length = self.clip_length(video)
             except SkippedSample as skipped:
                 self._load_failures[index] = SKIP_REASONS.index(skipped.reason) + 1
@@ -939,7 +947,7 @@ class VideoFolderDataset(Dataset):
                 self._load_failures[index] = SKIP_REASONS.index(skipped.reason) + 1
         raise ValueError(f"no usable {self.NOUN} in {self.source}; {self.skip_summary()}")
 
-    def probe(self, progress: bool = False) -> Counter:
+    def probe(self, progress: bool = False) -> Counter[str]:
         """Opens every video once (no frame decoding with decord) to find unreadable and too-short
         ones before training; returns :attr:`skipped`. Raises if no video is usable."""
         from tqdm import tqdm
@@ -968,7 +976,7 @@ class VideoFolderDataset(Dataset):
         return by_reason
 
     @property
-    def skipped(self) -> Counter:
+    def skipped(self) -> Counter[str]:
         """Number of skipped videos by reason (each video counted once)."""
         return Counter({reason: len(paths) for reason, paths in self.skipped_paths().items()})
 
@@ -1085,7 +1093,7 @@ class ResumableSampler(Sampler[ClipKey]):
             raise TypeError("an endless ResumableSampler (num_epochs=None) has no length")
         return max(0, self.num_epochs * self.samples_per_epoch - self.samples_consumed)
 
-    def state_dict(self, samples_consumed: int) -> dict:
+    def state_dict(self, samples_consumed: int) -> dict[str, Any]:
         """State to checkpoint after the training loop consumed ``samples_consumed`` samples on this rank."""
         return {
             "num_samples": self.num_samples,
@@ -1095,7 +1103,7 @@ class ResumableSampler(Sampler[ClipKey]):
             "samples_consumed": int(samples_consumed),
         }
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continues from a checkpointed position; the dataset size, seed and world size must match."""
         for key in ("num_samples", "seed", "shuffle", "world_size"):
             if state[key] != getattr(self, key):
@@ -1120,7 +1128,7 @@ class BucketBatchSampler(Sampler[list[ClipKey]]):
 
     def __init__(
         self,
-        keys: Sequence,
+        keys: Sequence[tuple[int, ...]],
         batch_size: int,
         *,
         seed: int = 0,
@@ -1152,7 +1160,7 @@ class BucketBatchSampler(Sampler[list[ClipKey]]):
         """This rank's batches of dataset indices for ``epoch``, in order."""
         rng = np.random.default_rng([self.seed, epoch])
         order = rng.permutation(self.num_samples) if self.shuffle else np.arange(self.num_samples)
-        by_key: dict = {}
+        by_key: dict[str, Any] = {}
         for index in order.tolist():
             by_key.setdefault(self.keys[index], []).append(index)
         batches = []
@@ -1177,7 +1185,7 @@ class BucketBatchSampler(Sampler[list[ClipKey]]):
                 yield [ClipKey(index, epoch) for index in batch]
             epoch, offset = epoch + 1, 0
 
-    def state_dict(self, samples_consumed: int) -> dict:
+    def state_dict(self, samples_consumed: int) -> dict[str, Any]:
         """State to checkpoint after the training loop consumed ``samples_consumed`` samples on this rank."""
         return {
             "num_samples": self.num_samples,
@@ -1189,12 +1197,14 @@ class BucketBatchSampler(Sampler[list[ClipKey]]):
             "batch_size": self.batch_size,
         }
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continues from a checkpointed position; the dataset size, seed and world size must match."""
         ResumableSampler.load_state_dict(self, state)  # type: ignore[arg-type]
 
 
-def make_sampler(dataset, batch_size: int, *, seed: int, rank: int = 0, world_size: int = 1):
+def make_sampler(
+    dataset: Any, batch_size: int, *, seed: int, rank: int = 0, world_size: int = 1
+) -> ResumableSampler | BucketBatchSampler:
     """The order a run reads ``dataset`` in: a :class:`BucketBatchSampler` when its samples differ in shape
     (``dataset.shape_keys()``: aspect or length buckets, or a cache of them), else a :class:`ResumableSampler`
     (a dataset of one shape keeps the order it always had)."""
@@ -1204,7 +1214,9 @@ def make_sampler(dataset, batch_size: int, *, seed: int, rank: int = 0, world_si
     return BucketBatchSampler(keys, batch_size, seed=seed, rank=rank, world_size=world_size)
 
 
-def data_loader(dataset, sampler, batch_size: int, num_workers: int = 0) -> DataLoader:
+def data_loader(
+    dataset: Any, sampler: ResumableSampler | BucketBatchSampler, batch_size: int, num_workers: int = 0
+) -> DataLoader[dict[str, Any]]:
     """The DataLoader of ``dataset`` read in ``sampler``'s order (from its ``samples_consumed``): batches of
     ``batch_size`` (a :class:`BucketBatchSampler` makes them itself) through :func:`collate`."""
     if isinstance(sampler, BucketBatchSampler):
@@ -1217,7 +1229,7 @@ def data_loader(dataset, sampler, batch_size: int, num_workers: int = 0) -> Data
 # --------------------------------------------------------------------------- what the recipe reads
 
 
-class CachedLatents(Dataset):
+class CachedLatents(Dataset[dict[str, Any]]):
     """Items of a cache written by ``training/precompute.py``: latents and text embeddings, no decoding.
 
     A cache of aspect or length buckets records each item's clip shape (``"video": [frames, height, width]`` in
@@ -1256,7 +1268,7 @@ class CachedLatents(Dataset):
             return 0
         return int(np.random.default_rng([self.seed, index, epoch // n]).permutation(n)[epoch % n])
 
-    def __getitem__(self, key):
+    def __getitem__(self, key: int | tuple[int, int]) -> dict[str, Any]:
         index, epoch = (int(key[0]), int(key[1])) if isinstance(key, tuple) else (int(key), 0)
         item = self.items[index]
         window = self.window(index, epoch)
@@ -1265,83 +1277,86 @@ class CachedLatents(Dataset):
         return {"latents": latents, "text": text, "caption": item["caption"], "index": index}
 
 
-def build_validation_dataset(cfg, size: int):
+def build_validation_dataset(data: DataSection, seed: int, size: int) -> SyntheticVideoDataset | None:
     """Held-out clips for the evaluation loss: the synthetic world's validation split (unseen captions and
-    held-out attribute combinations) for ``data.source: synthetic``; ``None`` for other sources, whose
-    evaluation reads the first training videos."""
-    d = cfg.data
-    if d.source != "synthetic":
+    held-out attribute combinations) for ``data.source: synthetic``, drawn with ``seed`` (``train.seed``); ``None``
+    for other sources, whose evaluation reads the first training videos."""
+    if data.source != "synthetic":
         return None
     return SyntheticVideoDataset(
         size,
-        seed=cfg.train.seed,
+        seed=seed,
         split="validation",
-        num_frames=d.num_frames,
-        height=d.height,
-        width=d.width,
-        world=synthetic_world(cfg),
+        num_frames=data.num_frames,
+        height=data.height,
+        width=data.width,
+        world=synthetic_world(data),
     )
 
 
-def synthetic_world(cfg) -> SyntheticWorld:
-    """The synthetic world ``cfg.data`` names: the preset ``data.world`` with ``data.short_captions`` and
+def synthetic_world(data: DataSection) -> SyntheticWorld:
+    """The synthetic world the data section names: the preset ``data.world`` with ``data.short_captions`` and
     ``data.default_background`` where they are set."""
-    d = cfg.data
-    return world_named(d.get("world", "v1"), short_captions=d.short_captions, default_background=d.default_background)
+    return world_named(data.world, short_captions=data.short_captions, default_background=data.default_background)
 
 
-def image_batch_size(cfg) -> int:
-    """Images each step trains on beside its ``train.batch_size`` clips (joint image-video training)."""
-    return round(cfg.data.image_ratio * cfg.train.batch_size)
+def image_batch_size(data: DataSection, batch_size: int) -> int:
+    """Images each step trains on beside its ``batch_size`` (``train.batch_size``) clips (joint image-video
+    training: ``data.image_ratio``)."""
+    return round(data.image_ratio * batch_size)
 
 
-def build_dataset(cfg, images: bool = False):
-    """The dataset ``cfg.data`` names: synthetic clips, a folder of videos (``data.path``, with ``data.extra``'s
-    folders and their repeats), or a precomputed cache. With ``images``: the one-frame images of joint training
-    (``data.image_*``): synthetic stills, a folder of images (``data.source=folder``) or a cache of them."""
-    d = cfg.data
+def build_dataset(
+    data: DataSection, seed: int, model: ModelSection, images: bool = False
+) -> SyntheticVideoDataset | VideoFolderDataset | ImageFolderDataset | CachedLatents:
+    """The dataset the data section names: synthetic clips, a folder of videos (``data.path``, with ``data.extra``'s
+    folders and their repeats), or a precomputed cache; ``seed`` (``train.seed``) draws its clips and windows, and
+    ``model`` (the run's model section) gives a folder's aspect buckets their size multiples. With ``images``: the
+    one-frame images of joint training (``data.image_*``): synthetic stills, a folder of images
+    (``data.source=folder``) or a cache of them."""
+    d = data
     if d.source == "synthetic":
         return SyntheticVideoDataset(
             (d.image_num_samples or d.num_samples) if images else d.num_samples,
-            seed=cfg.train.seed,
+            seed=seed,
             num_frames=1 if images else d.num_frames,
             height=d.height,
             width=d.width,
-            world=synthetic_world(cfg),
+            world=synthetic_world(d),
             images=images,
         )
     if images and d.source == "folder":  # a folder of images with captions
-        return ImageFolderDataset(
-            d.image_path, height=d.height, width=d.width, seed=cfg.train.seed, trigger_word=d.get("trigger_word")
-        )
+        assert d.image_path is not None  # training.config.validate: data.image_ratio needs it
+        return ImageFolderDataset(d.image_path, height=d.height, width=d.width, seed=seed, trigger_word=d.trigger_word)
     if images:  # a cache of images (training.precompute --images)
-        return _checked_cache(d.image_path, [1, d.height, d.width], "data.image_path", cfg.train.seed)
+        assert d.image_path is not None  # training.config.validate: data.source=cache needs it with images
+        return _checked_cache(d.image_path, [1, d.height, d.width], "data.image_path", seed)
+    assert d.path is not None  # training.config.validate: data.source folder and cache need it
     if d.source == "folder":
-        buckets = d.get("buckets")
         multiple = (16, 16)
-        if buckets is not False:  # the model's VAE stride x patch, from its config files
-            check_bucket_sizes_fit(cfg)  # data.bucket_sizes: a bucket that does not fit is named with the model
-            multiple = size_multiples(cfg)
+        if d.buckets is not False:  # the model's VAE stride x patch, from its config files
+            check_bucket_sizes_fit(d, model)  # data.bucket_sizes: a bucket that does not fit is named with the model
+            multiple = size_multiples(model)
         return VideoFolderDataset(
             d.path,
             num_frames=d.num_frames,
             height=d.height,
             width=d.width,
             frame_stride=d.frame_stride,
-            seed=cfg.train.seed,
-            layout=d.get("layout", "auto"),
-            video_column=d.get("video_column"),
-            caption_column=d.get("caption_column"),
-            repeats=d.get("repeats", 1),
-            extra=[(e["path"], e.get("repeats", 1)) for e in d.get("extra") or []],
-            trigger_word=d.get("trigger_word"),
-            fps=d.get("fps"),
-            min_frames=d.get("min_frames"),
-            buckets=buckets,
-            bucket_sizes=[tuple(s) for s in d.bucket_sizes] if d.get("bucket_sizes") else None,
+            seed=seed,
+            layout=d.layout,
+            video_column=d.video_column,
+            caption_column=d.caption_column,
+            repeats=d.repeats,
+            extra=[(e["path"], e.get("repeats", 1)) for e in d.extra],
+            trigger_word=d.trigger_word,
+            fps=d.fps,
+            min_frames=d.min_frames,
+            buckets=d.buckets,
+            bucket_sizes=[(int(h), int(w)) for h, w in d.bucket_sizes] if d.bucket_sizes else None,
             bucket_multiple=multiple,
         )
-    return _checked_cache(d.path, [d.num_frames, d.height, d.width], "data.path", cfg.train.seed)
+    return _checked_cache(d.path, [d.num_frames, d.height, d.width], "data.path", seed)
 
 
 def _checked_cache(path: str, want: list[int], key: str, seed: int = 0) -> CachedLatents:
@@ -1354,11 +1369,11 @@ def _checked_cache(path: str, want: list[int], key: str, seed: int = 0) -> Cache
     return cache
 
 
-def _shape(item: dict) -> tuple:
+def _shape(item: dict[str, Any]) -> tuple[int, ...]:
     return tuple((item["video"] if "video" in item else item["latents"]).shape)
 
 
-def collate(items: list[dict]) -> dict:
+def collate(items: list[dict[str, Any]]) -> dict[str, Any]:
     """A batch: ``caption`` (list), ``index``, and ``video`` (or a cache's ``latents`` and ``text``) stacked.
     Items of several shapes (clips of several lengths: ``data.min_frames``) give ``groups``, a batch per shape
     (longest first) in place of the stacked tensors."""
@@ -1373,7 +1388,7 @@ def collate(items: list[dict]) -> dict:
     return out
 
 
-def batch_groups(batch: dict) -> list[dict]:
+def batch_groups(batch: dict[str, Any]) -> list[dict[str, Any]]:
     """The batches of one shape a :func:`collate` batch holds: itself, or its ``groups``."""
     return batch.get("groups") or [batch]
 
@@ -1381,17 +1396,23 @@ def batch_groups(batch: dict) -> list[dict]:
 class BatchEncoder:
     """Latents and text embeddings of a batch, with caption dropout drawn from the training generator."""
 
-    def __init__(self, encoder: Encoder | None, empty_text: torch.Tensor | None, dropout: float, device):
+    def __init__(
+        self, encoder: Encoder | None, empty_text: torch.Tensor | None, dropout: float, device: torch.device
+    ) -> None:
         self.encoder, self.empty_text, self.dropout, self.device = encoder, empty_text, dropout, device
 
-    def __call__(self, batch: dict, generator: torch.Generator | None):
+    def __call__(self, batch: dict[str, Any], generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(latents, text embeddings)`` of a batch on the run's device: a cache's as stored (a dropped caption's
+        text is the cache's empty text), else the videos and captions encoded (a dropped caption encoded as "")."""
         n = len(batch["caption"])
         drop = torch.zeros(n, dtype=torch.bool)
         if generator is not None and self.dropout > 0:
             drop = (torch.rand(n, generator=generator, device=generator.device) < self.dropout).cpu()
         if "latents" in batch:  # precomputed cache
             text = batch["text"].clone()
+            assert self.empty_text is not None  # a cache's batches come with its empty text
             text[drop] = self.empty_text.to(text.dtype)
             return batch["latents"].to(self.device), text.to(self.device)
         captions = ["" if d else c for c, d in zip(batch["caption"], drop.tolist())]
+        assert self.encoder is not None  # videos come with an encoder
         return self.encoder.latents(batch["video"]), self.encoder.text(captions)

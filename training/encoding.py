@@ -8,13 +8,18 @@ undoes before decoding), and text embeddings are UMT5 states padded with zeros t
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from pipelines import WanComponents
 
 
 class Encoder:
     """Encodes video batches and captions with a :class:`pipelines.WanComponents`' VAE and text encoder."""
 
-    def __init__(self, components, max_sequence_length: int = 512):
+    def __init__(self, components: WanComponents, max_sequence_length: int = 512) -> None:
         from diffusers import WanPipeline
 
         self.vae = components.vae

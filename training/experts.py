@@ -17,11 +17,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from omegaconf import DictConfig
 
 from pipelines.model_dir import ModelDir, read_json
+from training.config import ModelSection
+
+if TYPE_CHECKING:
+    from pipelines import WanComponents
 
 ROLE = {"transformer": "the high-noise expert", "transformer_2": "the low-noise expert"}
 
@@ -66,19 +70,19 @@ class TrainingTarget:
         return f"{self.architecture}, expert {self.expert} ({ROLE[self.expert]}: {side})"
 
 
-def read_target(cfg: DictConfig) -> TrainingTarget:
+def read_target(section: ModelSection) -> TrainingTarget:
     """The run's :class:`TrainingTarget` from ``model.path``'s config files (``model_index.json``, the scheduler's and
     the VAE's config), checked against ``model.expert``: a model with two experts needs one named, a model with one
     transformer takes none. Raises ValueError naming the key, its value and what was expected."""
-    expert = cfg.model.get("expert")
-    model = ModelDir(cfg.model.path)
+    expert = section.expert
+    model = ModelDir(section.path)
     root = model.path  # None for the tiny random model (and the built-in one when absent)
     # the model directory's architecture, as generation reads it (pipelines.model_dir; a bad index is named there)
     index = model.index if root is not None and (root / "model_index.json").is_file() else None
     present = ("transformer", "transformer_2") if index is not None and index.transformer_2 else ("transformer",)
     boundary = index.boundary_ratio if index is not None else None
     expand = bool(index is not None and index.expand_timesteps)
-    where = f"model.path={str(cfg.model.path)!r}"
+    where = f"model.path={str(section.path)!r}"
     if index is not None and index.pipeline_class != "WanPipeline":
         raise ValueError(
             f"{where} is a {index.pipeline_class} (its model_index.json); the recipe fine-tunes text-to-video "
@@ -124,24 +128,26 @@ def read_target(cfg: DictConfig) -> TrainingTarget:
     )
 
 
-def expert_folder(cfg: DictConfig, target: TrainingTarget) -> Path | None:
+def expert_folder(model: ModelSection, target: TrainingTarget) -> Path | None:
     """The folder the trained expert starts from: ``model.transformer`` when set, else ``model.path/<expert>``
     (None for the tiny random model)."""
-    if cfg.model.transformer:
-        return Path(cfg.model.transformer)
-    root = (target.model_dir or ModelDir(cfg.model.path)).path
+    if model.transformer:
+        return Path(model.transformer)
+    root = (target.model_dir or ModelDir(model.path)).path
     return None if root is None else root / target.expert
 
 
-def size_multiples(cfg: DictConfig, target: TrainingTarget | None = None) -> tuple[int, int]:
+def size_multiples(model: ModelSection, target: TrainingTarget | None = None) -> tuple[int, int]:
     """What a clip's ``(height, width)`` must be a multiple of for the run's model: the VAE's spatial stride x the
     transformer's patch (16 for Wan2.1, 32 for Wan2.2-TI2V), from config files only: the step of aspect buckets."""
-    target = read_target(cfg) if target is None else target
-    patch = (target.model_dir or ModelDir(cfg.model.path)).shape(expert_folder(cfg, target)).patch
+    target = read_target(model) if target is None else target
+    patch = (target.model_dir or ModelDir(model.path)).shape(expert_folder(model, target)).patch
     return target.vae_stride[1] * patch[1], target.vae_stride[2] * patch[2]
 
 
-def model_timestep(t: torch.Tensor, latents: torch.Tensor, patch_size, expand_timesteps: bool) -> torch.Tensor:
+def model_timestep(
+    t: torch.Tensor, latents: torch.Tensor, patch_size: tuple[int, ...], expand_timesteps: bool
+) -> torch.Tensor:
     """The ``timestep`` argument of the transformer for per-sample timesteps ``t`` ``(B,)`` and latents
     ``(B, C, F, H, W)``, as diffusers' ``WanPipeline`` passes it: ``t`` itself, or with ``expand_timesteps``
     (Wan2.2-TI2V) one timestep per token ``(B, seq_len)``, the mask of the latents (ones: text-to-video noises
@@ -154,11 +160,11 @@ def model_timestep(t: torch.Tensor, latents: torch.Tensor, patch_size, expand_ti
     return per_token.flatten(1)
 
 
-def load_expert_components(cfg: DictConfig, target: TrainingTarget, device: torch.device):
+def load_expert_components(model: ModelSection, target: TrainingTarget, device: torch.device) -> WanComponents:
     """:func:`pipelines.load_components` for a run's expert: the model's tokenizer, text encoder, VAE and scheduler,
     and only ``target.expert`` as the transformer (an A14B run never loads the other expert)."""
     from pipelines import load_components
 
     expert = target.expert if target.two_experts else None
-    model = target.model_dir or cfg.model.path
-    return load_components(model, dtype=cfg.model.dtype, device=device, seed=cfg.model.seed, expert=expert)
+    where = target.model_dir or model.path
+    return load_components(where, dtype=model.dtype, device=device, seed=model.seed, expert=expert)

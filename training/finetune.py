@@ -30,14 +30,15 @@ import shutil
 import sys
 import time
 import warnings
+from collections.abc import Callable, Iterator, Sized
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
-from tqdm.auto import tqdm
+from tqdm.auto import tqdm  # type: ignore[import-untyped]
 
 from common.errors import ModelError, OutputError, Terminated, run_cli, write_failure
 from common.outputs import write_text_atomic
@@ -45,18 +46,36 @@ from common.video import write_mp4
 from pipelines import (
     AttentionOptions,
     GenerationRequest,
+    WanComponents,
     latent_grid,
     load_transformer,
     save_transformer,
 )
 from pipelines.attention import PARAM_ATTRS, LinearSelfAttention
-from pipelines.lora import load_into_adapter, read_lora, save_lora
+from pipelines.lora import LoraAdapters, load_into_adapter, read_lora, save_lora
 from pipelines.pipeline import generate
 from training import checkpoint as ckpt
-from training.config import check_data_source, load_config, lr_multiplier
+from training.config import (
+    CheckpointSection,
+    DataSection,
+    FinetuneConfig,
+    LoraSection,
+    ModelSection,
+    TrainSection,
+    TransferSection,
+    ValidationSection,
+    as_tree,
+    check_data_source,
+    config_yaml,
+    load_config,
+    lr_multiplier,
+)
 from training.data import (
     BatchEncoder,
+    BucketBatchSampler,
+    CachedLatents,
     ResumableSampler,
+    VideoFolderDataset,
     batch_groups,
     build_dataset,
     build_validation_dataset,
@@ -75,48 +94,50 @@ from training.preflight import check_model_plan, check_resume_matches
 # --------------------------------------------------------------------------- model
 
 
-def build_model(cfg, device: torch.device, target: TrainingTarget | None = None):
+def build_model(
+    model: ModelSection, data: DataSection, device: torch.device, target: TrainingTarget | None = None
+) -> tuple[WanComponents, Any, tuple[int, int, int]]:
     """Components (tokenizer, text encoder, VAE frozen) and the converted transformer in float32: the model's
-    ``transformer/``, or the expert ``target`` names (``model.expert``; the other one is not loaded)."""
-    target = read_target(cfg) if target is None else target
-    components = load_expert_components(cfg, target, device)
+    ``transformer/``, or the expert ``target`` names (``model.expert``; the other one is not loaded), converted as
+    the model section says for the training grid of the data section's clip size."""
+    target = read_target(model) if target is None else target
+    components = load_expert_components(model, target, device)
     transformer = components.transformer
-    if cfg.model.transformer:
-        transformer = load_transformer(cfg.model.transformer, dtype=torch.float32, device=device)
+    if model.transformer:
+        transformer = load_transformer(model.transformer, dtype=torch.float32, device=device)
     transformer = transformer.float()  # master weights in float32; autocast does the mixed precision
     for part in (components.text_encoder, components.vae):
         part.requires_grad_(False)
 
     patch = tuple(transformer.config.patch_size)
-    grid = latent_grid(cfg.data.height, cfg.data.width, cfg.data.num_frames, patch, target.vae_stride)
+    grid = latent_grid(data.height, data.width, data.num_frames, patch, target.vae_stride)
     # the block rule: the config's blocks (they must fit the training grid: a ValueError names the axis), else
     # the transformer's own (a fine-tuned MHLA checkpoint's), else the default for the model's block shape
-    blocks = transformer.resolve_blocks(grid, cfg.model.blocks or None, components.block_shape).blocks
-    options = AttentionOptions(blocks=blocks, **OmegaConf.to_container(cfg.model.attention))
-    layers = list(cfg.model.layers) if cfg.model.layers is not None else None
-    transformer.convert(cfg.model.variant, layers, options)
+    blocks = transformer.resolve_blocks(grid, model.blocks or None, components.block_shape).blocks
+    options = AttentionOptions(blocks=blocks, **model.attention)  # free-form: checked by preflight.check_model_plan
+    transformer.convert(model.variant, model.layers, options)
     components.transformer = transformer
     return components, transformer, grid
 
 
-def new_parameter_names(transformer) -> set[str]:
+def new_parameter_names(transformer: Any) -> set[str]:
     return {n for n, _ in transformer.named_parameters() if any(f".attn1.{a}." in n for a in PARAM_ATTRS.values())}
 
 
-def select_trainable(transformer, cfg) -> list[str]:
+def select_trainable(transformer: Any, train: TrainSection, variant: str) -> list[str]:
     """Sets ``requires_grad`` by ``train.trainable``; returns the trainable parameter names.
 
     all: every transformer weight. attention: the self-attention layers (projections, q/k norms, new
     parameters). new: only MHLA's / linear attention's own parameters. lora: LoRA adapters (peft) on
     ``train.lora.target_modules`` plus the new parameters.
     """
-    mode = cfg.train.trainable
+    mode = train.trainable
     new = new_parameter_names(transformer)
     if mode == "lora":
         from peft import LoraConfig
 
         transformer.requires_grad_(False)
-        lora = cfg.train.lora
+        lora = train.lora
         transformer.add_adapter(
             LoraConfig(
                 r=lora.rank, lora_alpha=lora.alpha, target_modules=list(lora.target_modules), init_lora_weights=True
@@ -133,13 +154,14 @@ def select_trainable(transformer, cfg) -> list[str]:
             p.requires_grad_(p.requires_grad or name in new)
     names = [n for n, p in transformer.named_parameters() if p.requires_grad]
     if not names:
-        raise ValueError(f"train.trainable={mode!r} leaves nothing to train for model.variant={cfg.model.variant!r}")
+        raise ValueError(f"train.trainable={mode!r} leaves nothing to train for model.variant={variant!r}")
     return names
 
 
-def param_groups(transformer, lr: float, mixing_lr: float | None):
+def param_groups(transformer: Any, lr: float, mixing_lr: float | None) -> list[dict[str, Any]]:
     """AdamW groups: the MHLA mixing coefficients may learn at their own rate."""
-    mixing, rest = [], []
+    mixing: list[torch.nn.Parameter] = []
+    rest: list[torch.nn.Parameter] = []
     for name, p in transformer.named_parameters():
         if p.requires_grad:
             (mixing if name.endswith("mixing.weight") else rest).append(p)
@@ -149,14 +171,14 @@ def param_groups(transformer, lr: float, mixing_lr: float | None):
     return [g for g in groups if g["params"]]
 
 
-def project_mixing(transformer) -> None:
+def project_mixing(transformer: Any) -> None:
     """Clip the stored mixing coefficients to [0, 1] and renormalise rows after each update (paper 4.2)."""
     for module in transformer.modules():
         if isinstance(module, LinearSelfAttention) and module.mhla is not None:
             module.mhla.mixing.project_()
 
 
-def save_model_for_pipeline(transformer, folder: Path, lora: bool) -> None:
+def save_model_for_pipeline(transformer: Any, folder: Path, lora: bool) -> None:
     """The transformer in the pipeline's save format; LoRA adapters are merged into a copy first."""
     if lora:
         transformer = copy.deepcopy(transformer)
@@ -165,16 +187,16 @@ def save_model_for_pipeline(transformer, folder: Path, lora: bool) -> None:
     save_transformer(transformer, folder)
 
 
-def check_start_lora(cfg):
+def check_start_lora(model: ModelSection, lora: LoraSection) -> LoraAdapters:
     """``model.lora`` read and checked against the run before any model loads: its rank and alpha against
     ``train.lora`` (the run's adapter is made with those), its modules against ``train.lora.target_modules``, and a
     linear / MHLA run's attention parameters against ``model.variant``. Returns the adapters; ValueError names
     the key, the value and the setting that would fit."""
     from pipelines.lora import module_kinds, targeted
 
-    path = cfg.model.lora
+    path = model.lora
+    assert path is not None  # called for a run with model.lora
     adapters = read_lora(path, "model.lora")
-    lora = cfg.train.lora
     if adapters.rank != lora.rank or adapters.alpha != float(lora.alpha):
         raise ValueError(
             f"model.lora={path!r} holds adapters of rank {adapters.rank}, alpha {adapters.alpha:g}; this run makes "
@@ -189,33 +211,33 @@ def check_start_lora(cfg):
             f"({', '.join(kinds[:6])}); expected train.lora.target_modules to include them, e.g. "
             f"train.lora.target_modules=[{','.join(sorted(set(lora.target_modules) | set(kinds)))}]"
         )
-    if adapters.attention_state is not None and adapters.variant != cfg.model.variant:
+    if adapters.attention is not None and adapters.attention_state is not None and adapters.variant != model.variant:
         raise ValueError(
-            f"model.variant={cfg.model.variant!r}: model.lora={path!r} holds {adapters.variant} attention "
+            f"model.variant={model.variant!r}: model.lora={path!r} holds {adapters.variant} attention "
             f"parameters ({adapters.attention.name}) trained with its adapters; expected "
             f"model.variant={adapters.variant} to train on from them"
         )
-    if adapters.variant != cfg.model.variant and is_main_launch():
+    if adapters.variant != model.variant and is_main_launch():
         print(
             f"note: model.lora={path!r} was trained as variant {adapters.variant}; this run trains it on as "
-            f"{cfg.model.variant}",
+            f"{model.variant}",
             file=sys.stderr,
         )
     return adapters
 
 
-def lora_info(cfg, step: int) -> dict:
+def lora_info(model: ModelSection, lora: LoraSection, step: int) -> dict[str, Any]:
     """What a LoRA run's adapter file says about it (:func:`pipelines.lora.save_lora`): variant, base model, step."""
     from pipelines import BUILTIN_DIR
 
     return {
-        "variant": cfg.model.variant,
-        "base_model": str(cfg.model.path or BUILTIN_DIR),
-        "transformer": cfg.model.transformer,
-        "expert": cfg.model.expert,
+        "variant": model.variant,
+        "base_model": str(model.path or BUILTIN_DIR),
+        "transformer": model.transformer,
+        "expert": model.expert,
         "step": int(step),
-        "rank": int(cfg.train.lora.rank),
-        "alpha": cfg.train.lora.alpha,
+        "rank": int(lora.rank),
+        "alpha": lora.alpha,
     }
 
 
@@ -227,7 +249,7 @@ class ModelCall:
     expand_timesteps: bool = False
     patch_size: tuple[int, ...] = (1, 2, 2)
 
-    def __call__(self, model, x_t: torch.Tensor, t: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+    def __call__(self, model: Any, x_t: torch.Tensor, t: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
         timestep = model_timestep(t, x_t, self.patch_size, self.expand_timesteps)
         return model(hidden_states=x_t, timestep=timestep, encoder_hidden_states=text, return_dict=False)[0]
 
@@ -239,7 +261,7 @@ class AttentionTransfer:
     """Per-layer MSE between each converted self-attention layer and a frozen copy of the original softmax layer,
     on the same input. Only while active; the copies are made before the model trains."""
 
-    def __init__(self, transformer, layers: list[int]):
+    def __init__(self, transformer: Any, layers: list[int]) -> None:
         from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
         self.teachers = {}
@@ -255,8 +277,8 @@ class AttentionTransfer:
             transformer.blocks[i].attn1.register_forward_hook(self._hook(i), with_kwargs=True) for i in layers
         ]
 
-    def _hook(self, i):
-        def hook(module, args, kwargs, output):
+    def _hook(self, i: int) -> Callable[..., None]:
+        def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: torch.Tensor) -> None:
             # WanTransformerBlock calls attn1(hidden_states, None, None, rotary_emb)
             hidden = kwargs.get("hidden_states", args[0] if args else None)
             rotary = kwargs.get("rotary_emb", args[3] if len(args) > 3 else None)
@@ -271,7 +293,7 @@ class AttentionTransfer:
         self.losses = []
         return loss
 
-    def remove(self):
+    def remove(self) -> None:
         for h in self.handles:
             h.remove()
         self.teachers.clear()
@@ -280,7 +302,7 @@ class AttentionTransfer:
 # --------------------------------------------------------------------------- the loop
 
 
-def parse_args(argv=None):
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m training.finetune", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", required=True, help="a YAML file in configs/finetune/")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.steps=10 resume=latest")
@@ -288,22 +310,25 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def make_optimizer(transformer, cfg, stage: str):
-    lr = cfg.transfer.lr if stage == "transfer" else cfg.train.lr
-    mixing_lr = cfg.transfer.lr if stage == "transfer" else cfg.train.mixing_lr
+def make_optimizer(
+    transformer: Any, train: TrainSection, transfer: TransferSection, stage: str
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW and its schedule for a stage: ``train`` (the train section's rates, betas and schedule) or
+    ``transfer`` (attention transfer: the transfer section's rate, constant; the train section's betas)."""
+    lr = transfer.lr if stage == "transfer" else train.lr
+    mixing_lr = transfer.lr if stage == "transfer" else train.mixing_lr
     groups = param_groups(transformer, lr, mixing_lr)
-    opt = torch.optim.AdamW(
-        groups, betas=tuple(cfg.train.betas), eps=cfg.train.adam_eps, weight_decay=cfg.train.weight_decay
-    )
+    beta1, beta2 = train.betas  # two: training.config.validate
+    opt = torch.optim.AdamW(groups, betas=(beta1, beta2), eps=train.adam_eps, weight_decay=train.weight_decay)
     if stage == "train":
-        factor = lr_multiplier(cfg.train.lr_schedule, cfg.train.warmup_steps, cfg.train.steps, cfg.train.min_lr_ratio)
+        factor = lr_multiplier(train.lr_schedule, train.warmup_steps, train.steps, train.min_lr_ratio)
     else:
-        factor = lr_multiplier("constant", 1, cfg.transfer.steps, 1.0)
+        factor = lr_multiplier("constant", 1, transfer.steps, 1.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
     return opt, sched
 
 
-def set_stage_trainable(transformer, cfg, stage: str, trainable: list[str], converted: list[int]):
+def set_stage_trainable(transformer: Any, stage: str, trainable: list[str], converted: list[int]) -> None:
     """Transfer stage: only the converted layers' attention trains. End-to-end: ``train.trainable``."""
     names = set(trainable)
     prefixes = tuple(f"blocks.{i}.attn1." for i in converted)
@@ -311,7 +336,7 @@ def set_stage_trainable(transformer, cfg, stage: str, trainable: list[str], conv
         p.requires_grad_(name in names and (stage == "train" or name.startswith(prefixes)))
 
 
-def digest(model) -> str:
+def digest(model: Any) -> str:
     h = hashlib.sha256()
     for name, p in sorted(model.state_dict().items()):
         h.update(name.encode())
@@ -319,16 +344,16 @@ def digest(model) -> str:
     return h.hexdigest()
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """``python -m training.finetune --config FILE [key=value ...]``, behind the error boundary of
     :func:`common.errors.run_cli` (exit codes there; 3: non-finite losses, 4: a checkpoint could not be written)."""
     return run_cli(_main, argv, prog="training.finetune")
 
 
-def _main(argv) -> int:
+def _main(argv: list[str] | None) -> int:
     args = parse_args(argv)
     cfg = load_config(args.config, args.overrides)  # every key's type and range
-    check_data_source(cfg)  # a data.path the source would not read
+    check_data_source(cfg.data)  # a data.path the source would not read
     if cfg.task == "vae":  # the VAE stage's configs say task: vae; it has its own entry point
         from training import vae
 
@@ -339,12 +364,12 @@ def _main(argv) -> int:
             return train(cfg, target)
         except (KeyboardInterrupt, Terminated):
             if is_main_launch():
-                print(interrupted_note(cfg), file=sys.stderr)
+                print(interrupted_note(cfg.run_dir, cfg.checkpoint), file=sys.stderr)
             raise
 
 
 @contextlib.contextmanager
-def intra_op_threads(threads: int | None):
+def intra_op_threads(threads: int | None) -> Iterator[None]:
     """``train.threads``: torch's intra-op CPU threads for the run, and the caller's count back afterwards (a run in
     a test's process leaves its thread count as it was). None: torch's default is left alone. A tiny model's ops
     are each too small to share between threads: with two, every op waits for both, and on a busy 2-core machine
@@ -360,16 +385,16 @@ def intra_op_threads(threads: int | None):
         torch.set_num_threads(before)
 
 
-def interrupted_note(cfg) -> str:
-    """What a stopped run (Ctrl-C, SIGTERM) can do next: resume=latest from its newest checkpoint."""
-    found = ckpt.list_checkpoints(cfg.run_dir)
+def interrupted_note(run_dir: str, checkpoint: CheckpointSection) -> str:
+    """What a stopped run (Ctrl-C, SIGTERM) of ``run_dir`` can do next: resume=latest from its newest checkpoint."""
+    found = ckpt.list_checkpoints(run_dir)
     if found:
         return (
             f"stopped: continue this run from its newest checkpoint ({found[-1]}) with the same command and "
             "resume=latest"
         )
     return (
-        f"stopped before its first checkpoint (checkpoint.every={cfg.checkpoint.every}): the same command with "
+        f"stopped before its first checkpoint (checkpoint.every={checkpoint.every}): the same command with "
         "resume=latest starts it over (nothing to continue from)"
     )
 
@@ -388,13 +413,15 @@ class ImageStream:
     """The images of joint image-video training (``data.image_ratio``): their dataset, its resumable order
     (its own: a run's clips and images are drawn apart) and the batches of ``data.image_ratio * batch_size``."""
 
-    def __init__(self, cfg, dataset, batches: BatchEncoder, rank: int, world: int):
-        self.dataset, self.batches, self.size = dataset, batches, image_batch_size(cfg)
-        self.sampler = ResumableSampler(len(dataset), seed=cfg.train.seed + 1, rank=rank, world_size=world)
-        self.num_workers = cfg.data.num_workers
-        self._iter = None
+    def __init__(
+        self, data: DataSection, train: TrainSection, dataset: Any, batches: BatchEncoder, rank: int, world: int
+    ) -> None:
+        self.dataset, self.batches, self.size = dataset, batches, image_batch_size(data, train.batch_size)
+        self.sampler = ResumableSampler(len(dataset), seed=train.seed + 1, rank=rank, world_size=world)
+        self.num_workers = data.num_workers
+        self._iter: Iterator[dict[str, Any]] | None = None
 
-    def next_batch(self, consumed: int) -> dict:
+    def next_batch(self, consumed: int) -> dict[str, Any]:
         """The next batch after ``consumed`` images (a new stage or a resume restarts the order there)."""
         if self._iter is None:
             self.sampler.samples_consumed = consumed
@@ -410,9 +437,9 @@ class ImageStream:
         return next(self._iter)
 
 
-def train(cfg, target: TrainingTarget | None = None) -> int:
+def train(cfg: FinetuneConfig, target: TrainingTarget | None = None) -> int:
     """The recipe: checks, model, data, resume, then the flow-matching loop with its checkpoints."""
-    from accelerate import Accelerator, DistributedDataParallelKwargs
+    from accelerate import Accelerator, DistributedDataParallelKwargs  # type: ignore[import-untyped]
 
     # ---- everything that needs no model: a bad key, layer, layout, resume or dataset stops here
     replaced = ckpt.check_new_run(cfg.run_dir, cfg.resume, cfg.overwrite)  # never two runs in one folder
@@ -426,27 +453,32 @@ def train(cfg, target: TrainingTarget | None = None) -> int:
     total_steps = cfg.transfer.steps + cfg.train.steps
     if finished_run(cfg, resume_from, total_steps):  # said, nothing written
         return 0
-    dataset = build_dataset(cfg)
-    if hasattr(dataset, "check_clip_lengths"):  # most videos too short for data.num_frames: refused here
-        short = dataset.check_clip_lengths()
+    dataset = build_dataset(cfg.data, cfg.train.seed, cfg.model)
+    if isinstance(dataset, VideoFolderDataset):  # a folder of videos: read before the model loads
+        short = dataset.check_clip_lengths()  # most videos too short for data.num_frames: refused here
         if short and is_main_launch():
             print(short, file=sys.stderr)
-    if getattr(dataset, "needs_probe", False):  # aspect and length buckets: every video's size and length
-        shapes = dataset.probe_shapes(progress=is_main_launch())
-        if shapes and is_main_launch():
-            print(shapes, file=sys.stderr)
-    if hasattr(dataset, "require_usable"):
+        if dataset.needs_probe:  # aspect and length buckets: every video's size and length
+            shapes = dataset.probe_shapes(progress=is_main_launch())
+            if shapes and is_main_launch():
+                print(shapes, file=sys.stderr)
         dataset.require_usable()
-    image_set = build_dataset(cfg, images=True) if image_batch_size(cfg) else None  # a cache's shape checked now
-    if hasattr(image_set, "require_usable"):  # a folder of images: one that opens, and the dropped ones named
+    image_set = (  # a cache's shape checked now
+        build_dataset(cfg.data, cfg.train.seed, cfg.model, images=True)
+        if image_batch_size(cfg.data, cfg.train.batch_size)
+        else None
+    )
+    if isinstance(image_set, VideoFolderDataset):  # a folder of images: one that opens, and the dropped ones named
         image_set.require_usable()
         if image_set.dropped and is_main_launch():
             print(image_set.skip_summary(), file=sys.stderr)
-    start_lora = check_start_lora(cfg) if cfg.model.lora and resume_from is None else None  # read and checked now
-    if getattr(dataset, "dropped", None) and is_main_launch():  # named now, not only at the end of the run
+    start_lora = (  # read and checked now
+        check_start_lora(cfg.model, cfg.train.lora) if cfg.model.lora and resume_from is None else None
+    )
+    if isinstance(dataset, VideoFolderDataset) and dataset.dropped and is_main_launch():  # named now, not at the end
         print(dataset.skip_summary(), file=sys.stderr)
     if resume_from is not None:  # the data order against the checkpoint's: a changed dataset is said, not refused
-        for note in check_resume_data(cfg, resume_from, dataset, image_set):
+        for note in check_resume_data(cfg.resume, cfg.train.seed, resume_from, dataset, image_set):
             if is_main_launch():
                 print(note, file=sys.stderr)
     run_dir = Path(cfg.run_dir)
@@ -480,9 +512,9 @@ def train(cfg, target: TrainingTarget | None = None) -> int:
 
     # ---- model
     # which transformer trains, on which noise levels, called how (the model folder read once per run)
-    target = read_target(cfg) if target is None else target
-    components, transformer, grid = build_model(cfg, device, target)
-    trainable = select_trainable(transformer, cfg)
+    target = read_target(cfg.model) if target is None else target
+    components, transformer, grid = build_model(cfg.model, cfg.data, device, target)
+    trainable = select_trainable(transformer, cfg.train, cfg.model.variant)
     if start_lora is not None:  # a resume loads the checkpoint's adapters instead
         uncovered = load_into_adapter(transformer, start_lora, "model.lora")
         print_main(f"adapters from model.lora={cfg.model.lora} ({start_lora.describe()})")
@@ -510,24 +542,26 @@ def train(cfg, target: TrainingTarget | None = None) -> int:
     # a batch of one clip shape: aspect / length buckets, or a cache of them (one shape: the order it always had)
     sampler = make_sampler(dataset, cfg.train.batch_size, seed=cfg.train.seed, rank=rank, world_size=world)
     flow = FlowMatching(
-        **OmegaConf.to_container(cfg.flow),
+        cfg.flow,
         sigma_range=target.sigma_range,  # an A14B expert's share of the noise levels
         num_train_timesteps=target.num_train_timesteps,
     )
     call = ModelCall(target.expand_timesteps, tuple(transformer.config.patch_size))
-    cached = cfg.data.source == "cache"
+    cached = isinstance(dataset, CachedLatents)  # data.source=cache: latents and text embeddings stored
     batches = BatchEncoder(
         None if cached else Encoder(components, cfg.data.max_sequence_length),
-        dataset.empty_text if cached else None,
+        dataset.empty_text if isinstance(dataset, CachedLatents) else None,
         cfg.data.caption_dropout,
         device,
     )
     images = None
     if image_set is not None:
+        empty = image_set.empty_text if isinstance(image_set, CachedLatents) else None
         images = ImageStream(
-            cfg,
+            cfg.data,
+            cfg.train,
             image_set,
-            BatchEncoder(batches.encoder, image_set.empty_text if cached else None, cfg.data.caption_dropout, device),
+            BatchEncoder(batches.encoder, empty, cfg.data.caption_dropout, device),
             rank,
             world,
         )
@@ -565,7 +599,7 @@ def train(cfg, target: TrainingTarget | None = None) -> int:
     if cfg.train.ema_decay and ema is None:  # a new run, or EMA switched on for a resumed one
         ema = EMA(transformer, trainable, cfg.train.ema_decay)
 
-    evaluate = EvalLoss(cfg, dataset, batches, flow, accelerator, call)
+    evaluate = EvalLoss(cfg.data, cfg.train, cfg.validation, dataset, batches, flow, accelerator, call)
     metrics = Metrics(run_dir / "metrics.jsonl", main_proc)
     if main_proc:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -573,7 +607,7 @@ def train(cfg, target: TrainingTarget | None = None) -> int:
         skipped = ["skipped.json"] if hasattr(dataset, "skipped_paths") else []
         tensorboard = ["finetune"] if cfg.log.tensorboard else []
         ckpt.record_run_files(run_dir, "config.yaml", "metrics.jsonl", *skipped, *tensorboard)
-        write_text_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(cfg))
+        write_text_atomic(run_dir / "config.yaml", config_yaml(cfg))
         write_skipped(run_dir, dataset)
         metrics.start(at.step, end_of_run=at.step >= total_steps)
     if cfg.log.tensorboard:
@@ -583,7 +617,7 @@ def train(cfg, target: TrainingTarget | None = None) -> int:
             redone = ("eval_loss", "eval_loss_ema") if at.step >= total_steps else ()
             trim_event_files(run_dir / "finetune", at.step, redone)
         purge = {"tensorboard": {"purge_step": at.step + 1}} if at.step else {}
-        config = {k: str(v) for k, v in OmegaConf.to_container(cfg).items()}
+        config = {k: str(v) for k, v in as_tree(cfg).items()}
         accelerator.init_trackers("finetune", config=config, init_kwargs=purge)
     start_loss = evaluate(transformer)
     if at.step == 0:
@@ -596,7 +630,7 @@ def train(cfg, target: TrainingTarget | None = None) -> int:
     if cfg.validation.probe_every and main_proc:
         from training.probe import describe, log_probe, probe_from_config
 
-        probe = probe_from_config(cfg, components)
+        probe = probe_from_config(cfg.data, cfg.validation, cfg.train.seed, components)
         if at.step == 0:
             row = log_probe(probe, evaluate, transformer, ema, 0)
             metrics.write(row)
@@ -612,15 +646,15 @@ def train(cfg, target: TrainingTarget | None = None) -> int:
             if at.step >= stage_end or n_steps == 0:
                 stage_start = stage_end
                 continue
-            set_stage_trainable(transformer, cfg, stage, trainable, converted)
+            set_stage_trainable(transformer, stage, trainable, converted)
             transfer = AttentionTransfer(transformer, converted) if stage == "transfer" else None
-            optimizer, scheduler = make_optimizer(transformer, cfg, stage)
+            optimizer, scheduler = make_optimizer(transformer, cfg.train, cfg.transfer, stage)
             if resume_state is not None and resume_state["stage"] == stage:
                 ckpt.restore_optimizer(optimizer, scheduler, resume_state)  # a changed train.lr takes effect
             model, optimizer = accelerator.prepare(transformer, optimizer)
             sampler.samples_consumed = at.samples  # the next stage continues the data order where this one stopped
             data_iter = iter(data_loader(dataset, sampler, cfg.train.batch_size, cfg.data.num_workers))
-            with_images = images is not None and transfer is None  # attention transfer copies on clips only
+            stills = images if transfer is None else None  # attention transfer copies on clips only
             while at.step < stage_end:
                 t0 = time.perf_counter()
                 grad_norm, finite, image_loss = None, True, None
@@ -628,30 +662,32 @@ def train(cfg, target: TrainingTarget | None = None) -> int:
                     batch = next(data_iter)
                     at.samples += len(batch["caption"])
                     with accelerator.accumulate(model):
-                        parts = []  # (loss, samples) per forward: one per clip length (data.min_frames), images
+                        # (loss, samples) per forward: one per clip length (data.min_frames), images
+                        parts: list[tuple[torch.Tensor, int]] = []
                         for group in batch_groups(batch):
                             latents, text = batches(group, generator)
-                            x_t, t, target = flow.noisy_input(latents, generator)
+                            x_t, t, velocity = flow.noisy_input(latents, generator)
                             if transfer is not None:
                                 transfer.losses.clear()  # drop losses a checkpointed layer's recompute appended
                             with accelerator.autocast():
                                 pred = call(model, x_t, t, text)
-                            part = transfer.take_loss() if transfer is not None else flow.loss(pred, target, latents)
+                            part = transfer.take_loss() if transfer is not None else flow.loss(pred, velocity, latents)
                             parts.append((part, len(group["caption"])))
                         loss = parts[0][0]
                         if len(parts) > 1:  # the mean over the batch's clips, whatever their lengths
-                            loss = sum(part * n for part, n in parts) / sum(n for _, n in parts)
-                        if with_images:  # their own forward (another token count); the loss is a mean over samples
-                            image_batch = images.next_batch(at.images)
+                            loss = weighted_mean(parts)
+                        if (
+                            stills is not None
+                        ):  # their own forward (another token count); the loss is a mean over samples
+                            image_batch = stills.next_batch(at.images)
                             at.images += len(image_batch["caption"])
-                            image_latents, image_text = images.batches(image_batch, generator)
-                            x_i, t_i, target_i = flow.noisy_input(image_latents, generator)
+                            image_latents, image_text = stills.batches(image_batch, generator)
+                            x_i, t_i, velocity_i = flow.noisy_input(image_latents, generator)
                             with accelerator.autocast():
                                 pred_i = call(model, x_i, t_i, image_text)
-                            image_loss = flow.loss(pred_i, target_i, image_latents)
+                            image_loss = flow.loss(pred_i, velocity_i, image_latents)
                             parts.append((image_loss, len(image_batch["caption"])))
-                            total = sum(n for _, n in parts)
-                            loss = sum(part * n for part, n in parts) / total
+                            loss = weighted_mean(parts)
                         finite = bool(accelerator.gather(torch.isfinite(loss.detach()).reshape(1)).all())
                         if finite:
                             total = sum(n for _, n in parts)
@@ -666,7 +702,7 @@ def train(cfg, target: TrainingTarget | None = None) -> int:
                             optimizer.step()
                         optimizer.zero_grad(set_to_none=True)
                 if not finite:
-                    skip_nonfinite_step(cfg, at, loss, run_dir)  # raises after train.max_nonfinite in a row
+                    skip_nonfinite_step(cfg.train, at, loss, run_dir)  # raises after train.max_nonfinite in a row
                     continue
                 at.nonfinite = 0
                 scheduler.step()
@@ -695,9 +731,9 @@ def train(cfg, target: TrainingTarget | None = None) -> int:
                     "tokens_per_s": tokens / dt,
                     "grad_norm": None if grad_norm is None else float(grad_norm),
                 }
-                if image_loss is not None:  # "loss" is then the mean over clips and images
+                if image_loss is not None and stills is not None:  # "loss" is then the mean over clips and images
                     row["image_loss"] = accelerator.gather(image_loss.detach().reshape(1)).mean().item()
-                    row["images_per_s"] = images.size * cfg.train.grad_accum * world / dt
+                    row["images_per_s"] = stills.size * cfg.train.grad_accum * world / dt
                 metrics.write(row)
                 if cfg.log.tensorboard and at.step % cfg.log.every == 0:
                     accelerator.log({k: v for k, v in row.items() if isinstance(v, float)}, step=at.step)
@@ -723,7 +759,7 @@ def train(cfg, target: TrainingTarget | None = None) -> int:
                 ):
                     unwrapped = accelerator.unwrap_model(model)
                     with ema.swapped_in(unwrapped) if ema is not None else contextlib.nullcontext():
-                        videos = validation_videos(cfg, components, unwrapped, run_dir, at.step)
+                        videos = validation_videos(cfg.validation, cfg.data, components, unwrapped, run_dir, at.step)
                     if cfg.log.tensorboard:
                         log_videos(accelerator, videos, at.step)
                 probed = probe is not None and (at.step % cfg.validation.probe_every == 0 or at.step == total_steps)
@@ -738,7 +774,7 @@ def train(cfg, target: TrainingTarget | None = None) -> int:
                     metrics.write(row)
                     if cfg.log.tensorboard:
                         accelerator.log({"eval_loss": row["eval_loss"]}, step=at.step)
-                if probed:
+                if probed and probe is not None:
                     row = log_probe(probe, evaluate, accelerator.unwrap_model(model), ema, at.step)
                     metrics.write(row)
                     if cfg.log.tensorboard:
@@ -760,23 +796,41 @@ def train(cfg, target: TrainingTarget | None = None) -> int:
 # --------------------------------------------------------------------------- beside the loop
 
 
+def weighted_mean(parts: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
+    """One step's loss from its forwards' ``(mean loss, samples)``: the mean over every sample."""
+    mean = sum(part * n for part, n in parts) / sum(n for _, n in parts)
+    assert isinstance(mean, torch.Tensor)  # a step has at least one forward
+    return mean
+
+
 class EvalLoss:
     """Evaluation loss on fixed batches with fixed noise, to compare start and end: the synthetic validation
     split (unseen captions and held-out attribute combinations), else the first training videos."""
 
-    def __init__(self, cfg, dataset, batches: BatchEncoder, flow: FlowMatching, accelerator, call=None):
-        eval_set = build_validation_dataset(cfg, max(1, cfg.validation.loss_batches * cfg.train.batch_size))
-        if eval_set is None:
-            eval_set = dataset
-        size = cfg.train.batch_size
+    def __init__(
+        self,
+        data: DataSection,
+        train: TrainSection,
+        validation: ValidationSection,
+        dataset: Any,
+        batches: BatchEncoder,
+        flow: FlowMatching,
+        accelerator: Any,
+        call: ModelCall | None = None,
+    ) -> None:
+        """``validation.loss_batches`` batches of ``train.batch_size`` clips: the data section's validation clips
+        (drawn with ``train.seed``), else ``dataset``'s first ones."""
+        size = train.batch_size
+        held_out = build_validation_dataset(data, train.seed, max(1, validation.loss_batches * size))
+        eval_set = dataset if held_out is None else held_out
         self.batches = [
             collate([eval_set[(i * size + j) % len(eval_set)] for j in range(size)])
-            for i in range(cfg.validation.loss_batches)
+            for i in range(validation.loss_batches)
         ]
         self.encode, self.flow, self.accelerator = batches, flow, accelerator
         self.call = call or ModelCall()
 
-    def __call__(self, model) -> float:
+    def __call__(self, model: Any) -> float:
         g = torch.Generator(device=self.accelerator.device).manual_seed(12345)
         losses = []
         with torch.no_grad(), self.accelerator.autocast():
@@ -795,7 +849,7 @@ class Metrics:
     """``metrics.jsonl``: one JSON row per line, written by the main process; a resumed run drops the rows
     the interrupted run logged after its checkpoint (they are redone)."""
 
-    def __init__(self, path: Path, main_proc: bool):
+    def __init__(self, path: Path, main_proc: bool) -> None:
         self.path, self.main_proc = path, main_proc
 
     def start(self, step: int, end_of_run: bool = False) -> None:
@@ -805,7 +859,7 @@ class Metrics:
         else:
             ckpt.trim_metrics(self.path, step, end_of_run)
 
-    def write(self, row: dict) -> None:
+    def write(self, row: dict[str, Any]) -> None:
         if self.main_proc:
             try:
                 with self.path.open("a") as f:
@@ -814,23 +868,34 @@ class Metrics:
                 raise OutputError(f"could not append to {str(self.path)!r}: {e.strerror or e}") from e
 
 
-def skip_nonfinite_step(cfg, at: Progress, loss: torch.Tensor, run_dir: Path) -> None:
+def skip_nonfinite_step(train: TrainSection, at: Progress, loss: torch.Tensor, run_dir: Path) -> None:
     """A non-finite loss skips the step with a warning; ``train.max_nonfinite`` of them in a row end the run
     (ModelError, exit 3), the last checkpoint intact."""
     at.nonfinite += 1
     warnings.warn(
         f"step {at.step + 1}: non-finite loss ({loss.item()}); step skipped ({at.nonfinite} in a row)", stacklevel=2
     )
-    if at.nonfinite >= cfg.train.max_nonfinite:
+    if at.nonfinite >= train.max_nonfinite:
         raise ModelError(
-            f"{at.nonfinite} non-finite losses in a row (train.max_nonfinite={cfg.train.max_nonfinite}); "
+            f"{at.nonfinite} non-finite losses in a row (train.max_nonfinite={train.max_nonfinite}); "
             f"stopping. The last checkpoint in {run_dir / 'checkpoints'} is intact."
         )
 
 
 def save_or_explain(
-    accelerator, cfg, run_dir, stage, model, optimizer, scheduler, generator, sampler, at, ema, images=None
-):
+    accelerator: Any,
+    cfg: FinetuneConfig,
+    run_dir: Path,
+    stage: str,
+    model: Any,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LambdaLR,
+    generator: torch.Generator,
+    sampler: ResumableSampler | BucketBatchSampler,
+    at: Progress,
+    ema: EMA | None,
+    images: ImageStream | None = None,
+) -> None:
     """:func:`save`, or when the disk refuses (full, quota, permissions) an OutputError (exit 4) that says what
     and where, after removing the half-written folder: earlier checkpoints stay intact."""
     try:
@@ -871,11 +936,22 @@ def save_or_explain(
         raise
 
 
-def finish_run(cfg, accelerator, evaluate, metrics, final, ema, step, start_loss, dataset, run_dir) -> None:
+def finish_run(
+    cfg: FinetuneConfig,
+    accelerator: Any,
+    evaluate: EvalLoss,
+    metrics: Metrics,
+    final: Any,
+    ema: EMA | None,
+    step: int,
+    start_loss: float,
+    dataset: Any,
+    run_dir: Path,
+) -> None:
     """The final model (``final/transformer``, whatever the checkpoint schedule), the end-of-run evaluation (raw
     weights, then the EMA's), the skip summary and list, the parameter digest, and last ``final/finished.json``."""
     print_main = accelerator.print
-    save_final_model(cfg, accelerator, final, ema, step, run_dir)
+    save_final_model(cfg.model, cfg.train, accelerator, final, ema, step, run_dir)
     end_loss = evaluate(final)
     print_main(f"eval flow loss at step {step}: {end_loss:.4f} (start {start_loss:.4f})")
     row = {"step": step, "eval_loss": end_loss}
@@ -906,27 +982,30 @@ def finish_run(cfg, accelerator, evaluate, metrics, final, ema, step, start_loss
         ckpt.write_finished(run_dir, step, cfg.model.expert or "transformer")
 
 
-def save_final_model(cfg, accelerator, final, ema, step: int, run_dir: Path) -> Path:
+def save_final_model(
+    model: ModelSection, train: TrainSection, accelerator: Any, final: Any, ema: EMA | None, step: int, run_dir: Path
+) -> Path:
     """The trained model in the pipeline's format at ``<run_dir>/final/<transformer folder>`` (with EMA the
     averaged weights, a LoRA merged in, as in a checkpoint) and a LoRA run's adapters in diffusers' format at
     ``final/lora`` (:func:`pipelines.lora.save_lora`), written atomically (``final/finished.json`` comes when
     the whole end of the run is done: :func:`finish_run`). Never pruned by ``checkpoint.keep``."""
-    folder = cfg.model.expert or "transformer"
+    folder = model.expert or "transformer"
     path = ckpt.final_model_dir(run_dir, folder)
+    lora = train.trainable == "lora"
     if accelerator.is_main_process:
         ckpt.record_final(run_dir, folder)
         with ema.swapped_in(final) if ema is not None else contextlib.nullcontext():
-            save_model_for_pipeline(final, path, cfg.train.trainable == "lora")
-        if cfg.train.trainable == "lora":
-            adapters = save_lora(final, run_dir / ckpt.FINAL / ckpt.LORA, lora_info(cfg, step))
+            save_model_for_pipeline(final, path, lora)
+        if lora:
+            adapters = save_lora(final, run_dir / ckpt.FINAL / ckpt.LORA, lora_info(model, train.lora, step))
         accelerator.print(f"final model (step {step}): {path}")
-        if cfg.train.trainable == "lora":
+        if lora:
             accelerator.print(f"LoRA adapters (diffusers' load_lora_weights format): {adapters}")
     accelerator.wait_for_everyone()
     return path
 
 
-def write_skipped(run_dir: Path, dataset) -> None:
+def write_skipped(run_dir: Path, dataset: Any) -> None:
     """``<run_dir>/skipped.json``: the videos a folder dataset skips, by reason (found so far). Main process."""
     paths = getattr(dataset, "skipped_paths", None)
     if paths is None:
@@ -941,7 +1020,7 @@ def write_skipped(run_dir: Path, dataset) -> None:
     write_text_atomic(run_dir / "skipped.json", json.dumps(record, indent=1) + "\n")
 
 
-def finished_run(cfg, resume_from: Path | None, total_steps: int) -> bool:
+def finished_run(cfg: FinetuneConfig, resume_from: Path | None, total_steps: int) -> bool:
     """A resume of a run that already trained its ``total_steps``: says so, where its model is and how to train
     on, and returns True (the caller exits 0; nothing is evaluated or logged again). A run of this run_dir stopped
     after its last checkpoint but before ``final/finished.json`` (killed in the end of the run: the final model, the
@@ -984,34 +1063,37 @@ def finished_run(cfg, resume_from: Path | None, total_steps: int) -> bool:
     return True
 
 
-def check_resume_data(cfg, checkpoint: Path, dataset, image_set) -> list[str]:
-    """Before the model loads: the checkpoint's data order against this run's (its ``rank0.pt``). Another number
-    of processes or another ``train.seed`` is refused (ValueError naming both); another dataset size (a caption
+def check_resume_data(
+    resume: str | None, seed: int, checkpoint: Path, dataset: Sized, image_set: Sized | None
+) -> list[str]:
+    """Before the model loads: the checkpoint's data order against this run's (its ``rank0.pt``; ``resume`` and
+    ``seed``: the config's ``resume`` and ``train.seed``). Another number of processes or another ``train.seed``
+    is refused (ValueError naming both); another dataset size (a caption
     fixed, videos added) is not: returns a note per changed dataset, and :func:`restore_order` continues an
     order drawn for the new size from the same position."""
     state = ckpt.load_state(checkpoint / "rank0.pt")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     notes = []
-    streams = [("data", "clips", len(dataset), cfg.train.seed)]
+    streams = [("data", "clips", len(dataset), seed)]
     if image_set is not None:
-        streams.append(("images", "images", len(image_set), cfg.train.seed + 1))
+        streams.append(("images", "images", len(image_set), seed + 1))
     step = ckpt.checkpoint_at(checkpoint)
     keys = dataset.shape_keys() if hasattr(dataset, "shape_keys") else []
     buckets = max(1, len(set(keys)))  # batches of one shape each (aspect or length buckets): BucketBatchSampler
-    for key, what, size, seed in streams:
+    for key, what, size, stream_seed in streams:
         saved = state.get(key)
         if not saved:
             continue
         if saved["world_size"] != world:
             raise ValueError(
-                f"resume={cfg.resume!r}: checkpoint {str(checkpoint)!r} was written by {saved['world_size']} "
+                f"resume={resume!r}: checkpoint {str(checkpoint)!r} was written by {saved['world_size']} "
                 f"process(es), this run has {world}; expected the same number (launch it with "
                 f"--nproc_per_node {saved['world_size']}), or start a new run_dir"
             )
-        if saved["seed"] != seed:
-            was = saved["seed"] - (seed - cfg.train.seed)
+        if saved["seed"] != stream_seed:
+            was = saved["seed"] - (stream_seed - seed)
             raise ValueError(
-                f"train.seed={cfg.train.seed}: checkpoint {str(checkpoint)!r} was trained with train.seed={was} "
+                f"train.seed={seed}: checkpoint {str(checkpoint)!r} was trained with train.seed={was} "
                 f"(it orders the data); expected train.seed={was} to resume, or start a new run_dir"
             )
         was, now = saved.get("buckets", 1), buckets if key == "data" else 1
@@ -1030,7 +1112,7 @@ def check_resume_data(cfg, checkpoint: Path, dataset, image_set) -> list[str]:
     return notes
 
 
-def restore_order(sampler: ResumableSampler, state: dict) -> None:
+def restore_order(sampler: ResumableSampler | BucketBatchSampler, state: dict[str, Any]) -> None:
     """A checkpoint's data position; for a dataset whose size changed (said by :func:`check_resume_data`) the
     same position in an order drawn for the new size."""
     if state["num_samples"] != sampler.num_samples:
@@ -1040,22 +1122,22 @@ def restore_order(sampler: ResumableSampler, state: dict) -> None:
 
 
 def save(
-    accelerator,
-    cfg,
-    run_dir,
-    step,
-    stage,
-    model,
-    optimizer,
-    scheduler,
-    generator,
-    sampler,
-    samples,
-    nonfinite,
-    ema,
+    accelerator: Any,
+    cfg: FinetuneConfig,
+    run_dir: Path,
+    step: int,
+    stage: str,
+    model: Any,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LambdaLR,
+    generator: torch.Generator,
+    sampler: ResumableSampler | BucketBatchSampler,
+    samples: int,
+    nonfinite: int,
+    ema: EMA | None,
     images: ImageStream | None = None,
     images_consumed: int = 0,
-):
+) -> None:
     """One checkpoint, assembled in a temporary folder by all ranks, renamed into place by the main one.
     With EMA, ``transformer/`` holds the averaged weights and ``trainable.safetensors`` the raw ones."""
     if accelerator.is_main_process:
@@ -1086,7 +1168,7 @@ def save(
                 n: p.detach().contiguous() for n, p in unwrapped.named_parameters() if "lora_" in n or ".attn1." in n
             }
             save_file(trainable, tmp / "trainable.safetensors")  # what a resume loads (peft's names)
-            save_lora(unwrapped, tmp / ckpt.LORA, lora_info(cfg, step))  # what diffusers loads
+            save_lora(unwrapped, tmp / ckpt.LORA, lora_info(cfg.model, cfg.train.lora, step))  # what diffusers loads
         ckpt.save_state(
             {
                 "step": step,
@@ -1099,16 +1181,24 @@ def save(
             },
             tmp / ckpt.STATE_FILE,
         )
-        (tmp / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+        (tmp / "config.yaml").write_text(config_yaml(cfg))
         ckpt.finish_checkpoint(run_dir, step, cfg.checkpoint.keep)
     accelerator.wait_for_everyone()
 
 
-def validation_videos(cfg, components, transformer, run_dir: Path, step: int) -> dict:
-    """Fixed prompts and seeds, written as mp4 under ``<run>/validation/step-XXXXXXX/``; returns the videos,
-    ``{"validation/prompt<i>_seed<seed>": float (T, H, W, 3) in [0, 1]}`` (:func:`log_videos`)."""
+def validation_videos(
+    validation: ValidationSection,
+    data: DataSection,
+    components: WanComponents,
+    transformer: Any,
+    run_dir: Path,
+    step: int,
+) -> dict[str, Any]:
+    """The validation section's prompts and seeds at the data section's clip size, written as mp4 under
+    ``<run>/validation/step-XXXXXXX/``; returns the videos, ``{"validation/prompt<i>_seed<seed>": float (T, H, W, 3)
+    in [0, 1]}`` (:func:`log_videos`)."""
     out = run_dir / "validation" / f"step-{step:07d}"
-    names = [f"prompt{i}_seed{seed}.mp4" for i in range(len(cfg.validation.prompts)) for seed in cfg.validation.seeds]
+    names = [f"prompt{i}_seed{seed}.mp4" for i in range(len(validation.prompts)) for seed in validation.seeds]
     here = f"validation/{out.name}"
     ckpt.record_run_files(run_dir, *(f"{here}/{n}" for n in names), folders=("validation", here))
     out.mkdir(parents=True, exist_ok=True)
@@ -1117,15 +1207,15 @@ def validation_videos(cfg, components, transformer, run_dir: Path, step: int) ->
     variant = transformer.config["self_attention"]["variant"]
     videos = {}
     with torch.no_grad():
-        for i, prompt in enumerate(cfg.validation.prompts):
-            for seed in cfg.validation.seeds:
+        for i, prompt in enumerate(validation.prompts):
+            for seed in validation.seeds:
                 request = GenerationRequest(
                     prompt=prompt,
-                    height=cfg.data.height,
-                    width=cfg.data.width,
-                    num_frames=cfg.data.num_frames,
-                    num_inference_steps=cfg.validation.num_inference_steps,
-                    guidance_scale=cfg.validation.guidance_scale,
+                    height=data.height,
+                    width=data.width,
+                    num_frames=data.num_frames,
+                    num_inference_steps=validation.num_inference_steps,
+                    guidance_scale=validation.guidance_scale,
                     seed=seed,
                     variant=variant,
                 )
@@ -1136,14 +1226,14 @@ def validation_videos(cfg, components, transformer, run_dir: Path, step: int) ->
     return videos
 
 
-def gif_summary(tag: str, frames, fps: float = 16):
+def gif_summary(tag: str, frames: Any, fps: float = 16) -> Any:
     """A TensorBoard image summary holding ``frames`` (``(T, H, W, 3)``, float in [0, 1] or uint8) as an animated GIF:
     what ``SummaryWriter.add_video`` writes, without its moviepy dependency (TensorBoard's Images tab plays it)."""
     import io
 
     import numpy as np
     from PIL import Image
-    from tensorboard.compat.proto.summary_pb2 import Summary
+    from tensorboard.compat.proto.summary_pb2 import Summary  # type: ignore[import-untyped]
 
     video = np.asarray(frames)
     if video.dtype != np.uint8:
@@ -1156,7 +1246,7 @@ def gif_summary(tag: str, frames, fps: float = 16):
     return Summary(value=[Summary.Value(tag=tag, image=image)])
 
 
-def log_videos(accelerator, videos: dict, step: int, fps: float = 16) -> None:
+def log_videos(accelerator: Any, videos: dict[str, Any], step: int, fps: float = 16) -> None:
     """The validation videos in TensorBoard's event file at ``step`` (main process), one GIF each."""
     if not accelerator.is_main_process:
         return
@@ -1172,7 +1262,7 @@ def trim_event_files(folder: Path, step: int, redone: tuple[str, ...] = ()) -> N
     again. Records are copied as they were (framing and checksums); a record cut short by a crash ends its file."""
     import struct
 
-    from tensorboard.compat.proto.event_pb2 import Event
+    from tensorboard.compat.proto.event_pb2 import Event  # type: ignore[import-untyped]
 
     from common.outputs import atomic_write
 

@@ -21,37 +21,30 @@ so runs with and without it compare. Tried on the built-in model's base (README,
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from diffusers.training_utils import compute_density_for_timestep_sampling
 
+from training.config import FlowSection, check_section
+
 
 @dataclass(frozen=True)
 class FlowMatching:
-    shift: float = 3.0
-    weighting: str = "logit_normal"  # or "uniform"
-    logit_mean: float = 0.0
-    logit_std: float = 1.0
+    """The objective of a run: ``settings`` is its ``flow`` section (shift, weighting, logit-normal mean and std, the
+    objects' weight and threshold: :class:`training.config.FlowSection`, defaults and ranges there), ``sigma_range``
+    and ``num_train_timesteps`` come from the model (:class:`training.experts.TrainingTarget`)."""
+
+    settings: FlowSection = field(default_factory=FlowSection)
     sigma_range: tuple[float, float] = (0.0, 1.0)  # [low, high]: an expert's noise levels (high = 1: inclusive)
     num_train_timesteps: int = 1000  # timestep = sigma * num_train_timesteps, as diffusers' flow schedulers
-    object_weight: float = 0.0  # extra weight of the object's latent cells in the loss (0 = plain MSE)
-    object_threshold: float = 1.0  # mean squared difference from the frame's median cell that marks an object cell
 
-    def __post_init__(self):
-        if self.weighting not in ("logit_normal", "uniform"):
-            raise ValueError(f"flow.weighting must be 'logit_normal' or 'uniform', got {self.weighting!r}")
-        if self.shift <= 0:
-            raise ValueError(f"flow.shift must be > 0, got {self.shift}")
+    def __post_init__(self) -> None:
+        check_section(self.settings, "flow")  # a section built in code gets the checks a loaded config's keys get
         low, high = self.sigma_range
         if not 0 <= low < high <= 1:
             raise ValueError(f"sigma_range must satisfy 0 <= low < high <= 1, got {self.sigma_range}")
-        if self.object_weight < 0 or self.object_threshold <= 0:
-            raise ValueError(
-                f"flow.object_weight must be >= 0 and flow.object_threshold > 0, got {self.object_weight} and "
-                f"{self.object_threshold}"
-            )
 
     @property
     def restricted(self) -> bool:
@@ -59,31 +52,36 @@ class FlowMatching:
 
     def _unshift(self, sigma: float) -> float:
         """The inverse of the shift: the u in [0, 1] that :meth:`sample_sigmas` maps to ``sigma``."""
-        return sigma / (self.shift - (self.shift - 1) * sigma)
+        return sigma / (self.settings.shift - (self.settings.shift - 1) * sigma)
 
     def sample_sigmas(self, batch: int, generator: torch.Generator) -> torch.Tensor:
         """``(batch,)`` shifted sigmas in (0, 1) (in :attr:`sigma_range` when restricted: ``low <= sigma < high``,
         ``sigma <= 1`` at the top), on the generator's device."""
         if not self.restricted:
             u = compute_density_for_timestep_sampling(
-                self.weighting, batch, self.logit_mean, self.logit_std, device=generator.device, generator=generator
+                self.settings.weighting,
+                batch,
+                self.settings.logit_mean,
+                self.settings.logit_std,
+                device=generator.device,
+                generator=generator,
             )
         else:  # the density truncated to the u-interval that the shift maps onto sigma_range
             u_low, u_high = (self._unshift(s) for s in self.sigma_range)
             r = torch.rand(batch, generator=generator, device=generator.device, dtype=torch.float64)
-            if self.weighting == "uniform":
+            if self.settings.weighting == "uniform":
                 u = u_low + r * (u_high - u_low)
             else:  # u = sigmoid(n), n ~ N(mean, std): invert the normal's CDF between the ends' quantiles
                 ends = [
-                    math.inf if x >= 1 else -math.inf if x <= 0 else (math.log(x / (1 - x)) - self.logit_mean)
+                    math.inf if x >= 1 else -math.inf if x <= 0 else (math.log(x / (1 - x)) - self.settings.logit_mean)
                     for x in (u_low, u_high)
                 ]
                 c_low, c_high = (
-                    torch.special.ndtr(torch.tensor(e / self.logit_std, dtype=torch.float64)) for e in ends
+                    torch.special.ndtr(torch.tensor(e / self.settings.logit_std, dtype=torch.float64)) for e in ends
                 )
                 p = (c_low + r * (c_high - c_low)).clamp(1e-12, 1 - 1e-12)
-                u = torch.sigmoid(self.logit_mean + self.logit_std * torch.special.ndtri(p))
-        sigma = self.shift * u / (1 + (self.shift - 1) * u)
+                u = torch.sigmoid(self.settings.logit_mean + self.settings.logit_std * torch.special.ndtri(p))
+        sigma = self.settings.shift * u / (1 + (self.settings.shift - 1) * u)
         if self.restricted:  # float32 rounding must not carry a sample over a boundary into the other expert's range
             low, high = self.sigma_range
             sigma = sigma.float()
@@ -96,7 +94,9 @@ class FlowMatching:
             sigma = torch.minimum(torch.maximum(sigma, floor.to(sigma.device)), ceiling.to(sigma.device))
         return sigma
 
-    def noisy_input(self, latents: torch.Tensor, generator: torch.Generator):
+    def noisy_input(
+        self, latents: torch.Tensor, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns ``(x_t, timesteps, target)`` for clean ``latents`` ``(B, C, F, H, W)``."""
         b = latents.shape[0]
         noise = torch.randn(latents.shape, generator=generator, device=generator.device).to(latents)
@@ -111,13 +111,13 @@ class FlowMatching:
         flat = latents.detach().float().flatten(3)  # (B, C, F, H*W)
         median = flat.median(dim=3).values[..., None]
         diff = ((flat - median) ** 2).mean(dim=1, keepdim=True)  # (B, 1, F, H*W)
-        return (diff > self.object_threshold).view(latents.shape[0], 1, *latents.shape[2:])
+        return (diff > self.settings.object_threshold).view(latents.shape[0], 1, *latents.shape[2:])
 
     def loss(self, pred: torch.Tensor, target: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
         """The training loss of ``pred`` against the velocity ``target`` for clean ``latents``: the mean squared
         error, weighted toward the objects' cells when ``object_weight`` > 0 (divided by the mean weight)."""
-        if not self.object_weight:
+        if not self.settings.object_weight:
             return F.mse_loss(pred.float(), target.float())
-        weight = 1.0 + self.object_weight * self.object_mask(latents).float()
+        weight = 1.0 + self.settings.object_weight * self.object_mask(latents).float()
         err = (pred.float() - target.float()) ** 2
         return (err * weight).sum() / (weight.sum() * err.shape[1])

@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from common.errors import BadInputError, describe_os_error
 from common.outputs import resolve_output_folder
@@ -35,7 +36,7 @@ class RunLock:
     def __init__(self, run_dir: str | Path):
         self.run_dir = Path(run_dir)
         self.fd: int | None = None
-        self.stale: dict | None = None
+        self.stale: dict[str, Any] | None = None
 
     @property
     def folder(self) -> Path:
@@ -96,11 +97,11 @@ class RunLock:
     def __enter__(self) -> RunLock:
         return self.acquire()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.release()
 
 
-def _read(fd: int) -> dict:
+def _read(fd: int) -> dict[str, Any]:
     try:
         data = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip()
         record = json.loads(data) if data else {}

@@ -27,21 +27,21 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
-from omegaconf import ListConfig, OmegaConf
 from safetensors.torch import save_file
-from tqdm.auto import tqdm
+from tqdm.auto import tqdm  # type: ignore[import-untyped]
 
 from common.errors import run_cli
 from common.outputs import atomic_write, ensure_output_folder, resolve_output_folder, write_text_atomic
 from pipelines import load_components
 from training import cache as checksums
-from training.config import load_config
+from training.config import DEFAULTS, FinetuneConfig, load_config
 from training.encoding import Encoder
 
 
-def _atomic_save(tensors: dict, path: Path, metadata: dict | None = None) -> None:
+def _atomic_save(tensors: dict[str, Any], path: Path, metadata: dict[str, Any] | None = None) -> None:
     tensors = {k: v.contiguous().cpu() for k, v in tensors.items()}
     metadata = checksums.sealed_metadata(tensors, metadata)  # the entry vouches for itself (training/cache.py)
     with atomic_write(path) as tmp:  # a kill or SIGTERM mid-write leaves no partial sample behind
@@ -75,32 +75,32 @@ RECORD_KEYS = (
 )
 
 
-def cache_record(cfg, images: bool = False) -> dict:
+def cache_record(cfg: FinetuneConfig, images: bool = False) -> dict[str, Any]:
     """What a cache written with ``cfg`` holds: the data settings that shape it, the model and seed (with
     ``images``: the one-frame images of joint training, ``data.image_num_samples`` of them)."""
-    data = {k: cfg.data.get(k) for k in RECORD_KEYS}
+    section = cfg.data
+    data: dict[str, Any] = {k: getattr(section, k) for k in RECORD_KEYS}
     for key in ("layout", "video_column", "caption_column"):  # which manifest and columns: recorded when set
-        if cfg.data.get(key) not in (None, "auto"):
-            data[key] = cfg.data.get(key)
-    # what else shapes a folder's samples: recorded when set (a record written before these keys matches without)
-    shaping = [("trigger_word", None), ("fps", None), ("min_frames", None), ("repeats", 1), ("extra", [])]
-    shaping += [("buckets", None), ("bucket_sizes", None), ("cache_windows", 1)]  # aspect buckets, windows
-    for key, default in shaping:
-        value = cfg.data.get(key, default)
-        value = OmegaConf.to_container(value) if isinstance(value, ListConfig) else value
-        if value != default:
+        if getattr(section, key) not in (None, "auto"):
+            data[key] = getattr(section, key)
+    # what else shapes a folder's samples: recorded when not at its default (a record written before these keys
+    # matches without them)
+    shaping = ("trigger_word", "fps", "min_frames", "repeats", "extra", "buckets", "bucket_sizes", "cache_windows")
+    for key in shaping:
+        value = getattr(section, key)
+        if value != DEFAULTS["data"][key]:
             data[key] = value
     if images:
-        data.update(num_frames=1, num_samples=cfg.data.image_num_samples or cfg.data.num_samples, images=True)
-        if cfg.data.source == "folder":  # a folder of images: that folder, not the clips' settings
-            data.update(image_path=cfg.data.image_path, num_samples=None, frame_stride=1)
+        data.update(num_frames=1, num_samples=section.image_num_samples or section.num_samples, images=True)
+        if section.source == "folder":  # a folder of images: that folder, not the clips' settings
+            data.update(image_path=section.image_path, num_samples=None, frame_stride=1)
             folder_keys = ("path", "layout", "video_column", "caption_column", "fps", "min_frames", "repeats", "extra")
             for key in (*folder_keys, "buckets", "bucket_sizes", "cache_windows"):
                 data.pop(key, None)
-    if cfg.data.source == "synthetic":  # the world's values where the config leaves them to it
+    if section.source == "synthetic":  # the world's values where the config leaves them to it
         from training.data import synthetic_world
 
-        world = synthetic_world(cfg)
+        world = synthetic_world(section)
         data.update(short_captions=world.short_captions, default_background=world.default_background)
     elif data["short_captions"] is None:  # as records wrote it before the key could be left to the world
         data["short_captions"] = 0.0
@@ -111,7 +111,7 @@ def cache_record(cfg, images: bool = False) -> dict:
     }
 
 
-def stale_cache(out: str | Path, cfg, images: bool = False) -> str | None:
+def stale_cache(out: str | Path, cfg: FinetuneConfig, images: bool = False) -> str | None:
     """Why the cache in ``out`` was not written with ``cfg``'s settings (the differing keys), or None.
     A folder without a record (written before records existed) is taken as matching."""
     path = Path(out) / RECORD
@@ -136,15 +136,15 @@ def stale_cache(out: str | Path, cfg, images: bool = False) -> str | None:
     return "; ".join(diff) or None
 
 
-def _windows(item: dict) -> list[torch.Tensor]:
+def _windows(item: dict[str, Any]) -> list[torch.Tensor]:
     """The clips of a loaded sample: its ``windows`` (``data.cache_windows``), else its one ``video``."""
     return item.get("windows") or [item["video"]]
 
 
-def _index_item(name: str, meta: dict) -> dict:
+def _index_item(name: str, meta: dict[str, Any]) -> dict[str, Any]:
     """``index.json``'s entry for a sample file from its header's metadata: file, caption, and where recorded its
     clip's ``video`` ``[frames, height, width]`` and ``windows`` (files written before buckets have neither)."""
-    item: dict = {"file": name, "caption": meta["caption"]}
+    item: dict[str, Any] = {"file": name, "caption": meta["caption"]}
     if meta.get("video"):
         item["video"] = json.loads(meta["video"])
     if int(meta.get("windows", 1)) > 1:
@@ -152,12 +152,12 @@ def _index_item(name: str, meta: dict) -> dict:
     return item
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """``python -m training.precompute``, behind the error boundary of :func:`common.errors.run_cli`."""
     return run_cli(_main, argv, prog="training.precompute")
 
 
-def _main(argv) -> int:
+def _main(argv: list[str] | None) -> int:
     p = argparse.ArgumentParser(prog="python -m training.precompute", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", help="the config the cache is written with (required, except with --verify)")
     p.add_argument("--out", required=True, help="cache folder to write")
@@ -207,30 +207,36 @@ def _main(argv) -> int:
             f"--out {args.out!r} holds a cache written with other settings ({stale}); "
             "write to a new folder, or move that one away"
         )
-    from training.data import build_dataset  # the same dataset training would read
+    from training.data import VideoFolderDataset, build_dataset  # the same dataset training would read
 
-    dataset = build_dataset(cfg, images=args.images)  # before the model loads: a folder of broken videos stops here
-    if hasattr(dataset, "check_clip_lengths"):  # most videos too short for data.num_frames: refused here
-        short = dataset.check_clip_lengths()
+    # before the model loads: a folder of broken videos stops here
+    dataset = build_dataset(cfg.data, cfg.train.seed, cfg.model, images=args.images)
+    folder = dataset if isinstance(dataset, VideoFolderDataset) else None  # videos (or images) read from files
+    if folder is not None:
+        short = folder.check_clip_lengths()  # most videos too short for data.num_frames: refused here
         if short:
             print(short, file=sys.stderr)
-    if getattr(dataset, "needs_probe", False):  # aspect and length buckets: each clip cached at its bucket's shape
-        shapes = dataset.probe_shapes(progress=True)
-        if shapes:
-            print(shapes, file=sys.stderr)
-    if hasattr(dataset, "require_usable"):
-        dataset.require_usable()
+        if folder.needs_probe:  # aspect and length buckets: each clip cached at its bucket's shape
+            shapes = folder.probe_shapes(progress=True)
+            if shapes:
+                print(shapes, file=sys.stderr)
+        folder.require_usable()
     out = ensure_output_folder(args.out)
     write_text_atomic(out / RECORD, json.dumps(cache_record(cfg, args.images), indent=1))
     num_frames = 1 if args.images else cfg.data.num_frames
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     components = load_components(cfg.model.path, dtype=cfg.model.dtype, device=device, seed=cfg.model.seed)
     encoder = Encoder(components, cfg.data.max_sequence_length)
-    load_or_skip = getattr(dataset, "load_or_skip", dataset.__getitem__)  # synthetic clips never fail
     _atomic_save({"text": encoder.text([""])[0]}, out / "empty_text.safetensors")
 
-    windows = 1 if args.images else cfg.data.get("cache_windows", 1)  # clips per video (data.source=folder)
-    items: list[dict | None] = [None] * len(dataset)
+    windows = 1 if args.images else cfg.data.cache_windows  # clips per video (data.source=folder)
+
+    def load_or_skip(i: int) -> dict[str, Any] | None:
+        """Sample ``i``: a folder's video (its ``windows`` clips), None when it cannot be read; synthetic clips never
+        fail."""
+        return folder.load_or_skip(i, windows=windows) if folder is not None else dataset[i]
+
+    items: list[dict[str, Any] | None] = [None] * len(dataset)
     todo = []  # indices not written by an earlier, interrupted run
     for i in range(len(dataset)):
         name = f"sample_{i:07d}.safetensors"
@@ -247,7 +253,7 @@ def _main(argv) -> int:
             chunk = []
             for i in todo[start : start + batch]:
                 # an unreadable video is left out (and counted), never replaced by another
-                item = load_or_skip(i, windows=windows) if windows > 1 else load_or_skip(i)
+                item = load_or_skip(i)
                 if item is not None:
                     chunk.append((i, item))
             text = encoder.text([item["caption"] for _, item in chunk]) if chunk else None
@@ -275,7 +281,8 @@ def _main(argv) -> int:
             bar.update(len(todo[start : start + batch]))
     items = [item for item in items if item is not None]
     if not items:
-        raise ValueError(f"no sample could be written to {out}; {dataset.skip_summary()}")
+        why = folder.skip_summary() if folder is not None else "no sample was read"
+        raise ValueError(f"no sample could be written to {out}; {why}")
     index = {
         "video": [num_frames, cfg.data.height, cfg.data.width],
         "model": components.source,

@@ -7,8 +7,9 @@ and what was expected (exit 2 through the error boundary)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import OmegaConf
 
 import mhla
 from pipelines import AttentionOptions, latent_grid
@@ -16,6 +17,7 @@ from pipelines.attention import linear_layers_for
 from pipelines.conversion import CONFIG_KEY, Conversion
 from pipelines.model_dir import ModelDir, check_transformer_config, saved_transformer_config
 from training.cache import latents_shape, read_index
+from training.config import DataSection, FinetuneConfig, ModelSection, ValidationSection, as_tree
 from training.data import check_bucket_sizes_fit
 from training.experts import TrainingTarget, expert_folder, read_target
 
@@ -30,124 +32,126 @@ ARCHITECTURE_KEYS = (
 )
 
 
-def _own_blocks(cfg: DictConfig, target: TrainingTarget) -> tuple[int, int, int] | None:
+def _own_blocks(model: ModelSection, target: TrainingTarget) -> tuple[int, int, int] | None:
     """The starting transformer's own MHLA blocks, from its config.json (its conversion record's
     :attr:`pipelines.conversion.Conversion.blocks`, as a loaded model's): ``model.transformer``'s, else the
     expert's in ``model.path``; None for a softmax one."""
-    folder = expert_folder(cfg, target)
+    folder = expert_folder(model, target)
     config = (saved_transformer_config(folder) if folder is not None and Path(folder).is_dir() else None) or {}
     return Conversion.from_config(config.get(CONFIG_KEY), int(config.get("num_layers") or 0)).blocks
 
 
 def planned_blocks(
-    cfg: DictConfig, target: TrainingTarget | None = None
+    model: ModelSection, data: DataSection, target: TrainingTarget | None = None
 ) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
     """``(grid, blocks)`` the run will train with, from config files only, by the block rule
     ``finetune.build_model`` applies (:func:`mhla.resolve_blocks`: ``model.blocks``, which must fit the grid, else
     the starting transformer's own, else the default for the model's block shape). The grid comes from the clip
     size, the VAE's strides (16x for Wan2.2-TI2V's) and the expert's patch."""
-    target = read_target(cfg) if target is None else target
-    model = target.model_dir or ModelDir(cfg.model.path)
-    patch = model.shape(expert_folder(cfg, target)).patch
-    grid = latent_grid(cfg.data.height, cfg.data.width, cfg.data.num_frames, patch, target.vae_stride)
-    resolved = mhla.resolve_blocks(grid, cfg.model.blocks or None, _own_blocks(cfg, target), model.block_shape)
-    return grid, tuple(resolved.blocks)
+    target = read_target(model) if target is None else target
+    folder = target.model_dir or ModelDir(model.path)
+    patch = folder.shape(expert_folder(model, target)).patch
+    grid = latent_grid(data.height, data.width, data.num_frames, patch, target.vae_stride)
+    resolved = mhla.resolve_blocks(grid, model.blocks or None, _own_blocks(model, target), folder.block_shape)
+    return grid, resolved.blocks
 
 
-def check_clip_size(cfg: DictConfig, target: TrainingTarget, patch: tuple[int, int, int]) -> None:
+def check_clip_size(data: DataSection, target: TrainingTarget, patch: tuple[int, int, int]) -> None:
     """``data.height`` / ``data.width`` divisible by the VAE's spatial stride times the patch (32 for Wan2.2-TI2V's
     16x VAE, 16 for Wan2.1's 8x), ``data.num_frames - 1`` by the temporal stride."""
     st, sh, sw = target.vae_stride
-    for key, stride, p in (("data.height", sh, patch[1]), ("data.width", sw, patch[2])):
-        value, multiple = OmegaConf.select(cfg, key), stride * p
+    for side, stride, p in (("height", sh, patch[1]), ("width", sw, patch[2])):
+        value, multiple = getattr(data, side), stride * p
         if value % multiple:
             raise ValueError(
-                f"{key}={value}: expected a multiple of {multiple} for {target.architecture} (the VAE's {stride}x "
+                f"data.{side}={value}: expected a multiple of {multiple} for {target.architecture} (the VAE's {stride}x "
                 f"spatial compression x the transformer's patch {p}), e.g. {max(multiple, value // multiple * multiple)}"
             )
-    frames = cfg.data.num_frames
+    frames = data.num_frames
     if (frames - 1) % st:
         raise ValueError(f"data.num_frames={frames}: expected {st}k+1 for the VAE's {st}x temporal compression")
 
 
-def check_expert_run(cfg: DictConfig, target: TrainingTarget) -> None:
+def check_expert_run(validation: ValidationSection, target: TrainingTarget) -> None:
     """What one expert of a two-expert model cannot do alone: make validation videos (the pipeline runs both
     experts) or the conditioning probe (its noise levels span both experts' ranges)."""
     if not target.two_experts:
         return
-    if cfg.validation.every:
+    if validation.every:
         raise ValueError(
-            f"validation.every={cfg.validation.every}: model.expert={target.expert!r} is one of two experts and "
+            f"validation.every={validation.every}: model.expert={target.expert!r} is one of two experts and "
             "cannot make a video alone; expected validation.every=0 (generate from a checkpoint with the other "
             "expert of the model directory instead)"
         )
-    if cfg.validation.probe_every:
+    if validation.probe_every:
         raise ValueError(
-            f"validation.probe_every={cfg.validation.probe_every}: the conditioning probe needs a model that covers "
+            f"validation.probe_every={validation.probe_every}: the conditioning probe needs a model that covers "
             f"every noise level, and model.expert={target.expert!r} covers {target.sigma_range}; expected 0"
         )
 
 
-def check_model_plan(cfg: DictConfig) -> TrainingTarget:
-    """``model.*`` against the model's config files, before anything loads; returns the run's
-    :class:`TrainingTarget` (its ``model_dir`` read once, for the rest of the run)."""
-    if cfg.model.transformer:
-        folder = Path(cfg.model.transformer)
+def check_model_plan(cfg: FinetuneConfig) -> TrainingTarget:
+    """``model.*`` against the model's config files, before anything loads, with the data (clip size, buckets,
+    cache) and validation settings that depend on the model; returns the run's :class:`TrainingTarget` (its
+    ``model_dir`` read once, for the rest of the run)."""
+    model, data = cfg.model, cfg.data
+    if model.transformer:
+        folder = Path(model.transformer)
         config = saved_transformer_config(folder) if folder.is_dir() else None
         if config is None:
             raise ValueError(
-                f"model.transformer={cfg.model.transformer!r}: expected a transformer folder with a config.json "
+                f"model.transformer={model.transformer!r}: expected a transformer folder with a config.json "
                 "(e.g. runs/<run>/checkpoints/step-XXXXXXX/transformer)"
             )
         check_transformer_config(config, folder / "config.json", "model.transformer")
-    attention = OmegaConf.to_container(cfg.model.attention)
-    if "blocks" in attention:  # type: ignore[operator]
+    attention = model.attention
+    if "blocks" in attention:
         raise ValueError("model.attention.blocks: the MHLA layout is model.blocks (e.g. model.blocks=7x3x5)")
     try:
-        AttentionOptions(**attention)  # type: ignore[arg-type]
+        AttentionOptions(**attention)
     except TypeError:
         known = sorted(AttentionOptions.__dataclass_fields__)
-        bad = sorted(set(attention) - set(known))  # type: ignore[arg-type]
+        bad = sorted(set(attention) - set(known))
         raise ValueError(f"model.attention: unknown option(s) {bad}; expected some of {known}") from None
     except ValueError as e:
         raise ValueError(f"model.attention: {e}") from None
-    target = read_target(cfg)  # model.expert against the model's transformers
-    check_expert_run(cfg, target)
-    folder = expert_folder(cfg, target)
-    shape = (target.model_dir or ModelDir(cfg.model.path)).shape(folder)
+    target = read_target(model)  # model.expert against the model's transformers
+    check_expert_run(cfg.validation, target)
+    shape = (target.model_dir or ModelDir(model.path)).shape(expert_folder(model, target))
     num_layers = shape.num_layers
-    check_clip_size(cfg, target, shape.patch)
-    check_bucket_sizes_fit(cfg, target)
-    layers = list(cfg.model.layers) if cfg.model.layers is not None else None
+    check_clip_size(data, target, shape.patch)
+    check_bucket_sizes_fit(data, model, target)
     try:
-        linear_layers_for(cfg.model.variant, num_layers, layers)
+        linear_layers_for(model.variant, num_layers, model.layers)
     except ValueError as e:
-        raise ValueError(f"model.layers={layers}: {e}") from None
+        raise ValueError(f"model.layers={model.layers}: {e}") from None
     try:
-        planned_blocks(cfg, target)  # a model.blocks that does not fit the training grid raises, naming the axis
+        planned_blocks(
+            model, data, target
+        )  # a model.blocks that does not fit the training grid raises, naming the axis
     except ValueError as e:
-        size = f"{cfg.data.num_frames} frames at {cfg.data.height}x{cfg.data.width}"
-        raise ValueError(f"model.blocks={cfg.model.blocks!r} for the training grid of {size}: {e}") from None
-    check_cache_fits(cfg, target)
+        size = f"{data.num_frames} frames at {data.height}x{data.width}"
+        raise ValueError(f"model.blocks={model.blocks!r} for the training grid of {size}: {e}") from None
+    check_cache_fits(data, model, target)
     return target
 
 
-def check_cache_fits(cfg: DictConfig, target: TrainingTarget) -> None:
+def check_cache_fits(data: DataSection, model: ModelSection, target: TrainingTarget) -> None:
     """A latent cache (``data.source=cache``) holds latents of the model's VAE at the clip size: a cache written
     with another VAE (Wan2.1's 16 channels at 8x for Wan2.2-TI2V's 48 at 16x) is refused naming both shapes.
     Reads the first sample's safetensors header only."""
-    if cfg.data.source != "cache":
+    if data.source != "cache" or data.path is None:
         return
-    root = Path(cfg.data.path)
+    root = Path(data.path)
     index = root / "index.json"
     items = (read_index(root).get("items") or []) if index.is_file() else []  # its checksum, each entry's size
     if not items:
         return  # training.data.CachedLatents names what is missing
     shape = latents_shape(root / items[0]["file"])  # a damaged header: named (training/cache.py)
-    folder = expert_folder(cfg, target)
+    folder = expert_folder(model, target)
     config = (saved_transformer_config(folder) if folder is not None else None) or {}
     channels = int(config.get("in_channels", 16))
-    d = cfg.data
+    d = data
     # a cache of buckets records each clip's (frames, height, width): its first clip's latents are of that size
     frames, height, width = items[0].get("video") or (d.num_frames, d.height, d.width)
     expected = (channels, *latent_grid(height, width, frames, (1, 1, 1), target.vae_stride))
@@ -159,26 +163,27 @@ def check_cache_fits(cfg: DictConfig, target: TrainingTarget) -> None:
         )
 
 
-def check_resume_matches(cfg: DictConfig, checkpoint: Path) -> None:
+def check_resume_matches(cfg: FinetuneConfig, checkpoint: Path) -> None:
     """The checkpoint being resumed was trained with the architecture this config builds: the same
     :data:`ARCHITECTURE_KEYS` and the same MHLA blocks (a changed ``model.blocks`` would otherwise fail in
     ``load_state_dict`` with a size mismatch after the model loaded)."""
     saved_file = checkpoint / "config.yaml"
     if not saved_file.is_file():
         return  # an older checkpoint: restore_run still compares the weights
-    saved = OmegaConf.load(saved_file)
+    # the snapshot as plain values (training.config.config_yaml wrote it; an older run's may lack a key: None)
+    saved = OmegaConf.to_container(OmegaConf.load(saved_file))
+    assert isinstance(saved, dict)  # config_yaml writes a mapping
+    now_tree = as_tree(cfg)
     changed = []
     for key in ARCHITECTURE_KEYS:
-        was, now = OmegaConf.select(saved, key, default=None), OmegaConf.select(cfg, key, default=None)
-        was = OmegaConf.to_container(was) if isinstance(was, DictConfig | ListConfig) else was
-        now = OmegaConf.to_container(now) if isinstance(now, DictConfig | ListConfig) else now
+        was, now = _lookup(saved, key), _lookup(now_tree, key)
         if was != now:
             changed.append(f"{key} was {was!r}, now {now!r}")
-    folder = checkpoint / (OmegaConf.select(saved, "model.expert", default=None) or "transformer")
+    folder = checkpoint / (_lookup(saved, "model.expert") or "transformer")
     config = saved_transformer_config(folder) or {}
     trained = Conversion.from_config(config.get(CONFIG_KEY), int(config.get("num_layers") or 0)).blocks
     if trained is not None:
-        _, blocks = planned_blocks(cfg)
+        _, blocks = planned_blocks(cfg.model, cfg.data)
         if tuple(trained) != tuple(blocks):
             t, b = "x".join(map(str, trained)), "x".join(map(str, blocks))
             changed.append(f"MHLA blocks were {t}, now {b} (model.blocks={cfg.model.blocks!r})")
@@ -188,3 +193,13 @@ def check_resume_matches(cfg: DictConfig, checkpoint: Path) -> None:
             + "; ".join(changed)
             + ". Resume with the settings it was trained with, or start a new run_dir"
         )
+
+
+def _lookup(tree: Any, key: str) -> Any:
+    """The value at dotted ``key`` of a plain mapping, None where a part is missing (a snapshot written before the
+    key existed)."""
+    for part in key.split("."):
+        if not isinstance(tree, dict):
+            return None
+        tree = tree.get(part)
+    return tree

@@ -12,18 +12,23 @@ A base whose shape and motion ratios stay near 1 after its first stage is not tr
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from training.config import PROBE_SPLITS
+from training.config import PROBE_SPLITS, DataSection, ValidationSection
 from world.synthetic import SyntheticVideoDataset, SyntheticWorld, caption_for
+
+if TYPE_CHECKING:
+    from training.ema import EMA
+    from training.encoding import Encoder
 
 PROBE_SIGMAS: tuple[float, ...] = (0.3, 0.6, 0.9)
 # the world field each attribute's values come from, and where it sits in an attribute dict
 _VALUES = {"colour": "colours", "shape": "shapes", "motion": "motions", "background": "backgrounds"}
 
 
-def swapped(attributes: dict, attribute: str, world: SyntheticWorld) -> dict | None:
+def swapped(attributes: dict[str, Any], attribute: str, world: SyntheticWorld) -> dict[str, Any] | None:
     """``attributes`` with its first object's ``attribute`` (or the background) replaced by the world's next
     value of it (cyclically), or None when the world has only one value."""
     values = getattr(world, _VALUES[attribute])
@@ -45,7 +50,7 @@ class SwapProbe:
 
     def __init__(
         self,
-        encoder,
+        encoder: Encoder,
         world: SyntheticWorld,
         num_frames: int,
         height: int,
@@ -54,7 +59,7 @@ class SwapProbe:
         sigmas: Sequence[float] = PROBE_SIGMAS,
         seed: int = 0,
         split: str = "validation",
-    ):
+    ) -> None:
         if num_clips < 1:
             raise ValueError(f"the probe needs at least one clip, got num_clips={num_clips}")
         if not sigmas or not all(0 < s < 1 for s in sigmas):
@@ -82,13 +87,13 @@ class SwapProbe:
         self.sigmas = tuple(float(s) for s in sigmas)
 
     @torch.no_grad()
-    def __call__(self, transformer: Callable) -> dict:
+    def __call__(self, transformer: Any) -> dict[str, Any]:
         """``{"loss": {sigma: true-caption loss}, "ratio": {attribute: {sigma: swapped / true}},
         "mean_ratio": {attribute: mean over sigmas}}`` (sigmas as strings, for JSON)."""
         p = next(transformer.parameters()) if hasattr(transformer, "parameters") else None
         device, dtype = (p.device, p.dtype) if p is not None else (torch.device("cpu"), torch.float32)
 
-        def loss(x_t, t, text, target) -> float:
+        def loss(x_t: torch.Tensor, t: torch.Tensor, text: torch.Tensor, target: torch.Tensor) -> float:
             pred = transformer(
                 hidden_states=x_t.to(device, dtype),
                 timestep=t.to(device),
@@ -97,7 +102,7 @@ class SwapProbe:
             )[0]
             return float((pred.float().cpu() - target).square().mean())
 
-        out: dict = {"loss": {}, "ratio": {a: {} for a in self.swaps}}
+        out: dict[str, Any] = {"loss": {}, "ratio": {a: {} for a in self.swaps}}
         for s in self.sigmas:
             x_t = (1 - s) * self.latents + s * self.noise
             target = self.noise - self.latents
@@ -110,31 +115,32 @@ class SwapProbe:
         return out
 
 
-def describe(result: dict) -> str:
+def describe(result: dict[str, Any]) -> str:
     """One line: ``swap ratios colour 1.52 shape 1.01 motion 1.00 background 1.10``."""
     return "swap ratios " + " ".join(f"{a} {r:.3f}" for a, r in result["mean_ratio"].items())
 
 
-def probe_from_config(cfg, components) -> SwapProbe:
-    """The probe of a run: ``validation.probe_clips`` validation clips of ``data.world`` at the run's clip size,
-    encoded with the model's own VAE and text encoder."""
+def probe_from_config(data: DataSection, validation: ValidationSection, seed: int, components: Any) -> SwapProbe:
+    """The probe of a run: ``validation.probe_clips`` clips of ``data.world`` (``validation.probe_split``) at the
+    run's clip size, drawn with ``seed`` (``train.seed``), encoded with the model's own VAE and text encoder."""
     from training.data import synthetic_world
     from training.encoding import Encoder
 
-    d = cfg.data
     return SwapProbe(
-        Encoder(components, d.max_sequence_length),
-        synthetic_world(cfg),
-        d.num_frames,
-        d.height,
-        d.width,
-        num_clips=cfg.validation.probe_clips,
-        seed=cfg.train.seed,
-        split=cfg.validation.probe_split,
+        Encoder(components, data.max_sequence_length),
+        synthetic_world(data),
+        data.num_frames,
+        data.height,
+        data.width,
+        num_clips=validation.probe_clips,
+        seed=seed,
+        split=validation.probe_split,
     )
 
 
-def log_probe(probe: SwapProbe, evaluate, model, ema, step: int) -> dict:
+def log_probe(
+    probe: SwapProbe, evaluate: Callable[[Any], float], model: Any, ema: EMA | None, step: int
+) -> dict[str, Any]:
     """One ``metrics.jsonl`` row: the held-out loss and the probe on the raw weights, and on the EMA's when
     there is one (``*_ema``)."""
     import contextlib
@@ -142,7 +148,7 @@ def log_probe(probe: SwapProbe, evaluate, model, ema, step: int) -> dict:
     was = model.training
     model.eval()
     try:
-        row: dict = {"step": step, "eval_loss": evaluate(model), "probe": probe(model)}
+        row: dict[str, Any] = {"step": step, "eval_loss": evaluate(model), "probe": probe(model)}
         if ema is not None:
             with ema.swapped_in(model) if ema is not None else contextlib.nullcontext():
                 row["eval_loss_ema"] = evaluate(model)

@@ -29,15 +29,15 @@ import math
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-from omegaconf import OmegaConf
-from tqdm.auto import tqdm
+from tqdm.auto import tqdm  # type: ignore[import-untyped]
 
 from common.outputs import replace_dir, write_text_atomic
 from training import checkpoint as ckpt
-from training.config import lr_multiplier
+from training.config import FinetuneConfig, config_yaml, lr_multiplier
 from training.data import ResumableSampler
 
 
@@ -55,7 +55,7 @@ def _random_crop(video: torch.Tensor, size: int, generator: torch.Generator) -> 
     return torch.stack(out)
 
 
-def decode_unclamped(vae, z: torch.Tensor) -> torch.Tensor:
+def decode_unclamped(vae: Any, z: torch.Tensor) -> torch.Tensor:
     """``AutoencoderKLWan.decode`` without its final clamp to [-1, 1], which would stop the gradient of
     every saturated pixel (most of them at initialisation). Same causal frame-by-frame loop."""
     vae.clear_cache()
@@ -70,14 +70,14 @@ def decode_unclamped(vae, z: torch.Tensor) -> torch.Tensor:
     return torch.cat(out, 2)
 
 
-def freeze_encoder(vae) -> None:
+def freeze_encoder(vae: Any) -> None:
     """``vae.trainable: decoder``: the encoder and ``quant_conv`` take no gradient (the encoder runs in eval
     mode), so the latents, and a transformer trained on them, stay valid."""
     vae.encoder.requires_grad_(False).eval()
     vae.quant_conv.requires_grad_(False)
 
 
-def autocast_for(precision: str, device_type: str = "cpu"):
+def autocast_for(precision: str, device_type: str = "cpu") -> torch.autocast:
     """The autocast context of ``train.precision`` for the VAE task: ``no`` -> float32, ``bf16`` ->
     bfloat16 autocast. ``fp16`` needs a gradient scaler this loop does not have: refused."""
     if precision == "no":
@@ -88,7 +88,7 @@ def autocast_for(precision: str, device_type: str = "cpu"):
 
 
 def vae_loss(
-    vae,
+    vae: Any,
     video: torch.Tensor,
     kl_weight: float,
     object_weight: float,
@@ -96,7 +96,7 @@ def vae_loss(
     latent_noise: float = 0.0,
     generator: torch.Generator | None = None,
     edge_weight: float = 0.0,
-):
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns ``(loss, reconstruction L1)`` of one batch ``(B, 3, T, H, W)`` in [-1, 1].
 
     Reconstruction of the posterior mean, squared and absolute error, with saturated pixels (the objects:
@@ -129,7 +129,7 @@ def vae_loss(
 
 
 @torch.no_grad()
-def latent_statistics(vae, dataset, num: int) -> tuple[list[float], list[float]]:
+def latent_statistics(vae: Any, dataset: Any, num: int) -> tuple[list[float], list[float]]:
     """Per-channel mean and std of posterior means over the first ``num`` clips of ``dataset``."""
     zs = []
     for i in tqdm(range(min(num, len(dataset))), desc="latent statistics", leave=False):
@@ -139,21 +139,20 @@ def latent_statistics(vae, dataset, num: int) -> tuple[list[float], list[float]]
     return [round(v, 5) for v in z.mean(1).tolist()], [round(max(v, 1e-3), 5) for v in z.std(1).tolist()]
 
 
-def train_vae(cfg) -> int:
+def train_vae(cfg: FinetuneConfig) -> int:
     from diffusers import AutoencoderKLWan
 
     from training.data import build_dataset, collate
 
-    if not cfg.model.path:
-        raise ValueError("task=vae needs model.path: a model directory whose vae/ to train")
+    assert cfg.model.path, "training.config.validate: task=vae needs model.path"
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     # every file the run writes is listed in its run manifest first: overwrite=true removes those, nothing else
     ckpt.record_run_files(run_dir, "config.yaml", "metrics.jsonl", "final/vae", "final/.vae.tmp", folders=("final",))
-    write_text_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(cfg))
+    write_text_atomic(run_dir / "config.yaml", config_yaml(cfg))
     torch.manual_seed(cfg.train.seed)
     generator = torch.Generator().manual_seed(cfg.train.seed)
-    dataset = build_dataset(cfg)
+    dataset = build_dataset(cfg.data, cfg.train.seed, cfg.model)
     sampler = ResumableSampler(len(dataset), seed=cfg.train.seed)
 
     resume_from = ckpt.resolve_resume(cfg.resume, run_dir)
@@ -164,7 +163,8 @@ def train_vae(cfg) -> int:
         freeze_encoder(vae)
     params = [p for p in vae.parameters() if p.requires_grad]
     history = _earlier_training(Path(cfg.model.path) / "vae" / "trained.json", run_dir)
-    opt = torch.optim.AdamW(params, lr=cfg.train.lr, betas=tuple(cfg.train.betas), weight_decay=0.0)
+    beta1, beta2 = cfg.train.betas  # two: training.config.validate
+    opt = torch.optim.AdamW(params, lr=cfg.train.lr, betas=(beta1, beta2), weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lr_multiplier(cfg.train.lr_schedule, cfg.train.warmup_steps, cfg.train.steps, cfg.train.min_lr_ratio)
     )
@@ -249,7 +249,7 @@ def train_vae(cfg) -> int:
                 },
                 tmp / ckpt.STATE_FILE,
             )
-            (tmp / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+            (tmp / "config.yaml").write_text(config_yaml(cfg))
             ckpt.finish_checkpoint(run_dir, step, cfg.checkpoint.keep)
     progress.close()
 
@@ -285,7 +285,7 @@ def train_vae(cfg) -> int:
     return 0
 
 
-def training_records(trained_json: Path) -> list[dict]:
+def training_records(trained_json: Path) -> list[dict[str, Any]]:
     """The runs recorded in an installed VAE's ``trained.json``, oldest first ([] without one)."""
     if not trained_json.is_file():
         return []
@@ -293,7 +293,7 @@ def training_records(trained_json: Path) -> list[dict]:
     return [*rec.pop("history", []), rec]
 
 
-def _earlier_training(trained_json: Path, run_dir: Path) -> list[dict]:
+def _earlier_training(trained_json: Path, run_dir: Path) -> list[dict[str, Any]]:
     """The runs that trained the VAE before this one, from the source VAE's ``trained.json`` (this run's
     own earlier record, left there by a finished run whose steps then grew, is dropped)."""
     return [r for r in training_records(trained_json) if Path(r.get("run", "")) != run_dir]
@@ -302,7 +302,7 @@ def _earlier_training(trained_json: Path, run_dir: Path) -> list[dict]:
 def vae_runs(trained_json: Path) -> dict[str, int]:
     """``{run directory: steps}`` of the runs recorded in an installed VAE's ``trained.json`` that still
     count: a decoder-only run is void once a later run retrained the encoder (it fitted other latents)."""
-    kept: list[dict] = []
+    kept: list[dict[str, Any]] = []
     for r in training_records(trained_json):
         if r.get("trainable", "all") == "all":
             kept = [k for k in kept if k.get("trainable") != "decoder"]
@@ -310,7 +310,7 @@ def vae_runs(trained_json: Path) -> dict[str, int]:
     return {str(Path(r["run"])): r["steps"] for r in kept}
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """``python -m training.vae --config configs/builtin/vae.yaml [key=value ...]``: trains ``model.path``'s VAE
     (behind the error boundary of :func:`common.errors.run_cli`; the run folder is locked for the run)."""
     from common.errors import run_cli
@@ -318,7 +318,7 @@ def main(argv=None) -> int:
     return run_cli(_main, argv, prog="training.vae")
 
 
-def _main(argv) -> int:
+def _main(argv: list[str] | None) -> int:
     import argparse
 
     from training.config import check_data_source, load_config
@@ -329,7 +329,7 @@ def _main(argv) -> int:
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.steps=10 resume=latest")
     args = p.parse_args(argv)
     cfg = load_config(args.config, [*args.overrides, "task=vae"])
-    check_data_source(cfg)  # a data.path the source would not read
+    check_data_source(cfg.data)  # a data.path the source would not read
     with hold_run_dir(cfg.run_dir):
         replaced = ckpt.check_new_run(cfg.run_dir, cfg.resume, cfg.overwrite)
         if replaced:

@@ -30,6 +30,12 @@ from training.data import (
     make_sampler,
 )
 
+
+def dataset_of(cfg, images: bool = False):
+    """The dataset a run of ``cfg`` reads (as training.finetune builds it)."""
+    return build_dataset(cfg.data, cfg.train.seed, cfg.model, images=images)
+
+
 # name: (frames, fps, height, width): sizes of four aspects (4:3, 3:1, 9:16, 1:1), rates and lengths of a user's folder
 MIXED = {
     "land": (30, 24.0, 48, 64),
@@ -152,8 +158,8 @@ def test_a_resume_whose_clips_fall_in_other_buckets_says_so(tmp_path):
     state = {"num_samples": 4, "seed": 0, "shuffle": True, "world_size": 1, "samples_consumed": 8}
     ckpt.save_state({"generator": torch.Generator().get_state(), "data": state}, folder / "rank0.pt")
     cfg = load_config(TINY, ["resume=latest"])
-    assert check_resume_data(cfg, folder, Shaped([(9, 64, 96)] * 4), None) == []
-    notes = check_resume_data(cfg, folder, Shaped([(9, 64, 96)] * 3 + [(9, 96, 64)]), None)
+    assert check_resume_data(cfg.resume, cfg.train.seed, folder, Shaped([(9, 64, 96)] * 4), None) == []
+    notes = check_resume_data(cfg.resume, cfg.train.seed, folder, Shaped([(9, 64, 96)] * 3 + [(9, 96, 64)]), None)
     assert len(notes) == 1 and "the clips' shapes changed since step-0000004: 1 bucket(s) then, 2 now" in notes[0]
 
 
@@ -162,7 +168,7 @@ def test_a_resume_whose_clips_fall_in_other_buckets_says_so(tmp_path):
 
 @pytest.mark.slow
 def test_clips_of_mixed_sizes_land_in_the_nearest_aspect_bucket_and_a_batch_has_one_shape(mixed):
-    dataset = build_dataset(folder_config(mixed))
+    dataset = dataset_of(folder_config(mixed))
     said = dataset.probe_shapes()
     assert said.startswith("aspect buckets (data.buckets): 5 clip shapes")
     sizes = dataset.bucket_sizes
@@ -201,7 +207,7 @@ def test_a_cover_resize_and_centre_crop_to_the_bucket_matches_a_plain_reference(
     (tmp_path / "ramp.txt").write_text("a ramp")
     counting_clip(tmp_path / "b.mp4", 9, 16, 64, 64)  # another aspect: buckets on
     (tmp_path / "b.txt").write_text("square")
-    dataset = build_dataset(load_config(TINY, ["data.source=folder", f"data.path={tmp_path}"]))
+    dataset = dataset_of(load_config(TINY, ["data.source=folder", f"data.path={tmp_path}"]))
     dataset.probe_shapes()
     item = dataset[[e.caption for e in dataset.entries].index("a ramp")]
     bh, bw = nearest_by_ratio(height, width, dataset.bucket_sizes)
@@ -218,17 +224,17 @@ def test_clips_of_one_aspect_keep_the_configured_size_and_the_order_they_always_
     for i in range(3):
         counting_clip(tmp_path / f"c{i}.mp4", 9, 16, 40, 64)  # 8:5, near the 3:2 of 64x96
         (tmp_path / f"c{i}.txt").write_text(f"clip {i}")
-    dataset = build_dataset(load_config(TINY, ["data.source=folder", f"data.path={tmp_path}"]))
+    dataset = dataset_of(load_config(TINY, ["data.source=folder", f"data.path={tmp_path}"]))
     assert dataset.probe_shapes() is None and not dataset.bucketed
     assert set(dataset.shape_keys()) == {(9, 64, 96)}
     sampler = make_sampler(dataset, 2, seed=3)
     assert isinstance(sampler, ResumableSampler)
     assert list(zip(range(6), sampler)) == list(zip(range(6), ResumableSampler(3, seed=3)))
     # data.buckets=true puts them in their bucket even alone: the configured size here, the aspect nearest 8:5
-    forced = build_dataset(load_config(TINY, ["data.source=folder", f"data.path={tmp_path}", "data.buckets=true"]))
+    forced = dataset_of(load_config(TINY, ["data.source=folder", f"data.path={tmp_path}", "data.buckets=true"]))
     forced.probe_shapes()
     assert forced.bucketed and set(forced.shape_keys()) == {(9, 64, 96)}
-    off = build_dataset(load_config(TINY, ["data.source=folder", f"data.path={tmp_path}", "data.buckets=false"]))
+    off = dataset_of(load_config(TINY, ["data.source=folder", f"data.path={tmp_path}", "data.buckets=false"]))
     assert not off.needs_probe and off.bucket_sizes == [(64, 96)]
 
 
@@ -262,10 +268,10 @@ def test_a_cache_stores_each_clip_at_its_bucket_and_several_windows_of_each_long
     assert "aspect buckets (data.buckets)" in done.stderr
     index = json.loads((cache / "index.json").read_text())
     assert index["video"] == [9, 64, 96]  # the configured shape; each item's own where it differs
-    live = build_dataset(folder_config(mixed))
+    live = dataset_of(folder_config(mixed))
     live.probe_shapes()
     want = {e.caption: key for e, key in zip(live.entries, live.shape_keys())}
-    cached = build_dataset(load_config(TINY, ["data.source=cache", f"data.path={cache}"]))
+    cached = dataset_of(load_config(TINY, ["data.source=cache", f"data.path={cache}"]))
     assert {it["caption"]: key for it, key in zip(cached.items, cached.shape_keys())} == want
     for i, item in enumerate(cached.items):
         frames, height, width = want[item["caption"]]

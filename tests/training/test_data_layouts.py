@@ -108,7 +108,7 @@ def test_image_path_with_a_folder_source_is_the_joint_training_images(user_data)
     clips, images = user_data["clips"], user_data["images"]
     folder = ["data.source=folder", f"data.path={clips}", "data.image_ratio=1"]
     cfg = load_config(TINY, [*folder, f"data.image_path={images}", "data.height=32", "data.width=48"])
-    image_set = build_dataset(cfg, images=True)
+    image_set = build_dataset(cfg.data, cfg.train.seed, cfg.model, images=True)
     assert isinstance(image_set, ImageFolderDataset) and image_set[0]["video"].shape == (3, 1, 32, 48)
     # without data.image_path there are no images: said with what would give them
     with pytest.raises(ValueError, match=r"data.image_ratio=1: expected 0 with data.source=folder unless "):
@@ -118,7 +118,7 @@ def test_image_path_with_a_folder_source_is_the_joint_training_images(user_data)
     # the synthetic world renders its own stills: a path beside it would be ignored, so it is refused
     synthetic = load_config(TINY, [f"data.image_path={images}", "data.image_ratio=1"])
     with pytest.raises(ValueError, match=r"data.image_path=.* renders the world's stills and reads no path"):
-        check_data_source(synthetic)
+        check_data_source(synthetic.data)
 
 
 def test_precompute_images_from_a_folder_is_refused_without_the_folder(user_data, tmp_path):
@@ -171,7 +171,7 @@ def test_several_datasets_with_repeats_are_one_dataset(user_data):
 
     folder = ["data.source=folder", f"data.path={clips}"]
     cfg = load_config(TINY, [*folder, f"data.extra=[{{path: {more}, repeats: 3}}]", "data.repeats=2"])
-    assert len(build_dataset(cfg)) == 2 * 4 + 3
+    assert len(build_dataset(cfg.data, cfg.train.seed, cfg.model)) == 2 * 4 + 3
     bad = {
         "data.extra=[{repeats: 2}]": r"data.extra\[0\].path=None: expected an existing folder",
         f"data.extra=[{{path: {more / 'gone'}}}]": r"data.extra\[0\].path='.*gone': expected an existing folder",

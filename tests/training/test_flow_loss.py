@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from omegaconf import OmegaConf
 
-from training.config import load_config
+from training.config import FlowSection, load_config
 from training.flow import FlowMatching
 
 TINY = str(Path(__file__).resolve().parents[2] / "configs" / "finetune" / "tiny.yaml")
@@ -54,7 +53,7 @@ def reference_loss(pred, target, mask, object_weight):
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_the_object_mask_finds_the_objects_placed_by_hand(seed):
     latents, mask = clip_with_objects(seed)
-    found = FlowMatching(object_weight=3.0).object_mask(latents)
+    found = FlowMatching(FlowSection(object_weight=3.0)).object_mask(latents)
     assert found.shape == (2, 1, 3, 6, 7)
     assert torch.equal(found[:, 0], mask)
 
@@ -66,7 +65,7 @@ def test_weighted_loss_and_its_gradient_match_the_reference(seed, object_weight)
     target = torch.randn(latents.shape, generator=g)
     pred = torch.randn(latents.shape, generator=g, requires_grad=True)
     pred_ref = pred.detach().clone().requires_grad_(True)
-    got = FlowMatching(object_weight=object_weight).loss(pred, target, latents)
+    got = FlowMatching(FlowSection(object_weight=object_weight)).loss(pred, target, latents)
     want = reference_loss(pred_ref, target, mask, object_weight)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     got.backward()
@@ -82,16 +81,21 @@ def test_zero_weight_is_the_plain_mse_and_a_uniform_error_keeps_its_scale():
     pred, target = torch.randn(latents.shape, generator=g), torch.randn(latents.shape, generator=g)
     assert torch.equal(FlowMatching().loss(pred, target, latents), F.mse_loss(pred, target))
     same = target + 0.3  # the same squared error in every cell: any weighting returns it
-    torch.testing.assert_close(FlowMatching(object_weight=9.0).loss(same, target, latents), torch.tensor(0.09))
+    torch.testing.assert_close(
+        FlowMatching(FlowSection(object_weight=9.0)).loss(same, target, latents), torch.tensor(0.09)
+    )
 
 
 def test_the_config_keys_reach_the_loss_and_bad_values_are_refused():
     cfg = load_config(TINY, ["flow.object_weight=4", "flow.object_threshold=0.5"])
-    flow = FlowMatching(**OmegaConf.to_container(cfg.flow))  # as training.finetune builds it
-    assert (flow.object_weight, flow.object_threshold) == (4.0, 0.5)
+    flow = FlowMatching(cfg.flow)  # as training.finetune builds it
+    assert (flow.settings.object_weight, flow.settings.object_threshold) == (4.0, 0.5)
     with pytest.raises(ValueError, match=r"flow\.object_weight=-1: expected a value >= 0"):
         load_config(TINY, ["flow.object_weight=-1"])
     with pytest.raises(ValueError, match=r"flow\.object_threshold=0: expected a value > 0"):
         load_config(TINY, ["flow.object_threshold=0"])
-    with pytest.raises(ValueError, match="flow.object_weight must be >= 0"):
-        FlowMatching(object_weight=-2.0)
+    # a section built in code gets the same checks, from the same schema
+    with pytest.raises(ValueError, match=r"flow\.object_weight=-2\.0: expected a value >= 0"):
+        FlowMatching(FlowSection(object_weight=-2.0))
+    with pytest.raises(ValueError, match=r"flow\.weighting='normal': expected one of \('logit_normal', 'uniform'\)"):
+        FlowMatching(FlowSection(weighting="normal"))

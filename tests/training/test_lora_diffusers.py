@@ -128,12 +128,13 @@ def test_model_lora_is_checked_before_the_model_loads(tmp_path):
     folder = save_lora(tiny_lora_transformer(rank=4, alpha=8), tmp_path / "lora", {"variant": "flash"})
     lora = ["train.trainable=lora", f"model.lora={folder}", "model.variant=flash"]
     with pytest.raises(ValueError, match=r"holds adapters of rank 4, alpha 8; .* expected train.lora.rank=4"):
-        check_start_lora(load_config(TINY, lora))
+        start = load_config(TINY, lora)
+        check_start_lora(start.model, start.train.lora)
     fits = load_config(TINY, [*lora, "train.lora.rank=4", "train.lora.alpha=8"])
-    assert check_start_lora(fits).rank == 4
+    assert check_start_lora(fits.model, fits.train.lora).rank == 4
     narrow = load_config(TINY, [*lora, "train.lora.rank=4", "train.lora.alpha=8", "train.lora.target_modules=[to_q]"])
     with pytest.raises(ValueError, match=r"adapts modules .* \(attn1.to_k, .*train.lora.target_modules=\["):
-        check_start_lora(narrow)
+        check_start_lora(narrow.model, narrow.train.lora)
 
 
 # --------------------------------------------------------------------------- trained runs

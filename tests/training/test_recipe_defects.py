@@ -57,8 +57,8 @@ def test_a_data_path_with_the_synthetic_source_is_refused_naming_the_sources_tha
     # the precompute pattern stays valid: its synthetic clips are rendered into the config's cache path
     cfg = load_config(TINY, ["data.source=synthetic", f"data.path={clips}"])
     with pytest.raises(ValueError, match="renders the synthetic world and reads no path"):
-        check_data_source(cfg)
-    check_data_source(load_config(TINY, ["data.source=folder", f"data.path={clips}"]))
+        check_data_source(cfg.data)
+    check_data_source(load_config(TINY, ["data.source=folder", f"data.path={clips}"]).data)
 
 
 # --------------------------------------------------------------------------- 2: layouts and columns
@@ -103,7 +103,7 @@ def test_hugging_face_metadata_and_the_layout_key_pick_what_is_read(hf_folder):
 
     def captions(*overrides):
         cfg = load_config(TINY, ["data.source=folder", f"data.path={hf_folder}", *overrides])
-        dataset = build_dataset(cfg)
+        dataset = build_dataset(cfg.data, cfg.train.seed, cfg.model)
         return sorted(e.caption for e in dataset.entries)
 
     assert captions() == ["jsonl caption 0", "jsonl caption 1"]  # metadata.jsonl before metadata.csv
@@ -126,7 +126,7 @@ def test_named_columns_are_read_and_a_missing_one_is_named(tmp_path):
             "data.caption_column=description",
         ],
     )
-    assert [e.caption for e in build_dataset(cfg).entries] == ["a red circle"]
+    assert [e.caption for e in build_dataset(cfg.data, cfg.train.seed, cfg.model).entries] == ["a red circle"]
     with pytest.raises(ValueError, match=r"no column \['video', 'caption'\].*Hugging Face's 'file_name' and 'text'"):
         VideoFolderDataset(tmp_path / "list.csv")
     with pytest.raises(ValueError, match=r"no column \['caption'\].*data.caption_column=COLUMN"):
@@ -192,19 +192,19 @@ def test_a_changed_dataset_is_a_note_and_other_data_changes_are_refused_before_t
 
     cfg = load_config(TINY, ["resume=latest"])
     folder = fake_checkpoint(tmp_path)
-    notes = check_resume_data(cfg, folder, list(range(14)), None)
+    notes = check_resume_data(cfg.resume, cfg.train.seed, folder, list(range(14)), None)
     assert len(notes) == 1 and "the dataset changed since step-0000004: 13 clips then, 14 now" in notes[0]
     assert "Resuming at step 4" in notes[0] and "continues from sample 8" in notes[0]
-    assert check_resume_data(cfg, folder, list(range(13)), None) == []
+    assert check_resume_data(cfg.resume, cfg.train.seed, folder, list(range(13)), None) == []
     sampler = ResumableSampler(14)
     restore_order(sampler, ckpt.load_state(folder / "rank0.pt")["data"])
     assert sampler.samples_consumed == 8 and sampler.num_samples == 14
     seeded = load_config(TINY, ["resume=latest", "train.seed=5"])
     with pytest.raises(ValueError, match=r"train.seed=5: .* was trained with train.seed=0"):
-        check_resume_data(seeded, folder, list(range(13)), None)
+        check_resume_data(seeded.resume, seeded.train.seed, folder, list(range(13)), None)
     other = fake_checkpoint(tmp_path / "two", world_size=2)
     with pytest.raises(ValueError, match=r"written by 2 process\(es\), this run has 1"):
-        check_resume_data(cfg, other, list(range(13)), None)
+        check_resume_data(cfg.resume, cfg.train.seed, other, list(range(13)), None)
 
 
 # --------------------------------------------------------------------------- 7: the CLI's variant against --transformer

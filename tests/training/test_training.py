@@ -389,16 +389,16 @@ def test_builtin_build_restarts_a_conversion_whose_source_changed(tmp_path, monk
     # the data cache is a build product (runs/builtin/cache-train), absent on a clean clone
     overrides = [f"run_dir={run}", "model.path=null", "data.path=null", "data.source=synthetic"]
     cfg = load_config(ROOT / "configs" / "builtin" / "mhla.yaml", overrides)
-    from omegaconf import OmegaConf
+    from training.config import config_yaml
 
-    (configs / "mhla.yaml").write_text(OmegaConf.to_yaml(cfg))
+    (configs / "mhla.yaml").write_text(config_yaml(cfg))
     monkeypatch.setattr(builtin, "CONFIGS", configs)
     assert builtin.stale_reason("mhla") is None  # no run yet
     run.mkdir(parents=True)
-    (run / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    (run / "config.yaml").write_text(config_yaml(cfg))
     assert builtin.stale_reason("mhla") is None and not builtin.stage_done("mhla")  # same source, no checkpoint
     cfg.model.transformer = "runs/builtin/base/checkpoints/step-0000100/transformer"
-    (run / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    (run / "config.yaml").write_text(config_yaml(cfg))
     why = builtin.stale_reason("mhla")
     assert "step-0000100" in why and "now starts from" in why
     moved = builtin.set_aside("mhla", why)

@@ -121,11 +121,14 @@ def test_expert_sigmas_stay_in_the_experts_range(weighting, boundary):
     """Each expert's timesteps lie on its side of boundary_ratio * 1000 (the high-noise transformer at t >= it,
     as WanPipeline switches) and follow the full density truncated to the range (its quantiles match those of
     the full samples that fall in the range)."""
+    from training.config import FlowSection
     from training.flow import FlowMatching
 
-    full = FlowMatching(shift=12.0, weighting=weighting).sample_sigmas(100_000, torch.Generator().manual_seed(0))
+    full = FlowMatching(FlowSection(shift=12.0, weighting=weighting)).sample_sigmas(
+        100_000, torch.Generator().manual_seed(0)
+    )
     for low, high in ((boundary, 1.0), (0.0, boundary)):
-        flow = FlowMatching(shift=12.0, weighting=weighting, sigma_range=(low, high))
+        flow = FlowMatching(FlowSection(shift=12.0, weighting=weighting), sigma_range=(low, high))
         x_t, t, _ = flow.noisy_input(torch.zeros(20_000, 1, 1, 1, 1), torch.Generator().manual_seed(1))
         if low > 0:
             assert bool((t >= boundary * 1000).all()), float(t.min())
@@ -142,7 +145,7 @@ def test_the_target_is_read_from_the_model_directory(models):
     from training.experts import read_target
 
     def target(arch, *overrides):
-        return read_target(load_config(TINY, [f"model.path={models[arch]}", *overrides]))
+        return read_target(load_config(TINY, [f"model.path={models[arch]}", *overrides]).model)
 
     ti2v = target("wan2.2-ti2v")
     assert (ti2v.expand_timesteps, ti2v.vae_stride, ti2v.experts) == (True, (4, 16, 16), ("transformer",))
@@ -151,7 +154,7 @@ def test_the_target_is_read_from_the_model_directory(models):
     assert high.experts == low.experts == ("transformer", "transformer_2")
     assert high.sigma_range == (0.875, 1.0) and low.sigma_range == (0.0, 0.875)
     assert target("wan2.1-t2v").sigma_range == (0.0, 1.0)
-    assert read_target(load_config(TINY)).architecture == "wan2.1-t2v"  # tiny-random
+    assert read_target(load_config(TINY).model).architecture == "wan2.1-t2v"  # tiny-random
 
 
 REFUSED = [
@@ -193,7 +196,7 @@ def test_shipped_wan22_configs_fit_their_token_grid(models, name):
     )
     assert (cfg.train.lr, cfg.train.precision, cfg.train.weight_decay) == (2e-5, "bf16", 0.0)
     check_model_plan(cfg)
-    grid, blocks = planned_blocks(cfg)
+    grid, blocks = planned_blocks(cfg.model, cfg.data)
     import mhla
 
     assert blocks == mhla.default_blocks(grid)
