@@ -108,6 +108,35 @@ def parse_variants(spec: str) -> list[str]:
     return names or [DEFAULT_VARIANT]
 
 
+def check_transformer_variant(transformer: str, own: str, spec: str) -> None:
+    """A ``--transformer`` fine-tuned as a converted variant (MHLA, linear, hybrid: its attention weights were
+    trained for that attention, and its own parameters belong to it) runs as that variant only: another one would
+    silently run other attention on its weights, so it is refused naming the checkpoint's variant. A softmax
+    (``flash``) transformer serves every variant (it is converted afresh)."""
+    if own == SOFTMAX:
+        return
+    others = [v for v in parse_variants(spec) if v != own]
+    if others:
+        raise ValueError(
+            f"--variant {spec}: --transformer {transformer!r} was fine-tuned as variant {own!r} (its "
+            f"attention weights were trained for {own}); running it as {', '.join(others)} would put other "
+            f"attention on them. Expected --variant {own} (or no --variant), or a softmax (flash) --transformer to "
+            "convert afresh"
+        )
+
+
+def check_lora_variant(lora: str, own: str, spec: str) -> None:
+    """A LoRA trained with a converted variant's own attention parameters (MHLA, linear) runs as that variant
+    only, as a ``--transformer`` fine-tuned as it does (:func:`check_transformer_variant`)."""
+    others = [v for v in parse_variants(spec) if v != own]
+    if others:
+        raise ValueError(
+            f"--variant {spec}: --lora {lora!r} was trained as variant {own!r} with its own attention parameters; "
+            f"running it as {', '.join(others)} would put other attention on them. Expected --variant {own} "
+            "(or no --variant)"
+        )
+
+
 @dataclass(frozen=True)
 class AttentionOptions:
     """How converted self-attention layers compute. Defaults are the paper's Wan settings.

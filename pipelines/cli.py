@@ -13,17 +13,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import mhla
-from common.errors import ModelError, check_seed, check_text, run_cli
-from common.interleave import MAX_REPEATS, StepClock, format_paired_comparison, take_turns
-from common.timing import Timing, format_timing
+from common.errors import check_seed, check_text, run_cli
+from common.interleave import MAX_REPEATS
 from mhla.checks import COMPILE_MODES
 
 from .attention import (
@@ -33,11 +31,13 @@ from .attention import (
     SOFTMAX,
     VARIANTS,
     AttentionOptions,
+    check_lora_variant,
+    check_transformer_variant,
     parse_layers,
     parse_variants,
     variant_spec,
 )
-from .caching import cached, parse_cache
+from .caching import parse_cache
 
 # the library's names, for code that imports them from here
 from .pipeline import (  # noqa: F401
@@ -55,15 +55,12 @@ from .request import (  # noqa: F401
     latent_grid,
     validate_request,
 )
-from .scale import Scale, check_scale
+from .run import RunPlan, run
 from .scale import add_arguments as add_scale_arguments
+from .scale import check_scale
 
 if TYPE_CHECKING:
-    import torch
-
     from .loading import WanComponents
-    from .lora import LoraAdapters
-    from .model_dir import ModelDir
 
 
 def _parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -181,41 +178,33 @@ def add_speed_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _out_path(out: str, variant: str, many: bool) -> Path:
-    path = Path(out)
-    return path.with_name(f"{path.stem}_{variant}{path.suffix}") if many else path
-
-
-@dataclass
-class _Plan:
-    """What a command line asks for, checked before any model loads."""
-
-    requests: list[GenerationRequest]
-    outputs: list[tuple[Path, Path | None, Path | None]]  # (mp4, gif, grid png) per request
-    overrides: dict[str, Any]
-    device: torch.device
-    dtype: torch.dtype
-    scale: Scale | None = None  # offload, VAE tiling, context parallelism (pipelines/scale.py)
-    frames_npy: list[Path] | None = None  # per request, with --frames-npy
-    lora: LoraAdapters | None = None  # --lora, read and checked
-    folder: ModelDir | None = None  # the model's files as read (once) and checked: loading reads none again
-
-
-def _preflight(args: argparse.Namespace) -> _Plan:
+def _preflight(args: argparse.Namespace) -> RunPlan:
     """Checks everything that needs no model (config files are read, no weights); raises ValueError or
-    FileNotFoundError naming the bad value."""
+    FileNotFoundError naming the bad value. Returns the plan every later stage is handed."""
     from common.video import check_fps, check_output_path, read_image
+    from mhla.softmax import check_backend
 
-    from .loading import resolve_device, resolve_dtype
+    from .devices import resolve_device, resolve_dtype
+    from .lora import check_lora_fits, read_lora
+    from .memory import check_offload
     from .model_dir import ModelDir, check_transformer_config
 
-    # each file is asked once, in this order: the values alone, the model's files, the variant table, the
-    # request's checks, the image, the output paths, the device
+    # each file is asked once, in this order: the values alone (text, seed, repeats, the device and dtype, the
+    # softmax backend, the offload mode), the model's files, the LoRA, the variant table, the requests, the image
+    # and the output files, the processes
     check_text(args.prompt, "--prompt")
     check_text(args.negative_prompt, "--negative-prompt")
     check_seed(args.seed)
     if not 1 <= args.repeats <= MAX_REPEATS:
         raise ValueError(f"--repeats {args.repeats}: expected timed runs per variant from 1 to {MAX_REPEATS}")
+    if not str(args.out).lower().endswith(".mp4"):
+        raise ValueError(f"--out must end in .mp4, got {args.out!r}")
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    if args.softmax_backend is not None:  # a kernel this device lacks would fail at the first softmax layer
+        check_backend(args.softmax_backend, device.type, "--softmax-backend")
+    check_offload(args.offload, device)
+
     folder = ModelDir(args.model)  # what the model's files say, each read once
     saved = folder.transformer_config(args.transformer) if args.transformer else None
     if args.transformer:
@@ -230,6 +219,20 @@ def _preflight(args: argparse.Namespace) -> _Plan:
     shape, defaults, index, stride = folder.shape(args.transformer), folder.defaults, folder.index, folder.vae_stride
     experts_2 = folder.shape(part="transformer_2").num_layers if args.layers_2 is not None else None
     trained = {name: folder.transformer_config(d) for name, d in folder.variant_dirs.items()}
+    # the transformer a --lora adapts: --transformer's, else the model's own
+    lora_target = (saved if args.transformer else folder.transformer_config()) if args.lora else None
+
+    lora = read_lora(args.lora, "--lora") if args.lora else None  # a folder or file load_lora_weights reads
+    if lora is not None:
+        if lora.info.get("expert") == "transformer_2":
+            raise ValueError(
+                f"--lora {args.lora!r} adapts a two-expert model's low-noise expert (transformer_2); this command "
+                "merges a LoRA into the first one: expected a LoRA of the transformer (diffusers loads it with "
+                "load_lora_weights(..., load_into_transformer_2=True))"
+            )
+        if lora_target and all(k in lora_target for k in ("num_layers", "num_attention_heads", "attention_head_dim")):
+            check_lora_fits(lora, lora_target, "--lora")  # its layers and attention width
+
     if args.transformer:  # its own variant where none is named
         own = ((saved or {}).get("self_attention") or {"variant": SOFTMAX})["variant"]
         args.variant = args.variant or own
@@ -238,7 +241,6 @@ def _preflight(args: argparse.Namespace) -> _Plan:
     trained_dirs: dict[str, str | Path | None] = {
         name: args.transformer or folder.variant_dirs.get(name) for name in VARIANTS
     }
-    lora = _check_lora(args, folder) if args.lora else None
     if lora is not None and lora.attention_state is not None:  # trained as this variant, with these blocks
         args.variant = args.variant or lora.variant
         check_lora_variant(args.lora, lora.variant, args.variant)
@@ -246,7 +248,6 @@ def _preflight(args: argparse.Namespace) -> _Plan:
         trained_dirs = dict.fromkeys(VARIANTS, lora.file)
     elif lora is not None and not args.transformer:
         args.variant = args.variant or lora.variant
-
     variants = parse_variants(args.variant or DEFAULT_VARIANT)
     takes_blocks = {v: variant_spec(v).blocks for v in variants}
     if args.blocks and not any(takes_blocks.values()):
@@ -280,12 +281,14 @@ def _preflight(args: argparse.Namespace) -> _Plan:
     AttentionOptions(**overrides)  # validates the values
 
     model_name = f"model {args.model!r}" if args.model else "the built-in model"
-    names = dict(image="--image", layers_2="--layers-2")
-    # --image and --layers-2 against the model, before the image file is read (the request is checked again below)
+    # --image and --layers-2 against the model, before the image file is read
     check_model_inputs(
-        GenerationRequest(args.prompt, image=args.image, layers_2=args.layers_2), index, model_name, **names
+        GenerationRequest(args.prompt, image=args.image, layers_2=args.layers_2),
+        index,
+        model_name,
+        image="--image",
+        layers_2="--layers-2",
     )
-    image = read_image(args.image, f"--image {args.image!r}") if args.image is not None else None
     requests = []
     for v in variants:
         request = GenerationRequest(
@@ -302,121 +305,77 @@ def _preflight(args: argparse.Namespace) -> _Plan:
             blocks=args.blocks if takes_blocks[v] else None,  # with several variants, the MHLA ones take it
             layers=layers,
             layers_2=layers_2,
-            image=image,
         ).with_defaults(defaults)
-        request = request.check(shape.patch, stride)
-        check_model_inputs(request, index, model_name, **names)
+        request = request.check(shape.patch, stride)  # the image joins it once read (read_image checks it)
         check_trained_blocks(request, trained_dirs[v], trained.get(v))
         requests.append(request)
 
-    if not str(args.out).lower().endswith(".mp4"):
-        raise ValueError(f"--out must end in .mp4, got {args.out!r}")
-    many = len(variants) > 1
-    paths = [
-        (
-            _out_path(args.out, v, many),
-            _out_path(args.gif, v, many) if args.gif else None,
-            _out_path(args.grid_png, v, many) if args.grid_png else None,
-            _out_path(args.frames_npy, v, many) if args.frames_npy else None,
-        )
-        for v in variants
-    ]
+    image = read_image(args.image, f"--image {args.image!r}") if args.image is not None else None
     try:
         check_fps(args.fps)
     except ValueError:
         raise ValueError(f"--fps {args.fps}: expected a frame rate > 0 (e.g. 16)") from None
-    outputs = [  # every file this run will write
-        (
-            check_output_path(mp4),
-            check_output_path(gif, (".gif",)) if gif else None,
-            check_output_path(png, (".png",)) if png else None,
-        )
-        for mp4, gif, png, _ in paths
+    many = len(variants) > 1
+
+    def named(out: str, v: str) -> Path:  # one file per variant: the variant's name before the suffix
+        path = Path(out)
+        return path.with_name(f"{path.stem}_{v}{path.suffix}") if many else path
+
+    wanted: list[tuple[str | None, tuple[str, ...] | None]] = [
+        (args.out, None),
+        (args.gif, (".gif",)),
+        (args.grid_png, (".png",)),
+        (args.frames_npy, (".npy",)),
     ]
-    frames_npy = [check_output_path(npy, (".npy",)) for *_, npy in paths if npy is not None] or None
-    device = resolve_device(args.device)
+    # every file this run will write, per variant: (mp4, gif, grid png, npy), each checked (None: not asked for)
+    files = [
+        [check_output_path(named(out, v), suffixes) if out else None for out, suffixes in wanted] for v in variants
+    ]
+    outputs = [(cast(Path, mp4), gif, png) for mp4, gif, png, _ in files]
+    frames_npy = [cast(Path, npy) for *_, npy in files] if args.frames_npy else None
+    if image is not None:
+        requests = [replace(r, image=image) for r in requests]
+
     scale = check_scale(args, requests, device, shape.num_heads)
     device = scale.run_device(device)
-    if args.softmax_backend is not None:  # a kernel this device lacks would fail at the first softmax layer
-        from mhla.softmax import check_backend
-
-        check_backend(args.softmax_backend, device.type, "--softmax-backend")
-    dtype = resolve_dtype(args.dtype, device)
-    return _Plan(requests, outputs, overrides, device, dtype, scale, frames_npy, lora, folder)
-
-
-def _check_lora(args: argparse.Namespace, folder: Any) -> LoraAdapters:
-    """``--lora`` read (a folder or file diffusers' ``load_lora_weights`` reads) and checked against the
-    transformer's config (its layers and attention width) where the model has one."""
-    from .lora import check_lora_fits, read_lora
-
-    lora = read_lora(args.lora, "--lora")
-    if lora.info.get("expert") == "transformer_2":
-        raise ValueError(
-            f"--lora {args.lora!r} adapts a two-expert model's low-noise expert (transformer_2); this command merges "
-            "a LoRA into the first one: expected a LoRA of the transformer (diffusers loads it with "
-            "load_lora_weights(..., load_into_transformer_2=True))"
-        )
-    config = folder.transformer_config(args.transformer) if args.transformer else folder.transformer_config()
-    if config and all(k in config for k in ("num_layers", "num_attention_heads", "attention_head_dim")):
-        check_lora_fits(lora, config, "--lora")
-    return lora
+    fine_tuned = {} if args.transformer or args.lora else folder.variant_dirs
+    return RunPlan(
+        requests,
+        outputs,
+        overrides,
+        device,
+        dtype,
+        load_device=scale.load_device(device),
+        scale=scale,
+        frames_npy=frames_npy,
+        folder=folder,
+        transformer=args.transformer,
+        transformer_config=saved,
+        lora=lora,
+        lora_name=args.lora,
+        fine_tuned=fine_tuned,
+        repeats=args.repeats,
+        fps=args.fps,
+        compile=args.compile,
+        cache=args.cache,
+        show_progress=not args.no_progress,
+    )
 
 
-def check_lora_variant(lora: str, own: str, spec: str) -> None:
-    """A LoRA trained with a converted variant's own attention parameters (MHLA, linear) runs as that variant
-    only, as a ``--transformer`` fine-tuned as it does (:func:`check_transformer_variant`)."""
-    others = [v for v in parse_variants(spec) if v != own]
-    if others:
-        raise ValueError(
-            f"--variant {spec}: --lora {lora!r} was trained as variant {own!r} with its own attention parameters; "
-            f"running it as {', '.join(others)} would put other attention on them. Expected --variant {own} "
-            "(or no --variant)"
-        )
+def _load(plan: RunPlan) -> WanComponents:
+    """The model's components as ``plan`` asks: its own, or ``--transformer``'s in its place (ValueError when it
+    does not fit), ``--lora`` merged; on the plan's load device (the CPU when offloaded)."""
+    from .loading import load_components
 
-
-def check_transformer_variant(transformer: str, own: str, spec: str) -> None:
-    """A ``--transformer`` fine-tuned as a converted variant (MHLA, linear, hybrid: its attention weights were
-    trained for that attention, and its own parameters belong to it) runs as that variant only: another one would
-    silently run other attention on its weights, so it is refused naming the checkpoint's variant. A softmax
-    (``flash``) transformer serves every variant (it is converted afresh)."""
-    if own == SOFTMAX:
-        return
-    others = [v for v in parse_variants(spec) if v != own]
-    if others:
-        raise ValueError(
-            f"--variant {spec}: --transformer {transformer!r} was fine-tuned as variant {own!r} (its "
-            f"attention weights were trained for {own}); running it as {', '.join(others)} would put other "
-            f"attention on them. Expected --variant {own} (or no --variant), or a softmax (flash) --transformer to "
-            "convert afresh"
-        )
-
-
-def _load(args: argparse.Namespace, plan: _Plan) -> WanComponents:
-    """The model's components, with ``--transformer`` in place of its own; raises ValueError when it does
-    not fit."""
-    from .loading import load_components, load_transformer
-
-    device = plan.scale.load_device(plan.device) if plan.scale else plan.device  # the CPU when offloaded
-    components = load_components(plan.folder or args.model, dtype=plan.dtype, device=device)
-    if args.transformer:
-        loaded = load_transformer(args.transformer, dtype=plan.dtype, device=device)
-        base = components.transformer.config
-        keys = ("text_dim", "in_channels", "out_channels")
-        if any(loaded.config[k] != base[k] for k in keys):
-            raise ValueError(
-                f"--transformer {args.transformer!r} does not fit the model {components.source!r}: "
-                + ", ".join(f"{k} {loaded.config[k]} vs {base[k]}" for k in keys)
-                + "; pass the --model it was trained with (e.g. --model tiny-random)"
-            )
-        components.transformer = loaded
-        components.source += f" + transformer {args.transformer}"
-    if plan.lora is not None:
-        from .lora import apply_lora
-
-        apply_lora(components.transformer, plan.lora, "--lora")  # merged: it then runs as without a LoRA
-        components.source += f" + LoRA {args.lora} ({plan.lora.describe()})"
-    return components
+    return load_components(
+        plan.folder,
+        dtype=plan.dtype,
+        device=plan.load_device,
+        transformer=plan.transformer,
+        transformer_config=plan.transformer_config,
+        lora=plan.lora,
+        lora_name=plan.lora_name,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -427,291 +386,27 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(argv: Sequence[str]) -> int:
     args = _parse_args(argv)
     plan = _preflight(args)  # bad input: named before any model loads
-    scale = plan.scale or Scale()
-    scale.start(plan.device)  # context parallelism: this process joins the others (torchrun)
+    plan.scale.start(plan.device)  # context parallelism: this process joins the others (torchrun)
     try:
-        return _run(args, plan, scale)
+        components = _load(plan)
+        attached = plan.scale.attach(components, plan.device)  # offload hooks, VAE tiling: once
+        say = print if plan.scale.main else _quiet  # only process 0 prints and writes files
+        say(f"model: {components.source} ({components.index.describe()})")
+        if attached:
+            say(attached)
+        if components.random_weights:
+            say(f"NOTE: {RANDOM_WEIGHTS_NOTE}")
+        if plan.cache is not None:
+            say(f"cache: {plan.cache.describe()}")
+        if plan.compile != "none":
+            say(f"torch.compile: {plan.compile}")
+        return run(plan, components, say)
     finally:
-        scale.close()
-
-
-def _run(args: argparse.Namespace, plan: _Plan, scale: Scale) -> int:
-    say = print if scale.main else _quiet  # only process 0 prints and writes files
-    components = _load(args, plan)
-    scale.attach(components, plan.device)  # offload hooks and VAE tiling, once
-    say(f"model: {components.source} ({components.index.describe()})")
-    if scale.describe():
-        say(scale.describe())
-    if components.random_weights:
-        say(f"NOTE: {RANDOM_WEIGHTS_NOTE}")
-    if args.cache is not None:
-        say(f"cache: {args.cache.describe()}")
-    if args.compile != "none":
-        say(f"torch.compile: {args.compile}")
-    if len(plan.requests) > 1:
-        return _run_in_turns(args, plan, scale, components, say)
-    request, outputs = plan.requests[0], plan.outputs[0]
-    transformer = _fine_tuned(args, plan, scale, components, request.variant, say)
-    runs = [
-        _generate_once(
-            args, plan, scale, components, request, transformer, None, not args.no_progress and scale.main, drop=last
-        )
-        for last in [False] * (args.repeats - 1) + [True]
-    ]
-    if scale.main:
-        _report(args, plan, 0, request, outputs, runs[-1], components)
-        if len(runs) > 1:
-            steps = [s for r in runs for s in r.timing.warm_steps]
-            print(
-                f"step over {len(runs)} runs: {statistics.median(steps):.3f} s (median of {len(steps)} steps, each "
-                "run's first left out)"
-            )
-    return 0
-
-
-def _fine_tuned(
-    args: argparse.Namespace, plan: _Plan, scale: Scale, components: WanComponents, variant: str, say: Any
-) -> Any:
-    """The fine-tuned transformer the model ships for ``variant`` (the built-in model's ``variants/``), loaded;
-    None where the variant runs on the base transformer, converted in place (a ``--transformer`` or a ``--lora``
-    runs as given)."""
-    from .loading import load_transformer
-
-    if args.transformer or args.lora or variant not in components.variant_dirs:
-        return None
-    transformer = load_transformer(
-        components.variant_dirs[variant], dtype=plan.dtype, device=scale.load_device(plan.device)
-    )
-    say(f"{variant}: fine-tuned transformer {components.variant_dirs[variant]}")
-    return transformer
-
-
-def _generate_once(
-    args: argparse.Namespace,
-    plan: _Plan,
-    scale: Scale,
-    components: WanComponents,
-    request: GenerationRequest,
-    transformer: Any,
-    transformer_2: Any,
-    show_progress: bool,
-    drop: bool = True,
-) -> GenerationResult:
-    """One generation of ``request`` on ``transformer`` (None: the base one, converted in place) and
-    ``transformer_2`` (None: the model's second expert, if any), with the command line's scale, compile and cache;
-    ``drop``: a loaded ``transformer`` is unhooked after it (its last run)."""
-    running = components.transformer if transformer is None else transformer
-    scale.before_run(components, request, running, plan.overrides)  # converted under the hooks; parallel
-    if args.compile != "none":
-        from mhla.compiled import compile_transformer
-
-        compile_transformer(running, args.compile)
-    try:
-        with cached(running, args.cache, request.num_inference_steps or 1):  # validated: an int
-            return generate(
-                components,
-                request,
-                attention_options=plan.overrides,
-                transformer=transformer,
-                transformer_2=transformer_2,
-                show_progress=show_progress,
-            )
-    except NonFiniteLatentsError as e:
-        raise ModelError(str(e)) from e
-    finally:
-        scale.after_run(running, drop=drop and transformer is not None)
-
-
-def _report(
-    args: argparse.Namespace,
-    plan: _Plan,
-    i: int,
-    request: GenerationRequest,
-    outputs: tuple[Path, Path | None, Path | None],
-    result: GenerationResult,
-    components: WanComponents,
-    timing: Timing | None = None,
-) -> None:
-    """Writes request ``i``'s files (each atomically and checked: a failed writer raises, and nothing says
-    "wrote") and prints them with the run's timing table (``timing``, default the result's: with the variants in
-    turns, the clock's, which leaves out the waits for the turn)."""
-    from common.video import write_frame_grid, write_gif, write_mp4
-
-    mp4, gif, png = outputs
-    comment = f"{request.variant} | seed {request.seed} | {request.prompt}"
-    if components.random_weights:
-        comment = f"{RANDOM_WEIGHTS_NOTE} | {comment}"
-    written = [str(write_mp4(mp4, result.frames, fps=args.fps, comment=comment))]
-    if gif:
-        written.append(str(write_gif(gif, result.frames, fps=args.fps, comment=comment)))
-    if png:
-        written.append(str(write_frame_grid(png, result.frames, comment=comment)))
-    if plan.frames_npy:
-        written.append(str(_write_npy(plan.frames_npy[i], result.frames)))
-    print(
-        f"\nwrote {', '.join(written)}  ({len(result.frames)} frames, {request.height}x{request.width}, "
-        f"{result.pipeline_class})"
-    )
-    print(format_timing(result.timing if timing is None else timing))
-
-
-# at most this share of the free memory goes to a transformer per variant (the rest: activations, the VAE)
-COPY_SHARE = 0.5
-
-
-def _module_bytes(module: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
-
-
-def _free_bytes(device: torch.device) -> int | None:
-    """Memory free for new tensors on ``device``: the GPU's free memory, the CPU's MemAvailable (None: unknown)."""
-    import torch
-
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def _own_transformers(
-    args: argparse.Namespace, plan: _Plan, scale: Scale, components: WanComponents, say: Any
-) -> dict[str, tuple[Any, Any]] | None:
-    """Each variant's own transformers ``(transformer, transformer_2)``, so that the variants can take turns
-    step by step (a transformer is converted in place to its variant: two variants cannot share one while both
-    run): the model's fine-tuned ones loaded, the others deep copies of the base (which itself runs the last
-    variant that uses it). None, said why, when they cannot: offloading or context parallelism (their hooks
-    hold one transformer), or too little free memory for the copies (:data:`COPY_SHARE` of it)."""
-    import copy
-
-    names = [r.variant for r in plan.requests]
-    if scale.offload != "none" or scale.context_parallel:
-        say(
-            "the variants run one after another (--offload and --context-parallel hold one transformer at a time): "
-            "a change of machine load between them shows up as a speedup"
-        )
-        return None
-    experts = [t for t in (components.transformer, components.transformer_2) if t is not None]
-    need = (len(names) - 1) * sum(_module_bytes(t) for t in experts)
-    free = _free_bytes(plan.device)
-    if free is None or need > COPY_SHARE * free:
-        free_text = "an unknown amount" if free is None else f"{free / 2**30:.1f} GiB"
-        say(
-            f"the variants run one after another: a transformer per variant needs {need / 2**30:.1f} GiB more and "
-            f"{free_text} is free (at most {COPY_SHARE:.0%} of it goes to them), so a change of machine load between "
-            "them shows up as a speedup"
-        )
-        return None
-    fine_tuned = {v: _fine_tuned(args, plan, scale, components, v, say) for v in names}
-    base_users = [v for v in names if fine_tuned[v] is None]
-    second = components.transformer_2
-    own: dict[str, tuple[Any, Any]] = {}
-    for v in names:
-        last = v == names[-1]  # the model's own second expert runs the last variant (the others: copies)
-        t2 = None if second is None or last else copy.deepcopy(second)
-        if fine_tuned[v] is not None:
-            own[v] = (fine_tuned[v], t2)
-        elif v == base_users[-1]:  # the base transformer itself, converted in place as a single run does
-            own[v] = (None, t2)
-        else:
-            own[v] = (copy.deepcopy(components.transformer), t2)
-    return own
-
-
-def _run_in_turns(args: argparse.Namespace, plan: _Plan, scale: Scale, components: WanComponents, say: Any) -> int:
-    """Several variants, timed by the app's rule (:mod:`common.interleave`): they take turns one denoising step
-    each, round-robin, each on its own transformer (:func:`_own_transformers`), so a change of machine load hits
-    all of them alike; ``--repeats`` runs each that many times; the table pairs step ``k`` of each variant with
-    flash's step ``k`` and reports the median ratio with its 95% interval, "noisy" past +-10%. Each variant's
-    files are written in its turn as it finishes; a variant that fails does not stop the others (its error is
-    raised once they are done)."""
-    import time
-
-    from tqdm.auto import tqdm  # type: ignore[import-untyped]
-
-    names = [r.variant for r in plan.requests]
-    own = _own_transformers(args, plan, scale, components, say)
-    interleaved = own is not None
-    first = plan.requests[0]
-    per_step = 2 if (first.guidance_scale or 0.0) > 1.0 else 1  # WanPipeline: conditional and unconditional calls
-    steps = first.num_inference_steps or 1
-    loaded: dict[str, tuple[Any, Any]] = {}
-
-    def modules_of(name: str) -> list[Any]:
-        # interleaved: the variant's own; else loaded now, in its turn (one fine-tuned transformer at a time)
-        loaded[name] = own[name] if own is not None else (_fine_tuned(args, plan, scale, components, name, say), None)
-        t, t2 = loaded[name]
-        second = components.transformer_2 if t2 is None else t2
-        return [components.transformer if t is None else t] + ([] if second is None else [second])
-
-    def work(name: str, clock: StepClock) -> tuple[GenerationResult, list[Timing]]:
-        i = names.index(name)
-        t, t2 = loaded[name]
-        timings = []
-        for r in range(args.repeats):
-            clock.check()
-            clock.begin()
-            start = time.perf_counter()
-            result = _generate_once(
-                args, plan, scale, components, plan.requests[i], t, t2, False, drop=r == args.repeats - 1
-            )
-            timings.append(clock.timing(result.timing, start, time.perf_counter()))
-        if scale.main:  # in this variant's turn: writing never competes with another variant's step
-            bar.clear()
-            _report(args, plan, i, plan.requests[i], plan.outputs[i], result, components, timings[-1])
-        return result, timings
-
-    bar = tqdm(
-        total=len(names) * args.repeats * steps,
-        desc="denoising, the variants in turns" if interleaved else "denoising, one variant after another",
-        unit="step",
-        disable=args.no_progress or not scale.main,
-        leave=False,
-    )
-    timings: dict[str, list[Timing]] = {}
-    errors: list[BaseException] = []
-    try:
-        for outcome in take_turns(
-            names,
-            modules_of,
-            work,
-            per_step,
-            interleaved,
-            on_step=lambda _n, _k, finished: bar.update(1) if finished else None,
-            device=plan.device,
-            thread_name="variant",
-        ):
-            if outcome.error is not None:
-                errors.append(outcome.error)
-            else:
-                timings[outcome.name] = outcome.value[1]
-    finally:
-        bar.close()
-    if len(timings) > 1:
-        say("\n" + format_paired_comparison({n: timings[n] for n in names if n in timings}, interleaved, args.repeats))
-    if errors:
-        raise errors[0]
-    return 0
+        plan.scale.close()
 
 
 def _quiet(*_args: Any, **_kwargs: Any) -> None:
     """print() of the processes other than 0 under context parallelism."""
-
-
-def _write_npy(path: Path, frames: Any) -> Path:
-    """``frames`` as a float32 .npy array, written atomically."""
-    import numpy as np
-
-    from common.outputs import atomic_write
-
-    with atomic_write(path) as tmp:
-        with open(tmp, "wb") as f:
-            np.save(f, np.asarray(frames, dtype=np.float32))
-    return path
 
 
 if __name__ == "__main__":

@@ -20,23 +20,29 @@ import torch
 
 from mhla import PAPER_BLOCK_SHAPE
 
+from .attention import PARAM_ATTRS
 from .compat import quiet_image_processors
-from .conversion import CONFIG_KEY, Conversion
+from .devices import DTYPES as DTYPES  # the loaders' device and dtype names, for code that imports them here
+from .devices import resolve_device as resolve_device
+from .devices import resolve_dtype as resolve_dtype
 from .model_dir import (
     ModelDir,
     ModelIndex,
     check_finite,
+    check_transformer_config,
+    check_transformer_weights,
     check_weight_files,
     read_json,
     require_key,
     vae_strides,
     weight_files,
 )
-from .tiny_sizes import TINY_BLOCK_SHAPE, TINY_DEFAULTS, WAN_DEFAULTS
+from .tiny_sizes import WAN_DEFAULTS
 
 if TYPE_CHECKING:
     from diffusers import AutoencoderKLWan, SchedulerMixin
 
+    from .lora import LoraAdapters
     from .model import MHLAWanTransformer3DModel
 
 
@@ -93,36 +99,6 @@ def random_wan_source(size: str) -> str:
     return f"Wan2.1-T2V-{size.upper()} architecture with RANDOM weights"
 
 
-def resolve_device(device: str | torch.device | None = None) -> torch.device:
-    if device is None or device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"device {device!r} is not a device name; expected auto, cpu, cuda or cuda:N") from None
-    if device.type not in ("cpu", "cuda"):  # meta holds no data, mps/xpu/... are not what this project runs on
-        raise ValueError(f"device {str(device)!r} is not supported; expected auto, cpu, cuda or cuda:N")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {str(device)!r} was asked for, but CUDA is not available here")
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise ValueError(f"device {str(device)!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    return device
-
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """``"auto"``/None: bfloat16 on GPU, float32 on CPU (CPU half precision is slow and lossy)."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype is None or dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {('auto', *DTYPES)}, got {dtype!r}")
-    return DTYPES[dtype]
-
-
 def load_transformer(
     path: str | Path,
     dtype: str | torch.dtype | None = "auto",
@@ -138,6 +114,16 @@ def load_transformer(
     ``dtype``/``device``: as :func:`load_components` (default bfloat16 on GPU, float32 on CPU). ``config``: the
     folder's ``config.json`` when the caller has read it (:meth:`pipelines.model_dir.ModelDir.transformer_config`).
     """
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
+    return load_transformer_on(path, dtype, device, config)
+
+
+def load_transformer_on(
+    path: str | Path, dtype: torch.dtype, device: torch.device, config: dict[str, Any] | None = None
+) -> MHLAWanTransformer3DModel:
+    """:func:`load_transformer` onto a ``device`` and ``dtype`` already resolved (:mod:`pipelines.devices`: a
+    command line's plan resolves them once)."""
     from .model import MHLAWanTransformer3DModel
 
     folder = Path(path)
@@ -147,11 +133,14 @@ def load_transformer(
     config = read_json(config_file, "transformer config") if config is None else config
     for key in ("patch_size", "num_layers", "num_attention_heads", "attention_head_dim"):
         require_key(config, key, config_file)
-    Conversion.from_config(config.get(CONFIG_KEY), int(config["num_layers"]))  # a malformed record, named
-    device = resolve_device(device)
-    dtype = resolve_dtype(dtype, device)
-    check_weight_files(weight_files(folder))  # before diffusers reads them: names a bad file
-    _check_weights_against_config(folder, config)  # missing, unexpected, twice-stored: named
+    # the folder's files, before diffusers reads them: a bad config or weight file, and missing, unexpected or
+    # twice-stored weights, named (diffusers only warns about unexpected ones: a config saying fewer layers than
+    # the weights would load with layers dropped); headers only. The variant's own parameters
+    # (``.attn1.<mhla|linear_attn>.``) are the loader's; a malformed ``self_attention`` record is named by the model
+    # class as it is built, before any weight is read
+    check_transformer_config(config, config_file)
+    check_weight_files(weight_files(folder))
+    check_transformer_weights(folder, config, lambda key: any(f".attn1.{a}." in key for a in PARAM_ATTRS.values()))
     model, info = MHLAWanTransformer3DModel.from_pretrained(folder, dtype=dtype, output_loading_info=True)
     # diffusers only warns about a missing weight (and leaves it on the meta device): refuse the checkpoint
     missing = sorted(info["missing_keys"])
@@ -161,17 +150,6 @@ def load_transformer(
     model = model.to(device).eval()
     check_finite(model.state_dict().items(), f"transformer {str(folder)!r}")
     return model
-
-
-def _check_weights_against_config(folder: Path, config: dict[str, Any]) -> None:
-    """Missing, unexpected or twice-stored weights are errors naming the keys: diffusers only warns
-    about unexpected ones (a config saying fewer layers than the weights would load with layers dropped). Reads
-    only the safetensors headers; the variant's own parameters (``.attn1.<mhla|linear>.``) are the loader's."""
-    from .attention import PARAM_ATTRS
-    from .model_dir import check_transformer_config, check_transformer_weights
-
-    check_transformer_config(config, folder / "config.json")
-    check_transformer_weights(folder, config, lambda key: any(f".attn1.{a}." in key for a in PARAM_ATTRS.values()))
 
 
 def save_transformer(transformer: MHLAWanTransformer3DModel, path: str | Path, **kwargs: Any) -> None:
@@ -292,21 +270,31 @@ def load_components(
     device: str | torch.device | None = "auto",
     seed: int = 0,
     expert: str | None = None,
+    *,
+    transformer: str | Path | None = None,
+    transformer_config: dict[str, Any] | None = None,
+    lora: LoraAdapters | None = None,
+    lora_name: str | None = None,
 ) -> WanComponents:
     """Loads a local Wan directory (a path, or the run's :class:`pipelines.model_dir.ModelDir` of it: its files are
     then not read again); ``None`` loads the built-in model (``assets/builtin``: trained on synthetic moving
     shapes); ``"tiny-random"`` builds the tiny random-weight model (tests, smoke runs).
 
-    A directory is read as its files say (:class:`pipelines.model_dir.ModelDir`; the pipeline class is checked
-    before anything loads): ``WanPipeline`` or ``WanImageToVideoPipeline``, each transformer (``transformer``, and
-    ``transformer_2`` when named) through :func:`load_transformer` (a converted one comes back as its variant),
-    the image encoder and processor when named.
+    A directory is read as its files say (:meth:`pipelines.model_dir.ModelDir.files`, once; the pipeline class is
+    checked before anything loads): ``WanPipeline`` or ``WanImageToVideoPipeline``, each transformer
+    (``transformer``, and ``transformer_2`` when named) as :func:`load_transformer` loads it (a converted one comes
+    back as its variant), the image encoder and processor when named.
 
     The transformer and text encoder get ``dtype`` (default bfloat16 on GPU, float32 on CPU); the VAE
-    stays float32, as in diffusers' Wan examples, because its decode is sensitive to precision.
-    ``seed`` only affects the tiny model's random weights. ``expert`` (``"transformer"`` or ``"transformer_2"``)
-    loads that expert alone, as ``components.transformer`` (fine-tuning one Wan2.2-A14B expert never loads the
-    other); None loads every transformer the index names.
+    stays float32, as in diffusers' Wan examples, because its decode is sensitive to precision. Both are
+    resolved here, once. ``seed`` only affects the tiny model's random weights. ``expert`` (``"transformer"`` or
+    ``"transformer_2"``) loads that expert alone, as ``components.transformer`` (fine-tuning one Wan2.2-A14B expert
+    never loads the other); None loads every transformer the index names.
+
+    The command line's ``--transformer`` and ``--lora``: ``transformer``, a saved transformer folder to run in
+    place of the model's own (``transformer_config``: its ``config.json`` as read), refused when it does not fit
+    the model; ``lora``, adapters (:func:`pipelines.lora.read_lora`, named ``lora_name``) merged into the
+    transformer. Both are named in ``source``.
     """
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
@@ -314,82 +302,86 @@ def load_components(
         raise ValueError(f"expert must be 'transformer', 'transformer_2' or None, got {expert!r}")
     # one description of the folder per run: a caller's (the CLI's, already checked), else made here
     folder = model_dir if isinstance(model_dir, ModelDir) else ModelDir(model_dir)
-    if folder.tiny_random:
-        if expert == "transformer_2":
-            raise ValueError("expert 'transformer_2': the tiny random model has one transformer")
+    files = folder.files(expert, seed)  # every fact loading needs, read and checked once
+    if files.root is None:  # the tiny random-weight model: built, not read
         from .tiny import build_tiny_components  # here: `python -m pipelines.tiny` runs that module as __main__
 
         parts = build_tiny_components(seed)
-        transformer = _cast(parts["transformer"], device, dtype)
-        return WanComponents(
-            tokenizer=parts["tokenizer"],
-            text_encoder=parts["text_encoder"].to(device, dtype),
-            vae=parts["vae"].to(device),
-            scheduler=parts["scheduler"],
-            transformer=transformer,
-            source=folder.source(seed),
-            random_weights=True,
-            device=device,
-            dtype=dtype,
-            defaults=dict(TINY_DEFAULTS),
-            block_shape=TINY_BLOCK_SHAPE,
-        )
+        tokenizer, scheduler = parts["tokenizer"], parts["scheduler"]
+        text_encoder = parts["text_encoder"].to(device, dtype)
+        vae = parts["vae"].to(device)
+        built = {"transformer": _cast(parts["transformer"], device, dtype)}
+        image_encoder, image_processor = None, None
+        folders: dict[str, tuple[Path, dict[str, Any] | None]] = {}
+    else:
+        from diffusers import AutoencoderKLWan
+        from transformers import AutoTokenizer, UMT5EncoderModel
 
-    root = folder.check()  # once per ModelDir: a caller that checked it (the CLI) reads nothing again
-    index = folder.index  # an unsupported pipeline class is named here, before any weights load
-    from diffusers import AutoencoderKLWan
-    from transformers import AutoTokenizer, UMT5EncoderModel
+        root = files.root
+        tokenizer = AutoTokenizer.from_pretrained(root / "tokenizer")
+        # transformers wraps PreTrainedModel.to in functools.wraps(nn.Module.to): mypy takes it for the unbound
+        # method
+        text_encoder = UMT5EncoderModel.from_pretrained(root / "text_encoder", dtype=dtype).to(device).eval()  # type: ignore[arg-type]
+        vae = AutoencoderKLWan.from_pretrained(root / "vae", dtype=torch.float32).to(device).eval()
+        scheduler = _load_scheduler(root / "scheduler")
+        image_encoder, image_processor = _load_image_encoder(root, files.image_parts, device)
+        built, folders = {}, {part: (root / part, config) for part, config in files.configs.items()}
+    if transformer is not None:  # --transformer, loaded after the model's own to run in its place
+        folders["--transformer"] = (Path(transformer), transformer_config)
+    # every transformer folder as load_transformer loads it (each comes back as its saved variant)
+    experts = {**built, **{part: load_transformer_on(path, dtype, device, c) for part, (path, c) in folders.items()}}
+    source = files.source
+    first = experts.pop(expert or "transformer")
+    loaded = experts.pop("--transformer", None)
+    if loaded is not None:
+        keys = ("text_dim", "in_channels", "out_channels")
+        if any(loaded.config[k] != first.config[k] for k in keys):
+            raise ValueError(
+                f"--transformer {str(transformer)!r} does not fit the model {source!r}: "
+                + ", ".join(f"{k} {loaded.config[k]} vs {first.config[k]}" for k in keys)
+                + "; pass the --model it was trained with (e.g. --model tiny-random)"
+            )
+        first, source = loaded, f"{source} + transformer {transformer}"
+    if lora is not None:
+        from .lora import apply_lora
 
-    tokenizer = AutoTokenizer.from_pretrained(root / "tokenizer")
-    # transformers wraps PreTrainedModel.to in functools.wraps(nn.Module.to): mypy takes it for the unbound method
-    text_encoder = UMT5EncoderModel.from_pretrained(root / "text_encoder", dtype=dtype).to(device).eval()  # type: ignore[arg-type]
-    vae = AutoencoderKLWan.from_pretrained(root / "vae", dtype=torch.float32).to(device).eval()
-    scheduler = _load_scheduler(root / "scheduler")
-    if expert == "transformer_2" and not index.transformer_2:
-        raise ValueError(
-            f"expert 'transformer_2': {str(root)!r} has one transformer (its model_index.json names no transformer_2)"
-        )
-    part = expert or "transformer"
-    transformer = load_transformer(root / part, dtype, device, folder.transformer_config(part=part))
-    transformer_2 = (
-        load_transformer(root / "transformer_2", dtype, device, folder.transformer_config(part="transformer_2"))
-        if index.transformer_2 and expert is None
-        else None
-    )
-    image_encoder, image_processor = _load_image_encoder(folder, device) if index.image_encoder else (None, None)
-    source = folder.source()
-    random_weights = folder.random_weights
+        apply_lora(first, lora, "--lora")  # merged: it then runs as without a LoRA
+        source += f" + LoRA {lora_name} ({lora.describe()})"
     return WanComponents(
         tokenizer=tokenizer,
         text_encoder=text_encoder,
         vae=vae,
         scheduler=scheduler,
-        transformer=transformer,
+        transformer=first,
         source=source,
-        random_weights=random_weights,
+        random_weights=files.random_weights,
         device=device,
         dtype=dtype,
-        defaults=folder.defaults,
-        block_shape=folder.block_shape,
-        variant_dirs=folder.variant_dirs,
-        index=index,
-        transformer_2=transformer_2,
+        defaults=dict(files.defaults),
+        block_shape=files.block_shape,
+        variant_dirs=dict(files.variant_dirs),
+        index=files.index,
+        transformer_2=experts.get("transformer_2"),
         image_encoder=image_encoder,
         image_processor=image_processor,
     )
 
 
-def _load_image_encoder(folder: ModelDir, device: torch.device) -> tuple[torch.nn.Module | None, object | None]:
+def _load_image_encoder(
+    root: Path, parts: dict[str, Any], device: torch.device
+) -> tuple[torch.nn.Module | None, object | None]:
     """Wan2.1-I2V's image encoder and processor, the ``transformers`` classes its ``model_index.json`` names
-    (CLIPVisionModel, CLIPImageProcessor); float32 like the VAE, as diffusers' Wan2.1-I2V example keeps it."""
+    (``parts``: those entries, e.g. CLIPVisionModel, CLIPImageProcessor); float32 like the VAE, as diffusers'
+    Wan2.1-I2V example keeps it. (None, None) where it names none."""
+    if not parts:
+        return None, None
     import transformers
 
     quiet_image_processors()
 
-    root, index = folder.check(), folder.index_json
     loaded: dict[str, Any] = {}
     for part in ("image_encoder", "image_processor"):
-        library, name = index.get(part) or (None, None)
+        library, name = parts.get(part) or (None, None)
         if library is None:
             loaded[part] = None
             continue

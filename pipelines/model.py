@@ -151,7 +151,8 @@ class MHLAWanTransformer3DModel(WanTransformer3DModel):  # type: ignore[misc]  #
         Existing new-parameter modules are reused, never re-initialised, so ``flash -> mhla -> flash -> mhla``
         keeps trained mixing matrices. Only ``attn1`` processors change; ``attn2`` keeps its processor.
         """
-        self._install(plan(self.conversion, len(self.blocks), variant, layers, options, allow_new_parameters))
+        conversion = plan(self.conversion, len(self.blocks), variant, layers, options, allow_new_parameters)
+        self._install(conversion)
         return self
 
     def set_variant(self, variant: str, layers: Iterable[int] | None = None) -> MHLAWanTransformer3DModel:

@@ -569,6 +569,28 @@ class ModelDir:
             self._configs[where] = saved_transformer_config(where)
         return self._configs[where]
 
+    def files(self, expert: str | None = None, seed: int = 0) -> ModelFiles:
+        """Everything :func:`pipelines.loading.load_components` needs of the model, read and checked once
+        (:meth:`check` first: a folder that is incomplete, or of a pipeline this product does not run, is named
+        before anything loads): the transformer configs of the parts to load (``expert`` alone, else every one
+        the index names), the image encoder's entries, the name (``seed``: the tiny random model's), defaults,
+        block shape and fine-tuned variants."""
+        if self.path is None:
+            if expert == "transformer_2":
+                raise ValueError("expert 'transformer_2': the tiny random model has one transformer")
+            return ModelFiles(None, ModelIndex(), {}, {}, self.source(seed), True, *self._settings)
+        root = self.check()  # once per ModelDir: a caller that checked it (the CLI) reads nothing again
+        index = self.index
+        if expert == "transformer_2" and not index.transformer_2:
+            raise ValueError(
+                f"expert 'transformer_2': {str(root)!r} has one transformer (its model_index.json names no "
+                "transformer_2)"
+            )
+        parts = [expert] if expert else ["transformer", *(["transformer_2"] if index.transformer_2 else [])]
+        configs = {part: self.transformer_config(part=part) for part in parts}
+        image = {p: self.index_json.get(p) for p in ("image_encoder", "image_processor")} if index.image_encoder else {}
+        return ModelFiles(root, index, configs, image, self.source(), self.random_weights, *self._settings)
+
     def shape(self, transformer_dir: str | Path | None = None, part: str = "transformer") -> TransformerShape:
         """The transformer's patch, layers and heads: ``transformer_dir``'s (a fine-tuned one) where it has a
         config, else the model's ``part``'s."""
@@ -585,6 +607,25 @@ class ModelDir:
             num_layers=int(require_key(config, "num_layers", file)),
             num_heads=int(require_key(config, "num_attention_heads", file)),
         )
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """A model as :func:`pipelines.loading.load_components` loads it, read and checked (:meth:`ModelDir.files`):
+    ``root`` (None: the tiny random model, built rather than read), ``index``, the ``configs`` of the transformer
+    parts to load by part (``transformer``, ``transformer_2``), ``image_parts`` (``model_index.json``'s
+    ``image_encoder`` / ``image_processor`` entries; empty without an image encoder), ``source`` (its name),
+    ``random_weights``, ``defaults``, ``block_shape`` and ``variant_dirs`` (:class:`ModelDir`'s)."""
+
+    root: Path | None
+    index: ModelIndex
+    configs: dict[str, dict[str, Any] | None]
+    image_parts: dict[str, Any]
+    source: str
+    random_weights: bool
+    defaults: dict[str, Any]
+    block_shape: tuple[int, int, int]
+    variant_dirs: dict[str, Path]
 
 
 @dataclass(frozen=True)

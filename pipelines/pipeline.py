@@ -19,7 +19,7 @@ import mhla
 from common.timing import Timing, sync
 from mhla.mixing import reuse_constrained_mixing
 
-from .attention import AttentionOptions, variant_spec
+from .attention import LAYERS_VARIANTS, AttentionOptions
 from .request import GenerationRequest, check_model_inputs
 
 if TYPE_CHECKING:
@@ -105,11 +105,11 @@ def _hybrid_layers(
 ) -> list[int] | None:
     """The MHLA layers of mhla-hybrid: ``layers`` (the request's for this expert), else the model's own split
     (from its checkpoint, kept across switches to other variants), else None (the default split)."""
-    if not variant_spec(request.variant).layers or layers is not None:
+    if request.variant not in LAYERS_VARIANTS or layers is not None:
         return layers
     conversion = transformer.conversion
-    if variant_spec(conversion.variant).layers:
-        return list(conversion.linear_layers)
+    if conversion.explicit_layers is not None:  # it runs a variant of an explicit layer list now
+        return conversion.explicit_layers
     if 0 < len(conversion.parameters["mhla"]) < len(transformer.blocks):
         return list(conversion.parameters["mhla"])
     return None
@@ -126,9 +126,10 @@ def convert_for_request(
     """Converts ``transformer`` in place to the request's variant (``layers``: mhla-hybrid's MHLA layers for
     this transformer); warns when that adds untrained parameters to a real (non-random) model. Returns the
     MHLA blocks it runs with (None for other variants)."""
+    hybrid = _hybrid_layers(transformer, request, layers)
     options, resolved = _attention_options(transformer, request, components.block_shape, overrides)
     before = transformer.conversion.parameters
-    transformer.convert(request.variant, _hybrid_layers(transformer, request, layers), options)
+    transformer.convert(request.variant, hybrid, options)
     added = {k: sorted(set(v) - set(before[k])) for k, v in transformer.conversion.parameters.items()}
     if any(added.values()) and not components.random_weights:
         where = ", ".join(f"{kind} in layers {v}" for kind, v in added.items() if v)
@@ -271,6 +272,17 @@ def generate(
     scheduler = type(components.scheduler).from_config(components.scheduler.config)
     pipe = _build_pipeline(components, scheduler, transformer, transformer_2, image=request.image is not None)
     pipe.set_progress_bar_config(disable=not show_progress, desc=f"denoising [{request.variant}]", leave=False)
+    stride = components.vae_stride
+    latent_frames = (num_frames - 1) // stride[0] + 1
+    # the latents the pipeline denoises: WanPipeline's have the transformer's input channels; an
+    # image-to-video transformer takes more (the image's latents and a mask concatenated), so there the VAE's
+    channels = components.latent_channels if request.image is not None else transformer.config.in_channels
+    shape = (1, channels, latent_frames, height // stride[1], width // stride[1])
+    # the starting latents, the first frame and the guided steps are made before the clock starts, as the
+    # pipeline is: the clock times the text encoding, the denoising and the decoding alone
+    noise = initial_noise(request.seed, shape, device)
+    image_input = {} if request.image is None else {"image": fit_image(request.image, width, height)}
+    guided = _guided_steps(scheduler, request)
     contexts = [t.attention_context for t in experts]
     for ctx in contexts:
         ctx.layouts.clear()
@@ -289,18 +301,8 @@ def generate(
     )
     sync(device)
     t_text = time.perf_counter()
-
-    stride = components.vae_stride
-    latent_frames = (num_frames - 1) // stride[0] + 1
-    # the latents the pipeline denoises: WanPipeline's have the transformer's input channels; an
-    # image-to-video transformer takes more (the image's latents and a mask concatenated), so there the VAE's
-    channels = components.latent_channels if request.image is not None else transformer.config.in_channels
-    shape = (1, channels, latent_frames, height // stride[1], width // stride[1])
-    noise = initial_noise(request.seed, shape, device)
-    image_input = {} if request.image is None else {"image": fit_image(request.image, width, height)}
     step_ends: list[float] = []
     step_starts: list[float] = []  # each step's start: the last one's end, or after ``on_step`` where it ran
-    guided = _guided_steps(scheduler, request)
 
     def embeds_for(step: int) -> torch.Tensor:
         # a guidance interval through WanPipeline's own hook: at an unguided step the "unconditional" pass gets
@@ -376,7 +378,7 @@ def generate(
     if resolved is not None:
         timing.layout = "; ".join(sorted(set().union(*(ctx.layouts for ctx in contexts)))) or "-"
         timing.num_blocks = resolved.layout.num_blocks
-    elif variant_spec(request.variant).param_kind == "linear":  # vanilla linear attention: no blocks
+    elif transformer.conversion.linear_layers:  # vanilla linear attention (no blocks) in every layer
         timing.layout = "one global summary (M=1)"
         timing.num_blocks = 1
     timing.softmax_backend = next((ctx.softmax_backend for ctx in contexts if ctx.softmax_backend), None)

@@ -16,14 +16,16 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .attention import SOFTMAX_VARIANTS
-from .memory import OFFLOAD_MODES, Offload, apply_offload, check_offload
+from .memory import OFFLOAD_MODES, Offload, apply_offload
 
 if TYPE_CHECKING:
     from .loading import WanComponents
@@ -106,10 +108,12 @@ class Scale:
             dist.destroy_process_group()
             self._group = False
 
-    def attach(self, components: WanComponents, device: torch.device) -> None:
-        """The offload hooks and VAE tiling, once, on the loaded components."""
+    def attach(self, components: WanComponents, device: torch.device) -> str:
+        """The offload hooks and VAE tiling, once, on the loaded components; returns what is on, as the model line
+        shows it (:meth:`describe`: "" when nothing is)."""
         if self.offload != "none" or self.vae_tiling:
             self._offload = apply_offload(components, self.offload, device, self.vae_tiling)
+        return self.describe()
 
     def describe(self) -> str:
         parts = [self._offload.describe()] if self._offload is not None else []
@@ -117,50 +121,51 @@ class Scale:
             parts.append(f"context parallel: {self.context_parallel} over {self.degree} processes")
         return " · ".join(p for p in parts if p)
 
-    def before_run(
+    @contextmanager
+    def running(
         self,
         components: WanComponents,
         request: GenerationRequest,
         transformer: MHLAWanTransformer3DModel,
         overrides: dict[str, Any] | None,
-    ) -> None:
-        """Before ``generate(components, request, transformer=transformer)``: converts ``transformer`` to the
-        request's variant as ``generate()`` will (which then adds nothing), under the hooks
-        (:meth:`pipelines.memory.Offload.prepare`), and enables context parallelism on it (once per transformer,
-        after its first conversion)."""
+        drop: bool = False,
+    ) -> Iterator[None]:
+        """Around ``generate(components, request, transformer=transformer)``. Before: ``transformer`` (and the
+        model's second expert) converted to the request's variant as ``generate()`` will (which then adds nothing),
+        each with its own hybrid split, under the hooks (:meth:`pipelines.memory.Offload.prepare`), and context
+        parallelism enabled on it (once per transformer, after its first conversion). After: every component back
+        on the offload device; ``drop``: ``transformer`` (a variant's own, loaded for its runs) unhooked and
+        forgotten."""
         from .pipeline import convert_for_request
 
-        # the experts this run uses, each converted as generate() will convert it (its own hybrid split), so that
-        # generate() adds nothing under the hooks
         experts: list[tuple[MHLAWanTransformer3DModel, list[int] | None, str]] = [
             (transformer, request.layers, "transformer")
         ]
         second = getattr(components, "transformer_2", None)
         if second is not None:
             experts.append((second, request.layers_2, "transformer_2"))
-        for expert, layers, name in experts:
 
-            def convert(
-                expert: MHLAWanTransformer3DModel = expert, layers: list[int] | None = layers, name: str = name
-            ) -> None:
-                convert_for_request(components, expert, request, overrides, layers, name)
+        def convert(expert: MHLAWanTransformer3DModel, layers: list[int] | None, name: str) -> None:
+            convert_for_request(components, expert, request, overrides, layers, name)
 
-            if self._offload is not None:
-                self._offload.prepare(expert, convert)
-            elif self.context_parallel:
-                convert()
-            if self.context_parallel and getattr(expert, "_parallel_config", None) is None:
-                from .context_parallel import enable_context_parallel
+        if self.context_parallel:  # (check_scale refuses it with offloading)
+            from .context_parallel import enable_context_parallel
 
-                enable_context_parallel(expert, self.context_parallel, self.degree)
-
-    def after_run(self, transformer: torch.nn.Module | None = None, drop: bool = False) -> None:
-        """After a run: every component back on the offload device; ``drop``: ``transformer`` (a variant's own,
-        loaded for this run) is unhooked and forgotten."""
-        if self._offload is not None:
-            self._offload.release()
-            if drop and transformer is not None:
-                self._offload.detach(transformer)
+            for expert, layers, name in experts:
+                convert(expert, layers, name)
+                if getattr(expert, "_parallel_config", None) is None:
+                    enable_context_parallel(expert, self.context_parallel, self.degree)
+        offload = self._offload
+        if offload is not None:
+            for expert, layers, name in experts:
+                offload.prepare(expert, partial(convert, expert, layers, name))
+        try:
+            yield
+        finally:
+            if offload is not None:
+                offload.release()
+                if drop:
+                    offload.detach(transformer)
 
 
 def check_scale(
@@ -171,10 +176,11 @@ def check_scale(
     env: Mapping[str, str] | None = None,
 ) -> Scale:
     """The checked :class:`Scale` of a command line; ValueError naming the value and what was expected (before
-    any model loads). ``env``: the process environment (``torchrun`` sets ``WORLD_SIZE``, ``RANK``,
-    ``LOCAL_RANK``)."""
+    any model loads). ``args.offload``: a mode :func:`pipelines.memory.check_offload` passed for ``device`` (the
+    CLI checks it with the other values). ``env``: the process environment (``torchrun`` sets ``WORLD_SIZE``,
+    ``RANK``, ``LOCAL_RANK``)."""
     env = os.environ if env is None else env
-    offload = check_offload(args.offload, device)
+    offload = args.offload
     scale = Scale(offload=offload, vae_tiling=bool(args.vae_tiling))
     mode = args.context_parallel
     if mode is None:

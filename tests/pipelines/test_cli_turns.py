@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import pipelines.cli as cli
+import pipelines.run as run
 from common.interleave import MAX_REPEATS, NOISY, PairedSpeedup, format_paired_comparison, speedup_text, step_speedup
 from common.timing import Timing
 from pipelines import VARIANTS
@@ -94,7 +95,7 @@ def test_pipelines_and_common_never_import_app():
 def _spy_steps(monkeypatch) -> list[tuple[str, int, bool]]:
     """Records the CLI's step callbacks (variant, steps done, finished) in the order they happen."""
     seen: list[tuple[str, int, bool]] = []
-    take_turns = cli.take_turns
+    take_turns = run.take_turns
 
     def spy(*args, on_step=None, **kwargs):
         def record(name, k, finished):
@@ -104,7 +105,7 @@ def _spy_steps(monkeypatch) -> list[tuple[str, int, bool]]:
 
         return take_turns(*args, on_step=record, **kwargs)
 
-    monkeypatch.setattr(cli, "take_turns", spy)
+    monkeypatch.setattr(run, "take_turns", spy)
     return seen
 
 
@@ -143,7 +144,7 @@ def test_variant_all_takes_turns_and_reports_intervals(tmp_path, monkeypatch, ca
 @pytest.mark.slow  # three variants x 3 steps of the tiny model
 def test_without_room_for_copies_the_variants_run_one_after_another_and_say_so(tmp_path, monkeypatch, capsys):
     seen = _spy_steps(monkeypatch)
-    monkeypatch.setattr(cli, "_free_bytes", lambda device: 0)
+    monkeypatch.setattr(run, "_free_bytes", lambda device: 0)
     argv = ["--model", "tiny-random", "--prompt", "a fox", "--variant", "flash,linear,mhla", "--steps", "3"]
     assert cli.main([*argv, "--out", str(tmp_path / "fox.mp4"), "--no-progress"]) == 0
     printed = capsys.readouterr().out

@@ -70,7 +70,7 @@ def test_a_cli_run_reads_the_model_index_once(reads, tiny_folder, tmp_path):
         + ["--out", str(tmp_path / "v.mp4"), "--no-progress"]
     )
     plan = cli._preflight(args)
-    components = cli._load(args, plan)
+    components = cli._load(plan)
     assert components.transformer is not None
     assert reads.all["model_index.json"] == 1, reads.all
     assert reads.ours["transformer/config.json"] == 1, reads.ours

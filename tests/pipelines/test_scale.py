@@ -153,11 +153,11 @@ def test_sequential_offload_holds_the_second_experts_weights_and_its_new_ones_of
         assert {p.device.type for p in expert.parameters()} == {"meta"}
     request = GenerationRequest(prompt="a red fox", variant="mhla-hybrid", layers=[1], layers_2=[0, 2])
     request = request.with_defaults(components.defaults).check((1, 2, 2), (4, 8, 8))
-    scale.before_run(components, request, components.transformer, None)
-    for expert, layers in ((components.transformer, [1]), (components.transformer_2, [0, 2])):
-        mhla = [n for n, _ in expert.named_parameters() if ".attn1.mhla." in n]
-        assert sorted({int(n.split(".")[1]) for n in mhla}) == layers
-        assert {p.device.type for p in expert.parameters()} == {"meta"}
+    with scale.running(components, request, components.transformer, None):  # converted as generate() would
+        for expert, layers in ((components.transformer, [1]), (components.transformer_2, [0, 2])):
+            mhla = [n for n, _ in expert.named_parameters() if ".attn1.mhla." in n]
+            assert sorted({int(n.split(".")[1]) for n in mhla}) == layers
+            assert {p.device.type for p in expert.parameters()} == {"meta"}
 
 
 def _generate(argv: list[str], tmp_path: Path, procs: int = 1) -> subprocess.CompletedProcess:
