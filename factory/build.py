@@ -10,16 +10,16 @@ Stages (each a plain command; ``build`` prints them as it runs them):
    tokenizer over the synthetic world's vocabulary, a small UMT5 text encoder (random and frozen: the
    transformer's cross-attention learns to read it), a small AutoencoderKLWan (z_dim 16), Wan's
    UniPC flow scheduler and a randomly initialised transformer (6 layers, 4 heads x 32, patch 1x1x1).
-2. ``vae``, ``vae-17f``: ``training/finetune.py --config configs/builtin/vae.yaml`` trains the VAE to
+2. ``vae``, ``vae-17f``: ``training/finetune.py --config factory/configs/vae.yaml`` trains the VAE to
    reconstruct short synthetic clips, ``vae-17f.yaml`` continues it on whole 17-frame clips; each
    measures the latents' per-channel mean and std and installs the VAE in the model directory with
    those statistics (the pipeline normalises latents with them).
 3. ``data``: ``training/precompute.py`` encodes the synthetic training split once (latents and text
    embeddings).
-4. ``base``: ``finetune.py --config configs/builtin/base.yaml`` trains the transformer from scratch
+4. ``base``: ``finetune.py --config factory/configs/base.yaml`` trains the transformer from scratch
    with softmax attention (flow matching).
 5. ``linear``, ``mhla``, ``mhla-hybrid``: each converts the base and fine-tunes it with the same budget
-   (``configs/builtin/<variant>.yaml``).
+   (``factory/configs/<variant>.yaml``).
 6. ``vae-decoder``: ``vae-decoder.yaml`` sharpens the VAE's decoder with its encoder frozen, so the
    latents, their statistics and every transformer trained on them stay valid.
 7. ``assemble``: copies the model directory, the trained base transformer and the three fine-tuned
@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[2]
 WORK = Path("runs/builtin")
 MODEL = WORK / "model"
 CACHE = WORK / "cache-train"
-CONFIGS = Path("configs/builtin")
+CONFIGS = Path("factory/configs")
 CONVERSIONS = tuple(v for v in VARIANTS if v != SOFTMAX)  # the variants fine-tuned from the base
 VAE_STAGES = ("vae", "vae-17f", "vae-decoder")
 STAGES = ("init", "vae", "vae-17f", "data", "base", *CONVERSIONS, "vae-decoder", "assemble")
@@ -334,7 +334,7 @@ def stale_reason(stage: str) -> str | None:
     was = OmegaConf.load(saved).model.get("transformer")
     if was != now.model.transformer:
         return (
-            f"its run was fine-tuned from {was}, configs/builtin/{stage}.yaml now starts from {now.model.transformer}"
+            f"its run was fine-tuned from {was}, factory/configs/{stage}.yaml now starts from {now.model.transformer}"
         )
     return None
 

@@ -61,7 +61,7 @@ The real run's numbers (defaults; ``--dry-run`` takes :data:`DRY`):
 - data: 65,536 clips (1.6 ms each to render on one core: ~7 s on 15 workers; 4.7 GFLOP each to encode: 305
   TFLOP, ~10 s at ~30 TFLOP/s of TF32 convolutions) and 131,072 stills (0.3 ms, 0.7 GFLOP); 6.7 + 2.7 GB of
   float32 latents on the device. The earlier base saw 8,192 clips; here each clip is drawn ~15 times.
-- base: batch 256 clips + 1,024 stills (``--image-ratio`` 4, as ``configs/builtin/v3/joint.yaml``), lr 1e-3
+- base: batch 256 clips + 1,024 stills (``--image-ratio`` 4, as ``factory/configs/v3/joint.yaml``), lr 1e-3
   (joint.yaml's 5e-4 at 32 clips, scaled by the square root of the 8x batch and rounded down), 200 warm-up
   steps, cosine to 0.1x, EMA 0.999 (averages the last ~1,000 steps), at most 12,000 steps.
 - conversions: 256 clips a step, no stills, lr 5e-4 (the conversion configs' 3e-4 at 32 clips, scaled less: they

@@ -1,7 +1,7 @@
 """The built-in model's next design, staged so that a fresh machine resumes from the repository.
 
     python -m factory.next init                 # runs/builtin-v2/model from assets/builtin + assets/builtin-next
-    nice -n 5 python -m training.finetune --config configs/builtin/v2/vae.yaml     # a stage (see its header)
+    nice -n 5 python -m training.finetune --config factory/configs/v2/vae.yaml     # a stage (see its header)
     python -m factory.next save vae             # its weights -> assets/builtin-next/vae (model weights only)
     python -m factory.next save-checkpoint runs/builtin-v2/base/checkpoints/step-XXXXXXX   # raw + EMA transformer
     python -m factory.next save-variant mhla runs/builtin-v2/mhla/checkpoints/step-XXXXXXX  # a conversion, float16

@@ -1,7 +1,7 @@
 """The built-in model's third design: a 4x VAE, a larger object, a context-free text encoder, patch 2x2.
 
     python -m factory.v3 init                        # runs/builtin-v3/model, from assets/builtin-next/v3 where it has parts
-    nohup nice -n 5 env OMP_NUM_THREADS=1 python -m training.finetune --config configs/builtin/v3/vae.yaml > runs/builtin-v3/vae.log 2>&1 &
+    nohup nice -n 5 env OMP_NUM_THREADS=1 python -m training.finetune --config factory/configs/v3/vae.yaml > runs/builtin-v3/vae.log 2>&1 &
     python -m factory.v3 gate runs/builtin-v3/vae/checkpoints/<latest>/vae   # the VAE gate: before any transformer
     python -m factory.v3 save-vae runs/builtin-v3/vae/checkpoints/<latest>   # -> assets/builtin-next/v3/vae
     python -m factory.v3 attention --transformer DIR   # the cross-attention's share on each caption word
@@ -134,7 +134,7 @@ def ship(next_dir: Path = NEXT, out: Path = BUILTIN_DIR, evaluation: Path | None
             shipped=time.strftime("%Y-%m-%d"),
             parts=laid,
             evaluation=None if evaluation is None else str(evaluation),
-            rebuild="python -m factory.v3 ship (from assets/builtin-next/v3; see configs/builtin/v3/)",
+            rebuild="python -m factory.v3 ship (from assets/builtin-next/v3; see factory/configs/v3/)",
         )
         (tmp / "builtin.json").write_text(dump_json(info))
         for path in tmp.rglob("*"):
@@ -231,7 +231,7 @@ def _lay_out(
         "transformer": {**TRANSFORMER_V3, "patch_size": list(TRANSFORMER_V3["patch_size"])},
         "vae": VAE_V3,
         "text_encoder": {**TEXT_ENCODER, "trained": False, "context_free": True, "tokenizer": "word-level"},
-        "rebuild": "python -m factory.v3 init (see configs/builtin/v3/)",
+        "rebuild": "python -m factory.v3 init (see factory/configs/v3/)",
     }
     (tmp / "builtin.json").write_text(dump_json(info))
 
@@ -438,7 +438,7 @@ def retime_vae(vae_dir: Path, temperal_downsample: list[bool], out: Path, model:
     """A copy of the model folder ``model`` at ``out`` whose VAE is ``vae_dir``'s with other temporal strides
     (``temperal_downsample``, one flag per downsampling), every layer's weights kept but the time convolutions a
     stride no longer has (returned: their names). The spatial layers, channels and latent statistics stay, so a
-    VAE run continues from there (``configs/builtin/v3/vae5.yaml``); builtin.json's ``vae`` says the new strides.
+    VAE run continues from there (``factory/configs/v3/vae5.yaml``); builtin.json's ``vae`` says the new strides.
     Written through :func:`common.outputs.atomic_dir`: a failure leaves ``out`` as it was."""
     from diffusers import AutoencoderKLWan
     from safetensors.torch import load_file

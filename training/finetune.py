@@ -14,7 +14,7 @@ whatever ``checkpoint.every`` says (a LoRA run also its adapters in diffusers' f
 ``WanPipeline.load_lora_weights``, ``pipelines.cli --lora``, ``model.lora``); ``resume=latest`` on a finished
 run says so and exits.
 A config with ``task: vae`` trains the model directory's VAE instead (:mod:`training.vae`; the
-built-in model's first stage, ``configs/builtin/vae.yaml``).
+built-in model's first stage, ``factory/configs/vae.yaml``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Training the Wan2.1 VAE (``AutoencoderKLWan``) to reconstruct videos (configs with ``task: vae``).
 
-    python -m training.vae --config configs/builtin/vae.yaml
-    python -m training.finetune --config configs/builtin/vae.yaml   # the same: finetune.py hands task: vae on
+    python -m training.vae --config factory/configs/vae.yaml
+    python -m training.finetune --config factory/configs/vae.yaml   # the same: finetune.py hands task: vae on
 
 The VAE of ``model.path`` is trained on random ``vae.crop`` x ``vae.crop`` crops of the configured
 clips (it is fully convolutional and causal in time, so it then encodes whole, longer clips): L1 + MSE
@@ -311,7 +311,7 @@ def vae_runs(trained_json: Path) -> dict[str, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m training.vae --config configs/builtin/vae.yaml [key=value ...]``: trains ``model.path``'s VAE
+    """``python -m training.vae --config factory/configs/vae.yaml [key=value ...]``: trains ``model.path``'s VAE
     (behind the error boundary of :func:`common.errors.run_cli`; the run folder is locked for the run)."""
     from common.errors import run_cli
 
@@ -325,7 +325,7 @@ def _main(argv: list[str] | None) -> int:
     from training.lock import hold_run_dir
 
     p = argparse.ArgumentParser(prog="python -m training.vae", description=main.__doc__)
-    p.add_argument("--config", required=True, help="a YAML file with task: vae (configs/builtin/vae*.yaml)")
+    p.add_argument("--config", required=True, help="a YAML file with task: vae (factory/configs/vae*.yaml)")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.steps=10 resume=latest")
     args = p.parse_args(argv)
     cfg = load_config(args.config, [*args.overrides, "task=vae"])

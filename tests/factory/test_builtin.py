@@ -55,7 +55,7 @@ def test_vae_task_trains_installs_with_statistics_and_resumes(fresh_model_dir, t
     export = tmp_path / "installed_vae"
     args = [
         "--config",
-        "configs/builtin/vae.yaml",
+        "factory/configs/vae.yaml",
         f"run_dir={run}",
         f"model.path={fresh_model_dir}",
         f"vae.export={export}",
@@ -107,7 +107,7 @@ def test_vae_decoder_task_keeps_the_encoder_and_latent_statistics(fresh_model_di
     export = tmp_path / "installed"
     args = [
         "--config",
-        "configs/builtin/vae-decoder.yaml",
+        "factory/configs/vae-decoder.yaml",
         f"run_dir={tmp_path / 'dec'}",
         f"model.path={model}",
         f"vae.export={export}",
@@ -157,7 +157,7 @@ def test_build_runs_the_decoder_stage_after_the_vae_stages(fresh_model_dir, tmp_
     configs = tmp_path / "configs"
     configs.mkdir()
     for stage in builtin.VAE_STAGES:  # runs/builtin/model is a build product, absent on a clean clone
-        cfg = load_config(f"configs/builtin/{stage}.yaml", [f"model.path={fresh_model_dir}"])
+        cfg = load_config(f"factory/configs/{stage}.yaml", [f"model.path={fresh_model_dir}"])
         (configs / f"{stage}.yaml").write_text(OmegaConf.to_yaml(cfg))
     monkeypatch.setattr(builtin, "CONFIGS", configs)
     monkeypatch.setattr(builtin, "MODEL", tmp_path)
@@ -250,13 +250,13 @@ def test_init_vae_with_more_latent_channels_gives_the_transformer_as_many(fresh_
 def test_vae_task_needs_a_model_dir(capsys):
     from training.finetune import main
 
-    assert main(["--config", "configs/builtin/vae.yaml", "model.path=null"]) == 2
+    assert main(["--config", "factory/configs/vae.yaml", "model.path=null"]) == 2
     assert "model.path=None: expected a model directory whose vae/ to train" in capsys.readouterr().err
-    assert main(["--config", "configs/builtin/vae.yaml", "task=gan"]) == 2
+    assert main(["--config", "factory/configs/vae.yaml", "task=gan"]) == 2
     assert "task='gan': expected one of" in capsys.readouterr().err
-    assert main(["--config", "configs/builtin/vae-decoder.yaml", "vae.trainable=encoder"]) == 2
+    assert main(["--config", "factory/configs/vae-decoder.yaml", "vae.trainable=encoder"]) == 2
     assert "vae.trainable='encoder': expected one of ('all', 'decoder')" in capsys.readouterr().err
-    assert main(["--config", "configs/builtin/vae.yaml", "train.precision=fp16"]) == 2
+    assert main(["--config", "factory/configs/vae.yaml", "train.precision=fp16"]) == 2
     assert "train.precision='fp16': expected 'no' or 'bf16' for task=vae" in capsys.readouterr().err
 
 
@@ -594,14 +594,14 @@ def test_evaluate_refuses_random_weights(capsys):
 
 
 def test_every_builtin_config_loads(tmp_path):
-    """Every recipe under configs/builtin/ (shipped stages, pilots, the next runs) parses and validates: a
+    """Every recipe under factory/configs/ (shipped stages, pilots, the next runs) parses and validates: a
     misspelt key or a bad value fails here, not an hour into a background run. Only the folders they
     read (build products, absent on a clean clone) are pointed at an existing one."""
     from omegaconf import OmegaConf
 
     from training.config import load_config
 
-    root = Path(__file__).resolve().parents[2] / "configs" / "builtin"
+    root = Path(__file__).resolve().parents[2] / "factory" / "configs"
     paths = sorted(root.rglob("*.yaml"))
     assert len(paths) >= 9 and {"base.yaml", "vae.yaml", "mhla.yaml"} <= {p.name for p in paths}
     for path in paths:

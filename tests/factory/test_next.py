@@ -103,13 +103,13 @@ def test_the_second_designs_configs_are_valid(tmp_path):
     cache = tmp_path / "cache"
     cache.mkdir()
     for name, extra in (("vae", []), ("base", [f"data.path={cache}"]), ("base2", [f"data.path={cache}"])):
-        cfg = load_config(f"configs/builtin/v2/{name}.yaml", [f"model.path={model}", *extra])
+        cfg = load_config(f"factory/configs/v2/{name}.yaml", [f"model.path={model}", *extra])
         assert cfg.data.world == "v2"
-    assert load_config("configs/builtin/v2/base.yaml", [f"model.path={model}", f"data.path={cache}"]).train.ema_decay
+    assert load_config("factory/configs/v2/base.yaml", [f"model.path={model}", f"data.path={cache}"]).train.ema_decay
     with pytest.raises(ValueError, match="data.world"):
-        load_config("configs/builtin/v2/vae.yaml", [f"model.path={model}", "data.world=v7"])
+        load_config("factory/configs/v2/vae.yaml", [f"model.path={model}", "data.world=v7"])
     with pytest.raises(ValueError, match="default_background"):
-        load_config("configs/builtin/v2/vae.yaml", [f"model.path={model}", "data.default_background=striped"])
+        load_config("factory/configs/v2/vae.yaml", [f"model.path={model}", "data.default_background=striped"])
 
 
 def test_save_checkpoint_keeps_the_raw_weights_and_the_emas(tmp_path):

@@ -388,7 +388,7 @@ def test_builtin_build_restarts_a_conversion_whose_source_changed(tmp_path, monk
     run = tmp_path / "runs" / "mhla"
     # the data cache is a build product (runs/builtin/cache-train), absent on a clean clone
     overrides = [f"run_dir={run}", "model.path=null", "data.path=null", "data.source=synthetic"]
-    cfg = load_config(ROOT / "configs" / "builtin" / "mhla.yaml", overrides)
+    cfg = load_config(ROOT / "factory" / "configs" / "mhla.yaml", overrides)
     from training.config import config_yaml
 
     (configs / "mhla.yaml").write_text(config_yaml(cfg))
