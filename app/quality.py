@@ -1,7 +1,7 @@
 """Quality beside speed: each variant's video against the flash video of the same prompt and seed.
 
 PSNR and SSIM are the measures sparse- and linear-attention papers report against the dense output.
-Both are written out plainly here (numpy and torch convolutions) so a test can check them against
+Both are written out plainly here (numpy, shifted weighted sums) so a test can check them against
 values computed by hand. A model that has an analyser of its videos (the built-in model) hands it to the
 app as ``AppModels.judge`` (see ``run_app.py``); ``app/`` itself never imports the analyser.
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import torch
 
 # Wang et al. 2004: 11x11 Gaussian window, sigma 1.5, K1 = 0.01, K2 = 0.03, for data in [0, 1]
 SSIM_WINDOW = 11
@@ -67,13 +66,18 @@ def psnr(video, reference) -> float:
 
 
 def _luma(frames: np.ndarray) -> np.ndarray:
-    """ITU-R BT.601 luma, as SSIM is usually reported on colour video: ``(T, H, W)``."""
-    return frames @ np.array([0.299, 0.587, 0.114])
+    """ITU-R BT.601 luma, as SSIM is usually reported on colour video: ``(T, H, W)`` float32 in [0, 1] for
+    ``(T, H, W, 3)`` frames (uint8, or floats in [0, 1]). A weighted sum of the channels, not a matrix product:
+    BLAS would split it over threads (see :func:`ssim`)."""
+    f = frames.astype(np.float32)
+    if frames.dtype == np.uint8:
+        f /= np.float32(255.0)
+    return np.float32(0.299) * f[..., 0] + np.float32(0.587) * f[..., 1] + np.float32(0.114) * f[..., 2]
 
 
-def _gaussian(size: int, sigma: float) -> torch.Tensor:
-    x = torch.arange(size, dtype=torch.float64) - (size - 1) / 2
-    g = torch.exp(-(x**2) / (2 * sigma**2))
+def _gaussian(size: int, sigma: float) -> np.ndarray:
+    x = np.arange(size, dtype=np.float64) - (size - 1) / 2
+    g = np.exp(-(x**2) / (2 * sigma**2))
     return g / g.sum()
 
 
@@ -83,13 +87,18 @@ def ssim(video, reference) -> float:
 
     The 2D Gaussian window is the outer product of a 1D one, so each blur is two 1D passes of shifted,
     weighted sums (22 taps instead of 121, no im2col copy), in float32 over a few frames at a time: about 7x
-    faster than a float64 convolution on a CPU, and within ~1e-6 of it (SSIM is shown to 3 decimals)."""
+    faster than a float64 convolution on a CPU, and within ~1e-6 of it (SSIM is shown to 3 decimals).
+
+    In numpy, on the calling thread: it is ~110 small element-wise passes, and a thread pool (torch's, as it
+    was) synchronises its threads after each one; on a 2-core CPU shared with other work every pass then
+    waits for a thread the scheduler has parked, and one SSIM at 17x128x160 took 1.9-2.8 s at load 5 against
+    0.01 s on one thread (the app's tails, and so its time-left estimate, swung with the machine's load)."""
     x, y = _check_pair(video, reference)
     size = min(SSIM_WINDOW, *x.shape[1:3])
     size -= 1 - size % 2  # odd
-    g = [float(w) for w in _gaussian(size, SSIM_SIGMA)]
+    g = [np.float32(w) for w in _gaussian(size, SSIM_SIGMA)]
 
-    def blur(t: torch.Tensor) -> torch.Tensor:  # (t, H, W) -> (t, H - size + 1, W - size + 1)
+    def blur(t: np.ndarray) -> np.ndarray:  # (t, H, W) -> (t, H - size + 1, W - size + 1)
         h, w = t.shape[1] - size + 1, t.shape[2] - size + 1
         r = g[0] * t[:, :h]
         for k in range(1, size):
@@ -101,8 +110,7 @@ def ssim(video, reference) -> float:
 
     total = 0.0
     for start, stop in _chunks(x):
-        a = torch.from_numpy(_luma(_as_float(x[start:stop]))).float()  # (t, H, W)
-        b = torch.from_numpy(_luma(_as_float(y[start:stop]))).float()
+        a, b = _luma(x[start:stop]), _luma(y[start:stop])  # (t, H, W) float32
         mu_a, mu_b = blur(a), blur(b)
         var_a = blur(a * a) - mu_a**2
         var_b = blur(b * b) - mu_b**2
@@ -110,7 +118,8 @@ def ssim(video, reference) -> float:
         s = ((2 * mu_a * mu_b + SSIM_C1) * (2 * cov + SSIM_C2)) / (
             (mu_a**2 + mu_b**2 + SSIM_C1) * (var_a + var_b + SSIM_C2)
         )
-        total += float(s.double().mean(dim=(1, 2)).sum())  # per-frame means (every frame has as many positions)
+        # per-frame means (every frame has as many positions)
+        total += float(s.astype(np.float64).mean(axis=(1, 2)).sum())
     return total / len(x)
 
 

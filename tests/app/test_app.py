@@ -287,6 +287,37 @@ def test_psnr_and_ssim_against_hand_computed_values():
         quality.psnr(a, a[:1])
 
 
+def test_ssim_against_a_plain_float64_two_dimensional_window():
+    """The shipped SSIM (float32 separable passes in numpy) against Wang et al.'s formula written out here:
+    float64 luma, the 11x11 Gaussian window as a 2D array, every valid position's weighted sums."""
+    rng = np.random.default_rng(1)
+    video = rng.integers(0, 256, (3, 20, 24, 3), dtype=np.uint8)
+    reference = np.clip(video.astype(int) + rng.integers(-40, 41, video.shape), 0, 255).astype(np.uint8)
+
+    def plain(x, y):
+        x = x.astype(np.float64) / 255 @ np.array([0.299, 0.587, 0.114])
+        y = y.astype(np.float64) / 255 @ np.array([0.299, 0.587, 0.114])
+        t = np.arange(11) - 5.0
+        g1 = np.exp(-(t**2) / (2 * 1.5**2))
+        w = np.outer(g1, g1) / np.outer(g1, g1).sum()
+        win = np.lib.stride_tricks.sliding_window_view
+
+        def blur(a):  # (T, H, W) -> (T, H - 10, W - 10)
+            return np.einsum("thwij,ij->thw", win(a, (11, 11), axis=(1, 2)), w)
+
+        mx, my = blur(x), blur(y)
+        vx, vy, cxy = blur(x * x) - mx**2, blur(y * y) - my**2, blur(x * y) - mx * my
+        c1, c2 = 0.01**2, 0.03**2
+        s = ((2 * mx * my + c1) * (2 * cxy + c2)) / ((mx**2 + my**2 + c1) * (vx + vy + c2))
+        return s.mean(axis=(1, 2)).mean()
+
+    want = plain(video, reference)
+    assert 0.2 < want < 0.95  # a real difference, not a trivial 1 or 0
+    assert quality.ssim(video, reference) == pytest.approx(want, rel=1e-5)
+    floats = video.astype(np.float32) / 255  # float frames in [0, 1] read as they are
+    assert quality.ssim(floats, reference.astype(np.float32) / 255) == pytest.approx(want, rel=1e-5)
+
+
 @pytest.mark.slow  # generates every variant
 def test_compare_asks_the_models_judge_about_each_video(models, tmp_path):
     calls = []
