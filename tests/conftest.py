@@ -2,8 +2,13 @@ import os
 import signal
 import threading
 
-import pytest
-import torch
+# pytest-xdist's workers (.ci/run runs the slow tier in two on a 2-core CPU) share the cores: one thread each, set
+# before torch is imported (their subprocesses inherit it), instead of two threads each spinning against the other's
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Without a GPU the Triton kernels run in Triton's interpreter (on the CPU); it must be chosen
 # before the kernels are defined, i.e. before mhla.triton_ops is first imported.

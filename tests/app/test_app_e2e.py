@@ -21,7 +21,8 @@ import pytest
 from common.video import read_video
 from pipelines.model_dir import BUILTIN_DIR, builtin_available
 
-pytestmark = pytest.mark.slow  # drives a browser against a launched app
+# drives a browser against a launched app: alone (serial), so that its waits for the page meet no other test's load
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALLEST = "5x32x48"

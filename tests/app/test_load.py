@@ -188,6 +188,7 @@ LOADS = {
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # its figures are the machine's throughput under this load alone
 @pytest.mark.timeout(1500)
 @pytest.mark.parametrize("name", list(LOADS))
 def test_concurrent_clients_are_each_served_their_own_result_or_told_their_place(name, tmp_path, capfd):

@@ -45,54 +45,89 @@ def _dense(q, k, v, mixing, normalize, rope):
     return torch.cat(heads, dim=2)
 
 
-def _worker(rank: int, world: int, init_file: str, normalize: bool, rope: bool, per_head: bool, out: dict):
+def _case(rank: int, world: int, normalize: bool, rope: bool, per_head: bool) -> dict[str, float]:
+    """This process's share of the sequence split ``world`` ways; rank 0 returns the errors against the reference."""
+    out: dict[str, float] = {}
+    torch.manual_seed(0)  # the same whole-sequence inputs on every process
+    n, h, d = math.prod(GRID), 2, 8
+    q, k, v = (torch.randn(1, n, h, d, dtype=torch.float64) for _ in range(3))
+    m = math.prod(BLOCKS)
+    mixing = constrain(torch.rand(h, m, m) if per_head else torch.rand(m, m)).double()
+    tables = _rope(n, d) if rope else None
+    start, stop = shard_bounds(n, world, rank)
+    local = [x[:, start:stop].clone().requires_grad_(True) for x in (q, k, v)]
+    mix = mixing.clone().requires_grad_(True)
+    rot = None if tables is None else tuple(t[:, start:stop] for t in tables)
+    got = mhla_attention_sharded(
+        *local, BlockLayout(GRID, BLOCKS), mix, start, normalize=normalize, rotary_emb=rot, eps=1e-6
+    )
+    # the loss of the whole output, as a sum of every process's share
+    weights = torch.randn(1, n, h, d, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    (got * weights[:, start:stop]).sum().backward()
+    dist.all_reduce(mix.grad)  # every process's queries' share of the mixing gradient
+    grads = [torch.zeros_like(x) for x in (q, k, v)]
+    for g, x in zip(grads, local):
+        g[:, start:stop] = x.grad
+        dist.all_reduce(g)
+    if rank == 0:
+        whole = [x.clone().requires_grad_(True) for x in (q, k, v)]
+        mix_ref = mixing.clone().requires_grad_(True)
+        ref = _dense(*whole, mix_ref, normalize, tables)
+        (ref * weights).sum().backward()
+        out["forward"] = (got.detach() - ref.detach()[:, start:stop]).abs().max().item()
+        out["grads"] = max((g - x.grad).abs().max().item() for g, x in zip(grads, whole))
+        out["mixing"] = (mix.grad - mix_ref.grad).abs().max().item()
+    # every process checks its own slice of the forward pass
+    ref_all = _dense(q, k, v, mixing, normalize, tables)
+    assert torch.allclose(got.detach(), ref_all[:, start:stop], atol=1e-9), rank
+    return out
+
+
+def _worker(rank: int, world: int, init_file: str, cases: list[tuple[bool, bool, bool]], out: dict):
+    """One process of a group that runs every case of its size, one after another (each case seeds itself)."""
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        torch.manual_seed(0)  # the same whole-sequence inputs on every process
-        n, h, d = math.prod(GRID), 2, 8
-        q, k, v = (torch.randn(1, n, h, d, dtype=torch.float64) for _ in range(3))
-        m = math.prod(BLOCKS)
-        mixing = constrain(torch.rand(h, m, m) if per_head else torch.rand(m, m)).double()
-        tables = _rope(n, d) if rope else None
-        start, stop = shard_bounds(n, world, rank)
-        local = [x[:, start:stop].clone().requires_grad_(True) for x in (q, k, v)]
-        mix = mixing.clone().requires_grad_(True)
-        rot = None if tables is None else tuple(t[:, start:stop] for t in tables)
-        got = mhla_attention_sharded(
-            *local, BlockLayout(GRID, BLOCKS), mix, start, normalize=normalize, rotary_emb=rot, eps=1e-6
-        )
-        # the loss of the whole output, as a sum of every process's share
-        weights = torch.randn(1, n, h, d, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-        (got * weights[:, start:stop]).sum().backward()
-        dist.all_reduce(mix.grad)  # every process's queries' share of the mixing gradient
-        grads = [torch.zeros_like(x) for x in (q, k, v)]
-        for g, x in zip(grads, local):
-            g[:, start:stop] = x.grad
-            dist.all_reduce(g)
-        if rank == 0:
-            whole = [x.clone().requires_grad_(True) for x in (q, k, v)]
-            mix_ref = mixing.clone().requires_grad_(True)
-            ref = _dense(*whole, mix_ref, normalize, tables)
-            (ref * weights).sum().backward()
-            out["forward"] = (got.detach() - ref.detach()[:, start:stop]).abs().max().item()
-            out["grads"] = max((g - x.grad).abs().max().item() for g, x in zip(grads, whole))
-            out["mixing"] = (mix.grad - mix_ref.grad).abs().max().item()
-        # every process checks its own slice of the forward pass
-        ref_all = _dense(q, k, v, mixing, normalize, tables)
-        assert torch.allclose(got.detach(), ref_all[:, start:stop], atol=1e-9), rank
+        for case in cases:
+            got = _case(rank, world, *case)
+            if rank == 0:
+                out[case] = got
     finally:
         dist.destroy_process_group()
     exit_process(0)  # a finished worker: gloo may abort the interpreter's teardown
 
 
+CASES = [(2, True, False, False), (4, False, True, True), (4, True, True, False), (3, True, False, True)]
+
+
+@pytest.fixture(scope="module")
+def groups(tmp_path_factory):
+    """``groups(world)``: every case of that many processes, run in one group spawned once for the module (a
+    spawned process imports torch again: seconds on a 2-core CPU, more than a case's own work). Returns
+    ``{(normalize, rope, per_head): errors}``; a group that failed fails each of its tests with its error."""
+    done: dict[int, dict | BaseException] = {}
+
+    def run(world: int) -> dict:
+        if world not in done:
+            cases = [tuple(case[1:]) for case in CASES if case[0] == world]
+            out = mp.Manager().dict()
+            init = tmp_path_factory.mktemp(f"group{world}") / "init"
+            try:
+                mp.spawn(_worker, args=(world, str(init), cases, out), nprocs=world, join=True)
+                done[world] = dict(out)
+            except Exception as e:  # kept: the group's other tests fail with it too, not spawned again
+                done[world] = e
+        result = done[world]
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    return run
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "world,normalize,rope,per_head",
-    [(2, True, False, False), (4, False, True, True), (4, True, True, False), (3, True, False, True)],
-)
-def test_sharded_mhla_equals_the_whole_sequence(tmp_path, world, normalize, rope, per_head):
-    out = mp.Manager().dict()
-    mp.spawn(_worker, args=(world, str(tmp_path / "init"), normalize, rope, per_head, out), nprocs=world, join=True)
+@pytest.mark.parametrize("world,normalize,rope,per_head", CASES)
+def test_sharded_mhla_equals_the_whole_sequence(groups, world, normalize, rope, per_head):
+    out = groups(world)[(normalize, rope, per_head)]
     assert out["forward"] < 1e-9
     assert out["grads"] < 1e-9
     assert out["mixing"] < 1e-9

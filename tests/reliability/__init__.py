@@ -5,8 +5,10 @@ fails or writes short, a corrupt input, an input refused at the app's door, load
 in their own modules; ``tests/conftest.py`` gives each the marker ``reliability`` (``pytest -m reliability`` selects
 them) and prints the table at the end of any session that ran some of them. They run in both tiers as marked:
 
-- ``python -m pytest -m slow`` (``.ci/run``) runs the slow ones, and ``tests/reliability/test_suite.py`` (slow) runs
-  the fast ones as one suite in a subprocess: the end of that session's output is the table of all of them;
+- ``python -m pytest -m slow`` runs the slow ones, and ``tests/reliability/test_suite.py`` (slow) runs the fast ones
+  as one suite in a subprocess: the end of that session's output is the table of all of them (``.ci/run`` runs the
+  slow tier as two sessions, ``-m "slow and not serial"`` in two processes, then the load and soak probes alone,
+  ``-m "slow and serial"``: each ends with the table of its own);
 - ``python -m tests.reliability [--tier fast|slow|all] [--markdown PATH]`` runs them alone and prints the table
   (exit 0 only when every probe passed or was skipped with its reason, and none is missing).
 
@@ -22,6 +24,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT_ENV = "MHLA_RELIABILITY_OUT"  # set by the runner: the session writes its rows (JSON) there, missing ones too
+# the soak's length (tests/app/test_soak.py): the runner soaks FULL_SOAK requests; pytest -m slow (CI) a shorter soak
+# that makes the same checks against scaled caps, unless this is set
+SOAK_ENV = "MHLA_SOAK_REQUESTS"
+FULL_SOAK = 100
 
 PROBES: dict[str, list[str]] = {
     "full disk": [
@@ -95,6 +101,9 @@ PROBES: dict[str, list[str]] = {
 
 _KIND = {nodeid: kind for kind, ids in PROBES.items() for nodeid in ids}
 SUITE_ROWS: list[dict] = []  # the fast probes' rows, run as one suite by tests/reliability/test_suite.py
+# test_suite.py hands its rows to the session as this user property of its report: the report reaches the process that
+# prints the table also when the test ran in one of pytest-xdist's workers (.ci/run's slow tier runs in two)
+SUITE_PROPERTY = "reliability suite rows"
 
 
 def probe_of(nodeid: str) -> str | None:
@@ -120,6 +129,9 @@ class Recorder:
         self.collected.add(item.nodeid.split("[", 1)[0])
 
     def pytest_runtest_logreport(self, report):
+        for name, rows in getattr(report, "user_properties", ()):
+            if name == SUITE_PROPERTY and report.when == "call":
+                SUITE_ROWS.extend(rows)
         kind = probe_of(report.nodeid)
         if kind is None:
             return

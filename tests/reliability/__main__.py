@@ -2,6 +2,7 @@
 suite, and their table. Exit 0 only when every probe passed or was skipped with its reason and none is missing.
 
     python -m tests.reliability                    # every probe (the slow ones too: tens of minutes on a 2-core CPU)
+                                                   # (the soak: 100 requests; MHLA_SOAK_REQUESTS=N for another)
     python -m tests.reliability --tier fast        # the fast ones (what tests/reliability/test_suite.py runs)
     python -m tests.reliability --markdown benchmarks/results/reliability.md -- -x   # pytest's options after --
 """
@@ -28,10 +29,11 @@ def main(argv: list[str] | None = None) -> int:
 
     import pytest
 
-    from tests.reliability import OUT_ENV, ROOT, files, ok, table
+    from tests.reliability import FULL_SOAK, OUT_ENV, ROOT, SOAK_ENV, files, ok, table
 
     out = args.json or Path(tempfile.mkstemp(prefix="reliability-", suffix=".json")[1])
     os.environ[OUT_ENV] = str(out)
+    os.environ.setdefault(SOAK_ENV, str(FULL_SOAK))  # the full soak here (pytest -m slow runs a shorter one)
     present = [f for f in files() if (ROOT / f).is_file()]
     os.chdir(ROOT)
     code = pytest.main([*present, "-m", TIERS[args.tier], "-p", "no:cacheprovider", "-q", *args.pytest_args])

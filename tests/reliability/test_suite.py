@@ -10,12 +10,12 @@ import sys
 
 import pytest
 
-from tests.reliability import PROBES, ROOT, SUITE_ROWS, ok, table
+from tests.reliability import PROBES, ROOT, SUITE_PROPERTY, ok, table
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_the_fast_probes_pass_as_one_suite(tmp_path):
+def test_the_fast_probes_pass_as_one_suite(tmp_path, record_property):
     out = tmp_path / "rows.json"
     done = subprocess.run(
         [sys.executable, "-m", "tests.reliability", "--tier", "fast", "--json", str(out)],
@@ -25,7 +25,7 @@ def test_the_fast_probes_pass_as_one_suite(tmp_path):
         timeout=1700,
     )
     rows = json.loads(out.read_text()) if out.is_file() else []
-    SUITE_ROWS.extend(rows)
+    record_property(SUITE_PROPERTY, rows)  # into the session's table (tests/reliability: Recorder), xdist or not
     print(table(rows))
     assert rows, done.stdout[-3000:] + done.stderr[-3000:]
     assert [r for r in rows if not ok(r)] == [], table(rows)
