@@ -26,7 +26,7 @@ import gradio as gr
 from pipelines import VARIANTS
 
 from . import compare, inputs, preview
-from .interleave import Countdown, RunEstimate
+from .interleave import Countdown, RunEstimate, SizeCost
 from .models import AppModels, ModelFacts
 from .page import PageSource, gpu_panel
 
@@ -129,22 +129,27 @@ class _Runs:
 
 
 class _DecodeClock:
-    """Seconds per pixel (frames x height x width) of a stage after a variant's steps on this server (a variant's tail:
-    decode, video writing and checks; or the run's end): the warm-up's VAE decode first, then each finished run's
-    measure (what a run has still to do after its steps)."""
+    """The seconds of a stage after a variant's steps on this server (a variant's tail: decode, video writing and
+    checks; or the run's end) by size (pixels: frames x height x width): the warm-up's decodes first (at two sizes,
+    :func:`app.compare.warm_up`), then each finished run's measure (what a run has still to do after its steps). A
+    size not measured takes a fixed part and a part per pixel from the sizes that were
+    (:class:`app.interleave.SizeCost`)."""
 
     def __init__(self):
-        self._rate: float | None = None
+        self._cost = SizeCost()
         self._steps: tuple[float, float, int] | None = None  # (the stage in denoising steps, in seconds, at pixels)
         self._lock = threading.Lock()
 
-    def add(self, seconds: float, pixels: int, step_seconds: float | None = None) -> None:
-        """A stage of ``seconds`` at ``pixels``; with ``step_seconds`` (the same run's denoising step) also as a
-        number of steps: a busier machine slows both alike, so that count carries to the next run where seconds do
-        not (two requests 15.5 s and 11.1 s apart, the first's tails said +44% for the second's)."""
+    def add(self, seconds: float, pixels: int, step_seconds: float | None = None, guess: bool = False) -> None:
+        """A stage of ``seconds`` at ``pixels`` (``guess``: the warm-up's, which a run's measure replaces); with
+        ``step_seconds`` (the same run's denoising step) also as a number of steps: a busier machine slows both
+        alike, so that count carries to the next run where seconds do not (two requests 15.5 s and 11.1 s apart, the
+        first's tails said +44% for the second's)."""
         if seconds > 0 and pixels > 0:
             with self._lock:
-                self._rate = seconds / pixels
+                self._cost.add(seconds, pixels, guess=guess)
+                if guess:
+                    return
                 if not step_seconds or step_seconds <= 0:
                     self._steps = None
                     return
@@ -152,6 +157,12 @@ class _DecodeClock:
                 if self._steps is not None and self._steps[2] == pixels:  # one run is one sample: averaged
                     steps, seconds = (steps + self._steps[0]) / 2, (seconds + self._steps[1]) / 2
                 self._steps = (steps, seconds, pixels)
+
+    @property
+    def empty(self) -> bool:
+        """Nothing measured yet (not even the warm-up's decodes)."""
+        with self._lock:
+            return not self._cost
 
     def in_steps(self, pixels: int) -> bool:
         """Whether the last stage at ``pixels`` is known as a number of steps (a run's, not the warm-up's)."""
@@ -164,11 +175,12 @@ class _DecodeClock:
         there. Steps alone follow a busier machine but also carry a step that is slower for other reasons (another
         process's burst, other variants chosen) into the decode, which it does not slow: on this CPU under a varying
         load one run's tails in steps said 0.73 s for the next run's 0.37 s, its seconds 0.40 s. The geometric mean
-        errs by at most the square root of either's factor. Else the last seconds per pixel."""
+        errs by at most the square root of either's factor. Else the seconds measured at that size (runs' measures
+        averaged), or from the sizes measured (:class:`app.interleave.SizeCost`)."""
         with self._lock:
             if self._steps is not None and step_seconds and self._steps[2] == pixels:
                 return math.sqrt(self._steps[0] * step_seconds * self._steps[1])
-            return None if self._rate is None else self._rate * pixels
+            return self._cost.seconds(pixels)
 
 
 def progress_markdown(name: str, note: str, done: int, total: int, width: int = 20) -> str:
@@ -435,10 +447,11 @@ def compare_tab(
             state.queue.end()
             yield cleared(None, "**Stopped** by you before any variant finished: this run has nothing to show.")
             return
-        if warmup is not None and warmup.decodes and state.decode_clock.seconds(1) is None:
-            # the warm-up's decode is only the first estimate: it replaced the last run's measured tails at every
-            # request, so a run never learned from the one before
-            state.decode_clock.add(*warmup.decodes[-1])
+        if warmup is not None and warmup.decodes and state.decode_clock.empty:
+            # the warm-up's decodes (two sizes: a fixed part and a part per pixel) are only the first estimate: once
+            # they replaced the last run's measured tails at every request, so a run never learned from the one before
+            for seconds, at in warmup.decodes:
+                state.decode_clock.add(seconds, at, guess=True)
         pixels = req.num_frames * req.height * req.width
         events: queue.Queue = queue.Queue()
 
@@ -581,14 +594,15 @@ def compare_tab(
         final = outputs_for(last, status)  # the table, the chart: part of what a run has still to do after its steps
         # the next run's estimates, this server's latest, as many of this run's steps as they took: a variant's tail
         # (its decode, video and checks) and the run's end after the last video (the side-by-side video, the tables,
-        # the chart); only from a whole run
+        # the chart); only from a whole run. Both at the pace of this run's first steps (`step`, what the next run's
+        # priors are taken at): a load that changed during the run is taken out
         complete = not last.stopped and all(r.timings for r in last.runs) and len(last.runs) == len(req.variants)
-        step = estimate.step_seconds
-        if complete and estimate.tails:
-            mean = sum(estimate.tails) / len(estimate.tails)
+        step, tails = estimate.step_seconds, estimate.first_pace_tails()
+        if complete and tails:
+            mean = sum(tails) / len(tails)
             state.decode_clock.add(mean, pixels, step)
-            if len(estimate.tails) == len(req.variants) and mean > 0:  # one run is one sample: averaged with the last
-                shape, last_shape = [t / mean for t in estimate.tails], state.tail_shapes.get(len(req.variants))
+            if len(tails) == len(req.variants) and mean > 0:  # one run is one sample: averaged with the last
+                shape, last_shape = [t / mean for t in tails], state.tail_shapes.get(len(req.variants))
                 state.tail_shapes[len(req.variants)] = (
                     shape if last_shape is None else [(a + b) / 2 for a, b in zip(shape, last_shape, strict=True)]
                 )
@@ -596,7 +610,8 @@ def compare_tab(
             for r in last.runs:
                 state.decode_clock.add(r.stage("vae_decode").median, pixels)
         if complete and estimate.finish_times:
-            state.finish_clock.add(time.monotonic() - max(estimate.finish_times.values()), pixels, step)
+            end = time.monotonic() - max(estimate.finish_times.values())
+            state.finish_clock.add(end / estimate.tail_slowdown(), pixels, step)
         yield final
 
     def on_stop(request: gr.Request):

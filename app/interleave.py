@@ -7,10 +7,12 @@ here. This module adds what only the page needs:
 - :class:`Countdown`: a time-left estimate that never rises.
 - :class:`RunEstimate`: the run's seconds left from each variant's own steps, the tails (decode, video, checks) and
   the run's end (side-by-side video, tables), measured in the run where it can be, else carried from earlier runs.
+- :class:`SizeCost`: a stage's seconds at a size not yet measured, from a fixed part and a part per pixel.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -54,9 +56,92 @@ class Countdown:
         return estimate
 
 
-# a stage not yet measured in this run: one step's seconds (this run's mean, None before one is measured) -> the
-# stage's seconds as earlier runs on this server had it (None: unknown); a tail's prior may give one per variant, in
-# the order their videos come
+class SizeCost:
+    """A stage's seconds against its size (pixels: frames x height x width) as a fixed part and a part per pixel
+    (issue 52 (4)): on a quiet CPU a VAE decode and a video's writing and checks cost less per pixel at a larger size
+    (each call's own costs), so one size's seconds scaled by pixels overstated the first run at 17x128x160 from the
+    warm-up's 9x64x80 (+77% near its end).
+
+    One value per size measured: a run's measure replaces a first guess (:meth:`add` with ``guess``: the warm-up's)
+    and is averaged with an earlier run's (one run is one sample); a guess never replaces a run's measure. A size not
+    measured takes the line through the two measured sizes nearest it in log size (those either side of it when it
+    lies between two): ``fixed + per_pixel * size``. A line that needs a negative fixed part (the seconds per pixel
+    rising with size) is replaced by the nearer size's seconds per pixel; one that needs a negative per-pixel part
+    (the smaller size measured slower: on a loaded CPU one measure can be 10-30x another of the same work) by half
+    the nearer size's seconds fixed and half per pixel (the warm-up's two sizes on this CPU: a third to a half
+    fixed at 9x64x80, the default). With one size measured: its seconds per pixel (nothing known of a fixed part).
+
+    Above every size measured :meth:`seconds` is the geometric mean of the line's and of the largest size's seconds
+    per pixel scaled: on a loaded CPU (2-3.5 per core) the cost per pixel rose with size instead. Four first runs at
+    17x128x160 after a start there had tails of 1.2-2.5 s where the line through the warm-up's two sizes said
+    0.8-1.1 s and the seconds per pixel 1.4-2.2 s (replayed from a quarter on, mean |error| 17-29% with the line,
+    9-17% with the seconds per pixel): at that size the decode's and the checks' tensor operations run on both
+    threads, which other jobs slow many-fold (an SSIM at 17x128x160, 0.02 s on one thread, took 2-3 s on two at a
+    load of 5), at the warm-up's sizes they do not. Which of the two holds past the sizes measured is not known
+    there; the geometric mean errs by at most the square root of either's factor."""
+
+    def __init__(self):
+        self._at: dict[int, tuple[float, bool]] = {}  # size -> (seconds, measured by a run)
+
+    def add(self, seconds: float, size: int, guess: bool = False) -> None:
+        """``seconds`` measured at ``size`` pixels; ``guess``: a first guess (the warm-up's), not a run's measure.
+        A measure that is not a positive time at a positive size is not one (ignored)."""
+        if not (seconds > 0 and size > 0 and math.isfinite(seconds)):
+            return
+        old = self._at.get(size)
+        if old is not None and old[1]:
+            if guess:
+                return
+            seconds = (seconds + old[0]) / 2
+        self._at[size] = (float(seconds), not guess)
+
+    def __bool__(self) -> bool:
+        return bool(self._at)
+
+    def sizes(self) -> list[int]:
+        return sorted(self._at)
+
+    def fit(self, size: int) -> tuple[float, float] | None:
+        """``(fixed seconds, seconds per pixel)`` used at ``size`` (None: nothing measured)."""
+        if not self._at:
+            return None
+        if size in self._at:
+            return self._at[size][0], 0.0
+        sizes = sorted(self._at)
+        below, above = [s for s in sizes if s < size], [s for s in sizes if s > size]
+        if below and above:
+            pair = (below[-1], above[0])
+        else:
+            pair = tuple(sorted(sizes, key=lambda s: abs(math.log(s / size)))[:2])  # type: ignore[assignment]
+        nearest = min(pair, key=lambda s: abs(math.log(s / size)))
+        at = self._at[nearest][0]
+        if len(pair) < 2:
+            return 0.0, at / nearest
+        (x1, y1), (x2, y2) = ((s, self._at[s][0]) for s in sorted(pair))
+        per_pixel = (y2 - y1) / (x2 - x1)
+        fixed = y1 - per_pixel * x1
+        if fixed < 0:  # the seconds per pixel rise with size: the nearer size's, no fixed part
+            return 0.0, at / nearest
+        if per_pixel < 0:  # the larger size measured faster (noise): the nearer size's, half of it fixed
+            return at / 2, at / 2 / nearest
+        return fixed, per_pixel
+
+    def seconds(self, size: int) -> float | None:
+        """The stage's seconds at ``size`` pixels (None: nothing measured): :meth:`fit`'s line, above every size
+        measured its geometric mean with the largest size's seconds per pixel (see the class)."""
+        fit = self.fit(size)
+        if fit is None:
+            return None
+        line = fit[0] + fit[1] * size
+        largest = max(self._at)
+        if size > largest and len(self._at) > 1:
+            return math.sqrt(line * self._at[largest][0] * size / largest)
+        return line
+
+
+# a stage not yet measured in this run: one step's seconds (this run's first steps' mean, RunEstimate.step_seconds;
+# None before one is measured) -> the stage's seconds as earlier runs on this server had it (None: unknown); a tail's
+# prior may give one per variant, in the order their videos come
 Prior = Callable[[float | None], float | Sequence[float] | None]
 
 
@@ -69,9 +154,12 @@ class RunEstimate:
 
     - its steps still to come at its own rate: the mean of its last :data:`WINDOW` step intervals (the seconds from the
       step before it, of whichever variant, to its end: in turns, a variant's interval is its own step and the hand-
-      over; all of a round adds up to the round). A run's first step per variant is cold (text encoding, threads,
-      first-call caches) and left out, as is each variant's last (the tails of the variants before it may sit inside);
-      a variant not started yet (one after another) pays the cold step's extra as measured on those that did;
+      over; all of a round adds up to the round), times the machine's pace now (:meth:`pace`: the last
+      :data:`RECENT_ROUNDS` rounds' intervals against what those means say, so that a load that changes mid-run is
+      followed within two rounds, not a window of eight). A run's first step per variant is cold (text encoding,
+      threads, first-call caches) and left out, as is each variant's last (the tails of the variants before it may
+      sit inside); a variant not started yet (one after another) pays the cold step's extra as measured on those
+      that did;
     - each repeat still to start: the extra seconds of a repeat's first step over a step (the last repeat's decode
       and the next one's text encoding), as measured, else one tail;
     - its tail: its decode, video and checks (a tail is measured from its last step's start to its video, less one
@@ -79,15 +167,24 @@ class RunEstimate:
       page's: the last run's tails, whose first is short, with no agreement with flash to compute, and whose later
       ones are longer); once some of this run's tails are measured, those still to come are their priors scaled by
       this run's measured tails over their priors, one tail at its prior added to both (one video's tail is one
-      sample); without a prior, the mean of the measured. The tail under way counts what is left of it;
+      sample); without a prior, the mean of the measured. A busier machine slows a tail too, if less than a step:
+      the priors are taken at the run's first step seconds (:attr:`step_seconds`), each measured tail at the pace of
+      when it was measured, and every tail to come at the pace now (:meth:`tail_slowdown`, from the steps now
+      against the first). The tail under way counts what is left of it;
 
-    and the run's end once (the side-by-side video, the tables and the chart: ``finish_prior``; from the last video on,
-    what is left of it). No estimate (None) until every variant still stepping has :data:`MIN_STEPS` step intervals
-    measured, or, for variants that run one after another, the running one has (those not started take the mean
-    rate). Times are seconds on one clock (``time.monotonic`` on the page), given by the caller: replayable."""
+    and the run's end once (the side-by-side video, the tables and the chart: ``finish_prior``, at the tails' pace now;
+    from the last video on, what is left of it). No estimate (None) until every variant still stepping has
+    :data:`MIN_STEPS` step intervals measured, or, for variants that run one after another, the running one has (those
+    not started take the mean rate). Times are seconds on one clock (``time.monotonic`` on the page), given by the
+    caller: replayable."""
 
     WINDOW = 8
     MIN_STEPS = 2
+    # the pace (:meth:`pace`): the step intervals of this many rounds (each variant's once; at least 4 intervals).
+    # Five runs recorded on a loaded CPU (2-3.5 per core, the load changing) replayed, from a quarter on while a tenth
+    # or more was left, the mean |error| over the five: without each quarter's extremes, 1 round 17.9%, 2: 17.5%,
+    # 3: 17.7%, 4: 18.1%, 8 (about the windows alone) 18.9%; a plain mean, 2: 18.5%, 8: 21.0% (as before the pace)
+    RECENT_ROUNDS = 2
 
     def __init__(
         self,
@@ -120,6 +217,9 @@ class RunEstimate:
         self.extras: list[float] = []  # a repeat's first step beyond a step
         self.firsts: dict[str, float] = {}  # each variant's first (cold) step interval
         self.tails: list[float] = []  # this run's measured tails
+        self._tail_slowdowns: list[float] = []  # the slowdown each was measured at
+        self.firsts_window: dict[str, list[float]] = {v: [] for v in self.variants}  # the first WINDOW warm intervals
+        self._recent: list[tuple[str, float]] = []  # the last warm step intervals of any variant, in order
         self.finish_times: dict[str, float] = {}
         self._mark = start  # the last step end or video, whichever was later: the next interval starts here
         self._last_start: dict[str, float] = {}  # when each variant's last step began (its tail's segment)
@@ -148,6 +248,10 @@ class RunEstimate:
                     self.extras.append(max(0.0, interval - rate))
         else:
             self.intervals[name] = (self.intervals[name] + [interval])[-self.WINDOW :]
+            if len(self.firsts_window[name]) < self.WINDOW:
+                self.firsts_window[name].append(interval)
+            recent = max(4, self.RECENT_ROUNDS * len(self.variants))
+            self._recent = (self._recent + [(name, interval)])[-recent:]
         self._step_end[name] = now
         self._last_name = name
         self._mark = max(self._mark, now)
@@ -163,21 +267,64 @@ class RunEstimate:
             rate = self.rate(name)
             if rate is not None:
                 self.tails.append(max(0.0, now - began - rate))
+                self._tail_slowdowns.append(self.tail_slowdown())
         self._mark = max(self._mark, now)
 
     def rate(self, name: str) -> float | None:
-        """One step's seconds for ``name``: the mean of its measured intervals, else of the others' means."""
+        """One step's seconds for ``name`` now: :meth:`mean_rate` at the machine's :meth:`pace`."""
+        mean = self.mean_rate(name)
+        return None if mean is None else mean * self.pace()
+
+    def mean_rate(self, name: str) -> float | None:
+        """One step's seconds for ``name`` over its window: the mean of its measured intervals, else of the others'."""
         own = self.intervals[name]
         if own:
             return statistics.fmean(own)
         others = [statistics.fmean(x) for x in self.intervals.values() if x]
         return statistics.fmean(others) if others else None
 
+    def pace(self) -> float:
+        """The machine's pace now against the variants' window means: over the step intervals of the last
+        :data:`RECENT_ROUNDS` rounds, each interval over its variant's mean, the mean of those ratios without the
+        highest and lowest quarter (1: as over the windows; 0.75: the steps now take a quarter less, the other jobs'
+        load fell). The pace is the machine's, common to all variants (one variant's intervals alone would be as
+        noisy as the few it has); without its extremes, because on a loaded CPU one round in twenty can take 2-3x the
+        others (another job's burst): a plain mean over three rounds took such a round for their pace, +63% for 10 s
+        in a recorded run (+31% without the extremes)."""
+        ratios = sorted(t / m for n, t in self._recent if (m := statistics.fmean(self.intervals[n])) > 0)
+        if not ratios:
+            return 1.0
+        cut = len(ratios) // 4
+        return statistics.fmean(ratios[cut : len(ratios) - cut])
+
     @property
     def step_seconds(self) -> float | None:
-        """This run's mean step seconds over its variants (the unit earlier runs' stages are carried in)."""
-        rates = [statistics.fmean(x) for x in self.intervals.values() if x]
+        """This run's first step seconds: the mean over its variants of their first :data:`WINDOW` warm intervals
+        (what the priors are taken at; a load that changes later is :meth:`slowdown`)."""
+        rates = [statistics.fmean(x) for x in self.firsts_window.values() if x]
         return statistics.fmean(rates) if rates else None
+
+    @property
+    def step_seconds_now(self) -> float | None:
+        """This run's step seconds now: the mean over its variants of :meth:`rate` (the unit a stage measured now is
+        carried to later runs in)."""
+        rates = [r for v in self.variants if self.intervals[v] and (r := self.rate(v)) is not None]
+        return statistics.fmean(rates) if rates else None
+
+    def slowdown(self) -> float:
+        """The steps now against the run's first (:attr:`step_seconds_now` over :attr:`step_seconds`; 1.5: half as
+        long again, the other jobs' load rose)."""
+        first, now = self.step_seconds, self.step_seconds_now
+        return now / first if first and now else 1.0
+
+    def tail_slowdown(self) -> float:
+        """What the tails and the end still to come are slowed by: the square root of :meth:`slowdown`. Two recorded
+        runs on a loaded CPU (2.4-2.8 per core) whose steps sped up by a fifth to a third while their tails did not
+        (the steps' two threads suffer more from other jobs than a decode and a video's writing): replayed from a
+        quarter on, the tails slowed as the steps were said -38% and -20% at worst, not slowed -24% and -1%, but a
+        busier machine does slow a decode; the square root (-30%, -11%) errs by at most the square root of either's
+        factor, as :class:`app.compare_tab._DecodeClock`'s geometric mean does."""
+        return math.sqrt(self.slowdown())
 
     def cold_seconds(self) -> float:
         """A variant's first step beyond a step (its text encoding, the first call's caches), as measured."""
@@ -191,8 +338,12 @@ class RunEstimate:
         position = len(self.tails) if position is None else position
         priors = self._tail_priors()
         if priors is None:
-            return statistics.fmean(self.tails) if self.tails else None
-        return priors[min(position, len(priors) - 1)] * self._tail_scale(priors)
+            return statistics.fmean(self.first_pace_tails()) * self.tail_slowdown() if self.tails else None
+        return priors[min(position, len(priors) - 1)] * self._tail_scale(priors) * self.tail_slowdown()
+
+    def first_pace_tails(self) -> list[float]:
+        """This run's measured tails at its first steps' pace: each over the slowdown it was measured at."""
+        return [t / p for t, p in zip(self.tails, self._tail_slowdowns, strict=True)]
 
     def _tail_priors(self) -> list[float] | None:
         """One prior tail per variant, in the order the videos come (None: no prior)."""
@@ -208,15 +359,17 @@ class RunEstimate:
         """This run's tails so far over their priors, with one tail at its prior besides: the first video's tail
         alone is one sample (and in the built-in model's runs the shortest, flash computing no agreement)."""
         measured, pseudo = len(self.tails), statistics.fmean(priors)
-        return (sum(self.tails) + pseudo) / (sum(priors[:measured]) + pseudo) if pseudo > 0 else 1.0
+        return (sum(self.first_pace_tails()) + pseudo) / (sum(priors[:measured]) + pseudo) if pseudo > 0 else 1.0
 
     def finish_seconds(self) -> float | None:
-        """The run's end (side-by-side video, tables, chart): its prior; with ``finish_like_tails`` (the prior is a
-        tail's, no run's end having been measured: the warm-up's small decode scaled by pixels for the first run at
-        a larger size) scaled as the tails are, by what this run's tails took against theirs."""
+        """The run's end (side-by-side video, tables, chart): its prior, slowed as the tails are; with
+        ``finish_like_tails`` (the prior is a tail's, no run's end having been measured: for the first run, the
+        warm-up's decodes) scaled as the tails are, by what this run's tails took against theirs."""
         prior = self._finish_prior(self.step_seconds) if self._finish_prior is not None else None
-        priors = self._tail_priors() if prior is not None and self._finish_like_tails and self.tails else None
-        return prior if priors is None else float(prior) * self._tail_scale(priors)
+        if prior is None:
+            return None
+        priors = self._tail_priors() if self._finish_like_tails and self.tails else None
+        return float(prior) * (1.0 if priors is None else self._tail_scale(priors)) * self.tail_slowdown()
 
     def ready(self) -> bool:
         """Enough is measured to say (see the class)."""

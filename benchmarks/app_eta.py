@@ -12,9 +12,12 @@ each estimate is set against the time that was really left: printed at 10%, 25%,
 the largest relative error while a tenth of the run or more was left (from the start, and from a quarter of the run
 on: issue 52 (4) asks for +-25% there), the largest in seconds, and how long "finishing" was shown before the run
 ended. Also the live previews' cost: seconds per preview and per denoising step against the median step (the
-previews are made between two timed steps, in the variant's turn). ``--record`` writes the estimator's inputs of the
-last request (each step counted and each video done, with its second, and the priors) for a replay test. A
-benchmark prints; it asserts nothing about time.
+previews are made between two timed steps, in the variant's turn), the machine's load during each request (the
+1-minute average, absolute: sampled at every status line) and the warm-up's seconds with the tails it measured
+(the first request's priors). ``--record`` writes the estimator's inputs of the last request (each step counted and
+each video done, with its second, and the priors) for a replay test; ``--label`` names the run set in the results.
+Every invocation is a fresh start of the app: its first request is the first after the start. A benchmark prints;
+it asserts nothing about time.
 """
 
 from __future__ import annotations
@@ -37,8 +40,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt", default="a small red triangle moves down on a black background")
     p.add_argument("--preset", default=None, help="frames x height x width, e.g. 17x128x160 (default: the model's)")
     p.add_argument("--preview-every", type=int, default=None, help="as run_app.py --preview-every (default: the app's)")
-    p.add_argument("--record", default=None, help="write the last request's estimator inputs here (JSON)")
+    p.add_argument(
+        "--record",
+        default=None,
+        help="write the last request's estimator inputs here (JSON); a path with {request} in it: every request's",
+    )
     p.add_argument("--out", default=None, help="also write <out>.json and <out>.md (a path without extension)")
+    p.add_argument("--label", default=None, help="what this run set is (e.g. the estimator's version), in the results")
     args = p.parse_args(argv)
     if args.requests < 1:
         p.error(f"--requests {args.requests}: expected at least 1")
@@ -61,6 +69,8 @@ def main(argv=None) -> int:
         models.clip_source = sample_clips  # the previews' colour map, fitted on its world's clips
     warmup = compare.Warmup(models, previews=every > 0).start()
     warmup.wait()
+    tails = ", ".join(f"{s:.2f} s at {p:,} pixels" for s, p in warmup.decodes)
+    print(f"warm-up: {warmup.seconds or 0:.1f} s; its tails (the first request's priors): {tails or 'none'}")
     d = models.defaults
     preset = args.preset or compare.preset_key((d["num_frames"], d["height"], d["width"]))
     demo = ui.build_demo(models, out_root=tempfile.mkdtemp(prefix="app-eta-"), warmup=warmup, preview_every=every)
@@ -75,6 +85,7 @@ def main(argv=None) -> int:
     for i in range(args.requests):
         load = os.getloadavg()[0] / (os.cpu_count() or 1)
         shown: list[tuple[float, float]] = []  # (second of the run, seconds said to be left)
+        loads = [os.getloadavg()[0]]  # the machine's 1-minute load during the request (absolute)
         finishing: float | None = None  # the second "finishing" was first shown
         started = time.monotonic()
         for page in on_compare(
@@ -89,6 +100,7 @@ def main(argv=None) -> int:
             request=SimpleNamespace(session_hash=f"eta{i}", query_params={}),
         ):
             m = LEFT.search(page[0]) if isinstance(page[0], str) else None
+            loads.append(os.getloadavg()[0])
             if m and page[0].startswith("**Running"):
                 shown.append((time.monotonic() - started, 0.0 if m.group(2) else float(m.group(1))))
                 if m.group(2) and finishing is None:
@@ -96,14 +108,15 @@ def main(argv=None) -> int:
         total = time.monotonic() - started
         load_end = os.getloadavg()[0] / (os.cpu_count() or 1)
         print(
-            f"request {i + 1}: {total:.1f} s, load {load:.2f} per core at its start, {load_end:.2f} at its end; "
-            f"{len(shown)} estimates"
+            f"request {i + 1}: {total:.1f} s, load {load:.2f} per core at its start, {load_end:.2f} at its end "
+            f"({min(loads):.1f}-{max(loads):.1f} during it, absolute); {len(shown)} estimates"
         )
         row = {
             "request": i + 1,
             "seconds": round(total, 1),
             "load_per_core": round(load, 2),
             "load_per_core_end": round(load_end, 2),
+            "load_during": [round(min(loads), 2), round(max(loads), 2)],
             "estimates": len(shown),
             "finishing_s": None if finishing is None else round(total - finishing, 1),
         }
@@ -115,7 +128,8 @@ def main(argv=None) -> int:
             )
         rows.append(row)
         if args.record and estimates:
-            _write_record(args.record, estimates[-1], started, total, preset, models)
+            path = args.record.replace("{request}", str(i + 1))
+            _write_record(path, estimates[-1], started, total, preset, models)
         if not shown:
             continue
         errors = [(t, left, total - t) for t, left in shown]
@@ -150,7 +164,7 @@ def main(argv=None) -> int:
             largest_error_seconds={"second": round(ta, 1), "said": lefta, "left": round(trutha, 1)},
         )
     if args.out:
-        write(args, models, preset, rows, every)
+        write(args, models, preset, rows, every, warmup)
     return 0
 
 
@@ -235,6 +249,7 @@ def _write_record(path: str, estimate, started: float, total: float, preset: str
         "steps_each": estimate.steps_each,
         "repeats": estimate.repeats,
         "interleaved": estimate.interleaved,
+        "finish_like_tails": estimate._finish_like_tails,
         **estimate.priors,
         "seconds": round(total, 4),
         "calls": [(kind, round(now - started, 4), arg) for kind, now, arg in estimate.calls],
@@ -242,7 +257,7 @@ def _write_record(path: str, estimate, started: float, total: float, preset: str
     write_text_atomic(path, json.dumps(record, indent=1) + "\n")
 
 
-def write(args, models, preset: str, rows: list[dict], every: int) -> None:
+def write(args, models, preset: str, rows: list[dict], every: int, warmup) -> None:
     """``<out>.json`` (machine, request, rows) and ``<out>.md`` (one line per request)."""
     import torch
 
@@ -256,24 +271,29 @@ def write(args, models, preset: str, rows: list[dict], every: int) -> None:
         "variants": list(models.variants),
         "prompt": args.prompt,
         "preview_every": every,
+        "label": args.label,
+        "warm_up_s": None if warmup.seconds is None else round(warmup.seconds, 2),
+        "warm_up_tails": [[round(s, 3), p] for s, p in warmup.decodes],
         "command": shlex.join(
             ["python", "-m", "benchmarks.app_eta"] + [f"--{k}={v}" for k, v in vars(args).items() if v is not None]
         ),
     }
+    tails = ", ".join(f"{s:.2f} s at {p:,} pixels" for s, p in warmup.decodes) or "none"
     lines = [
         f"# The page's time-left estimate against the time left ({meta['device']}, {meta['date']})",
         "",
+        *([f"Run set: {args.label}.", ""] if args.label else []),
         f"Model {meta['model']}, preset {preset}, {meta['steps']} steps, variants {', '.join(meta['variants'])}, "
-        f"live previews every {every} steps.",
+        f"live previews every {every} steps. A fresh start: warm-up {meta['warm_up_s']} s, its tails {tails}.",
         "Each row: one request through the page's Compare handler; the estimate shown nearest 10/50/90% of the run,",
         "the largest relative error while a tenth of the run or more was left (error = (said - left) / left), from",
         "the start and from a quarter of the run on, the largest in seconds over the whole run, how long",
         "\"finishing\" was shown before the run ended, and the live previews' cost per denoising step (the machine's",
-        "load per core at the request's start and end: 1-minute averages).",
+        "load per core at the request's start and end, and the load's range during it, absolute: 1-minute averages).",
         "",
-        "| request | seconds | load/core | first estimate at | at 10% | at 50% | at 90% | largest error | "
+        "| request | seconds | load/core | load during | first estimate at | at 10% | at 50% | at 90% | largest error | "
         "from 25% on | largest in s | finishing | previews |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         at = {a["share"]: a for a in r.get("at", [])}
@@ -296,6 +316,7 @@ def write(args, models, preset: str, rows: list[dict], every: int) -> None:
         )
         lines.append(
             f"| {r['request']} | {r['seconds']} | {r['load_per_core']}-{r['load_per_core_end']} | "
+            f"{r['load_during'][0]:.1f}-{r['load_during'][1]:.1f} | "
             f"{r.get('first_estimate_s', '-')} s | {' | '.join(cells)} | {worst} | {finishing} | {previews} |"
         )
     out = os.path.abspath(args.out)

@@ -246,8 +246,9 @@ def _video_tail(
 def warm_up(models: AppModels, decodes: list[tuple[float, int]] | None = None) -> float:
     """One short untimed generation per variant at the model's default size (one step; the first also
     decodes, warming the shared text encoder and VAE), done once when the app starts so that no request pays
-    for it. Returns the seconds it took; ``decodes`` gets ``(seconds, pixels)`` of a variant's tail: its video
-    decode, writing and checks (the page's first estimate of that tail's length)."""
+    for it. Returns the seconds it took; ``decodes`` gets ``(seconds, pixels)`` of a variant's tail (its video
+    decode, writing and checks) at two sizes, the default and a smaller one (:func:`_tail_sizes`): the page's first
+    estimate of that tail's length at any size, a fixed part and a part per pixel."""
     d = models.components.defaults
     preset = (d["num_frames"], d["height"], d["width"])
     request = CompareRequest(models.example_prompt, "", 0, 1, float(d["guidance_scale"]), preset, list(VARIANTS))
@@ -256,10 +257,16 @@ def warm_up(models: AppModels, decodes: list[tuple[float, int]] | None = None) -
 
         request.image = Image.new("RGB", (preset[2], preset[1]), (128, 128, 128))
     start = time.perf_counter()
+    first: tuple[float, float] | None = None  # the default size's decode and the rest of its tail, in seconds
+    latents = None
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_UNTRAINED, category=UserWarning)
+        if decodes is not None:
+            _first_vae_call(models)
         for i, name in enumerate(VARIANTS):
             out = _generate(models, request, name, 1, "np" if i == 0 else "latent")
+            if i > 0:
+                latents = out.frames
             if i == 0 and decodes is not None and out.timing.vae_decode > 0:
                 # a variant's whole tail, as a run has it: the decode, then its video written and checked
                 # (against itself as the reference: the same work as against flash's)
@@ -272,9 +279,67 @@ def warm_up(models: AppModels, decodes: list[tuple[float, int]] | None = None) -
                         tail = time.perf_counter()
                         run = VariantRun(LINEAR, "")
                         _video_tail(models, request, run, frames, Path(tmp), 16, frames, judge=False)
-                        seconds = out.timing.vae_decode + time.perf_counter() - tail
-                decodes.append((seconds, preset[0] * preset[1] * preset[2]))
+                        first = (out.timing.vae_decode, time.perf_counter() - tail)
+        if decodes is not None and first is not None:
+            decodes.append((sum(first), preset[0] * preset[1] * preset[2]))
+            if latents is not None:
+                try:
+                    decodes[-1:] = _tail_sizes(models, request, latents, first)
+                except Exception:  # noqa: BLE001 - the default size's tail alone is still a first estimate
+                    log.exception("warm-up: the second decode size failed; the tails' first estimate is one size's")
     return time.perf_counter() - start
+
+
+@torch.no_grad()
+def _first_vae_call(models: AppModels) -> None:
+    """The VAE's first call, on one latent frame of 2x2 (untimed): it pays the cold costs (its kernels' first use)
+    that would otherwise sit in the warm-up's timed decode at the default size, which a fixed part and a part per
+    pixel fitted on it would carry to larger sizes. A failure is only a colder first decode (logged)."""
+    try:
+        channels = models.components.vae.config.z_dim
+        preview.vae_decode(models.components, torch.zeros(1, channels, 1, 2, 2))
+    except Exception:  # noqa: BLE001 - the warm-up's decode is then cold, nothing worse
+        log.exception("warm-up: the VAE's first call failed")
+
+
+@torch.no_grad()
+def _tail_sizes(
+    models: AppModels, request: CompareRequest, latents: torch.Tensor, first: tuple[float, float]
+) -> list[tuple[float, int]]:
+    """A variant's tail at the default size and at a smaller one, ``[(seconds, pixels)]`` (issue 52 (4)).
+
+    ``latents``: a warm-up generation's, ``(1, C, F, h, w)`` at the default size; ``first``: the seconds of its
+    decode (after the VAE's first call, :func:`_first_vae_call`: a run's first decode at a size new to it is the
+    same) and of the rest of its tail (video, checks). The VAE decodes the first half of the latents in every
+    dimension (about an eighth of the pixels; the VAE alone: no transformer call, so no other shape is compiled),
+    twice, the faster kept (on a shared CPU one measure can be several times another); its video is written and
+    checked once (the mp4 writer is warm by then). One size alone is a seconds per pixel: scaled from the default
+    9x64x80 to 17x128x160 it said +77% near the first run's end on a quiet CPU; two give a fixed part and a part per
+    pixel (:class:`app.interleave.SizeCost`)."""
+    frames, height, width = request.preset
+    out = [(sum(first), frames * height * width)]
+    half = latents[:1, :, : (latents.shape[2] + 1) // 2, : (latents.shape[3] + 1) // 2, : (latents.shape[4] + 1) // 2]
+    if half.shape == latents[:1].shape:  # one latent pixel: no smaller size
+        return out
+    started = time.perf_counter()
+    seconds = []
+    for _ in range(2):
+        began = time.perf_counter()
+        video = preview.vae_decode(models.components, half)  # (1, 3, T, H, W) in [0, 1]
+        seconds.append(time.perf_counter() - began)
+    decoded = video[0].permute(1, 2, 3, 0).numpy()  # (T, H, W, 3), as generate gives them
+    small = replace(request, preset=tuple(video.shape[2:]))
+    with tempfile.TemporaryDirectory(prefix="mhla-warm-") as tmp:
+        tail = time.perf_counter()
+        _video_tail(models, small, VariantRun(LINEAR, ""), decoded, Path(tmp), 16, to_uint8(decoded), judge=False)
+        out.append((min(seconds) + time.perf_counter() - tail, small.num_frames * small.height * small.width))
+    log.info(
+        "warm-up: a tail %.2f s at %d pixels, %.2f s at %d (the second size: %.2f s more)",
+        *out[0],
+        *out[1],
+        time.perf_counter() - started,
+    )
+    return out
 
 
 class Warmup:

@@ -1,11 +1,13 @@
 """Issue 52 (4): the time-left estimate. A run's tails (decode, video, checks) are learnt from the run itself once
 one is done, and carried to the next run as a number of denoising steps (a busier machine slows both alike); the
-warm-up's decode is only the first guess, never a replacement for a run's measure; "finishing" only once no
-variant's video is still to come."""
+warm-up's decodes (two sizes: a fixed part and a part per pixel) are only the first guess, never a replacement for a
+run's measure; the steps and the tails still to come follow the machine's pace over the last rounds; "finishing"
+only once no variant's video is still to come."""
 
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -13,7 +15,7 @@ import numpy as np
 import pytest
 
 from app import compare, compare_tab, ui
-from app.interleave import Countdown, RunEstimate
+from app.interleave import Countdown, RunEstimate, SizeCost
 
 SMALLEST = compare.preset_key(compare.PRESETS[0])
 RECORDED = Path(__file__).parents[1] / "data" / "app_eta_run_builtin.json"
@@ -21,17 +23,21 @@ RECORDED = Path(__file__).parents[1] / "data" / "app_eta_run_builtin.json"
 
 def test_a_tail_carries_to_the_next_run_as_steps_averaged_over_runs():
     clock = compare_tab._DecodeClock()
-    assert clock.seconds(1000) is None
-    clock.add(2.0, 1000)  # the warm-up: seconds only
-    assert clock.seconds(1000, step_seconds=0.25) == 2.0 and not clock.in_steps(1000)
+    assert clock.seconds(1000) is None and clock.empty
+    clock.add(2.0, 1000, guess=True)  # the warm-up: seconds only, a first guess
+    assert clock.seconds(1000, step_seconds=0.25) == 2.0 and not clock.in_steps(1000) and not clock.empty
     clock.add(4.0, 1000, step_seconds=0.5)  # a run: its tail took 8 of its steps, 4 s
     # 8 steps now (2 s) or 4 s: their geometric mean
     assert clock.in_steps(1000) and clock.seconds(1000, step_seconds=0.25) == pytest.approx((2.0 * 4.0) ** 0.5)
     assert clock.seconds(1000, step_seconds=0.5) == pytest.approx(4.0)  # the same step: the same seconds
+    assert clock.seconds(1000) == pytest.approx(4.0)  # the run's measure replaced the warm-up's guess
     clock.add(2.0, 1000, step_seconds=0.5)  # 4 steps, 2 s: one run is one sample, averaged with the last
     assert clock.seconds(1000, step_seconds=0.25) == pytest.approx((1.5 * 3.0) ** 0.5)
-    assert clock.seconds(2000, step_seconds=0.25) == pytest.approx(4.0)  # another size: seconds per pixel
-    assert clock.seconds(1000) == pytest.approx(2.0)  # no step measured yet in this run: the last seconds
+    # another size, one size measured: its seconds per pixel (the runs' 3 s, averaged)
+    assert clock.seconds(2000, step_seconds=0.25) == pytest.approx(6.0)
+    assert clock.seconds(1000) == pytest.approx(3.0)  # no step measured yet in this run: the runs' seconds
+    clock.add(9.0, 1000, guess=True)  # a later guess never replaces a run's measure
+    assert clock.seconds(1000) == pytest.approx(3.0)
 
 
 def test_finishing_only_once_no_video_is_still_to_come(monkeypatch):
@@ -69,9 +75,9 @@ def test_the_warm_ups_decode_is_the_first_guess_only(tmp_path, monkeypatch):
     added = []
 
     class Clock(compare_tab._DecodeClock):
-        def add(self, seconds, pixels, step_seconds=None):
+        def add(self, seconds, pixels, step_seconds=None, guess=False):
             added.append((seconds, step_seconds))
-            super().add(seconds, pixels, step_seconds)
+            super().add(seconds, pixels, step_seconds, guess)
 
     monkeypatch.setattr(compare_tab, "_DecodeClock", Clock)
     models = load_app_models("tiny-random")
@@ -193,15 +199,6 @@ def test_tails_that_grow_video_by_video_are_read_in_the_last_run_s_shape():
     assert worst(replay(calls, end, flat), end, since=first_video / end) > 0.15
 
 
-def test_a_busier_machine_is_followed_within_a_window_of_steps():
-    calls, end = simulate(slower=(8, 1.5))
-    points = replay(calls, end, RunEstimate(list(RATES), 20, tail_prior=lambda s: TAIL, finish_prior=lambda s: FINISH))
-    assert worst(points, end) < 0.25
-    settled = next(t for kind, t, arg in calls if kind == "steps" and min(d for d, _ in arg.values()) >= 8 + 8)
-    # the rate is right again; what is shown may stay up to 10% short (the countdown holds smaller rises back)
-    assert worst(points, end, since=settled / end) < 0.11
-
-
 def test_variants_one_after_another_take_the_rate_of_those_measured():
     rates = {"flash": 0.3, "mhla": 0.3}
     calls, end = simulate(rates, interleaved=False)
@@ -229,43 +226,94 @@ def test_priors_carried_from_an_earlier_run_follow_this_run_s_steps():
     assert estimate.step_seconds == pytest.approx(0.5) and estimate.tail_seconds() == pytest.approx(18**0.5)
 
 
-def test_a_recorded_run_replays_as_it_was_measured():
-    """The estimator's inputs during a real run (benchmarks/app_eta.py --record: the built-in model at 17x128x160,
-    four variants, live previews on, 60.6 s on this CPU at a load of 2.4-2.6 per core from other jobs), replayed as
-    the page shows them. That machine sped up by a third halfway through (rounds of 2.9-3.5 s, then 2.0-2.3 s from
-    round 11 on), which no rate measured so far foresees: the estimate was up to 31% high for about 15 s. Asserted:
-    within +-35% from a quarter of the run on while a tenth or more is left, within +-25% for more than half of that
-    time, and "finishing" (under a second shown with every video done) for at most 2 s."""
-    record = json.loads(RECORDED.read_text())
+def _prior_table(p):
+    """A prior recorded as a table over a step's seconds (a list per step: a tail per variant): interpolated."""
+    if p is None:
+        return None
+    table = np.asarray(p["seconds"], dtype=float).reshape(len(p["steps"]), -1)
 
-    def prior(p):  # recorded as a table over a step's seconds (a list per step: a tail per variant): interpolated
-        if p is None:
-            return None
-        table = np.asarray(p["seconds"], dtype=float).reshape(len(p["steps"]), -1)
+    def at(s):
+        if s is None:
+            return p["none"]
+        got = [float(np.interp(np.log(s), np.log(p["steps"]), column)) for column in table.T]
+        return got if isinstance(p["none"], list) else got[0]
 
-        def at(s):
-            if s is None:
-                return p["none"]
-            got = [float(np.interp(np.log(s), np.log(p["steps"]), column)) for column in table.T]
-            return got if isinstance(p["none"], list) else got[0]
+    return at
 
-        return at
 
-    estimate = RunEstimate(
+def replay_record(path: Path, kind: type[RunEstimate] = RunEstimate):
+    """A run recorded by benchmarks/app_eta.py --record, replayed: ``(points, its seconds, the estimator)``."""
+    record = json.loads(path.read_text())
+    estimate = kind(
         record["variants"],
         record["steps_each"],
         record["repeats"],
         record["interleaved"],
-        prior(record["tail_prior"]),
-        prior(record["finish_prior"]),
+        _prior_table(record["tail_prior"]),
+        _prior_table(record["finish_prior"]),
+        finish_like_tails=record.get("finish_like_tails", False),
     )
     end = record["seconds"]
-    points = replay([tuple(c) for c in record["calls"]], end, estimate)
-    assert worst(points, end) <= 0.35
-    errors = [abs(shown - left) / left for t, shown, left in points if t >= 0.25 * end and left >= 0.1 * end]
-    assert sum(e <= 0.25 for e in errors) > 0.5 * len(errors)
-    finishing = [t for t, shown, _ in points if shown < 1 and estimate.videos_left() == 0]
-    assert not finishing or end - min(finishing) <= 2.0
+    return replay([tuple(c) for c in record["calls"]], end, estimate), end, estimate
+
+
+def _errors(points, end) -> list[float]:
+    """Relative errors from a quarter of the run on while a tenth or more was left."""
+    return [(shown - left) / left for t, shown, left in points if t >= 0.25 * end and left >= 0.1 * end]
+
+
+def _finishing_seconds(points, end, estimate) -> float:
+    """How long "finishing" (under a second shown, every video done) was shown before the run's end."""
+    last_video = max(estimate.finish_times.values())
+    finishing = [t for t, shown, _ in points if shown < 1 and t >= last_video]
+    return end - min(finishing) if finishing else 0.0
+
+
+def test_a_recorded_run_replays_as_it_was_measured():
+    """The estimator's inputs during a real run (benchmarks/app_eta.py --record: the built-in model at 17x128x160,
+    four variants, live previews on, 60.6 s on this CPU at a load of 2.4-2.6 per core from other jobs), replayed as
+    the page shows them. Its rounds took 2.9-3.5 s (3.4-3.5 s in rounds 5-6), then 2.0-2.3 s from round 11 on, which
+    no rate measured so far foresees: the estimate is up to 43% high around rounds 5-7 (the windows' means alone:
+    31%, but more often wrong, see the next test). Asserted: within +-45% from a quarter of the run on while a tenth
+    or more is left, within +-25% for more than two thirds of that time, and "finishing" (under a second shown with
+    every video done) for at most 2 s."""
+    points, end, estimate = replay_record(RECORDED)
+    errors = _errors(points, end)
+    assert max(abs(e) for e in errors) <= 0.45
+    assert sum(abs(e) <= 0.25 for e in errors) > 2 / 3 * len(errors)
+    assert _finishing_seconds(points, end, estimate) <= 2.0
+
+
+# the other recorded runs on a loaded CPU (their "conditions" say which; the first: the estimator's inputs before
+# issue 52 (4)'s fitted tails, its priors the warm-up's one size scaled by pixels)
+RECORDED_LOADED = [
+    RECORDED.with_name(f"app_eta_run_builtin_{n}.json") for n in ("first", "burst", "loaded2", "loaded3")
+]
+
+
+def test_recorded_loaded_runs_the_pace_errs_less_than_the_windows_alone():
+    """Five recorded runs on a loaded CPU (2-3.5 per core), replayed: from a quarter on (while a tenth or more is
+    left) the estimate errs by 17.5% on average over them, the windows' means alone (no pace; the tails never slowed)
+    by 21%. On such a machine one round can take 2-3x the others and a run's tails 2x the last run's at the same load
+    (the third request), which no estimate foresees: the largest errors stay 23-52% either way. "finishing" for at
+    most 2 s in each."""
+
+    class Windows(RunEstimate):
+        def pace(self) -> float:
+            return 1.0
+
+        def tail_slowdown(self) -> float:
+            return 1.0
+
+    means = {}
+    for kind in (RunEstimate, Windows):
+        runs = []
+        for path in [RECORDED, *RECORDED_LOADED]:
+            points, end, estimate = replay_record(path, kind)
+            runs.append(statistics.fmean(abs(e) for e in _errors(points, end)))
+            assert _finishing_seconds(points, end, estimate) <= 2.0, path.name
+        means[kind] = statistics.fmean(runs)
+    assert means[RunEstimate] < 0.19 and means[Windows] > 0.2, means
 
 
 def test_an_end_prior_from_the_same_clocks_as_the_tails_is_corrected_by_the_run_s_tails():
@@ -285,4 +333,170 @@ def test_an_end_prior_from_the_same_clocks_as_the_tails_is_corrected_by_the_run_
     # an end measured by an earlier run is that run's measure: not scaled by this run's tails
     measured = RunEstimate(list(RATES), 20, tail_prior=lambda s: 3 * TAIL, finish_prior=lambda s: 3 * FINISH)
     replay(calls, end, measured)
-    assert measured.finish_seconds() == 3 * FINISH
+    assert measured.finish_seconds() == pytest.approx(3 * FINISH)
+
+
+# ---- a tail's seconds by size: a fixed part and a part per pixel (issue 52 (4)) ----------------------------------
+
+
+def test_two_sizes_give_a_fixed_part_and_a_part_per_pixel():
+    cost = SizeCost()
+    assert cost.seconds(1000) is None and cost.fit(1000) is None
+    cost.add(3.5, 5000, guess=True)
+    assert cost.seconds(10000) == pytest.approx(7.0)  # one size: its seconds per pixel, nothing known of a fixed part
+    cost.add(1.5, 1000, guess=True)
+    # (1000, 1.5 s) and (5000, 3.5 s): 2 s per 4000 pixels, 0.5 ms each; 1.5 - 0.5 = 1 s fixed
+    assert cost.fit(9000) == pytest.approx((1.0, 5e-4))
+    # above both: the line's 1 + 4.5 s and the larger size's seconds per pixel's 6.3 s, their geometric mean
+    assert cost.seconds(9000) == pytest.approx((5.5 * 6.3) ** 0.5)
+    assert cost.seconds(3000) == pytest.approx(2.5)  # between the two: the line
+    assert cost.seconds(500) == pytest.approx(1.25)  # below both
+    assert cost.seconds(5000) == 3.5 and cost.seconds(1000) == 1.5  # a size measured: its own seconds
+    # a third size: the two nearest (either side where it lies between) make the line
+    cost.add(8.0, 20000)  # (20000, 8 s): from 5000, 4.5 s per 15000 pixels, 0.3 ms each, 3.5 - 1.5 = 2 s fixed
+    assert cost.fit(10000) == pytest.approx((2.0, 3e-4)) and cost.seconds(10000) == pytest.approx(5.0)
+    assert cost.fit(40000) == pytest.approx((2.0, 3e-4))  # above all: the two largest, 14 s; 16 s per pixel
+    assert cost.seconds(40000) == pytest.approx((14.0 * 16.0) ** 0.5)
+    assert cost.seconds(3000) == pytest.approx(2.5)  # between the two smallest: their line still
+
+
+def test_a_size_cost_that_needs_a_negative_part_takes_the_nearer_size_s():
+    rising = SizeCost()  # (1000, 1 s), (2000, 3 s): a line would need -1 s fixed
+    rising.add(1.0, 1000)
+    rising.add(3.0, 2000)
+    assert rising.fit(4000) == pytest.approx((0.0, 1.5e-3)) and rising.seconds(4000) == pytest.approx(6.0)  # both 6 s
+    assert rising.seconds(500) == pytest.approx(0.5)  # the nearer is 1000: its seconds per pixel
+    falling = SizeCost()  # the larger size measured faster (noise): a line would need a negative per-pixel part
+    falling.add(2.0, 1000)
+    falling.add(1.5, 2000)
+    # the nearer size's seconds, half fixed: 0.75 s + 0.75 s per 2000 pixels at 4000 (2.25 s; per pixel 3 s: their
+    # geometric mean); 1 s + 1 s per 1000 at 500 (below both: the line)
+    assert falling.fit(4000) == pytest.approx((0.75, 0.75 / 2000))
+    assert falling.seconds(4000) == pytest.approx((2.25 * 3.0) ** 0.5)
+    assert falling.seconds(500) == pytest.approx(1.5)
+
+
+def test_a_run_s_measure_replaces_a_guess_and_averages_with_a_run_s():
+    cost = SizeCost()
+    cost.add(1.0, 1000, guess=True)
+    cost.add(2.0, 1000, guess=True)  # a later guess replaces a guess
+    assert cost.seconds(1000) == 2.0
+    cost.add(3.0, 1000)
+    assert cost.seconds(1000) == 3.0
+    cost.add(1.0, 1000)
+    cost.add(9.0, 1000, guess=True)
+    assert cost.seconds(1000) == 2.0  # (3 + 1) / 2; the guess after them ignored
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        cost.add(bad, 1000)
+    cost.add(1.0, 0)
+    assert cost.seconds(1000) == 2.0 and cost.sizes() == [1000]
+
+
+def test_the_first_run_at_a_larger_size_than_the_warm_up_s():
+    """The warm-up times a tail at 9x64x80 and at 5x32x40 (half of each latent dimension); the first request is at
+    17x128x160, 7.6x the pixels. On a quiet CPU a tail has a fixed part (0.5 s + 2.5 s per 348,160 pixels: 3 s
+    there); on a loaded one its cost per pixel rose past the warm-up's sizes (the same small sizes, 6.3 s there:
+    the default size's seconds per pixel). The warm-up's one size scaled by pixels is right only in the second, the
+    line through its two sizes only in the first; the page's clock (their geometric mean above the sizes measured)
+    errs less at worst than either. Fed as the page feeds them: the warm-up's tails as first guesses of
+    the tails' and (no run's end measured yet) of the end's clock."""
+    big, default, small = 17 * 128 * 160, 9 * 64 * 80, 5 * 32 * 40
+
+    def quiet(px: int) -> float:
+        return 0.5 + 2.5 * px / big
+
+    loaded = quiet(default) * big / default
+    clock, one = compare_tab._DecodeClock(), compare_tab._DecodeClock()
+    for px in (default, small):
+        clock.add(quiet(px), px, guess=True)
+    one.add(quiet(default), default, guess=True)  # the earlier warm-up: one size
+    line = SizeCost()
+    for px in (default, small):
+        line.add(quiet(px), px)
+    fixed, per_pixel = line.fit(big)
+    priors = {"page": clock.seconds(big), "one size": one.seconds(big), "line": fixed + per_pixel * big}
+    assert priors["line"] == pytest.approx(3.0) and priors["one size"] == pytest.approx(loaded)
+    assert priors["page"] == pytest.approx((3.0 * loaded) ** 0.5)
+    worst_of = {}
+    for name, prior in priors.items():
+        errors = []
+        for truth in (3.0, loaded):
+            calls, end = simulate(tail=truth, finish=truth)  # the end as long as a tail: what its prior says
+            estimate = RunEstimate(
+                list(RATES),
+                20,
+                tail_prior=lambda s, p=prior: p,
+                finish_prior=lambda s, p=prior: p,
+                finish_like_tails=True,
+            )
+            errors.append(worst(replay(calls, end, estimate), end))
+        worst_of[name] = max(errors)
+    # from a quarter on: the page's at worst 53% (4.3 s a tail: +45% where it is 3 s, -31% where it is 6.3 s), the
+    # line's 59% (loaded), the one size's 130% (quiet); no prior from these two sizes is within 25% in both
+    assert worst_of["page"] < min(worst_of["one size"], worst_of["line"]), worst_of
+    assert worst_of["page"] < 0.55 and worst_of["one size"] > 1.0
+
+
+def test_the_pace_is_the_last_rounds_against_the_windows():
+    """Two variants in turns, 1 s and 0.5 s a step for 8 rounds, then both twice as slow for 3 rounds: the windows'
+    means (the last 8 intervals each) are 1.375 s and 0.6875 s; each of the last 2 rounds' intervals is 16/11 of its
+    variant's mean: the pace is 16/11, and each variant's rate now is its mean at that pace, its step now exactly.
+    Then one round where b's step takes 3 s (another job's burst): its window mean takes it in, the pace leaves it
+    out with the lowest quarter."""
+    estimate = RunEstimate(["a", "b"], 20, tail_prior=lambda s: 3.0)
+    t, counts = 0.0, {"a": (0, 20), "b": (0, 20)}
+
+    def round_(k: int, a: float, b: float) -> None:
+        nonlocal t
+        for name, seconds in (("a", a), ("b", b)):
+            t += seconds + (1.0 if k == 1 else 0.0)  # round 1: cold
+            counts[name] = (k, 20)
+            estimate.steps(t, dict(counts))
+
+    for k in range(1, 13):  # rounds 2-9 at 1x; 10-12 at 2x
+        round_(k, *((2.0, 1.0) if k >= 10 else (1.0, 0.5)))
+    assert statistics.fmean(estimate.intervals["a"]) == pytest.approx(1.375)
+    assert estimate.pace() == pytest.approx(16 / 11)
+    assert estimate.rate("a") == pytest.approx(2.0) and estimate.rate("b") == pytest.approx(1.0)
+    # the steps 2x slower than the run's first 8 (1 s and 0.5 s): the tails to come by its square root (a machine
+    # that slows the steps slows the decodes too, if less)
+    assert estimate.step_seconds == pytest.approx(0.75) and estimate.step_seconds_now == pytest.approx(1.5)
+    assert estimate.slowdown() == pytest.approx(2.0) and estimate.tail_seconds() == pytest.approx(3.0 * 2**0.5)
+    # 8 steps each still to come at their rates now, a tail each, nothing of the next step spent
+    assert estimate.seconds_left(t) == pytest.approx(8 * (2.0 + 1.0) + 2 * 3.0 * 2**0.5)
+    round_(13, 2.0, 3.0)
+    # windows: a 4 x 1 s + 4 x 2 s = 1.5 s, b 4 x 0.5 + 3 x 1 + 3 = 1.0 s; the last 2 rounds' ratios 2/1.5, 1/1,
+    # 2/1.5 and 3/1: without the lowest and the highest, 4/3 (their plain sum 8 s over 5 s said 1.6)
+    assert estimate.pace() == pytest.approx(4 / 3) and estimate.rate("a") == pytest.approx(2.0)
+
+
+def test_a_load_that_changes_mid_run_is_followed_within_two_rounds():
+    """Steps 1.5x slower from round 10 on (the other jobs' load rose), the priors right for the run's first steps:
+    two rounds later each variant's rate is its new step (the windows' means alone took eight rounds). The tails
+    to come are slowed by the square root (:meth:`RunEstimate.tail_slowdown`): whether the machine slowed the tails
+    as much as the steps or not at all, the estimate errs by less than a quarter from then on (their square root),
+    both ways."""
+
+    class Windows(RunEstimate):  # the pace over as many rounds as the windows hold: the windows' means alone
+        RECENT_ROUNDS = RunEstimate.WINDOW
+
+    for tails in (1.0, 1.5):  # the tails and the end not slowed, or as much as the steps
+        calls, end = simulate(slower=(9, 1.5), tail=tails * TAIL, finish=tails * FINISH)
+        settled = next(i for i, (kind, _, arg) in enumerate(calls) if kind == "steps" and min(arg.values())[0] >= 11)
+        estimate, windows = (
+            k(list(RATES), 20, tail_prior=lambda s: TAIL, finish_prior=lambda s: FINISH) for k in (RunEstimate, Windows)
+        )
+        for _kind, at, arg in calls[: settled + 1]:
+            for e in (estimate, windows):
+                e.steps(at, arg)
+        for name, rate in RATES.items():
+            assert estimate.rate(name) == pytest.approx(1.5 * rate)
+            assert windows.rate(name) < 1.35 * rate  # 3 of its 8 intervals slower
+        assert estimate.tail_seconds() == pytest.approx(TAIL * 1.5**0.5, rel=0.03)  # slowed from its first 8 steps
+        points = replay(
+            calls, end, RunEstimate(list(RATES), 20, tail_prior=lambda s: TAIL, finish_prior=lambda s: FINISH)
+        )
+        late = [(shown - left) / left for t, shown, left in points if t >= calls[settled][1] and left >= 0.1 * end]
+        assert late and max(abs(e) for e in late) < 0.3
+        # too long where the tails were not slowed, too short where they were as much as the steps
+        assert (min(late) > 0) if tails == 1.0 else (max(late) < 0)

@@ -60,12 +60,18 @@ def test_a_run_waits_for_the_warm_up_and_says_so(models, tmp_path, monkeypatch):
     assert note == "" and not timer.active
 
 
-def test_the_warm_up_measures_a_decode(models):
+def test_the_warm_up_measures_a_tail_at_two_sizes(models):
+    """The default size's and a smaller one's (the time-left estimate's fixed part and part per pixel, issue 52 (4))."""
     decodes = []
     compare.warm_up(models, decodes)
-    ((seconds, pixels),) = decodes
+    (seconds, pixels), (small_seconds, small_pixels) = decodes
     d = models.components.defaults
     assert seconds > 0 and pixels == d["num_frames"] * d["height"] * d["width"]
+    # the second: the first half of the default size's latents in every dimension, decoded
+    st, sh, sw = models.components.vae_stride
+    latent = ((d["num_frames"] - 1) // st + 1, d["height"] // sh, d["width"] // sw)
+    f, h, w = ((n + 1) // 2 for n in latent)
+    assert small_seconds > 0 and small_pixels == (1 + st * (f - 1)) * h * sh * w * sw
 
 
 @pytest.mark.slow  # starts the launcher
