@@ -227,6 +227,9 @@ def _main(argv) -> int:
 
 
 if __name__ == "__main__":
+    from common.threads import enable_auto
+
+    enable_auto()  # torch's threads: the cores other work leaves (asked again per request), unless OMP_NUM_THREADS is set
     code = main()
     if any(t.name == "warm-up" and t.is_alive() for t in threading.enumerate()):
         # stopped while the background warm-up is inside torch: the interpreter's teardown would abort under it

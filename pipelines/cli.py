@@ -410,6 +410,10 @@ def _quiet(*_args: Any, **_kwargs: Any) -> None:
 
 
 if __name__ == "__main__":
+    if "WORLD_SIZE" not in os.environ:  # torchrun's processes share the cores as it set them
+        from common.threads import enable_auto
+
+        enable_auto()  # torch's threads: the cores other work leaves, unless OMP_NUM_THREADS is set
     code = main()
     if "WORLD_SIZE" in os.environ:  # started by torchrun: gloo's threads may abort the teardown of a finished run
         from pipelines.context_parallel import exit_process

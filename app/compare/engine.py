@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from common import threads
 from common.interleave import (  # noqa: F401 - RunCancelled, machine_load: the page's names too
     PairedSpeedup,
     RunCancelled,
@@ -563,6 +564,8 @@ def iter_compare(
                 torch.cuda.empty_cache()  # give the next variant (and request) the memory back
         return run
 
+    if models.device.type == "cpu":
+        threads.adjust()  # torch's threads for this request: the cores other work leaves (common/threads.py)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_UNTRAINED, category=UserWarning)
         # the shared rule (common.interleave, the CLI's too): a thread per variant, one step each in turn
