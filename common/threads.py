@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import time
 
-__all__ = ["choose_threads", "others_busy", "enable_auto", "adjust", "auto_enabled"]
+__all__ = ["choose_threads", "others_busy", "pick", "enable_auto", "adjust", "auto_enabled"]
 
 WINDOW_S = 0.2  # how long the other work's CPU use is sampled for
 _state: dict[str, int | bool] = {"auto": False, "cores": 1}
@@ -66,6 +66,13 @@ def _usable_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+def pick(cores: int | None = None) -> int | None:
+    """The threads :func:`choose_threads` gives for ``cores`` (default: the cores this process may use) and the
+    other work measured now (:func:`others_busy`); None where the machine does not say."""
+    others = others_busy()
+    return None if others is None else choose_threads(cores or _usable_cores(), others)
+
+
 def enable_auto() -> bool:
     """Switch the policy on for this process (an entry point: the CLI, the app) unless the user fixed the thread
     count with ``OMP_NUM_THREADS``; sets the count once now. Returns whether it is on."""
@@ -86,12 +93,11 @@ def adjust() -> int | None:
     gives, and return it; off (or where the machine says nothing): None, nothing changed."""
     if not _state["auto"]:
         return None
-    others = others_busy()
-    if others is None:
+    threads = pick(int(_state["cores"]))
+    if threads is None:
         return None
     import torch
 
-    threads = choose_threads(int(_state["cores"]), others)
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
     return threads

@@ -162,9 +162,10 @@ class TrainSection:
     max_nonfinite: int = key(10, low=1)  # this many non-finite losses in a row stop the run
     ema_decay: float = key(0.0, low=0)  # moving average of the trained weights, e.g. 0.999; 0 = off (training/ema.py)
     # intra-op CPU threads for this run (torch.set_num_threads); null = torch's default (every core, or
-    # OMP_NUM_THREADS). A tiny model's ops are each too small to share: with two threads every op waits for both,
-    # and on a busy machine for the one that is descheduled (the smoke test: 1.6-20 s a step instead of 0.2 s)
-    threads: int | None = key(None, low=1)
+    # OMP_NUM_THREADS); 0 = the cores other work leaves, measured again every minute (common/threads.py). A tiny
+    # model's ops are each too small to share: with two threads every op waits for both, and on a busy machine for
+    # the one that is descheduled (the smoke test: 1.6-20 s a step instead of 0.2 s)
+    threads: int | None = key(None, low=0)
     lora: LoraSection = field(default_factory=LoraSection)
 
 

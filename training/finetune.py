@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm  # type: ignore[import-untyped]
 
+from common import threads as threads_mod
 from common.errors import ModelError, OutputError, Terminated, run_cli, write_failure
 from common.outputs import write_text_atomic
 from common.video import write_mp4
@@ -373,16 +374,43 @@ def intra_op_threads(threads: int | None) -> Iterator[None]:
     """``train.threads``: torch's intra-op CPU threads for the run, and the caller's count back afterwards (a run in
     a test's process leaves its thread count as it was). None: torch's default is left alone. A tiny model's ops
     are each too small to share between threads: with two, every op waits for both, and on a busy 2-core machine
-    for the one the scheduler has just taken away (the smoke test's steps took 1.6-20 s instead of 0.2 s)."""
-    if not threads:
+    for the one the scheduler has just taken away (the smoke test's steps took 1.6-20 s instead of 0.2 s).
+    0: the cores other work leaves (``common.threads.pick``), set here and again every :data:`THREADS_EVERY_S`
+    by :class:`ThreadFollower` in the training loop."""
+    if threads is None:
         yield
         return
     before = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    torch.set_num_threads(threads or threads_mod.pick() or before)
     try:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+THREADS_EVERY_S = 60.0  # train.threads = 0: how often the other work is measured again (0.2 s each time)
+
+
+class ThreadFollower:
+    """``train.threads = 0`` on a CPU: every :data:`THREADS_EVERY_S` of the loop, torch's threads set again to the
+    cores other work leaves (``common.threads.pick``): a background run on a shared machine takes both cores when
+    they are free and one when another job holds one (two threads then wait on the descheduled one after every op:
+    the built-in model's joint step took 13-135 s instead of 3.7 s with one thread at a load of ~5)."""
+
+    def __init__(self, threads: int | None, device: torch.device, every_s: float = THREADS_EVERY_S):
+        self.on = threads == 0 and device.type == "cpu"
+        self.every_s = every_s
+        self.last = time.monotonic()
+
+    def __call__(self) -> int | None:
+        """Between steps: the thread count set now, None when it was not time (or the policy is off)."""
+        if not self.on or time.monotonic() - self.last < self.every_s:
+            return None
+        self.last = time.monotonic()
+        picked = threads_mod.pick()
+        if picked is not None and picked != torch.get_num_threads():
+            torch.set_num_threads(picked)
+        return picked
 
 
 def interrupted_note(run_dir: str, checkpoint: CheckpointSection) -> str:
@@ -497,8 +525,10 @@ def train(cfg: FinetuneConfig, target: TrainingTarget | None = None) -> int:
         raise RuntimeError(f"launched as {launched} processes but accelerate set up {world}; check the launcher")
     device = accelerator.device
     print_main = accelerator.print  # prints on the main process only
-    if cfg.train.threads:  # set by _main for the run (intra_op_threads)
-        print_main(f"CPU threads: {torch.get_num_threads()} (train.threads)")
+    if cfg.train.threads is not None:  # set by _main for the run (intra_op_threads)
+        how = "the cores other work leaves, measured every minute" if cfg.train.threads == 0 else "train.threads"
+        print_main(f"CPU threads: {torch.get_num_threads()} ({how})")
+    follow_threads = ThreadFollower(cfg.train.threads, device)
     if main_proc:  # what writers of a killed run left mid-write (this run holds the lock: none of them is alive)
         ckpt.sweep_temporaries(run_dir)
     if replaced and main_proc:
@@ -656,6 +686,7 @@ def train(cfg: FinetuneConfig, target: TrainingTarget | None = None) -> int:
             data_iter = iter(data_loader(dataset, sampler, cfg.train.batch_size, cfg.data.num_workers))
             stills = images if transfer is None else None  # attention transfer copies on clips only
             while at.step < stage_end:
+                follow_threads()
                 t0 = time.perf_counter()
                 grad_norm, finite, image_loss = None, True, None
                 for _ in range(cfg.train.grad_accum):
