@@ -19,7 +19,7 @@ def test_the_smoke_config_replaces_its_last_run_and_runs_one_thread():
     cfg = load_config(TINY)
     assert cfg.overwrite is True and cfg.train.threads == 1
     assert load_config(TINY, ["train.threads=null"]).train.threads is None  # torch's default
-    for bad, expected in (("0", "expected a value >= 1"), ("1.5", "expected an integer")):
+    for bad, expected in (("-1", "expected a value >= 0"), ("1.5", "expected an integer")):  # 0: auto
         with pytest.raises(ValueError, match=f"train.threads={bad}: {expected}"):
             load_config(TINY, [f"train.threads={bad}"])
 
