@@ -58,7 +58,9 @@ def main(argv=None) -> int:
     from app import compare, compare_tab, ui
     from app.models import load_app_models
     from app.preview import PREVIEW_EVERY
+    from common.threads import enable_auto
 
+    enable_auto()  # as run_app.py starts: torch's threads from the cores other work leaves, again per request
     every = PREVIEW_EVERY if args.preview_every is None else args.preview_every
     models = load_app_models(args.model)
     if models.builtin:  # as run_app.py composes it: the analyser's verdict is part of each variant's tail
