@@ -326,22 +326,31 @@ def load_components(
         scheduler = _load_scheduler(root / "scheduler")
         image_encoder, image_processor = _load_image_encoder(root, files.image_parts, device)
         built, folders = {}, {part: (root / part, config) for part, config in files.configs.items()}
-    if transformer is not None:  # --transformer, loaded after the model's own to run in its place
+    own = expert or "transformer"
+    keys = ("text_dim", "in_channels", "out_channels")  # what --transformer must share with the model it runs in
+    own_config: dict[str, Any] | None = None
+    if transformer is not None:  # --transformer runs in place of the model's own
+        saved = folders.get(own, (None, None))[1]
+        if saved is not None and all(k in saved for k in keys):  # its config.json says whether it fits: the
+            own_config = saved  # model's own weights are not read (a 14B transformer is ~28 GB in bfloat16)
+            del folders[own]
         folders["--transformer"] = (Path(transformer), transformer_config)
     # every transformer folder as load_transformer loads it (each comes back as its saved variant)
     experts = {**built, **{part: load_transformer_on(path, dtype, device, c) for part, (path, c) in folders.items()}}
     source = files.source
-    first = experts.pop(expert or "transformer")
+    first = experts.pop(own, None)
     loaded = experts.pop("--transformer", None)
     if loaded is not None:
-        keys = ("text_dim", "in_channels", "out_channels")
-        if any(loaded.config[k] != first.config[k] for k in keys):
+        reference = own_config if first is None else dict(first.config)
+        assert reference is not None  # the model's own transformer, loaded or its config read
+        if any(loaded.config[k] != reference[k] for k in keys):
             raise ValueError(
                 f"--transformer {str(transformer)!r} does not fit the model {source!r}: "
-                + ", ".join(f"{k} {loaded.config[k]} vs {first.config[k]}" for k in keys)
+                + ", ".join(f"{k} {loaded.config[k]} vs {reference[k]}" for k in keys)
                 + "; pass the --model it was trained with (e.g. --model tiny-random)"
             )
         first, source = loaded, f"{source} + transformer {transformer}"
+    assert first is not None  # the model's own, or --transformer in its place
     if lora is not None:
         from .lora import apply_lora
 
