@@ -8,12 +8,12 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from mhla.layout import BlockLayout
 from mhla.parallel import mhla_attention_sharded, shard_bounds
 from pipelines.context_parallel import exit_process
 from tests.independent import constrain, mhla_dense
+from tests.spawned import group_runner
 
 GRID, BLOCKS = (3, 5, 7), (2, 2, 3)  # uneven blocks; 105 tokens split 4 ways: 27, 26, 26, 26
 
@@ -104,24 +104,9 @@ def groups(tmp_path_factory):
     """``groups(world)``: every case of that many processes, run in one group spawned once for the module (a
     spawned process imports torch again: seconds on a 2-core CPU, more than a case's own work). Returns
     ``{(normalize, rope, per_head): errors}``; a group that failed fails each of its tests with its error."""
-    done: dict[int, dict | BaseException] = {}
-
-    def run(world: int) -> dict:
-        if world not in done:
-            cases = [tuple(case[1:]) for case in CASES if case[0] == world]
-            out = mp.Manager().dict()
-            init = tmp_path_factory.mktemp(f"group{world}") / "init"
-            try:
-                mp.spawn(_worker, args=(world, str(init), cases, out), nprocs=world, join=True)
-                done[world] = dict(out)
-            except Exception as e:  # kept: the group's other tests fail with it too, not spawned again
-                done[world] = e
-        result = done[world]
-        if isinstance(result, BaseException):
-            raise result
-        return result
-
-    return run
+    return group_runner(
+        tmp_path_factory, _worker, lambda world: [tuple(case[1:]) for case in CASES if case[0] == world]
+    )
 
 
 @pytest.mark.slow

@@ -8,13 +8,13 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from mhla import mhla_attention
 from mhla.layout import BlockLayout
 from mhla.parallel import mhla_attention_sharded, shard_bounds
 from pipelines.context_parallel import exit_process, gather_sequence, ring_start, ulysses
 from tests.independent import constrain
+from tests.spawned import group_runner
 
 GRID, BLOCKS = (3, 5, 7), (2, 2, 3)
 OPERATOR_CASES = [(2, False), (4, True)]  # (processes, per-head mixing)
@@ -170,26 +170,18 @@ def groups(tmp_path_factory):
     """``groups(world)``: every case of that many processes, run in one group spawned once for the module (each
     spawned process imports torch and diffusers again: several seconds a process on a 2-core CPU, more than a case's
     own work). Returns ``{case: {rank: errors}}``; a group that failed fails each of its tests with its error."""
-    done: dict[int, dict | BaseException] = {}
+
+    def cases(world: int) -> list:
+        found: list = [("operator", per_head) for w, per_head in OPERATOR_CASES if w == world]
+        return found + [("model", variant, mode) for variant, mode, w in MODEL_CASES if w == world]
+
+    spawned = group_runner(tmp_path_factory, _group_worker, cases)
 
     def run(world: int) -> dict:
-        if world not in done:
-            cases = [("operator", per_head) for w, per_head in OPERATOR_CASES if w == world]
-            cases += [("model", variant, mode) for variant, mode, w in MODEL_CASES if w == world]
-            out = mp.Manager().dict()
-            init = tmp_path_factory.mktemp(f"group{world}") / "init"
-            try:
-                mp.spawn(_group_worker, args=(world, str(init), cases, out), nprocs=world, join=True)
-                results: dict = {}
-                for (case, rank), got in dict(out).items():
-                    results.setdefault(case, {})[rank] = got
-                done[world] = results
-            except Exception as e:  # kept: the group's other tests fail with it too, not spawned again
-                done[world] = e
-        result = done[world]
-        if isinstance(result, BaseException):
-            raise result
-        return result
+        results: dict = {}
+        for (case, rank), got in spawned(world).items():
+            results.setdefault(case, {})[rank] = got
+        return results
 
     return run
 
