@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from common.outputs import write_text_atomic
-from common.threads import _usable_cores
+from common.threads import usable_cores
 
 SPIN = "import time\nend = time.time() + {s}\nwhile time.time() < end: pass\n"
 DENOISE = re.compile(r"^denoising\s+([\d.]+) s", re.M)
@@ -50,7 +50,7 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     if args.busy < 0 or args.runs < 1:
         p.error(f"--busy must be >= 0 and --runs >= 1, got {args.busy} and {args.runs}")
-    cores = _usable_cores()
+    cores = usable_cores()
     spinners = [subprocess.Popen([sys.executable, "-c", SPIN.format(s=3600)]) for _ in range(args.busy)]
     rows: dict[str, list[dict]] = {f"fixed {cores}": [], "auto": []}
     try:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import time
 
-__all__ = ["choose_threads", "others_busy", "pick", "enable_auto", "adjust", "auto_enabled"]
+__all__ = ["choose_threads", "others_busy", "usable_cores", "pick", "enable_auto", "adjust", "auto_enabled"]
 
 WINDOW_S = 0.2  # how long the other work's CPU use is sampled for
 _state: dict[str, int | bool] = {"auto": False, "cores": 1}
@@ -59,7 +59,7 @@ def others_busy(window_s: float = WINDOW_S) -> float | None:
     return max(0.0, (end - start) - (time.process_time() - own)) / max(elapsed, 1e-6)
 
 
-def _usable_cores() -> int:
+def usable_cores() -> int:
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not Linux
@@ -70,7 +70,7 @@ def pick(cores: int | None = None) -> int | None:
     """The threads :func:`choose_threads` gives for ``cores`` (default: the cores this process may use) and the
     other work measured now (:func:`others_busy`); None where the machine does not say."""
     others = others_busy()
-    return None if others is None else choose_threads(cores or _usable_cores(), others)
+    return None if others is None else choose_threads(cores or usable_cores(), others)
 
 
 def enable_auto() -> bool:
@@ -79,7 +79,7 @@ def enable_auto() -> bool:
     if os.environ.get("OMP_NUM_THREADS"):
         _state["auto"] = False
         return False
-    _state.update(auto=True, cores=_usable_cores())
+    _state.update(auto=True, cores=usable_cores())
     adjust()
     return True
 

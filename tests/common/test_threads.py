@@ -69,7 +69,7 @@ def test_auto_follows_the_other_work_and_leaves_a_fixed_count_alone(monkeypatch)
     before = torch.get_num_threads()
     seen = iter([5.0, 0.0])
     monkeypatch.setattr(threads, "_state", {"auto": False, "cores": 1})
-    monkeypatch.setattr(threads, "_usable_cores", lambda: 2)
+    monkeypatch.setattr(threads, "usable_cores", lambda: 2)
     monkeypatch.setattr(threads, "others_busy", lambda window_s=0.2: next(seen))
     try:
         monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user fixed it: nothing changes
