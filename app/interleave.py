@@ -4,7 +4,7 @@ The rule itself (variants taking turns step by step, paired per-step speedups wi
 flag) is :mod:`common.interleave`, shared with the generation CLI's ``--variant all``; its names are re-exported
 here. This module adds what only the page needs:
 
-- :class:`Countdown`: a time-left estimate that never rises.
+- :class:`Countdown`: a time-left figure that counts down without jitter (it holds for a small rise).
 - :class:`RunEstimate`: the run's seconds left from each variant's own steps, the tails (decode, video, checks) and
   the run's end (side-by-side video, tables), measured in the run where it can be, else carried from earlier runs.
 - :class:`SizeCost`: a stage's seconds at a size not yet measured, from a fixed part and a part per pixel.
@@ -28,9 +28,16 @@ from common.interleave import (  # noqa: F401 - the page's names for the shared 
 
 
 class Countdown:
-    """Seconds left, shown so that it counts down: a new estimate a little above the last one minus the time since
-    (within 10%, or 1 s) is capped by it, so the figure does not jitter up and down from step to step; one well
-    above it is shown, because the run did slow down (a loaded machine) and saying less would be wrong."""
+    """Seconds left, shown so that it counts down: a new estimate a little above the count (the last figure less the
+    time since; within 10%, or 1 s) does not raise the figure, the figure holds instead (it stops counting down until
+    the count meets the estimate), so it does not jitter up and down from step to step and does not stay below the
+    estimate either; one well above the count is shown, because the run did slow down (a loaded machine) and saying
+    less would be wrong; a lower one is shown at once.
+
+    Holding, not capping at the count: a figure capped at the count kept whatever it was below the estimate when a
+    small rise came, for the rest of the run: the estimate itself within 0.1 s of the time left for the last 11 s of
+    a recorded 41 s run, the figure 0.8 s below it throughout, "about 3 s left" with 4.1 s to go (-22%; replayed,
+    -3% holding; issue 52 (4), ``benchmarks/results/app_eta_cpu.md``)."""
 
     # a rise by more than this share (and more than RISE_S) is real, not jitter. 15% and 2 s capped real rises on a
     # 12 s run: the figure counted down faster than the run and said "4 s" with 8 s to go (-49%, issue 52 (4))
@@ -39,20 +46,22 @@ class Countdown:
 
     def __init__(self, clock=time.monotonic):
         self._clock = clock
-        self._left: float | None = None
+        self._left: float | None = None  # the last estimate taken, at self._at
         self._at = 0.0
+        self._shown = 0.0  # the last figure returned
 
     def update(self, estimate: float | None) -> float | None:
         """The figure to show for ``estimate`` (None: no estimate yet, and none shown)."""
         now = self._clock()
+        counted = None if self._left is None else max(0.0, self._left - (now - self._at))
         if estimate is None:
-            return None if self._left is None else max(0.0, self._left - (now - self._at))
+            if counted is not None:
+                self._shown = counted
+            return counted
         estimate = max(0.0, estimate)
-        if self._left is not None:
-            counted = max(0.0, self._left - (now - self._at))
-            if estimate <= counted * (1 + self.RISE) or estimate <= counted + self.RISE_S:
-                estimate = min(estimate, counted)
-        self._left, self._at = estimate, now
+        if counted is not None and (estimate <= counted * (1 + self.RISE) or estimate <= counted + self.RISE_S):
+            estimate = min(estimate, self._shown)  # a small rise: the figure holds
+        self._left, self._at, self._shown = estimate, now, estimate
         return estimate
 
 

@@ -72,7 +72,8 @@ def main(argv=None) -> int:
     warmup = compare.Warmup(models, previews=every > 0).start()
     warmup.wait()
     tails = ", ".join(f"{s:.2f} s at {p:,} pixels" for s, p in warmup.decodes)
-    print(f"warm-up: {warmup.seconds or 0:.1f} s; its tails (the first request's priors): {tails or 'none'}")
+    ends = "".join(f"; a run's end {s:.2f} s at {p:,} pixels" for s, p in warmup.ends)
+    print(f"warm-up: {warmup.seconds or 0:.1f} s; its tails (the first request's priors): {tails or 'none'}{ends}")
     d = models.defaults
     preset = args.preset or compare.preset_key((d["num_frames"], d["height"], d["width"]))
     demo = ui.build_demo(models, out_root=tempfile.mkdtemp(prefix="app-eta-"), warmup=warmup, preview_every=every)
@@ -276,11 +277,13 @@ def write(args, models, preset: str, rows: list[dict], every: int, warmup) -> No
         "label": args.label,
         "warm_up_s": None if warmup.seconds is None else round(warmup.seconds, 2),
         "warm_up_tails": [[round(s, 3), p] for s, p in warmup.decodes],
+        "warm_up_ends": [[round(s, 3), p] for s, p in warmup.ends],
         "command": shlex.join(
             ["python", "-m", "benchmarks.app_eta"] + [f"--{k}={v}" for k, v in vars(args).items() if v is not None]
         ),
     }
     tails = ", ".join(f"{s:.2f} s at {p:,} pixels" for s, p in warmup.decodes) or "none"
+    tails += "".join(f"; a run's end {s:.2f} s at {p:,} pixels" for s, p in warmup.ends)
     lines = [
         f"# The page's time-left estimate against the time left ({meta['device']}, {meta['date']})",
         "",

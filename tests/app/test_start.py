@@ -20,7 +20,7 @@ def models():
 
 def test_the_warm_up_runs_in_the_background(models, monkeypatch):
     release = threading.Event()
-    monkeypatch.setattr(compare.engine, "warm_up", lambda m, decodes=None: release.wait(10) and 1.5)
+    monkeypatch.setattr(compare.engine, "warm_up", lambda m, decodes=None, ends=None: release.wait(10) and 1.5)
     started = time.monotonic()
     warmup = compare.Warmup(models).start()
     assert time.monotonic() - started < 1.0 and not warmup.done  # start() returns at once
@@ -30,7 +30,7 @@ def test_the_warm_up_runs_in_the_background(models, monkeypatch):
 
 
 def test_a_failed_warm_up_counts_as_done(models, monkeypatch):
-    def broken(m, decodes=None):
+    def broken(m, decodes=None, ends=None):
         raise RuntimeError("no")
 
     monkeypatch.setattr(compare.engine, "warm_up", broken)
@@ -42,7 +42,7 @@ def test_a_run_waits_for_the_warm_up_and_says_so(models, tmp_path, monkeypatch):
     from app.ui import build_demo
 
     release = threading.Event()
-    monkeypatch.setattr(compare.engine, "warm_up", lambda m, decodes=None: release.wait(30) and 0.1)
+    monkeypatch.setattr(compare.engine, "warm_up", lambda m, decodes=None, ends=None: release.wait(30) and 0.1)
     warmup = compare.Warmup(models).start()
     demo = build_demo(models, max_tokens=compare.CPU_MAX_TOKENS, out_root=tmp_path, warmup=warmup)
     props = {c.get("props", {}).get("elem_id"): c.get("props", {}) for c in demo.config["components"]}
@@ -60,10 +60,26 @@ def test_a_run_waits_for_the_warm_up_and_says_so(models, tmp_path, monkeypatch):
     assert note == "" and not timer.active
 
 
-def test_the_warm_up_measures_a_tail_at_two_sizes(models):
-    """The default size's and a smaller one's (the time-left estimate's fixed part and part per pixel, issue 52 (4))."""
-    decodes = []
-    compare.warm_up(models, decodes)
+def test_the_warm_up_measures_a_tail_at_two_sizes_and_a_warm_end(models, monkeypatch):
+    """The default size's tail and a smaller one's (the time-left estimate's fixed part and part per pixel), and a
+    run's end at the default size, its chart drawn once before it is timed (issue 52 (4): the first run's end paid the
+    chart library's import and took twice the next runs')."""
+    from app.compare import engine
+
+    decodes, ends, timed = [], [], []
+    real_write, real_draw = engine.write_mp4, engine._draw_chart
+
+    def write(path, frames, **kwargs):
+        timed.append(("video", frames.shape))
+        return real_write(path, frames, **kwargs)
+
+    def draw():
+        timed.append(("chart", None))
+        real_draw()
+
+    monkeypatch.setattr(engine, "write_mp4", write)
+    monkeypatch.setattr(engine, "_draw_chart", draw)
+    compare.warm_up(models, decodes, ends)
     (seconds, pixels), (small_seconds, small_pixels) = decodes
     d = models.components.defaults
     assert seconds > 0 and pixels == d["num_frames"] * d["height"] * d["width"]
@@ -72,6 +88,13 @@ def test_the_warm_up_measures_a_tail_at_two_sizes(models):
     latent = ((d["num_frames"] - 1) // st + 1, d["height"] // sh, d["width"] // sw)
     f, h, w = ((n + 1) // 2 for n in latent)
     assert small_seconds > 0 and small_pixels == (1 + st * (f - 1)) * h * sh * w * sw
+    ((end_seconds, end_pixels),) = ends
+    assert end_seconds > 0 and end_pixels == pixels
+    # the end: a chart drawn untimed, then the side-by-side video (four variants side by side) and the chart again
+    (at,) = [i for i, (kind, shape) in enumerate(timed) if kind == "video" and shape[2] >= 4 * d["width"]]
+    assert [k for k, _ in timed[at - 1 : at + 2]] == ["chart", "video", "chart"]
+    frames, height, _, _ = timed[at][1]
+    assert frames == d["num_frames"] and height > d["height"]
 
 
 @pytest.mark.slow  # starts the launcher
@@ -189,7 +212,7 @@ def test_the_page_is_served_while_the_models_load_and_a_run_waits_for_them(model
     from app.ui import build_demo
 
     release = threading.Event()
-    monkeypatch.setattr(compare.engine, "warm_up", lambda m, decodes=None: 0.1)
+    monkeypatch.setattr(compare.engine, "warm_up", lambda m, decodes=None, ends=None: 0.1)
     warmup = compare.Warmup.loading(lambda: release.wait(30) and models).start()
     demo = build_demo(
         describe_app_models("tiny-random"), max_tokens=compare.CPU_MAX_TOKENS, out_root=tmp_path, warmup=warmup

@@ -89,7 +89,9 @@ def test_countdown_counts_down_without_jitter_and_shows_a_real_slowdown():
     assert c.update(None) is None  # nothing shown before the first estimate
     assert c.update(30.0) == 30.0
     now[0] = 5.0
-    assert c.update(26.0) == 25.0  # a little above the count (within 10% and 1 s): capped, no jitter
+    assert c.update(26.0) == 26.0  # a little above the count (within 10% and 1 s), below the last figure: no rise
+    now[0] = 5.5
+    assert c.update(26.2) == 26.0  # a little above the last figure: it holds, no jitter up
     now[0] = 6.0
     assert c.update(10.0) == 10.0  # a lower one is taken
     now[0] = 7.0
