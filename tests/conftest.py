@@ -95,6 +95,10 @@ def pytest_configure(config):
     from tests.reliability import Recorder
 
     config.pluginmanager.register(Recorder(), "reliability-recorder")  # the probes' table, at the end of the session
+    if not hasattr(config, "workerinput"):  # the controller (or a run without xdist): no tracked file may change
+        from tests.tree_guard import TreeGuard
+
+        config.pluginmanager.register(TreeGuard(), "tree-guard")
     if not os.path.exists("/proc/self/statm") or threading.current_thread() is not threading.main_thread():
         return  # the guard needs Linux's /proc and the main thread's signal handler
     signal.signal(signal.SIGUSR2, _on_limit)

@@ -28,6 +28,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.reliability import OUT_ENV
+
 # the page's outputs after a compare, in order (app/compare_tab.py): status, headline, (column, video, details, live
 # preview) per variant (PER_VARIANT of them), then summary, table, details table, chart, side-by-side file (counted
 # from the end)
@@ -293,8 +295,14 @@ def machine() -> dict:
     return info
 
 
-def write_figures(name: str, figures: dict, markdown: str) -> Path:
-    """``benchmarks/results/<name>.json`` and ``.md``: figures reported, never asserted."""
+def write_figures(name: str, figures: dict, markdown: str) -> Path | None:
+    """``benchmarks/results/<name>.json`` and ``.md``: figures reported, never asserted; written only by the
+    reliability suite (``python -m tests.reliability`` sets :data:`tests.reliability.OUT_ENV`). In a plain pytest
+    run they are printed (shown with ``-s`` or on a failure): a test run never rewrites a tracked file (the load
+    test rewrote its results in every run, CI's included)."""
+    if not os.environ.get(OUT_ENV):
+        print(markdown)
+        return None
     folder = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
     folder.mkdir(parents=True, exist_ok=True)
     (folder / f"{name}.json").write_text(json.dumps(figures, indent=1) + "\n")
