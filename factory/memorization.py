@@ -27,23 +27,29 @@ from world.synthetic import SyntheticVideoDataset, world_named
 FRESH_SEED = 987_654  # another seed's draws of the same world: none of them in a cache drawn with seed 0
 
 
+def draws(samples: int, seed: int, frames: int, height: int, width: int, world) -> SyntheticVideoDataset:
+    """The world's clips (``frames`` > 1) or one-frame stills (captions without a motion word) drawn with ``seed``:
+    with ``train.seed`` and ``data.num_samples``, the very samples a stage's cache was encoded from
+    (``training.data.build_dataset`` on ``data.source=synthetic``)."""
+    return SyntheticVideoDataset(
+        samples, seed=seed, num_frames=frames, height=height, width=width, world=world, images=frames == 1
+    )
+
+
 def run(args) -> dict:
     components = load_components(args.model, dtype="float32", device="cpu")
     transformer = load_transformer(args.transformer, dtype=torch.float32, device="cpu").eval()
     d, world = components.defaults, world_named(args.world)
     rows = {}
     for kind, frames in (("clips", d["num_frames"]), ("stills", 1)):
-        for draws, seed in (("trained", args.seed), ("fresh", FRESH_SEED)):
-            dataset = SyntheticVideoDataset(
-                args.samples, seed=seed, num_frames=frames, height=d["height"], width=d["width"], world=world,
-                images=frames == 1,
-            )  # fmt: skip
+        for which, seed in (("trained", args.seed), ("fresh", FRESH_SEED)):
+            dataset = draws(args.samples, seed, frames, d["height"], d["width"], world)
             with torch.no_grad():
                 loss = heldout_loss(
                     components, {"model": transformer}, dataset, args.batches, args.batch_size, seed=5, draws=2
                 )["model"]
-            rows[f"{kind} {draws}"] = loss
-            print(f"{kind}, {draws} draws (seed {seed}): flow loss {loss['mean']:.4f} ± {loss['std']:.4f}", flush=True)
+            rows[f"{kind} {which}"] = loss
+            print(f"{kind}, {which} draws (seed {seed}): flow loss {loss['mean']:.4f} ± {loss['std']:.4f}", flush=True)
     gaps = {kind: rows[f"{kind} fresh"]["mean"] / rows[f"{kind} trained"]["mean"] - 1 for kind in ("clips", "stills")}
     for kind, gap in gaps.items():
         print(f"{kind}: fresh draws {gap:+.1%} against the trained ones")

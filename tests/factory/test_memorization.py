@@ -21,6 +21,21 @@ def test_the_fresh_draws_are_none_of_the_trained_ones():
             assert not any(torch.equal(fresh[i]["video"], v) for v in seen)
 
 
+def test_the_trained_draws_are_the_joint_stage_s_cache_samples():
+    """What the stage's cache was encoded from (its config, data.source=synthetic, build_dataset with train.seed):
+    the same clips and stills, item for item, as the command's trained draws."""
+    from training.config import load_config
+    from training.data import build_dataset
+
+    cfg = load_config("factory/configs/v3/joint.yaml", ["data.source=synthetic"])
+    d = cfg.data
+    for images, frames in ((False, d.num_frames), (True, 1)):
+        cached = build_dataset(d, cfg.train.seed, cfg.model, images=images)
+        ours = memorization.draws(d.num_samples, cfg.train.seed, frames, d.height, d.width, world_named(d.world))
+        for i in (0, 1, 4095):
+            assert torch.equal(cached[i]["video"], ours[i]["video"]) and cached[i]["caption"] == ours[i]["caption"]
+
+
 def test_it_runs_on_the_built_in_model_and_reports_both_kinds(tmp_path):
     from pipelines.model_dir import builtin_info
 
