@@ -27,7 +27,17 @@ def test_the_trained_draws_are_the_joint_stage_s_cache_samples():
     from training.config import load_config
     from training.data import build_dataset
 
-    cfg = load_config("factory/configs/v3/joint.yaml", ["data.source=synthetic"])
+    # the data and seed from the stage's config; its folders (runs/, absent on a clean clone) replaced
+    cfg = load_config(
+        "factory/configs/v3/joint.yaml",
+        [
+            "data.source=synthetic",
+            "data.image_ratio=0",
+            "data.image_path=null",
+            "model.path=assets/builtin",
+            "model.transformer=null",
+        ],
+    )
     d = cfg.data
     for images, frames in ((False, d.num_frames), (True, 1)):
         cached = build_dataset(d, cfg.train.seed, cfg.model, images=images)
