@@ -9,7 +9,9 @@
 - ``paired``: two evaluations compared on the videos both drew (same prompt and seed);
 - ``transfer_study``: the conversion-recipe study on the built-in model;
 - ``next``: the next design's stages, kept in ``assets/builtin-next/``; ``v3``: the third design (its model
-  directory, the VAE gate, the cross-attention's share per caption word).
+  directory, the VAE gate, the cross-attention's share per caption word);
+- ``reship``: a later base stage's conversions, evaluation and diagnoses in one resumable command, shipped only
+  when it beats the shipped model's committed evaluation (``python -m factory.reship CHECKPOINT --name NAME``).
 
 The world it is trained on and the analyser that judges it are the package ``world`` below; this package
 sits above the recipe (it runs ``training`` stages) and nothing imports it but its own commands and tests.

@@ -1,0 +1,352 @@
+"""Re-ship the built-in model from a later base-stage checkpoint, in one resumable command, only when it is better.
+
+    nohup nice -n 5 python -m factory.reship runs/builtin-v3/joint/checkpoints/step-0005000 --name joint-step5000 \\
+        > runs/builtin-v3/reship-joint-step5000.log 2>&1 &
+
+Issue 49's rule: "re-ship every time a later base and its conversions beat the shipped model on the committed
+evaluation". By hand that was ten commands over an hour of CPU, each waiting on the last; here they are stages of
+one run in ``runs/builtin-v3/reship-NAME/`` that a killed run resumes where it stopped (each stage is recorded in
+``state.json`` when it is done; a conversion resumes from its own last checkpoint):
+
+1. ``stage``: the checkpoint's EMA and raw weights into ``assets/builtin-next/v3`` (float16: the stage weights a
+   later session, or a fresh machine, resumes from; committed whether or not the model ships);
+2. ``convert-<variant>``: the three conversions (linear, mhla, mhla-hybrid) fine-tuned from that EMA with their
+   committed configs (``factory/configs/v3/<variant>.yaml``; ``--conversion-steps`` each, one budget), each run in
+   ``reship-NAME/<variant>``, its final EMA kept in ``reship-NAME/candidate/variants`` (float16);
+3. ``layout``: the candidate model folder ``reship-NAME/model`` (the shipped design's parts, the new EMA as the
+   softmax transformer, the new conversions as variants);
+4. ``evaluate``: the committed evaluation (48 prompts x seeds 0 1 2, analyser, CFG: the model's defaults) of the
+   candidate, written to ``assets/builtin-next/v3/curves/v3-eval-NAME``, and the base's diagnoses beside it
+   (unconditional shape rate, the noised-real-clip swap test, memorisation);
+5. ``decide``: the candidate against the evaluation the shipped model names in its ``builtin.json``
+   (:func:`compare`), written to ``curves/reship-NAME.json``;
+6. ``ship`` (only when it is better): ``factory.v3 ship`` with this evaluation, the app's example prompts chosen from
+   it (``factory.examples``) and their results stored with the model (``run_app.py --store-examples``).
+
+What stays for a person: README's table and the design history (``docs/builtin-model.md``) name the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from common.outputs import atomic_dir
+from factory import write_json
+from factory.build import CONVERSIONS
+from factory.v3 import MODEL, NEXT, WORK, WORLD
+from pipelines.attention import SOFTMAX
+from pipelines.model_dir import BUILTIN_DIR, VARIANTS_SUBDIR
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "factory" / "configs" / "v3"
+CURVES = NEXT / "curves"
+VARIANTS = (SOFTMAX, *CONVERSIONS)
+# a variant's overall may fall by at most this much for the candidate to ship (about two seeds' standard deviation
+# of overall at 48 prompts x 3 seeds: 0.02-0.04 in the committed evaluations)
+MAX_DROP = 0.05
+# overall means within this are a tie, which the mean held-out flow loss breaks
+TIE = 0.005
+# what two evaluations must share to be compared
+SAME = ("world", "num_prompts", "seeds", "num_inference_steps", "guidance_scale", "analyser_version", "data_seed")
+
+Runner = Callable[[Sequence[str]], None]
+
+
+def compare(candidate: dict, shipped: dict | None) -> dict:
+    """Whether the ``candidate`` evaluation (:mod:`factory.evaluate`'s JSON) beats the ``shipped`` one: the mean over
+    the four variants of ``overall`` (every attribute right: what a person sees across the page's columns) rises by
+    more than :data:`TIE`, or ties and the mean held-out flow loss falls; and no variant's ``overall`` falls by more
+    than :data:`MAX_DROP`. Nothing shipped with an evaluation: it ships. Raises ``ValueError`` when the two were
+    not measured the same way (:data:`SAME`) or lack a variant: such a comparison says nothing."""
+    rows = {v: _row(candidate, v) for v in VARIANTS}
+    if shipped is None:
+        return {"ship": True, "why": "the shipped model names no evaluation", "candidate": rows}
+    differ = [k for k in SAME if candidate.get(k) != shipped.get(k)]
+    if differ:
+        raise ValueError(
+            "the candidate's and the shipped model's evaluations were not made the same way: "
+            + ", ".join(f"{k} {candidate.get(k)!r} against {shipped.get(k)!r}" for k in differ)
+        )
+    before = {v: _row(shipped, v) for v in VARIANTS}
+    mean = lambda table, key: sum(r[key] for r in table.values()) / len(table)  # noqa: E731
+    gain = mean(rows, "overall") - mean(before, "overall")
+    loss_gain = mean(before, "flow_loss") - mean(rows, "flow_loss")
+    drops = {v: before[v]["overall"] - rows[v]["overall"] for v in VARIANTS}
+    worst = max(drops, key=drops.get)
+    if drops[worst] > MAX_DROP:
+        ship, why = False, f"{worst}'s overall falls {drops[worst]:.3f} (more than {MAX_DROP})"
+    elif gain > TIE:
+        ship, why = True, f"the mean overall rises {gain:+.3f}"
+    elif gain >= -TIE and loss_gain > 0:
+        ship, why = True, f"the mean overall ties ({gain:+.3f}) and the mean held-out loss falls {loss_gain:.4f}"
+    else:
+        ship, why = False, f"the mean overall changes {gain:+.3f} and the mean held-out loss {-loss_gain:+.4f}"
+    return {
+        "ship": ship,
+        "why": why,
+        "mean_overall": {"candidate": mean(rows, "overall"), "shipped": mean(before, "overall")},
+        "mean_flow_loss": {"candidate": mean(rows, "flow_loss"), "shipped": mean(before, "flow_loss")},
+        "candidate": rows,
+        "shipped": before,
+    }
+
+
+def _row(evaluation: dict, variant: str) -> dict:
+    got = (evaluation.get("variants") or {}).get(variant)
+    if not got or "overall" not in got or "flow_loss" not in got:
+        raise ValueError(f"the evaluation has no {variant!r} row with overall and flow_loss")
+    return {k: got[k] for k in ("overall", "flow_loss", "colour", "shape", "count", "motion") if k in got}
+
+
+def shipped_evaluation(model: Path = BUILTIN_DIR) -> tuple[dict | None, str | None]:
+    """The evaluation the shipped model names (``builtin.json``'s ``evaluation``) and its path; (None, None) when it
+    names none. A named file that is missing is an error: the rule cannot be applied."""
+    info = json.loads((model / "builtin.json").read_text())
+    path = info.get("evaluation")
+    if not path:
+        return None, None
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{model / 'builtin.json'} names the evaluation {path}, which is not there")
+    return json.loads(Path(path).read_text()), path
+
+
+def _python(*args: str) -> list[str]:
+    return [sys.executable, *args]
+
+
+def _subprocess(cmd: Sequence[str]) -> None:
+    print("$", " ".join(cmd[1:] if cmd[0] == sys.executable else cmd), flush=True)
+    subprocess.run(list(cmd), check=True, cwd=ROOT)  # the configs' and commands' paths are the repository's
+
+
+class Reship:
+    """The stages of one re-ship (module docstring), recorded in ``<work>/state.json`` as each finishes."""
+
+    def __init__(
+        self,
+        checkpoint: Path,
+        name: str,
+        conversion_steps: int = 600,
+        num_prompts: int = 48,
+        seeds: Sequence[int] = (0, 1, 2),
+        work_root: Path = WORK,
+        next_dir: Path = NEXT,
+        builtin: Path = BUILTIN_DIR,
+        run: Runner = _subprocess,
+    ) -> None:
+        if not name or any(c in name for c in "/\\ ") or name.startswith("."):
+            raise ValueError(f"--name {name!r}: expected a short name without spaces or slashes, e.g. joint-step5000")
+        if conversion_steps < 1:
+            raise ValueError(f"--conversion-steps {conversion_steps}: expected a positive number of steps")
+        self.checkpoint, self.name = Path(checkpoint), name
+        self.steps, self.num_prompts, self.seeds = conversion_steps, num_prompts, list(seeds)
+        self.work = Path(work_root) / f"reship-{name}"
+        self.next_dir, self.builtin, self.run = Path(next_dir), Path(builtin), run
+        self.curves = self.next_dir / "curves"
+        self.state_path = self.work / "state.json"
+        for f in ("config.json", "diffusion_pytorch_model.safetensors"):
+            if not (self.checkpoint / "transformer" / f).is_file():
+                raise FileNotFoundError(
+                    f"{self.checkpoint} is not a base-stage checkpoint (expected transformer/{f} in it, as in "
+                    f"runs/builtin-v3/joint/checkpoints/step-XXXXXXX)"
+                )
+        self.state = self._load_state()
+
+    # ---- the record
+    def _load_state(self) -> dict:
+        want = {"checkpoint": str(self.checkpoint), "conversion_steps": self.steps, "num_prompts": self.num_prompts}
+        want["seeds"] = self.seeds
+        if self.state_path.is_file():
+            state = json.loads(self.state_path.read_text())
+            differ = [k for k in want if state.get(k) != want[k]]
+            if differ:
+                raise ValueError(
+                    f"{self.work} is a re-ship of other settings ("
+                    + ", ".join(f"{k} {state.get(k)!r}, not {want[k]!r}" for k in differ)
+                    + "): give another --name, or remove the folder to start over"
+                )
+            return state
+        return {**want, "done": [], "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+    def _done(self, stage: str, **info) -> None:
+        self.state["done"].append(stage)
+        self.state.setdefault("stages", {})[stage] = {"at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), **info}
+        self.work.mkdir(parents=True, exist_ok=True)
+        write_json(self.state_path, self.state)
+
+    def stages(self) -> list[tuple[str, Callable[[], dict]]]:
+        out = [("stage", self.stage)]
+        out += [(f"convert-{v}", lambda v=v: self.convert(v)) for v in CONVERSIONS]
+        out += [("layout", self.layout), ("evaluate", self.evaluate), ("decide", self.decide)]
+        return out + [("ship", self.ship)]
+
+    def __call__(self) -> dict:
+        if not all(f"convert-{v}" in self.state["done"] for v in CONVERSIONS):
+            self.preflight()
+        for stage, step in self.stages():
+            if stage in self.state["done"]:
+                print(f"[reship] {stage}: done before ({self.state_path})", flush=True)
+                continue
+            if stage == "ship" and not self.state["stages"]["decide"]["ship"]:
+                print(f"[reship] not shipped: {self.state['stages']['decide']['why']}", flush=True)
+                break
+            print(f"[reship] {stage} ...", flush=True)
+            t0 = time.time()
+            info = step() or {}
+            self._done(stage, minutes=round((time.time() - t0) / 60, 2), **info)
+        return self.state
+
+    def preflight(self) -> None:
+        """What the conversions read besides the checkpoint, checked before any weights are written: the working
+        model folder (tokenizer, text encoder, VAE) and the clip cache their configs name."""
+        from training.config import load_config
+
+        missing = []
+        for variant in CONVERSIONS:
+            cfg = load_config(CONFIGS / f"{variant}.yaml")
+            for what, path in (("model.path", cfg.model.path), ("data.path", cfg.data.path)):
+                if not (ROOT / path).exists() and (what, path) not in missing:
+                    missing.append((what, path))
+        if missing:
+            raise FileNotFoundError(
+                "the conversions' configs name folders this machine lacks: "
+                + ", ".join(f"{w} {p}" for w, p in missing)
+                + f"; make them first (python -m factory.v3 init lays {MODEL}; the cache command is in the header "
+                "of factory/configs/v3/joint.yaml)"
+            )
+
+    # ---- the stages
+    def stage(self) -> dict:
+        from factory.next import save_checkpoint
+
+        save_checkpoint(self.checkpoint, self.next_dir, half=True)
+        return {}
+
+    def convert(self, variant: str) -> dict:
+        from factory.next import save_variant
+
+        run_dir = self.work / variant
+        self.run(
+            _python(
+                "-m",
+                "training.finetune",
+                "--config",
+                str(CONFIGS / f"{variant}.yaml"),
+                f"run_dir={run_dir}",
+                f"model.transformer={self.next_dir / 'transformer-ema'}",
+                f"train.steps={self.steps}",
+            )
+        )
+        final = run_dir / "final"
+        if not (final / "finished.json").is_file():
+            raise RuntimeError(f"the {variant} conversion in {run_dir} did not finish (no final/finished.json)")
+        save_variant(variant, final, self.work / "candidate")
+        finished = json.loads((final / "finished.json").read_text())
+        return {"step": finished.get("step"), "run_dir": str(run_dir)}
+
+    def layout(self) -> dict:
+        from factory.v3 import _lay_out
+
+        laid: list[str] = []
+        with atomic_dir(self.work / "model") as tmp:
+            _lay_out(
+                tmp,
+                self.work / "model",
+                self.next_dir,
+                0,
+                laid,
+                transformer_order=("transformer-ema",),
+                variants_from=(self.work / "candidate",),
+            )
+        missing = [v for v in CONVERSIONS if not (self.work / "model" / VARIANTS_SUBDIR / v / "config.json").is_file()]
+        if missing:
+            raise RuntimeError(f"the candidate model lacks the conversions {missing}")
+        return {"parts": laid}
+
+    def _out(self, what: str) -> Path:
+        return self.curves / f"{what}-{self.name}"
+
+    def evaluate(self) -> dict:
+        model = str(self.work / "model")
+        ema = str(self.next_dir / "transformer-ema")
+        seeds = [str(s) for s in self.seeds]
+        self.run(
+            _python(
+                "-m",
+                "factory.evaluate",
+                "--model",
+                model,
+                "--world",
+                WORLD,
+                "--num-prompts",
+                str(self.num_prompts),
+                "--seeds",
+                *seeds,
+                "--out",
+                str(self._out("v3-eval")),
+            )
+        )
+        for probe in ("unconditional", "swap"):
+            out = str(self._out(f"shape-{probe}"))
+            self.run(_python("-m", "factory.shape_probe", probe, "--model", model, "--transformer", ema, "--out", out))
+        self.run(
+            _python("-m", "factory.memorization", "--model", model, "--transformer", ema, "--out", str(self._out("memorization")))
+        )
+        return {"evaluation": str(self._out("v3-eval")) + ".json"}
+
+    def decide(self) -> dict:
+        candidate = json.loads(Path(str(self._out("v3-eval")) + ".json").read_text())
+        shipped, path = shipped_evaluation(self.builtin)
+        verdict = {"checkpoint": str(self.checkpoint), "shipped_evaluation": path, **compare(candidate, shipped)}
+        write_json(str(self._out("reship")) + ".json", verdict)
+        print(f"[reship] {'ship' if verdict['ship'] else 'keep the shipped model'}: {verdict['why']}", flush=True)
+        return {"ship": verdict["ship"], "why": verdict["why"]}
+
+    def ship(self) -> dict:
+        from factory.v3 import ship
+
+        evaluation = str(self._out("v3-eval")) + ".json"
+        for variant in CONVERSIONS:  # ship() takes the conversions from the design's folder
+            dst = self.next_dir / VARIANTS_SUBDIR / variant
+            if dst.exists():
+                shutil.rmtree(dst)
+            shutil.copytree(self.work / "candidate" / VARIANTS_SUBDIR / variant, dst)
+        ship(self.next_dir, self.builtin, Path(evaluation))
+        self.run(_python("-m", "factory.examples", "--from", evaluation, "--model", str(self.builtin)))
+        self.run(_python("run_app.py", "--model", str(self.builtin), "--store-examples"))
+        return {"evaluation": evaluation}
+
+
+def main(argv=None) -> int:
+    """``python -m factory.reship``, behind the error boundary of :func:`common.errors.run_cli` (exit codes there)."""
+    from common.errors import run_cli
+
+    return run_cli(_main, argv, prog="factory.reship")
+
+
+def _main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m factory.reship", description=__doc__.split("\n\n")[0])
+    p.add_argument("checkpoint", help="a base-stage checkpoint, e.g. runs/builtin-v3/joint/checkpoints/step-0005000")
+    p.add_argument("--name", required=True, help="names the work folder and the curves, e.g. joint-step5000")
+    p.add_argument("--conversion-steps", type=int, default=600, help="each conversion's fine-tuning steps")
+    p.add_argument("--num-prompts", type=int, default=48)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    args = p.parse_args(argv)
+    os.chdir(ROOT)  # the configs name the repository's folders (runs/, assets/) relative to it
+    state = Reship(Path(args.checkpoint), args.name, args.conversion_steps, args.num_prompts, args.seeds)()
+    decided = state.get("stages", {}).get("decide", {})
+    print(f"[reship] {args.name}: {'shipped' if 'ship' in state['done'] else 'not shipped'}; {decided.get('why', '')}")
+    print(json.dumps({k: state[k] for k in ("checkpoint", "done")}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,235 @@
+"""factory.reship: the rule that decides a re-ship, and the stages run on the committed third design's parts with
+the heavy commands (fine-tuning, evaluation, the app) replaced by a runner that records them and writes what they
+would (a conversion's final EMA, an evaluation's JSON)."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from factory import reship
+from factory.build import CONVERSIONS
+
+ROOT = Path(__file__).resolve().parents[2]
+NEXT = ROOT / "assets" / "builtin-next" / "v3"
+SHIPPED = ROOT / "assets" / "builtin"
+SETTINGS = {
+    "world": "v3",
+    "num_prompts": 48,
+    "seeds": [0, 1, 2],
+    "num_inference_steps": 20,
+    "guidance_scale": 4.0,
+    "analyser_version": 4,
+    "data_seed": 0,
+}
+
+
+def evaluation(overall, loss=0.2, **settings):
+    """An evaluation JSON with the given overall per variant (flash, linear, mhla, mhla-hybrid)."""
+    names = ("flash", "linear", "mhla", "mhla-hybrid")
+    overall = dict(zip(names, overall)) if not isinstance(overall, dict) else overall
+    loss = loss if isinstance(loss, dict) else dict.fromkeys(names, loss)
+    rows = {v: {"overall": overall[v], "flow_loss": loss[v], "shape": overall[v]} for v in names}
+    return {**SETTINGS, **settings, "variants": rows}
+
+
+# ---- the rule
+
+
+def test_a_higher_mean_overall_ships():
+    got = reship.compare(evaluation([0.5, 0.1, 0.1, 0.2]), evaluation([0.28, 0.0, 0.0, 0.06]))
+    assert got["ship"] and "rises" in got["why"]
+    assert got["mean_overall"]["candidate"] == pytest.approx(0.225)
+    assert got["mean_overall"]["shipped"] == pytest.approx(0.085)
+
+
+def test_a_variant_that_falls_more_than_the_margin_keeps_the_shipped_model():
+    # the mean rises (0.25 against 0.16) but flash falls 0.10
+    got = reship.compare(evaluation([0.30, 0.3, 0.2, 0.2]), evaluation([0.40, 0.1, 0.1, 0.04]))
+    assert not got["ship"] and got["why"].startswith("flash's overall falls 0.100")
+
+
+def test_a_fall_within_the_margin_is_allowed():
+    assert reship.compare(evaluation([0.36, 0.3, 0.2, 0.2]), evaluation([0.40, 0.1, 0.1, 0.04]))["ship"]
+
+
+def test_a_tie_is_broken_by_the_held_out_loss():
+    shipped = evaluation([0.28, 0.0, 0.0, 0.06], loss=0.20)
+    assert reship.compare(evaluation([0.28, 0.0, 0.0, 0.06], loss=0.19), shipped)["ship"]
+    got = reship.compare(evaluation([0.28, 0.0, 0.0, 0.06], loss=0.21), shipped)
+    assert not got["ship"] and "+0.000" in got["why"]
+
+
+def test_a_lower_mean_keeps_the_shipped_model():
+    assert not reship.compare(evaluation([0.26, 0.0, 0.0, 0.0], loss=0.1), evaluation([0.28, 0.0, 0.0, 0.06]))["ship"]
+
+
+def test_evaluations_made_differently_are_not_compared():
+    with pytest.raises(ValueError, match=r"num_prompts 16 against 48.*analyser_version 3 against 4"):
+        reship.compare(evaluation([1, 1, 1, 1], num_prompts=16, analyser_version=3), evaluation([0, 0, 0, 0]))
+
+
+def test_an_evaluation_without_every_variant_is_refused():
+    partial = evaluation([0.5, 0.1, 0.1, 0.2])
+    del partial["variants"]["mhla"]
+    with pytest.raises(ValueError, match="no 'mhla' row"):
+        reship.compare(partial, evaluation([0, 0, 0, 0]))
+
+
+def test_nothing_shipped_with_an_evaluation_ships():
+    assert reship.compare(evaluation([0, 0, 0, 0]), None)["ship"]
+
+
+# ---- the stages, on the committed parts
+
+
+class Runner:
+    """Stands in for the heavy commands: records each, writes what it would write, fails on request."""
+
+    def __init__(self, evaluation_json: dict, fail_on: str | None = None) -> None:
+        self.calls: list[list[str]] = []
+        self.evaluation_json, self.fail_on = evaluation_json, fail_on
+
+    def __call__(self, cmd):
+        cmd = list(cmd)
+        self.calls.append(cmd)
+        module = cmd[2] if cmd[1] == "-m" else cmd[1]
+        if self.fail_on and any(self.fail_on in c for c in cmd):
+            raise RuntimeError(f"stopped at {self.fail_on}")
+        if module == "training.finetune":
+            over = dict(c.split("=", 1) for c in cmd if "=" in c)
+            variant = Path(cmd[cmd.index("--config") + 1]).stem
+            final = Path(over["run_dir"]) / "final"
+            shutil.copytree(SHIPPED / "variants" / variant, final / "transformer")
+            (final / "finished.json").write_text(json.dumps({"step": int(over["train.steps"]), "model": "transformer"}))
+        elif module == "factory.evaluate":
+            out = Path(cmd[cmd.index("--out") + 1] + ".json")
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(self.evaluation_json))
+
+    def modules(self):
+        return [c[2] if c[1] == "-m" else c[1] for c in self.calls]
+
+
+@pytest.fixture
+def design(tmp_path):
+    """A copy of the committed third design's folder, a shipped model naming an evaluation, and a base-stage
+    checkpoint (the committed EMA as its transformer, raw weights in trainable.safetensors, moved off the EMA)."""
+    next_dir = tmp_path / "next"
+    next_dir.mkdir()
+    for part in ("tokenizer", "text_encoder", "vae"):
+        shutil.copytree(NEXT / part, next_dir / part)
+    (next_dir / "curves").mkdir()
+    builtin = tmp_path / "builtin"
+    shutil.copytree(SHIPPED, builtin, ignore=shutil.ignore_patterns("examples"))
+    shipped_eval = tmp_path / "shipped-eval.json"
+    shipped_eval.write_text(json.dumps(evaluation([0.28, 0.0, 0.0, 0.06])))
+    info = json.loads((builtin / "builtin.json").read_text())
+    (builtin / "builtin.json").write_text(json.dumps({**info, "evaluation": str(shipped_eval)}))
+    checkpoint = tmp_path / "joint" / "checkpoints" / "step-0004000"
+    shutil.copytree(NEXT / "transformer-ema", checkpoint / "transformer")
+    weights = load_file(str(checkpoint / "transformer" / "diffusion_pytorch_model.safetensors"))
+    raw = {k: (v.float() + 0.25) for k, v in list(weights.items())[:3]}
+    save_file(raw, str(checkpoint / "trainable.safetensors"))
+    return {"next": next_dir, "builtin": builtin, "checkpoint": checkpoint, "work": tmp_path / "runs", "raw": raw}
+
+
+def make(design, runner, **kw):
+    return reship.Reship(
+        design["checkpoint"],
+        "joint-step4000",
+        conversion_steps=kw.pop("steps", 7),
+        work_root=design["work"],
+        next_dir=design["next"],
+        builtin=design["builtin"],
+        run=runner,
+        **kw,
+    )
+
+
+def test_a_better_candidate_is_staged_converted_evaluated_and_shipped(design, monkeypatch):
+    monkeypatch.setattr(reship.Reship, "preflight", lambda self: None)  # the conversions are the runner's
+    runner = Runner(evaluation([0.5, 0.1, 0.1, 0.2]))
+    state = make(design, runner)()
+    assert state["done"] == ["stage", *(f"convert-{v}" for v in CONVERSIONS), "layout", "evaluate", "decide", "ship"]
+    # the stage's weights: the EMA and the raw weights (trainable laid over it), float16, in the design's folder
+    staged = load_file(str(design["next"] / "transformer" / "diffusion_pytorch_model.safetensors"))
+    for key, value in design["raw"].items():
+        assert staged[key].dtype == torch.float16
+        assert torch.allclose(staged[key].float(), value, atol=2e-3)
+    # each conversion fine-tuned from that EMA with its committed config, the given steps, its own run folder
+    finetunes = [c for c in runner.calls if c[2] == "training.finetune"]
+    assert [Path(c[c.index("--config") + 1]).name for c in finetunes] == [f"{v}.yaml" for v in CONVERSIONS]
+    for c, v in zip(finetunes, CONVERSIONS):
+        assert f"run_dir={design['work'] / 'reship-joint-step4000' / v}" in c
+        assert f"model.transformer={design['next'] / 'transformer-ema'}" in c and "train.steps=7" in c
+    assert runner.modules()[3:] == [
+        "factory.evaluate",
+        "factory.shape_probe",
+        "factory.shape_probe",
+        "factory.memorization",
+        "factory.examples",
+        "run_app.py",
+    ]
+    # shipped: the new EMA as the softmax transformer, the conversions as variants, the evaluation named
+    info = json.loads((design["builtin"] / "builtin.json").read_text())
+    assert info["evaluation"].endswith("curves/v3-eval-joint-step4000.json")
+    shipped = load_file(str(design["builtin"] / "transformer" / "diffusion_pytorch_model.safetensors"))
+    ema = load_file(str(design["checkpoint"] / "transformer" / "diffusion_pytorch_model.safetensors"))
+    assert all(torch.equal(shipped[k].float(), ema[k].half().float()) for k in design["raw"])
+    for v in CONVERSIONS:
+        assert (design["builtin"] / "variants" / v / "config.json").is_file()
+    verdict = json.loads((design["next"] / "curves" / "reship-joint-step4000.json").read_text())
+    assert verdict["ship"] and verdict["checkpoint"] == str(design["checkpoint"])
+
+
+def test_a_worse_candidate_leaves_the_shipped_model_alone(design, monkeypatch):
+    monkeypatch.setattr(reship.Reship, "preflight", lambda self: None)
+    before = {p: p.read_bytes() for p in design["builtin"].rglob("*") if p.is_file()}
+    runner = Runner(evaluation([0.1, 0.0, 0.0, 0.0]))
+    state = make(design, runner)()
+    assert state["done"][-1] == "decide" and not state["stages"]["decide"]["ship"]
+    assert {p: p.read_bytes() for p in design["builtin"].rglob("*") if p.is_file()} == before
+    assert "factory.examples" not in runner.modules()
+    # the stage's weights are kept for the next stage all the same
+    assert (design["next"] / "transformer-ema" / "config.json").is_file()
+
+
+def test_a_stopped_reship_resumes_where_it_stopped(design, monkeypatch):
+    monkeypatch.setattr(reship.Reship, "preflight", lambda self: None)
+    first = Runner(evaluation([0.5, 0.1, 0.1, 0.2]), fail_on="mhla.yaml")
+    with pytest.raises(RuntimeError, match="stopped at mhla.yaml"):
+        make(design, first)()
+    second = Runner(evaluation([0.5, 0.1, 0.1, 0.2]))
+    state = make(design, second)()
+    assert state["done"][-1] == "ship"
+    configs = [Path(c[c.index("--config") + 1]).stem for c in second.calls if c[2] == "training.finetune"]
+    assert configs == ["mhla", "mhla-hybrid"]  # linear was done; mhla runs again (it resumes from its checkpoint)
+
+
+def test_other_settings_in_the_same_folder_are_refused(design, monkeypatch):
+    monkeypatch.setattr(reship.Reship, "preflight", lambda self: None)
+    with pytest.raises(RuntimeError):
+        make(design, Runner(evaluation([0.5, 0.1, 0.1, 0.2]), fail_on="linear.yaml"))()
+    with pytest.raises(ValueError, match="conversion_steps 7, not 9"):
+        make(design, Runner({}), steps=9)
+
+
+def test_bad_arguments_are_named_before_any_work(design, tmp_path):
+    with pytest.raises(ValueError, match="--name 'a b'"):
+        reship.Reship(design["checkpoint"], "a b", work_root=tmp_path)
+    with pytest.raises(ValueError, match="--conversion-steps 0"):
+        reship.Reship(design["checkpoint"], "x", conversion_steps=0, work_root=tmp_path)
+    with pytest.raises(FileNotFoundError, match="not a base-stage checkpoint"):
+        reship.Reship(tmp_path, "x", work_root=tmp_path)
+
+
+def test_preflight_names_the_folders_the_conversions_read(design, monkeypatch, tmp_path):
+    monkeypatch.setattr(reship, "ROOT", tmp_path)  # a clone without runs/
+    runner = Runner({})
+    with pytest.raises(FileNotFoundError, match=r"model.path runs/builtin-v3/model, data.path runs/builtin-v3/cache-train"):
+        make(design, runner)()
+    assert runner.calls == [] and not (design["next"] / "transformer-ema").exists()
