@@ -10,17 +10,23 @@ one run in ``runs/builtin-v3/reship-NAME/`` that a killed run resumes where it s
 
 1. ``stage``: the checkpoint's EMA and raw weights into ``assets/builtin-next/v3`` (float16: the stage weights a
    later session, or a fresh machine, resumes from; committed whether or not the model ships);
-2. ``convert-<variant>``: the three conversions (linear, mhla, mhla-hybrid) fine-tuned from that EMA with their
+2. ``starts``: where each conversion starts, measured (:func:`held_out_loss`, the synthetic validation split) and
+   the lowest taken: the new EMA converted afresh (``base``: a freshly converted layer is far from the softmax
+   one it replaces, about 1.67 against the base's 0.09 here), the shipped conversion (``shipped``), or the shipped
+   conversion with the base's progress grafted on (``graft``: :func:`graft`, the new EMA minus the one the shipped
+   conversions came from, added to every weight they share). A conversion then trains on across re-ships
+   instead of relearning from 1.67 in each;
+3. ``convert-<variant>``: the three conversions (linear, mhla, mhla-hybrid) fine-tuned from their starts with their
    committed configs (``factory/configs/v3/<variant>.yaml``; ``--conversion-steps`` each, one budget), each run in
    ``reship-NAME/<variant>``, its final EMA kept in ``reship-NAME/candidate/variants`` (float16);
-3. ``layout``: the candidate model folder ``reship-NAME/model`` (the shipped design's parts, the new EMA as the
+4. ``layout``: the candidate model folder ``reship-NAME/model`` (the shipped design's parts, the new EMA as the
    softmax transformer, the new conversions as variants);
-4. ``evaluate``: the committed evaluation (48 prompts x seeds 0 1 2, analyser, CFG: the model's defaults) of the
+5. ``evaluate``: the committed evaluation (48 prompts x seeds 0 1 2, analyser, CFG: the model's defaults) of the
    candidate, written to ``assets/builtin-next/v3/curves/v3-eval-NAME``, and the base's diagnoses beside it
    (unconditional shape rate, the noised-real-clip swap test, memorisation);
-5. ``decide``: the candidate against the evaluation the shipped model names in its ``builtin.json``
+6. ``decide``: the candidate against the evaluation the shipped model names in its ``builtin.json``
    (:func:`compare`), written to ``curves/reship-NAME.json``;
-6. ``ship`` (only when it is better): ``factory.v3 ship`` with this evaluation, the app's example prompts chosen from
+7. ``ship`` (only when it is better): ``factory.v3 ship`` with this evaluation, the app's example prompts chosen from
    it (``factory.examples``) and their results stored with the model (``run_app.py --store-examples``).
 
 What stays for a person: README's table and the design history (``docs/builtin-model.md``) name the figures.
@@ -58,6 +64,8 @@ TIE = 0.005
 SAME = ("world", "num_prompts", "seeds", "num_inference_steps", "guidance_scale", "analyser_version", "data_seed")
 
 Runner = Callable[[Sequence[str]], None]
+Measure = Callable[[str, Path], float]
+WEIGHTS = "diffusion_pytorch_model.safetensors"
 
 
 def compare(candidate: dict, shipped: dict | None) -> dict:
@@ -118,6 +126,62 @@ def shipped_evaluation(model: Path = BUILTIN_DIR) -> tuple[dict | None, str | No
     return json.loads(Path(path).read_text()), path
 
 
+def graft(variant: Path, old_base: Path, new_base: Path, out: Path) -> dict:
+    """A conversion fine-tuned from ``old_base`` moved to ``new_base``: every weight the three share (same name and
+    shape) becomes ``variant + (new_base - old_base)``, in float32; the conversion's own weights (MHLA's mixing, the
+    output norm) are kept. Writes the folder ``out`` (``variant``'s config); returns how many weights moved and the
+    RMS of the move. The bases must be the same design (their configs' architecture keys agree)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    keys = ("patch_size", "num_layers", "num_attention_heads", "attention_head_dim", "in_channels", "ffn_dim")
+    configs = [json.loads((f / "config.json").read_text()) for f in (variant, old_base, new_base)]
+    differ = [k for k in keys if len({json.dumps(c.get(k)) for c in configs}) > 1]
+    if differ:
+        raise ValueError(f"cannot graft {variant} from {old_base} onto {new_base}: their {', '.join(differ)} differ")
+    weights = {k: v.float() for k, v in load_file(str(variant / WEIGHTS)).items()}
+    old, new = load_file(str(old_base / WEIGHTS)), load_file(str(new_base / WEIGHTS))
+    moved, square, count = 0, 0.0, 0
+    for key, value in weights.items():
+        if key in old and key in new and old[key].shape == value.shape == new[key].shape:
+            delta = new[key].float() - old[key].float()
+            weights[key] = value + delta
+            moved += 1
+            square, count = square + float(delta.pow(2).sum()), count + delta.numel()
+    with atomic_dir(out) as tmp:
+        shutil.copy2(variant / "config.json", tmp / "config.json")
+        save_file(weights, str(tmp / WEIGHTS), metadata={"format": "pt"})
+    return {"moved": moved, "kept": len(weights) - moved, "delta_rms": (square / max(1, count)) ** 0.5}
+
+
+def held_out_loss(variant: str, transformer: Path, batches: int = 2, model: Path | None = None) -> float:
+    """The flow loss of ``transformer`` converted as ``variant``'s committed config says, on the synthetic world's
+    validation split (``batches`` x the config's batch size; fixed noise: :class:`training.finetune.EvalLoss`).
+    ``model``: the model folder whose tokenizer, text encoder and VAE it runs with (default: the config's)."""
+    from accelerate import Accelerator
+
+    from training.config import load_config
+    from training.data import BatchEncoder, build_dataset
+    from training.encoding import Encoder
+    from training.experts import read_target
+    from training.finetune import EvalLoss, ModelCall, build_model
+    from training.flow import FlowMatching
+
+    cfg = load_config(
+        CONFIGS / f"{variant}.yaml",
+        [f"model.transformer={transformer}", "data.source=synthetic", f"validation.loss_batches={batches}"]
+        + ([f"model.path={model}"] if model is not None else []),
+    )
+    accelerator = Accelerator(cpu=True)
+    target = read_target(cfg.model)
+    components, model, _ = build_model(cfg.model, cfg.data, accelerator.device, target)
+    dataset = build_dataset(cfg.data, cfg.train.seed, cfg.model)
+    flow = FlowMatching(cfg.flow, sigma_range=target.sigma_range, num_train_timesteps=target.num_train_timesteps)
+    call = ModelCall(target.expand_timesteps, tuple(model.config.patch_size))
+    encode = BatchEncoder(Encoder(components, cfg.data.max_sequence_length), None, 0.0, accelerator.device)
+    return EvalLoss(cfg.data, cfg.train, cfg.validation, dataset, encode, flow, accelerator, call)(model)
+
+
 def _python(*args: str) -> list[str]:
     return [sys.executable, *args]
 
@@ -141,6 +205,7 @@ class Reship:
         next_dir: Path = NEXT,
         builtin: Path = BUILTIN_DIR,
         run: Runner = _subprocess,
+        measure: Measure = held_out_loss,
     ) -> None:
         if not name or any(c in name for c in "/\\ ") or name.startswith("."):
             raise ValueError(f"--name {name!r}: expected a short name without spaces or slashes, e.g. joint-step5000")
@@ -149,7 +214,7 @@ class Reship:
         self.checkpoint, self.name = Path(checkpoint), name
         self.steps, self.num_prompts, self.seeds = conversion_steps, num_prompts, list(seeds)
         self.work = Path(work_root) / f"reship-{name}"
-        self.next_dir, self.builtin, self.run = Path(next_dir), Path(builtin), run
+        self.next_dir, self.builtin, self.run, self.measure = Path(next_dir), Path(builtin), run, measure
         self.curves = self.next_dir / "curves"
         self.state_path = self.work / "state.json"
         for f in ("config.json", "diffusion_pytorch_model.safetensors"):
@@ -183,7 +248,7 @@ class Reship:
         write_json(self.state_path, self.state)
 
     def stages(self) -> list[tuple[str, Callable[[], dict]]]:
-        out = [("stage", self.stage)]
+        out = [("stage", self.stage), ("starts", self.starts)]
         out += [(f"convert-{v}", lambda v=v: self.convert(v)) for v in CONVERSIONS]
         out += [("layout", self.layout), ("evaluate", self.evaluate), ("decide", self.decide)]
         return out + [("ship", self.ship)]
@@ -230,6 +295,31 @@ class Reship:
         save_checkpoint(self.checkpoint, self.next_dir, half=True)
         return {}
 
+    def starts(self) -> dict:
+        """Each conversion's start (module docstring, step 2): the candidates measured, the lowest copied to
+        ``starts/<variant>`` (the shipped model may be replaced before a resumed run needs it)."""
+        new_base = self.next_dir / "transformer-ema"
+        chosen: dict[str, dict] = {}
+        for variant in CONVERSIONS:
+            candidates = {"base": new_base}
+            shipped = self.builtin / VARIANTS_SUBDIR / variant
+            if (shipped / "config.json").is_file() and (self.builtin / "transformer" / "config.json").is_file():
+                candidates["shipped"] = shipped
+                try:
+                    moved = graft(shipped, self.builtin / "transformer", new_base, self.work / "grafts" / variant)
+                    candidates["graft"] = self.work / "grafts" / variant
+                    print(f"[reship] graft {variant}: {moved}", flush=True)
+                except ValueError as e:  # another design's conversions: nothing to carry over
+                    print(f"[reship] no graft for {variant}: {e}", flush=True)
+            losses = {name: float(self.measure(variant, folder)) for name, folder in candidates.items()}
+            best = min(losses, key=losses.get)
+            print(f"[reship] {variant} starts from {best}: held-out losses {losses}", flush=True)
+            with atomic_dir(self.work / "starts" / variant) as tmp:
+                shutil.copytree(candidates[best], tmp, dirs_exist_ok=True)
+            chosen[variant] = {"from": best, "losses": losses}
+        shutil.rmtree(self.work / "grafts", ignore_errors=True)
+        return {"chosen": chosen}
+
     def convert(self, variant: str) -> dict:
         from factory.next import save_variant
 
@@ -241,7 +331,7 @@ class Reship:
                 "--config",
                 str(CONFIGS / f"{variant}.yaml"),
                 f"run_dir={run_dir}",
-                f"model.transformer={self.next_dir / 'transformer-ema'}",
+                f"model.transformer={self.work / 'starts' / variant}",
                 f"train.steps={self.steps}",
             )
         )

@@ -137,7 +137,21 @@ def design(tmp_path):
     return {"next": next_dir, "builtin": builtin, "checkpoint": checkpoint, "work": tmp_path / "runs", "raw": raw}
 
 
+class Measure:
+    """Stands in for the held-out loss of a start: by the candidate's folder; records each call."""
+
+    def __init__(self, losses: dict[str, float]) -> None:
+        self.losses, self.calls = losses, []
+
+    def __call__(self, variant, folder):
+        self.calls.append((variant, Path(folder)))
+        name = Path(folder).parent.name if Path(folder).parent.name in ("grafts", "variants") else Path(folder).name
+        kind = {"grafts": "graft", "variants": "shipped", "transformer-ema": "base"}[name]
+        return self.losses[kind]
+
+
 def make(design, runner, **kw):
+    kw.setdefault("measure", Measure({"base": 1.66, "shipped": 0.20, "graft": 0.19}))
     return reship.Reship(
         design["checkpoint"],
         "joint-step4000",
@@ -154,18 +168,27 @@ def test_a_better_candidate_is_staged_converted_evaluated_and_shipped(design, mo
     monkeypatch.setattr(reship.Reship, "preflight", lambda self: None)  # the conversions are the runner's
     runner = Runner(evaluation([0.5, 0.1, 0.1, 0.2]))
     state = make(design, runner)()
-    assert state["done"] == ["stage", *(f"convert-{v}" for v in CONVERSIONS), "layout", "evaluate", "decide", "ship"]
+    assert state["done"] == ["stage", "starts", *(f"convert-{v}" for v in CONVERSIONS), "layout", "evaluate", "decide", "ship"]
     # the stage's weights: the EMA and the raw weights (trainable laid over it), float16, in the design's folder
     staged = load_file(str(design["next"] / "transformer" / "diffusion_pytorch_model.safetensors"))
     for key, value in design["raw"].items():
         assert staged[key].dtype == torch.float16
         assert torch.allclose(staged[key].float(), value, atol=2e-3)
-    # each conversion fine-tuned from that EMA with its committed config, the given steps, its own run folder
+    # each conversion from its measured start (the graft: lowest), its committed config, the steps, its own folder
+    work = design["work"] / "reship-joint-step4000"
+    assert state["stages"]["starts"]["chosen"]["mhla"] == {
+        "from": "graft",
+        "losses": {"base": 1.66, "shipped": 0.20, "graft": 0.19},
+    }
     finetunes = [c for c in runner.calls if c[2] == "training.finetune"]
     assert [Path(c[c.index("--config") + 1]).name for c in finetunes] == [f"{v}.yaml" for v in CONVERSIONS]
     for c, v in zip(finetunes, CONVERSIONS):
-        assert f"run_dir={design['work'] / 'reship-joint-step4000' / v}" in c
-        assert f"model.transformer={design['next'] / 'transformer-ema'}" in c and "train.steps=7" in c
+        assert f"run_dir={work / v}" in c
+        assert f"model.transformer={work / 'starts' / v}" in c and "train.steps=7" in c
+        start = load_file(str(work / "starts" / v / "diffusion_pytorch_model.safetensors"))
+        old = load_file(str(design["builtin"] / "variants" / v / "diffusion_pytorch_model.safetensors"))
+        assert start.keys() == old.keys() and start[next(iter(start))].dtype == torch.float32
+    assert not (work / "grafts").exists()
     assert runner.modules()[3:] == [
         "factory.evaluate",
         "factory.shape_probe",
@@ -184,6 +207,56 @@ def test_a_better_candidate_is_staged_converted_evaluated_and_shipped(design, mo
         assert (design["builtin"] / "variants" / v / "config.json").is_file()
     verdict = json.loads((design["next"] / "curves" / "reship-joint-step4000.json").read_text())
     assert verdict["ship"] and verdict["checkpoint"] == str(design["checkpoint"])
+
+
+def test_a_start_that_measures_lowest_is_taken(design, monkeypatch):
+    monkeypatch.setattr(reship.Reship, "preflight", lambda self: None)
+    measure = Measure({"base": 0.1, "shipped": 0.20, "graft": 0.19})
+    state = make(design, Runner(evaluation([0.5, 0.1, 0.1, 0.2])), measure=measure)()
+    assert {v["from"] for v in state["stages"]["starts"]["chosen"].values()} == {"base"}
+    assert sorted({v for v, _ in measure.calls}) == sorted(CONVERSIONS) and len(measure.calls) == 9
+    work = design["work"] / "reship-joint-step4000"
+    ema = load_file(str(design["next"] / "transformer-ema" / "diffusion_pytorch_model.safetensors"))
+    start = load_file(str(work / "starts" / "mhla" / "diffusion_pytorch_model.safetensors"))
+    assert all(torch.equal(start[k], ema[k]) for k in ema)
+
+
+def test_graft_moves_the_shared_weights_by_the_bases_difference(tmp_path):
+    g = torch.Generator().manual_seed(3)
+    config = {"patch_size": [1, 2, 2], "num_layers": 1, "num_attention_heads": 2, "attention_head_dim": 4}
+    folders = {}
+    for name, keys in (("old", ["a", "b"]), ("new", ["a", "b"]), ("variant", ["a", "b", "mix"])):
+        folders[name] = tmp_path / name
+        folders[name].mkdir()
+        (folders[name] / "config.json").write_text(json.dumps({**config, "tag": name}))
+        tensors = {k: torch.randn(3, 4, generator=g).half() for k in keys}
+        save_file(tensors, str(folders[name] / "diffusion_pytorch_model.safetensors"))
+    # a weight whose shape differs in the new base is kept
+    new = load_file(str(folders["new"] / "diffusion_pytorch_model.safetensors"))
+    new["b"] = torch.zeros(5)
+    save_file(new, str(folders["new"] / "diffusion_pytorch_model.safetensors"))
+    got = reship.graft(folders["variant"], folders["old"], folders["new"], tmp_path / "out")
+    assert got["moved"] == 1 and got["kept"] == 2
+    load = lambda n: load_file(str(folders[n] / "diffusion_pytorch_model.safetensors"))  # noqa: E731
+    out = load_file(str(tmp_path / "out" / "diffusion_pytorch_model.safetensors"))
+    v, o = load("variant"), load("old")
+    expected = v["a"].double() + new["a"].double() - o["a"].double()
+    assert torch.allclose(out["a"].double(), expected, atol=1e-6)
+    assert torch.equal(out["b"], v["b"].float()) and torch.equal(out["mix"], v["mix"].float())
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["tag"] == "variant"
+    bad = json.loads((folders["new"] / "config.json").read_text())
+    (folders["new"] / "config.json").write_text(json.dumps({**bad, "num_layers": 2}))
+    with pytest.raises(ValueError, match="num_layers differ"):
+        reship.graft(folders["variant"], folders["old"], folders["new"], tmp_path / "out2")
+
+
+@pytest.mark.slow
+def test_the_held_out_loss_tells_a_trained_conversion_from_a_fresh_one():
+    """The shipped MHLA conversion against the shipped softmax base freshly converted to MHLA: the measure that
+    picks a conversion's start must see the gap (0.20 against 1.67 when measured)."""
+    trained = reship.held_out_loss("mhla", SHIPPED / "variants" / "mhla", batches=1, model=SHIPPED)
+    fresh = reship.held_out_loss("mhla", SHIPPED / "transformer", batches=1, model=SHIPPED)
+    assert 0 < trained < 0.5 < fresh
 
 
 def test_a_worse_candidate_leaves_the_shipped_model_alone(design, monkeypatch):
@@ -208,6 +281,7 @@ def test_a_stopped_reship_resumes_where_it_stopped(design, monkeypatch):
     assert state["done"][-1] == "ship"
     configs = [Path(c[c.index("--config") + 1]).stem for c in second.calls if c[2] == "training.finetune"]
     assert configs == ["mhla", "mhla-hybrid"]  # linear was done; mhla runs again (it resumes from its checkpoint)
+    assert second.calls[0][2] == "training.finetune"  # the starts were measured once, before the stop
 
 
 def test_other_settings_in_the_same_folder_are_refused(design, monkeypatch):
