@@ -131,7 +131,6 @@ def graft(variant: Path, old_base: Path, new_base: Path, out: Path) -> dict:
     shape) becomes ``variant + (new_base - old_base)``, in float32; the conversion's own weights (MHLA's mixing, the
     output norm) are kept. Writes the folder ``out`` (``variant``'s config); returns how many weights moved and the
     RMS of the move. The bases must be the same design (their configs' architecture keys agree)."""
-    import torch
     from safetensors.torch import load_file, save_file
 
     keys = ("patch_size", "num_layers", "num_attention_heads", "attention_head_dim", "in_channels", "ffn_dim")
@@ -388,7 +387,16 @@ class Reship:
             out = str(self._out(f"shape-{probe}"))
             self.run(_python("-m", "factory.shape_probe", probe, "--model", model, "--transformer", ema, "--out", out))
         self.run(
-            _python("-m", "factory.memorization", "--model", model, "--transformer", ema, "--out", str(self._out("memorization")))
+            _python(
+                "-m",
+                "factory.memorization",
+                "--model",
+                model,
+                "--transformer",
+                ema,
+                "--out",
+                str(self._out("memorization")),
+            )
         )
         return {"evaluation": str(self._out("v3-eval")) + ".json"}
 

@@ -39,6 +39,7 @@ from pipelines.pipeline import generate
 
 from .. import preview, quality
 from ..models import AppModels
+from .chart import warm_chart
 from .request import CompareRequest, preset_tokens
 
 log = logging.getLogger(__name__)
@@ -313,22 +314,8 @@ def _end_seconds(frames: np.ndarray, folder: Path) -> float:
 
 
 def _draw_chart() -> None:
-    """A bar chart drawn and closed with the calls :func:`app.compare.report.speedup_figure` makes (bars, error
-    bars, labels, a title, a tight layout): what its first call costs beyond its later ones is paid here."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5.2, 3.4))
-    names, heights = list(VARIANTS), [1.0 + i for i in range(len(VARIANTS))]
-    ax.bar(names, heights)
-    ax.errorbar(names, heights, yerr=[[0.1] * len(names), [0.1] * len(names)], fmt="none", capsize=6)
-    ax.annotate("1.00x", (0, heights[0]), xytext=(0, 3), textcoords="offset points", fontweight="bold")
-    ax.set_ylabel("ms per denoising step")
-    ax.set_title("step latency")
-    fig.tight_layout()
-    plt.close(fig)
+    """The page's step-latency chart drawn and closed once, with placeholder numbers (:mod:`app.compare.chart`)."""
+    warm_chart(list(VARIANTS), [VARIANT_COLOURS.get(n, "#888888") for n in VARIANTS])
 
 
 @torch.no_grad()

@@ -10,6 +10,7 @@ from common.timing import Timing
 from pipelines.attention import SOFTMAX
 
 from .. import quality
+from .chart import CHART_INK, latency_chart  # noqa: F401 - CHART_INK: the package's name too
 from .engine import VARIANT_COLOURS, CompareResult, VariantRun
 
 log = logging.getLogger(__name__)
@@ -266,48 +267,27 @@ def summary_markdown(result: CompareResult) -> str:
     return "\n\n".join(x for x in lines if x)
 
 
-# mid grey reads on a white page and on a dark one: the chart has no background of its own
-CHART_INK = "#8a8a8a"
-
-
 def speedup_figure(result: CompareResult):
     """Median denoising-step latency by variant (one colour per variant, interquartile bars), each bar
-    labelled with its paired speedup over flash; transparent, with mid-grey ink for light and dark pages."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    labelled with its paired speedup over flash; transparent, with mid-grey ink for light and dark pages
+    (:func:`app.compare.chart.latency_chart`)."""
     done = [r for r in result.runs if r.timings]
-    fig, ax = plt.subplots(figsize=(5.2, 3.4))
-    fig.patch.set_alpha(0.0)
-    ax.set_facecolor("none")
-    names = [r.variant for r in done]
     stats = [r.steps for r in done]
-    med = [s.median * 1e3 for s in stats]
-    err = [[(s.median - s.low) * 1e3 for s in stats], [(s.high - s.median) * 1e3 for s in stats]]
-    ax.bar(names, med, color=[VARIANT_COLOURS.get(n, "#888888") for n in names])
-    ax.errorbar(names, med, yerr=err, fmt="none", ecolor=CHART_INK, capsize=6, lw=1.2)
-    for x, (r, s) in enumerate(zip(done, stats, strict=True)):
+    labels = []
+    for r in done:
         den, _ = result.speedups(r)
         label = SOFTMAX if r.variant == SOFTMAX else (f"{den.estimate:.2f}x" if den else "")
-        if den is not None and den.noisy:
-            label += "?"
-        ax.annotate(
-            label, (x, s.high * 1e3), xytext=(0, 3), textcoords="offset points", ha="center", va="bottom",
-            fontsize=12, color=CHART_INK, fontweight="bold",
-        )  # fmt: skip
-    ax.set_ylabel("ms per denoising step", fontsize=11, color=CHART_INK)
+        labels.append(label + "?" if den is not None and den.noisy else label)
     noisy = any((d := result.speedups(r)[0]) is not None and d.noisy for r in done)
     # two lines when noisy: on one, "...; ? = noisy, interval over ±10%)" ran past the figure's edge and was cut
     title = "step latency (median; label: speedup vs flash)"
     if noisy:
         title += f"\n? = noisy: the 95% interval is wider than ±{NOISY:.0%}"
-    ax.set_title(title, fontsize=10, color=CHART_INK)
-    ax.tick_params(colors=CHART_INK, labelsize=11)
-    for spine in ax.spines.values():
-        spine.set_color(CHART_INK)
-    ax.margins(y=0.25)
-    fig.tight_layout()
-    plt.close(fig)  # gradio renders the figure object; keep pyplot's registry from growing per request
-    return fig
+    return latency_chart(
+        [r.variant for r in done],
+        [s.median * 1e3 for s in stats],
+        ([(s.median - s.low) * 1e3 for s in stats], [(s.high - s.median) * 1e3 for s in stats]),
+        labels,
+        [VARIANT_COLOURS.get(r.variant, "#888888") for r in done],
+        title,
+    )

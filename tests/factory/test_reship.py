@@ -168,7 +168,15 @@ def test_a_better_candidate_is_staged_converted_evaluated_and_shipped(design, mo
     monkeypatch.setattr(reship.Reship, "preflight", lambda self: None)  # the conversions are the runner's
     runner = Runner(evaluation([0.5, 0.1, 0.1, 0.2]))
     state = make(design, runner)()
-    assert state["done"] == ["stage", "starts", *(f"convert-{v}" for v in CONVERSIONS), "layout", "evaluate", "decide", "ship"]
+    assert state["done"] == [
+        "stage",
+        "starts",
+        *(f"convert-{v}" for v in CONVERSIONS),
+        "layout",
+        "evaluate",
+        "decide",
+        "ship",
+    ]
     # the stage's weights: the EMA and the raw weights (trainable laid over it), float16, in the design's folder
     staged = load_file(str(design["next"] / "transformer" / "diffusion_pytorch_model.safetensors"))
     for key, value in design["raw"].items():
@@ -304,6 +312,8 @@ def test_bad_arguments_are_named_before_any_work(design, tmp_path):
 def test_preflight_names_the_folders_the_conversions_read(design, monkeypatch, tmp_path):
     monkeypatch.setattr(reship, "ROOT", tmp_path)  # a clone without runs/
     runner = Runner({})
-    with pytest.raises(FileNotFoundError, match=r"model.path runs/builtin-v3/model, data.path runs/builtin-v3/cache-train"):
+    with pytest.raises(
+        FileNotFoundError, match=r"model.path runs/builtin-v3/model, data.path runs/builtin-v3/cache-train"
+    ):
         make(design, runner)()
     assert runner.calls == [] and not (design["next"] / "transformer-ema").exists()
