@@ -23,7 +23,8 @@ one run in ``runs/builtin-v3/reship-NAME/`` that a killed run resumes where it s
    softmax transformer, the new conversions as variants);
 5. ``evaluate``: the committed evaluation (48 prompts x seeds 0 1 2, analyser, CFG: the model's defaults) of the
    candidate, written to ``assets/builtin-next/v3/curves/v3-eval-NAME``, and the base's diagnoses beside it
-   (unconditional shape rate, the noised-real-clip swap test, memorisation);
+   (unconditional shape rate, the noised-real-clip swap test, memorisation; the base stage's curves when its run
+   folder is here: ``factory.curves``);
 6. ``decide``: the candidate against the evaluation the shipped model names in its ``builtin.json``
    (:func:`compare`), written to ``curves/reship-NAME.json``;
 7. ``ship`` (only when it is better): ``factory.v3 ship`` with this evaluation, the app's example prompts chosen from
@@ -363,7 +364,29 @@ class Reship:
     def _out(self, what: str) -> Path:
         return self.curves / f"{what}-{self.name}"
 
+    def stage_curves(self) -> Path | None:
+        """The base stage's curves beside the evaluation, when its run folder (the checkpoint's, two up) has its
+        ``metrics.jsonl``: ``curves/<run>.png`` and the probe rows ``curves/<run>-probe-step<N>.json``."""
+        run_dir = self.checkpoint.parent.parent
+        if not (run_dir / "metrics.jsonl").is_file():
+            return None
+        step = self.checkpoint.name.removeprefix("step-").lstrip("0") or "0"
+        summary = self.curves / f"{run_dir.name}-probe-step{step}.json"
+        self.run(
+            _python(
+                "-m",
+                "factory.curves",
+                str(run_dir / "metrics.jsonl"),
+                "--out",
+                str(self.curves / f"{run_dir.name}.png"),
+                "--summary",
+                str(summary),
+            )
+        )
+        return summary
+
     def evaluate(self) -> dict:
+        curves = self.stage_curves()
         model = str(self.work / "model")
         ema = str(self.next_dir / "transformer-ema")
         seeds = [str(s) for s in self.seeds]
@@ -398,7 +421,7 @@ class Reship:
                 str(self._out("memorization")),
             )
         )
-        return {"evaluation": str(self._out("v3-eval")) + ".json"}
+        return {"evaluation": str(self._out("v3-eval")) + ".json", "curves": None if curves is None else str(curves)}
 
     def decide(self) -> dict:
         candidate = json.loads(Path(str(self._out("v3-eval")) + ".json").read_text())

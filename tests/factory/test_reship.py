@@ -131,6 +131,7 @@ def design(tmp_path):
     (builtin / "builtin.json").write_text(json.dumps({**info, "evaluation": str(shipped_eval)}))
     checkpoint = tmp_path / "joint" / "checkpoints" / "step-0004000"
     shutil.copytree(NEXT / "transformer-ema", checkpoint / "transformer")
+    (tmp_path / "joint" / "metrics.jsonl").write_text('{"step": 0, "eval_loss": 0.1}\n')
     weights = load_file(str(checkpoint / "transformer" / "diffusion_pytorch_model.safetensors"))
     raw = {k: (v.float() + 0.25) for k, v in list(weights.items())[:3]}
     save_file(raw, str(checkpoint / "trainable.safetensors"))
@@ -198,6 +199,7 @@ def test_a_better_candidate_is_staged_converted_evaluated_and_shipped(design, mo
         assert start.keys() == old.keys() and start[next(iter(start))].dtype == torch.float32
     assert not (work / "grafts").exists()
     assert runner.modules()[3:] == [
+        "factory.curves",
         "factory.evaluate",
         "factory.shape_probe",
         "factory.shape_probe",
@@ -213,6 +215,9 @@ def test_a_better_candidate_is_staged_converted_evaluated_and_shipped(design, mo
     assert all(torch.equal(shipped[k].float(), ema[k].half().float()) for k in design["raw"])
     for v in CONVERSIONS:
         assert (design["builtin"] / "variants" / v / "config.json").is_file()
+    curves = [c for c in runner.calls if c[2] == "factory.curves"][0]
+    assert curves[3] == str(design["checkpoint"].parent.parent / "metrics.jsonl")
+    assert curves[-1] == str(design["next"] / "curves" / "joint-probe-step4000.json")
     verdict = json.loads((design["next"] / "curves" / "reship-joint-step4000.json").read_text())
     assert verdict["ship"] and verdict["checkpoint"] == str(design["checkpoint"])
 
