@@ -83,6 +83,8 @@ def compare(candidate: dict, shipped: dict | None) -> dict:
         raise ValueError(
             "the candidate's and the shipped model's evaluations were not made the same way: "
             + ", ".join(f"{k} {candidate.get(k)!r} against {shipped.get(k)!r}" for k in differ)
+            + " (to compare them, evaluate the shipped model as the candidate was, python -m factory.evaluate, and "
+            "name that evaluation in its builtin.json)"
         )
     before = {v: _row(shipped, v) for v in VARIANTS}
     mean = lambda table, key: sum(r[key] for r in table.values()) / len(table)  # noqa: E731
@@ -311,7 +313,13 @@ class Reship:
                     print(f"[reship] graft {variant}: {moved}", flush=True)
                 except ValueError as e:  # another design's conversions: nothing to carry over
                     print(f"[reship] no graft for {variant}: {e}", flush=True)
-            losses = {name: float(self.measure(variant, folder)) for name, folder in candidates.items()}
+            losses = {"base": float(self.measure(variant, new_base))}
+            for name in ("shipped", "graft"):
+                if name in candidates:
+                    try:
+                        losses[name] = float(self.measure(variant, candidates[name]))
+                    except (ValueError, RuntimeError) as e:  # another design's conversion: not a start here
+                        print(f"[reship] {variant}: the {name} start does not load here ({e})", flush=True)
             best = min(losses, key=losses.get)
             print(f"[reship] {variant} starts from {best}: held-out losses {losses}", flush=True)
             with atomic_dir(self.work / "starts" / variant) as tmp:

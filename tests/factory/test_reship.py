@@ -234,6 +234,20 @@ def test_a_start_that_measures_lowest_is_taken(design, monkeypatch):
     assert all(torch.equal(start[k], ema[k]) for k in ema)
 
 
+def test_a_start_that_does_not_load_is_left_out(design, monkeypatch):
+    monkeypatch.setattr(reship.Reship, "preflight", lambda self: None)
+    losses = Measure({"base": 1.66, "shipped": 0.20, "graft": 0.19})
+
+    def measure(variant, folder):
+        if "grafts" in str(folder):
+            raise ValueError("a grid that does not fit")
+        return losses(variant, folder)
+
+    state = make(design, Runner(evaluation([0.5, 0.1, 0.1, 0.2])), measure=measure)()
+    chosen = state["stages"]["starts"]["chosen"]
+    assert all(c == {"from": "shipped", "losses": {"base": 1.66, "shipped": 0.20}} for c in chosen.values())
+
+
 def test_graft_moves_the_shared_weights_by_the_bases_difference(tmp_path):
     g = torch.Generator().manual_seed(3)
     config = {"patch_size": [1, 2, 2], "num_layers": 1, "num_attention_heads": 2, "attention_head_dim": 4}
