@@ -219,13 +219,13 @@ class Reship:
         self.next_dir, self.builtin, self.run, self.measure = Path(next_dir), Path(builtin), run, measure
         self.curves = self.next_dir / "curves"
         self.state_path = self.work / "state.json"
-        for f in ("config.json", "diffusion_pytorch_model.safetensors"):
-            if not (self.checkpoint / "transformer" / f).is_file():
+        self.state = self._load_state()
+        for f in ("config.json", "diffusion_pytorch_model.safetensors") if "stage" not in self.state["done"] else ():
+            if not (self.checkpoint / "transformer" / f).is_file():  # once staged, the run may prune it
                 raise FileNotFoundError(
                     f"{self.checkpoint} is not a base-stage checkpoint (expected transformer/{f} in it, as in "
                     f"runs/builtin-v3/joint/checkpoints/step-XXXXXXX)"
                 )
-        self.state = self._load_state()
 
     # ---- the record
     def _load_state(self) -> dict:
