@@ -26,7 +26,8 @@ one run in ``runs/builtin-v3/reship-NAME/`` that a killed run resumes where it s
    (unconditional shape rate, the noised-real-clip swap test, memorisation; the base stage's curves when its run
    folder is here: ``factory.curves``);
 6. ``decide``: the candidate against the evaluation the shipped model names in its ``builtin.json``
-   (:func:`compare`), written to ``curves/reship-NAME.json``;
+   (:func:`compare`), written to ``curves/reship-NAME.json`` (and each stage's record as it ends, its time and
+   the starts' losses, to ``curves/reship-NAME-state.json``: ``runs/`` is not committed);
 7. ``ship`` (only when it is better): ``factory.v3 ship`` with this evaluation, the app's example prompts chosen from
    it (``factory.examples``) and their results stored with the model (``run_app.py --store-examples``).
 
@@ -248,6 +249,8 @@ class Reship:
         self.state.setdefault("stages", {})[stage] = {"at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), **info}
         self.work.mkdir(parents=True, exist_ok=True)
         write_json(self.state_path, self.state)
+        # the record beside the curves (committed; runs/ is not): each stage's time, the starts' losses, the verdict
+        write_json(str(self._out("reship")) + "-state.json", self.state)
 
     def stages(self) -> list[tuple[str, Callable[[], dict]]]:
         out = [("stage", self.stage), ("starts", self.starts)]

@@ -220,6 +220,8 @@ def test_a_better_candidate_is_staged_converted_evaluated_and_shipped(design, mo
     assert curves[-1] == str(design["next"] / "curves" / "joint-probe-step4000.json")
     verdict = json.loads((design["next"] / "curves" / "reship-joint-step4000.json").read_text())
     assert verdict["ship"] and verdict["checkpoint"] == str(design["checkpoint"])
+    record = json.loads((design["next"] / "curves" / "reship-joint-step4000-state.json").read_text())
+    assert record["done"] == state["done"] and record["stages"]["starts"]["chosen"]["linear"]["from"] == "graft"
 
 
 def test_a_start_that_measures_lowest_is_taken(design, monkeypatch):
