@@ -309,8 +309,8 @@ def test_builtin_is_the_default_and_ships_every_variant(builtin):
 @needs_builtin
 def test_the_default_settings_draw_colour_and_motion_of_most_prompts(builtin):
     """The built-in model's defaults give the right colour in every one of the first 12 validation captions (seed 0)
-    and the right colour and motion in most (the third design's first ship: 10 of 12; the second's 48 x 3
-    evaluation: motion 0.92), judged by the analyser; the shape it draws in about 3 of 10 videos (README), not
+    and the right colour and motion in most (the third design's first ship: 10 of 12; the third ship's 48 x 3
+    evaluation: motion 0.99), judged by the analyser; the shape it draws in about 6 of 10 videos (README), not
     asserted."""
     from pipelines.cli import GenerationRequest, generate
     from pipelines.model_dir import builtin_info
