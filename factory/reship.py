@@ -277,11 +277,12 @@ class Reship:
     def preflight(self) -> None:
         """What the conversions read besides the checkpoint, checked before any weights are written: the working
         model folder (tokenizer, text encoder, VAE) and the clip cache their configs name."""
-        from training.config import load_config
+        from omegaconf import OmegaConf
 
         missing = []
         for variant in CONVERSIONS:
-            cfg = load_config(CONFIGS / f"{variant}.yaml")
+            # the file as written (loading it checks these very folders, and would name only the first missing)
+            cfg = OmegaConf.load(CONFIGS / f"{variant}.yaml")
             for what, path in (("model.path", cfg.model.path), ("data.path", cfg.data.path)):
                 if not (ROOT / path).exists() and (what, path) not in missing:
                     missing.append((what, path))
