@@ -283,7 +283,10 @@ class Reship:
         for variant in CONVERSIONS:
             # the file as written (loading it checks these very folders, and would name only the first missing)
             cfg = OmegaConf.load(CONFIGS / f"{variant}.yaml")
-            for what, path in (("model.path", cfg.model.path), ("data.path", cfg.data.path)):
+            named = [("model.path", cfg.model.path), ("data.path", cfg.data.path)]
+            if cfg.data.get("image_path"):  # joint image-video conversion: its cache of stills
+                named.append(("data.image_path", cfg.data.image_path))
+            for what, path in named:
                 if not (ROOT / path).exists() and (what, path) not in missing:
                     missing.append((what, path))
         if missing:
@@ -333,20 +336,17 @@ class Reship:
         return {"chosen": chosen}
 
     def convert(self, variant: str) -> dict:
+        from omegaconf import OmegaConf
+
         from factory.next import save_variant
 
         run_dir = self.work / variant
-        self.run(
-            _python(
-                "-m",
-                "training.finetune",
-                "--config",
-                str(CONFIGS / f"{variant}.yaml"),
-                f"run_dir={run_dir}",
-                f"model.transformer={self.work / 'starts' / variant}",
-                f"train.steps={self.steps}",
-            )
-        )
+        overrides = [f"model.transformer={self.work / 'starts' / variant}", f"train.steps={self.steps}"]
+        if OmegaConf.load(CONFIGS / f"{variant}.yaml").get("distill", {}).get("teacher"):
+            # the config distills from the base: the one this re-ship staged (its EMA), whatever folder it names
+            overrides.append(f"distill.teacher={self.next_dir / 'transformer-ema'}")
+        config = str(CONFIGS / f"{variant}.yaml")
+        self.run(_python("-m", "training.finetune", "--config", config, f"run_dir={run_dir}", *overrides))
         final = run_dir / "final"
         if not (final / "finished.json").is_file():
             raise RuntimeError(f"the {variant} conversion in {run_dir} did not finish (no final/finished.json)")

@@ -151,6 +151,10 @@ class AttentionOptions:
             across heads, as the authors' code), applied before ``to_out``; ``"none"``.
         output_gate: multiply the output by ``2 * sigmoid(W x + b)`` of the layer input ``x``; ``W, b``
             start at zero so a freshly converted layer is ungated.
+        cpe: add a depthwise 3x3x3 convolution of ``v`` over the latent-token grid to the output (after the
+            output norm, before the gate): the paper's CPE (Table 3a), which helps small models, whose linear
+            attention has no notion of a token's neighbours. Its weights start at zero, so turning it on in a
+            converted model (trained or not) changes nothing until it trains.
         rope: apply Wan's RoPE to ``phi(q), phi(k)`` in the numerator (never the normalizer).
         eps: added to the normalizer.
         mixing_init, learnable_mixing, per_head_mixing: as :class:`mhla.MHLA`.
@@ -167,6 +171,7 @@ class AttentionOptions:
     normalize: bool = False
     output_norm: str = "rms_head"
     output_gate: bool = False
+    cpe: bool = False
     rope: bool = True
     eps: float = 1e-6
     mixing_init: str = "locality"
@@ -180,6 +185,8 @@ class AttentionOptions:
         mhla.get_feature_map(self.feature_map)
         if self.output_norm not in OUTPUT_NORMS:
             raise ValueError(f"output_norm must be one of {OUTPUT_NORMS}, got {self.output_norm!r}")
+        if not isinstance(self.cpe, bool):
+            raise ValueError(f"cpe must be True or False, got {self.cpe!r}")
         if not isinstance(self.constrain_mixing, bool):
             raise ValueError(f"constrain_mixing must be True or False, got {self.constrain_mixing!r}")
         if self.softmax_backend not in mhla.SOFTMAX_BACKENDS:
@@ -288,7 +295,7 @@ class LinearSelfAttention(nn.Module):
 
     ``kind="mhla"`` owns an :class:`mhla.MHLA` (mixing matrix, ``.mhla.mixing.weight``);
     ``kind="linear"`` is vanilla linear attention (no mixing). Both optionally own an output
-    per-head RMSNorm (``.norm_out``) and an output gate (``.gate``).
+    per-head RMSNorm (``.norm_out``), an output gate (``.gate``) and a depthwise convolution of ``v`` (``.cpe``).
     """
 
     def __init__(self, kind: str, dim: int, num_heads: int, head_dim: int, options: AttentionOptions):
@@ -316,6 +323,34 @@ class LinearSelfAttention(nn.Module):
             self.gate = nn.Linear(dim, num_heads * head_dim)
             nn.init.zeros_(self.gate.weight)
             nn.init.zeros_(self.gate.bias)
+        self.cpe: nn.Conv3d | None = None
+        if options.cpe:
+            self.add_cpe(num_heads * head_dim)
+
+    def add_cpe(self, channels: int) -> None:
+        """The zero-initialised depthwise 3x3x3 convolution of :attr:`AttentionOptions.cpe` (a layer converted
+        without one gets it here: with zero weights the layer computes what it did)."""
+        ref = next(self.parameters(), None)
+        conv = nn.Conv3d(channels, channels, 3, padding=1, groups=channels)
+        nn.init.zeros_(conv.weight)
+        nn.init.zeros_(conv.bias)  # type: ignore[arg-type]  # bias=True: never None
+        if ref is not None and ref.device.type != "meta":
+            dtype = ref.dtype if self.norm_out is None else self.norm_out.weight.dtype
+            conv.to(device=ref.device, dtype=dtype)
+        self.cpe = conv
+
+    def _positional(self, v: torch.Tensor, grid: Grid | mhla.ResolvedBlocks | None) -> torch.Tensor:
+        """The CPE term ``(B, N, H, D)``: ``v`` laid on the token grid ``(F, H, W)`` (tokens in Wan's order,
+        frame-major), each channel convolved with its own 3x3x3 kernel, zero-padded."""
+        if grid is None:
+            raise RuntimeError(
+                "cpe needs the latent-token grid (F, H, W); run the layer inside an MHLAWanTransformer3DModel"
+            )
+        f, h, w = grid.layout.grid if isinstance(grid, mhla.ResolvedBlocks) else grid
+        b, n, heads, d = v.shape
+        assert self.cpe is not None
+        x = v.reshape(b, f, h, w, heads * d).permute(0, 4, 1, 2, 3).to(self.cpe.weight.dtype)
+        return self.cpe(x).permute(0, 2, 3, 4, 1).reshape(b, n, heads, d)
 
     def forward(
         self,
@@ -339,6 +374,11 @@ class LinearSelfAttention(nn.Module):
         # overflow float16 before the RMSNorm, so float16 asks for a float32 output; bfloat16 has
         # float32's range and keeps its own dtype (a float32 output cost ~0.5 ms per layer on the GPU path).
         compute = q.dtype if q.dtype == torch.bfloat16 else torch.promote_types(q.dtype, torch.float32)
+        if parallel is not None and self.cpe is not None:
+            raise ValueError(
+                "cpe (a convolution over the whole token grid) does not run under context parallelism, whose "
+                "processes each hold a slice of the sequence; run this model on one device per video"
+            )
         if parallel is not None:
             out = self._sequence_parallel(q, k, v, grid, rope, compute, parallel)
         elif self.mhla is None:
@@ -358,6 +398,8 @@ class LinearSelfAttention(nn.Module):
             out = self.mhla(q, k, v, grid, rope, out_dtype=compute)  # shrinks its layout to a small grid itself
         if self.norm_out is not None:
             out = self.norm_out(out)  # the module, not its weight: offload hooks must see the call
+        if self.cpe is not None:
+            out = out + self._positional(v, grid).to(out.dtype)
         if self.gate is not None:
             out = out * (2.0 * torch.sigmoid(self.gate(x))).unflatten(-1, (out.shape[2], -1)).to(out.dtype)
         return out.to(out_dtype)

@@ -51,9 +51,11 @@ def _check_options(
     if params["mhla"]:
         shaping += ["blocks", "per_head_mixing", "learnable_mixing"]
     if params["mhla"] or params["linear"]:
-        shaping += ["output_norm", "output_gate"]
+        shaping += ["output_norm", "output_gate", "cpe"]
     for name in shaping:
         a, b = getattr(existing, name), getattr(requested, name)
+        if name == "cpe" and not a:  # a zero-initialised convolution joins a converted layer exactly
+            continue
         if a != b:
             raise ValueError(
                 f"this model's linear-attention layers were built with {name}={a!r}; "
@@ -151,6 +153,8 @@ def install(transformer: WanTransformer3DModel, conversion: Conversion, context:
             mod = getattr(block.attn1, attr, None)
             if isinstance(mod, LinearSelfAttention):
                 mod.options = options
+                if options.cpe and mod.cpe is None:  # turned on in a converted model: zero, so exact
+                    mod.add_cpe(block.attn1.inner_dim)
                 if mod.mhla is not None:
                     mod.mhla.feature_map, mod.mhla.normalize, mod.mhla.eps = (
                         options.feature_map,

@@ -189,6 +189,19 @@ class TransferSection:
 
 
 @dataclass
+class DistillSection:
+    """Output distillation (``train`` stage): the student's prediction also matches a frozen teacher's on the same
+    noisy input, timestep and caption (a dropped caption included), clips and stills alike. The loss is
+    ``(1 - weight) * flow + weight * mse(student, teacher)``, both with the flow section's object weighting.
+    A converted model is far from its softmax base; the teacher's prediction is the base's estimate of the
+    velocity's mean, so it carries what the base learned (shape at high noise) without the flow target's noise.
+    teacher: a softmax (flash) transformer folder of the same architecture, e.g. the base's EMA."""
+
+    teacher: str | None = key(None)
+    weight: float = key(1.0, low=0, high=1)
+
+
+@dataclass
 class LogSection:
     every: int = key(10, low=1)
     tensorboard: bool = key(True)
@@ -253,6 +266,7 @@ class FinetuneConfig:
     train: TrainSection = field(default_factory=TrainSection)
     flow: FlowSection = field(default_factory=FlowSection)
     transfer: TransferSection = field(default_factory=TransferSection)
+    distill: DistillSection = field(default_factory=DistillSection)
     log: LogSection = field(default_factory=LogSection)
     validation: ValidationSection = field(default_factory=ValidationSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
@@ -583,6 +597,13 @@ def validate(cfg: FinetuneConfig) -> None:
             Path(cfg.model.path).is_dir(),
             "model.path",
             "a local diffusers-format Wan directory (Wan2.1-T2V, Wan2.2-TI2V-5B or Wan2.2-T2V-A14B)",
+        )
+    if cfg.distill.teacher is not None:
+        need(cfg.task == "transformer", "distill.teacher", "null with task=vae (its loop trains the VAE)")
+        need(
+            (Path(cfg.distill.teacher) / "config.json").is_file(),
+            "distill.teacher",
+            "a transformer folder with a config.json (a softmax one, e.g. assets/builtin-next/v3/transformer-ema)",
         )
     if cfg.transfer.steps:
         need(

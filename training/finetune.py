@@ -59,6 +59,7 @@ from training import checkpoint as ckpt
 from training.config import (
     CheckpointSection,
     DataSection,
+    DistillSection,
     FinetuneConfig,
     LoraSection,
     ModelSection,
@@ -253,6 +254,64 @@ class ModelCall:
     def __call__(self, model: Any, x_t: torch.Tensor, t: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
         timestep = model_timestep(t, x_t, self.patch_size, self.expand_timesteps)
         return model(hidden_states=x_t, timestep=timestep, encoder_hidden_states=text, return_dict=False)[0]
+
+
+# --------------------------------------------------------------------------- output distillation
+
+TEACHER_MATCH = ("patch_size", "in_channels", "out_channels", "text_dim", "num_attention_heads", "attention_head_dim")
+
+
+def load_teacher(distill: DistillSection, student: Any, device: torch.device) -> Any | None:
+    """The frozen teacher of output distillation (``distill.teacher``), float32, checked against the student: a
+    softmax transformer whose inputs and outputs are the student's (patch, channels, text width, heads)."""
+    if distill.teacher is None:
+        return None
+    teacher = load_transformer(distill.teacher, dtype=torch.float32, device=device)
+    state = teacher.config.get("self_attention") or {}
+    if state.get("linear_layers"):
+        raise ValueError(
+            f"distill.teacher={distill.teacher!r}: expected a softmax (flash) transformer; it has "
+            f"{len(state['linear_layers'])} self-attention layers converted to {state.get('variant')!r}"
+        )
+    for name in TEACHER_MATCH:
+        have, want = (_plain(m.config.get(name)) for m in (teacher, student))
+        if have != want:
+            raise ValueError(
+                f"distill.teacher={distill.teacher!r}: its {name} is {have!r}, the trained transformer's {want!r}; "
+                "expected a teacher of the same inputs and outputs"
+            )
+    return teacher.requires_grad_(False).eval()
+
+
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, (list, tuple)) else value
+
+
+@dataclass
+class Distillation:
+    """``distill``'s loss for one forward: ``(1 - weight) * flow + weight * match``, where ``match`` is the flow
+    loss's weighted squared error against the teacher's prediction on the same input. Returns both."""
+
+    teacher: Any
+    weight: float
+    call: ModelCall
+    flow: FlowMatching
+
+    def __call__(
+        self,
+        pred: torch.Tensor,
+        x_t: torch.Tensor,
+        t: torch.Tensor,
+        text: torch.Tensor,
+        velocity: torch.Tensor,
+        latents: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            target = self.call(self.teacher, x_t, t, text)
+        match = self.flow.loss(pred, target, latents)
+        if self.weight >= 1:
+            return match, match
+        return (1 - self.weight) * self.flow.loss(pred, velocity, latents) + self.weight * match, match
 
 
 # --------------------------------------------------------------------------- attention transfer
@@ -577,6 +636,10 @@ def train(cfg: FinetuneConfig, target: TrainingTarget | None = None) -> int:
         num_train_timesteps=target.num_train_timesteps,
     )
     call = ModelCall(target.expand_timesteps, tuple(transformer.config.patch_size))
+    teacher = load_teacher(cfg.distill, transformer, device)
+    distill = None if teacher is None else Distillation(teacher, cfg.distill.weight, call, flow)
+    if distill is not None:
+        print_main(f"output distillation from {cfg.distill.teacher} (weight {cfg.distill.weight} of the loss)")
     cached = isinstance(dataset, CachedLatents)  # data.source=cache: latents and text embeddings stored
     batches = BatchEncoder(
         None if cached else Encoder(components, cfg.data.max_sequence_length),
@@ -689,6 +752,7 @@ def train(cfg: FinetuneConfig, target: TrainingTarget | None = None) -> int:
                 follow_threads()
                 t0 = time.perf_counter()
                 grad_norm, finite, image_loss = None, True, None
+                matches: list[tuple[torch.Tensor, int]] = []  # distillation: the teacher-matching part per forward
                 for _ in range(cfg.train.grad_accum):
                     batch = next(data_iter)
                     at.samples += len(batch["caption"])
@@ -702,7 +766,14 @@ def train(cfg: FinetuneConfig, target: TrainingTarget | None = None) -> int:
                                 transfer.losses.clear()  # drop losses a checkpointed layer's recompute appended
                             with accelerator.autocast():
                                 pred = call(model, x_t, t, text)
-                            part = transfer.take_loss() if transfer is not None else flow.loss(pred, velocity, latents)
+                            if transfer is not None:
+                                part = transfer.take_loss()
+                            elif distill is not None:
+                                with accelerator.autocast():
+                                    part, match = distill(pred, x_t, t, text, velocity, latents)
+                                matches.append((match.detach(), len(group["caption"])))
+                            else:
+                                part = flow.loss(pred, velocity, latents)
                             parts.append((part, len(group["caption"])))
                         loss = parts[0][0]
                         if len(parts) > 1:  # the mean over the batch's clips, whatever their lengths
@@ -716,7 +787,12 @@ def train(cfg: FinetuneConfig, target: TrainingTarget | None = None) -> int:
                             x_i, t_i, velocity_i = flow.noisy_input(image_latents, generator)
                             with accelerator.autocast():
                                 pred_i = call(model, x_i, t_i, image_text)
-                            image_loss = flow.loss(pred_i, velocity_i, image_latents)
+                            if distill is not None:
+                                with accelerator.autocast():
+                                    image_loss, match = distill(pred_i, x_i, t_i, image_text, velocity_i, image_latents)
+                                matches.append((match.detach(), len(image_batch["caption"])))
+                            else:
+                                image_loss = flow.loss(pred_i, velocity_i, image_latents)
                             parts.append((image_loss, len(image_batch["caption"])))
                             loss = weighted_mean(parts)
                         finite = bool(accelerator.gather(torch.isfinite(loss.detach()).reshape(1)).all())
@@ -765,6 +841,8 @@ def train(cfg: FinetuneConfig, target: TrainingTarget | None = None) -> int:
                 if image_loss is not None and stills is not None:  # "loss" is then the mean over clips and images
                     row["image_loss"] = accelerator.gather(image_loss.detach().reshape(1)).mean().item()
                     row["images_per_s"] = stills.size * cfg.train.grad_accum * world / dt
+                if matches:  # the teacher-matching part alone (with weight < 1 "loss" also holds the flow loss)
+                    row["distill_loss"] = accelerator.gather(weighted_mean(matches).reshape(1)).mean().item()
                 metrics.write(row)
                 if cfg.log.tensorboard and at.step % cfg.log.every == 0:
                     accelerator.log({k: v for k, v in row.items() if isinstance(v, float)}, step=at.step)
