@@ -338,3 +338,24 @@ def test_preflight_names_the_folders_the_conversions_read(design, monkeypatch, t
     ):
         make(design, runner)()
     assert runner.calls == [] and not (design["next"] / "transformer-ema").exists()
+
+
+def test_a_conversion_that_distills_is_taught_by_the_staged_base(design, monkeypatch, tmp_path):
+    from omegaconf import OmegaConf
+
+    configs = tmp_path / "configs"
+    shutil.copytree(reship.CONFIGS, configs)
+    cfg = OmegaConf.load(configs / "mhla.yaml")
+    cfg.distill = {"teacher": "assets/somewhere-else", "weight": 1.0}  # a folder the re-ship does not stage
+    OmegaConf.save(cfg, configs / "mhla.yaml")
+    for v in ("linear", "mhla-hybrid"):  # the others: no distill section at all
+        plain = OmegaConf.load(configs / f"{v}.yaml")
+        plain.pop("distill", None)
+        OmegaConf.save(plain, configs / f"{v}.yaml")
+    monkeypatch.setattr(reship, "CONFIGS", configs)
+    monkeypatch.setattr(reship.Reship, "preflight", lambda self: None)
+    runner = Runner(evaluation([0.5, 0.1, 0.1, 0.2]))
+    make(design, runner)()
+    finetunes = {Path(c[c.index("--config") + 1]).stem: c for c in runner.calls if c[2] == "training.finetune"}
+    assert f"distill.teacher={design['next'] / 'transformer-ema'}" in finetunes["mhla"]
+    assert not any(c.startswith("distill.") for v in ("linear", "mhla-hybrid") for c in finetunes[v])
