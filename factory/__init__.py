@@ -20,6 +20,9 @@ sits above the recipe (it runs ``training`` stages) and nothing imports it but i
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 
@@ -32,6 +35,15 @@ def output_path(out: str | Path, suffix: str) -> Path:
 
 
 ROOT = Path(__file__).resolve().parents[1]  # the checkout this package runs from
+
+
+def run_command(cmd: Sequence[str], quiet: bool = False) -> None:
+    """Runs a repository command from the checkout's root (the configs' and commands' paths are the repository's),
+    echoing it (without the interpreter's path) first; a failure raises ``CalledProcessError``. ``quiet``: its
+    standard output is dropped (its errors still show)."""
+    cmd = list(cmd)
+    print("$", " ".join(cmd[1:] if cmd[0] == sys.executable else cmd), flush=True)
+    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL if quiet else None)
 
 
 def portable(value):

@@ -40,14 +40,13 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from common.outputs import atomic_dir
-from factory import write_json
+from factory import run_command, write_json
 from factory.build import CONVERSIONS
 from factory.v3 import MODEL, NEXT, WORK, WORLD
 from pipelines.attention import SOFTMAX
@@ -190,8 +189,7 @@ def _python(*args: str) -> list[str]:
 
 
 def _subprocess(cmd: Sequence[str]) -> None:
-    print("$", " ".join(cmd[1:] if cmd[0] == sys.executable else cmd), flush=True)
-    subprocess.run(list(cmd), check=True, cwd=ROOT)  # the configs' and commands' paths are the repository's
+    run_command(cmd)
 
 
 class Reship:

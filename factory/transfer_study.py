@@ -20,15 +20,14 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
+from factory import ROOT, run_command
 from pipelines.attention import LINEAR, MHLA
 
-ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 
 
@@ -43,8 +42,7 @@ def run(run_dir: Path, *overrides: str) -> list[dict]:
         "checkpoint.keep=1",
         *overrides,
     ]
-    print("$", " ".join(cmd[1:]), flush=True)
-    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    run_command(cmd, quiet=True)
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
