@@ -137,6 +137,7 @@ class Settings:
     convert_lr: float = 5e-4
     convert_warmup: int = 50
     convert_ema: float = 0.995
+    convert_cpe: bool = True  # the conversion configs' model.attention.cpe (a 300-step A/B: loss 0.128 vs 0.147)
     convert_image_ratio: float = 0.0  # the conversion configs train on clips; MHLA's blocks are laid over 5 frames
     min_lr_ratio: float = 0.1
     caption_dropout: float = 0.1
@@ -585,14 +586,15 @@ def swap_in_ema(model, ema) -> None:
             params[name].copy_(shadow)
 
 
-def converted(model, variant: str, grid, block_shape):
-    """A copy of ``model`` converted to ``variant`` as :func:`training.finetune.build_model` converts: blocks from
-    the model's block shape over the training grid, the paper's other attention options, float32."""
+def converted(model, variant: str, grid, block_shape, cpe: bool = True):
+    """A copy of ``model`` converted to ``variant`` as :func:`training.finetune.build_model` converts with the
+    conversion configs (``factory/configs/v3/<variant>.yaml``): blocks from the model's block shape over the
+    training grid, the paper's CPE (``cpe``), its other attention options, float32."""
     from pipelines import AttentionOptions
 
     copy = model.clone()
     blocks = copy.resolve_blocks(grid, None, block_shape).blocks
-    copy.convert(variant, None, AttentionOptions(blocks=blocks))
+    copy.convert(variant, None, AttentionOptions(blocks=blocks, cpe=cpe))
     return copy.float()
 
 
@@ -918,7 +920,7 @@ class Build:
             later = [p for p in self.phases if p != "base"]
             end = self.clock.now() + (self.clock.share("convert", later) - self.clock.now()) / (len(CONVERSIONS) - i)
             try:
-                model = converted(base, variant, self.grid, self.components.block_shape)
+                model = converted(base, variant, self.grid, self.components.block_shape, s.convert_cpe)
                 stage = Stage(variant, cap, s.convert_lr, s.convert_warmup, s.convert_ema, s.convert_image_ratio)
                 log(self.clock, f"{variant}: converted from {origin}, until {end:.0f} s")
                 result, ema = train(model, cache, stage, s, end, self.clock, autocast)
