@@ -729,6 +729,26 @@ def train(cfg: FinetuneConfig, target: TrainingTarget | None = None) -> int:
             metrics.write(row)
             print_main(f"probe at step 0: {describe(row['probe'])}")
 
+    matches: list[tuple[torch.Tensor, int]] = []  # distillation's teacher-matching part per forward of a step
+
+    def sample_loss(
+        pred: torch.Tensor,
+        x_t: torch.Tensor,
+        t: torch.Tensor,
+        text: torch.Tensor,
+        velocity: torch.Tensor,
+        latents: torch.Tensor,
+        n: int,
+    ) -> torch.Tensor:
+        """One forward's loss: the flow loss, or with ``distill`` its mix with the teacher's (the teacher's part
+        noted in ``matches`` for the log)."""
+        if distill is None:
+            return flow.loss(pred, velocity, latents)
+        with accelerator.autocast():
+            part, match = distill(pred, x_t, t, text, velocity, latents)
+        matches.append((match.detach(), n))
+        return part
+
     # ---- stages: optional attention transfer, then end-to-end flow matching
     model = None
     progress = tqdm(total=total_steps, initial=at.step, disable=not main_proc, desc="fine-tune", dynamic_ncols=True)
@@ -752,7 +772,7 @@ def train(cfg: FinetuneConfig, target: TrainingTarget | None = None) -> int:
                 follow_threads()
                 t0 = time.perf_counter()
                 grad_norm, finite, image_loss = None, True, None
-                matches: list[tuple[torch.Tensor, int]] = []  # distillation: the teacher-matching part per forward
+                matches.clear()
                 for _ in range(cfg.train.grad_accum):
                     batch = next(data_iter)
                     at.samples += len(batch["caption"])
@@ -766,15 +786,12 @@ def train(cfg: FinetuneConfig, target: TrainingTarget | None = None) -> int:
                                 transfer.losses.clear()  # drop losses a checkpointed layer's recompute appended
                             with accelerator.autocast():
                                 pred = call(model, x_t, t, text)
+                            n = len(group["caption"])
                             if transfer is not None:
                                 part = transfer.take_loss()
-                            elif distill is not None:
-                                with accelerator.autocast():
-                                    part, match = distill(pred, x_t, t, text, velocity, latents)
-                                matches.append((match.detach(), len(group["caption"])))
                             else:
-                                part = flow.loss(pred, velocity, latents)
-                            parts.append((part, len(group["caption"])))
+                                part = sample_loss(pred, x_t, t, text, velocity, latents, n)
+                            parts.append((part, n))
                         loss = parts[0][0]
                         if len(parts) > 1:  # the mean over the batch's clips, whatever their lengths
                             loss = weighted_mean(parts)
@@ -787,13 +804,9 @@ def train(cfg: FinetuneConfig, target: TrainingTarget | None = None) -> int:
                             x_i, t_i, velocity_i = flow.noisy_input(image_latents, generator)
                             with accelerator.autocast():
                                 pred_i = call(model, x_i, t_i, image_text)
-                            if distill is not None:
-                                with accelerator.autocast():
-                                    image_loss, match = distill(pred_i, x_i, t_i, image_text, velocity_i, image_latents)
-                                matches.append((match.detach(), len(image_batch["caption"])))
-                            else:
-                                image_loss = flow.loss(pred_i, velocity_i, image_latents)
-                            parts.append((image_loss, len(image_batch["caption"])))
+                            n = len(image_batch["caption"])
+                            image_loss = sample_loss(pred_i, x_i, t_i, image_text, velocity_i, image_latents, n)
+                            parts.append((image_loss, n))
                             loss = weighted_mean(parts)
                         finite = bool(accelerator.gather(torch.isfinite(loss.detach()).reshape(1)).all())
                         if finite:

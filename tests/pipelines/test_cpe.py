@@ -12,24 +12,9 @@ from pipelines.attention import AttentionOptions
 from pipelines.model import convert_self_attention
 from pipelines.tiny import build_tiny_transformer
 from tests import independent
+from tests.pipelines.test_pipeline_attention import _capture_layer, _forward
 
-GRID = (3, 4, 6)
-
-
-def _inputs(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    f, h, w = GRID
-    return dict(
-        hidden_states=torch.randn(1, 16, f, 2 * h, 2 * w, generator=g),
-        timestep=torch.tensor([700]),
-        encoder_hidden_states=torch.randn(1, 8, 32, generator=g),
-        return_dict=False,
-    )
-
-
-def _forward(model, seed=0):
-    with torch.no_grad():
-        return model(**_inputs(seed))[0]
+GRID = (3, 4, 6)  # the token grid of test_pipeline_attention's inputs
 
 
 def neighbour_sum(v: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, grid) -> torch.Tensor:
@@ -49,19 +34,6 @@ def neighbour_sum(v: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, gri
     return out
 
 
-def _capture(model, layer=0):
-    attn = model.blocks[layer].attn1
-    seen = {}
-    hooks = [
-        attn.norm_q.register_forward_hook(lambda m, a, out: seen.__setitem__("q", out)),
-        attn.norm_k.register_forward_hook(lambda m, a, out: seen.__setitem__("k", out)),
-        attn.to_v.register_forward_hook(lambda m, a, out: seen.__setitem__("v", out)),
-        attn.register_forward_pre_hook(lambda m, a: seen.__setitem__("rope", a[3])),
-        attn.to_out[0].register_forward_pre_hook(lambda m, a: seen.__setitem__("out", a[0])),
-    ]
-    return seen, hooks
-
-
 def _randomise(conv, seed):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -76,7 +48,7 @@ def test_the_layer_output_is_attention_plus_the_neighbour_sum(variant):
     attr = "mhla" if variant == "mhla" else "linear_attn"
     layer = getattr(model.blocks[0].attn1, attr)
     _randomise(layer.cpe, 1)
-    seen, hooks = _capture(model)
+    seen, hooks = _capture_layer(model, 0)
     _forward(model)
     for h in hooks:
         h.remove()

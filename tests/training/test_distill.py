@@ -88,9 +88,17 @@ def test_a_teacher_equal_to_the_start_matches_it_exactly_and_a_converted_student
     # noisy input, timestep and (dropped or kept) caption as the student
     teacher = _save_tiny_teacher(tmp_path / "teacher")
     run = tmp_path / "flash"
-    finetune(run, "model.variant=flash", "train.steps=1", f"distill.teacher={teacher}", "checkpoint.every=0")
+    finetune(
+        run,
+        "model.variant=flash",
+        "train.steps=1",
+        f"distill.teacher={teacher}",
+        "checkpoint.every=0",
+        "data.image_ratio=1.0",  # the stills' own forward: its teacher must see the stills' inputs too
+    )
     first = [r for r in metrics(run) if r.get("stage") == "train"][0]
     assert first["distill_loss"] == pytest.approx(0.0, abs=1e-12)
+    assert first["image_loss"] == pytest.approx(0.0, abs=1e-12)
     assert first["loss"] == pytest.approx(0.0, abs=1e-12)  # weight 1: the loss is the teacher term alone
 
     run = tmp_path / "mhla"  # the tiny config converts every layer to MHLA: far from the teacher at first
