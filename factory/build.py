@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from common.outputs import atomic_dir
+from factory import dump_json
 from pipelines.attention import SOFTMAX, VARIANTS
 from pipelines.model_dir import BUILTIN_BLOCK_SHAPE, BUILTIN_DEFAULTS, BUILTIN_DIR, VARIANTS_SUBDIR
 from training import checkpoint as ckpt
@@ -281,7 +282,7 @@ def assemble(out: Path = BUILTIN_DIR) -> Path:
         "date": time.strftime("%Y-%m-%d"),
         "rebuild": "python -m factory build",
     }
-    (tmp / "builtin.json").write_text(json.dumps(info, indent=1) + "\n")
+    (tmp / "builtin.json").write_text(dump_json(info))
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)

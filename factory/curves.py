@@ -41,7 +41,8 @@ def read_metrics(path: str | Path) -> list[dict]:
 
 def probe_rows(rows: Sequence[dict]) -> list[dict]:
     """The rows with a probe: ``{"step", "eval_loss", "eval_loss_ema", "ratio", "ratio_ema"}`` (ratios: mean
-    over sigmas per attribute; the EMA entries None when the run has no EMA)."""
+    over sigmas per attribute; the EMA entries None when the run has no EMA), and ``ratio_by_sigma`` (attribute ->
+    sigma -> ratio, the raw weights') when the probe kept them: the issue's shape target is read at sigma 0.9."""
     out = []
     for r in rows:
         if "probe" not in r:
@@ -55,6 +56,8 @@ def probe_rows(rows: Sequence[dict]) -> list[dict]:
                 "ratio_ema": r["probe_ema"]["mean_ratio"] if "probe_ema" in r else None,
             }
         )
+        if isinstance(r["probe"].get("ratio"), dict):
+            out[-1]["ratio_by_sigma"] = r["probe"]["ratio"]
     return out
 
 

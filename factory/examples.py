@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
+from common.outputs import write_text_atomic
+from factory import dump_json
 from pipelines import BUILTIN_DIR
 from pipelines.attention import SOFTMAX
 from world.analyse import ATTRIBUTES, parse_caption
@@ -71,7 +72,7 @@ def choose(evaluation: dict, variant: str = SOFTMAX, count: int = 4) -> list[dic
 
 
 def write_examples(model_dir: Path, chosen: list[dict], source: str, evaluation: dict, variant: str) -> Path:
-    """Records the chosen prompts in ``model_dir/builtin.json`` (written to a temporary file, then renamed)."""
+    """Records the chosen prompts in ``model_dir/builtin.json`` (atomically; paths :func:`factory.portable`)."""
     path = model_dir / "builtin.json"
     info = json.loads(path.read_text())
     info["example_prompts"] = {
@@ -84,10 +85,7 @@ def write_examples(model_dir: Path, chosen: list[dict], source: str, evaluation:
         "rule": "most videos with every named attribute right over the seeds, then the fraction of attributes "
         "right, then that fraction over every variant; one per colour first",
     }
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(info, indent=1) + "\n")
-    os.replace(tmp, path)
-    return path
+    return write_text_atomic(path, dump_json(info))  # a path inside the checkout is recorded relative to it
 
 
 def main(argv=None) -> int:

@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -48,6 +49,7 @@ from pathlib import Path
 from common.outputs import atomic_dir
 from factory import run_command, write_json
 from factory.build import CONVERSIONS
+from factory.progress import stage_step
 from factory.v3 import MODEL, NEXT, WORK, WORLD
 from pipelines.attention import SOFTMAX
 from pipelines.model_dir import BUILTIN_DIR, VARIANTS_SUBDIR
@@ -208,8 +210,19 @@ class Reship:
         run: Runner = _subprocess,
         measure: Measure = held_out_loss,
     ) -> None:
-        if not name or any(c in name for c in "/\\ ") or name.startswith("."):
-            raise ValueError(f"--name {name!r}: expected a short name without spaces or slashes, e.g. joint-step5000")
+        try:
+            step = stage_step(name)  # the curves' records are read back by their label (factory.progress)
+        except ValueError:
+            raise ValueError(
+                f"--name {name!r}: expected the stage's label, 'joint-stepN' or 'stepN' (N: the checkpoint's step) "
+                "with an optional '-recipe' suffix, e.g. joint-step5400-cpe"
+            ) from None
+        named = re.search(r"step-(\d{7})$", Path(checkpoint).name)
+        if named and int(named.group(1)) != step:
+            raise ValueError(
+                f"--name {name!r} says step {step}, but the checkpoint {Path(checkpoint).name!r} is step "
+                f"{int(named.group(1))}: the curves would place it wrongly"
+            )
         if conversion_steps < 1:
             raise ValueError(f"--conversion-steps {conversion_steps}: expected a positive number of steps")
         self.checkpoint, self.name = Path(checkpoint), name
@@ -431,6 +444,7 @@ class Reship:
                 str(self._out("memorization")),
             )
         )
+        self.run(_python("-m", "factory.progress", "--curves", str(self.curves)))  # the stages so far, drawn
         return {"evaluation": str(self._out("v3-eval")) + ".json", "curves": None if curves is None else str(curves)}
 
     def decide(self) -> dict:
@@ -466,7 +480,12 @@ def main(argv=None) -> int:
 def _main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m factory.reship", description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint", help="a base-stage checkpoint, e.g. runs/builtin-v3/joint/checkpoints/step-0005000")
-    p.add_argument("--name", required=True, help="names the work folder and the curves, e.g. joint-step5000")
+    p.add_argument(
+        "--name",
+        required=True,
+        help="the stage's label, joint-stepN with an optional -recipe suffix (N: the checkpoint's step); names the "
+        "work folder and the curves, e.g. joint-step5000",
+    )
     p.add_argument("--conversion-steps", type=int, default=600, help="each conversion's fine-tuning steps")
     p.add_argument("--num-prompts", type=int, default=48)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])

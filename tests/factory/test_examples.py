@@ -81,6 +81,22 @@ def test_the_command_writes_builtin_json_and_the_app_offers_them(tmp_path, capsy
     assert AppModels(wan, {}).example_prompts == GENERAL_PROMPTS
 
 
+def test_a_source_inside_the_checkout_is_recorded_relative_to_it(tmp_path, monkeypatch):
+    # the shipped builtin.json once named the checkout it was made in: a committed record reads the same in every clone
+    import factory
+
+    checkout = tmp_path / "clone"
+    (checkout / "curves").mkdir(parents=True)
+    monkeypatch.setattr(factory, "ROOT", checkout)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "builtin.json").write_text(json.dumps({"defaults": {}}))
+    source = checkout / "curves" / "eval.json"
+    source.write_text(json.dumps(evaluation()))
+    assert main(["--from", str(source), "--model", str(model), "--count", "1"]) == 0
+    assert json.loads((model / "builtin.json").read_text())["example_prompts"]["chosen_from"] == "curves/eval.json"
+
+
 def test_the_command_refuses_bad_input(tmp_path, capsys):
     model = tmp_path / "model"
     model.mkdir()

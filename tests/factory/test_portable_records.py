@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -60,3 +61,41 @@ def test_no_tracked_file_names_this_checkouts_absolute_path():
         if root in text:
             offenders.append(name)
     assert not offenders, f"files naming this checkout's absolute path {root!r}: {offenders[:10]}"
+
+
+def _strings(value):
+    if isinstance(value, dict):
+        for v in value.values():
+            yield from _strings(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _strings(v)
+    elif isinstance(value, str):
+        yield value
+
+
+def test_no_tracked_record_names_any_checkouts_absolute_path():
+    # the test above sees only the checkout it runs in; a record written in another clone names that clone's folder
+    # followed by one of the project's own top-level folders (/somewhere/clone/assets/...): caught in every clone
+    try:
+        listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    names = [n for n in listed.split("\n") if n]
+    top = sorted({n.split("/")[0] for n in names if "/" in n} - {"tests"})
+    inside = re.compile(r"^/(?:[^/\s]+/)+?(?:" + "|".join(map(re.escape, top)) + r")/")
+    offenders = []
+    for name in names:
+        if not name.endswith(".json") or name.endswith(RAW_LOGS):
+            continue
+        path = ROOT / name
+        try:
+            if path.stat().st_size > 2_000_000:
+                continue
+            data = json.loads(path.read_text())
+        except (UnicodeDecodeError, OSError, json.JSONDecodeError):
+            continue
+        hits = [s for s in _strings(data) if inside.match(s)]
+        if hits:
+            offenders.append((name, hits[0]))
+    assert not offenders, f"records naming a checkout's absolute path: {offenders[:10]}"

@@ -204,6 +204,7 @@ def test_a_better_candidate_is_staged_converted_evaluated_and_shipped(design, mo
         "factory.shape_probe",
         "factory.shape_probe",
         "factory.memorization",
+        "factory.progress",
         "factory.examples",
         "run_app.py",
     ]
@@ -322,12 +323,15 @@ def test_other_settings_in_the_same_folder_are_refused(design, monkeypatch):
 
 
 def test_bad_arguments_are_named_before_any_work(design, tmp_path):
-    with pytest.raises(ValueError, match="--name 'a b'"):
-        reship.Reship(design["checkpoint"], "a b", work_root=tmp_path)
+    for bad in ("a b", "joint5400", "../joint-step1", "step"):  # the curves read the base's step from the name
+        with pytest.raises(ValueError, match=f"--name '{bad}'"):
+            reship.Reship(design["checkpoint"], bad, work_root=tmp_path)
+    with pytest.raises(ValueError, match="says step 5400, but the checkpoint 'step-0004000' is step 4000"):
+        reship.Reship(design["checkpoint"], "joint-step5400-cpe", work_root=tmp_path)
     with pytest.raises(ValueError, match="--conversion-steps 0"):
-        reship.Reship(design["checkpoint"], "x", conversion_steps=0, work_root=tmp_path)
+        reship.Reship(design["checkpoint"], "joint-step4000", conversion_steps=0, work_root=tmp_path)
     with pytest.raises(FileNotFoundError, match="not a base-stage checkpoint"):
-        reship.Reship(tmp_path, "x", work_root=tmp_path)
+        reship.Reship(tmp_path, "joint-step1", work_root=tmp_path)
 
 
 def test_preflight_names_the_folders_the_conversions_read(design, monkeypatch, tmp_path):
