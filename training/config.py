@@ -17,6 +17,7 @@ from typing import Any, TypeVar, get_args, get_origin, get_type_hints
 
 from omegaconf import DictConfig, OmegaConf
 
+from mhla.checks import COMPILE_MODES
 from pipelines.attention import MHLA, SOFTMAX, VARIANTS
 
 # ---- the schema: one dataclass per section, one field per key: its default, its type (the annotation), its range or
@@ -158,6 +159,11 @@ class TrainSection:
     grad_clip: float = key(0.1, low=0)
     precision: str = key("bf16", choices=PRECISIONS)  # autocast; master weights stay float32
     gradient_checkpointing: bool = key(True)
+    # torch.compile of the transformer (mhla.compiled.compile_transformer): blocks = each repeated block compiled
+    # once and reused by every layer (diffusers' compile_repeated_blocks; seconds), full = the whole forward; the
+    # state dict, checkpoints and EMA are unchanged. Inductor fuses the work around the matmuls (norms, modulation,
+    # GELU, residuals); a CPU needs a C++ compiler for it. none = eager
+    compile: str = key("none", choices=("none", *COMPILE_MODES))
     seed: int = key(0, low=0, high=TRAIN_SEED_MAX)
     max_nonfinite: int = key(10, low=1)  # this many non-finite losses in a row stop the run
     ema_decay: float = key(0.0, low=0)  # moving average of the trained weights, e.g. 0.999; 0 = off (training/ema.py)

@@ -615,6 +615,11 @@ def train(cfg: FinetuneConfig, target: TrainingTarget | None = None) -> int:
     converted = state["linear_layers"]
     if cfg.train.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
+    if cfg.train.compile != "none":  # in place: parameters, state dict and hooks stay the module's own
+        from mhla.compiled import compile_transformer
+
+        compile_transformer(transformer, cfg.train.compile)
+        print_main(f"train.compile={cfg.train.compile}: the first steps of each input shape compile (about a minute)")
     transformer.train()
     n_train = sum(p.numel() for n, p in transformer.named_parameters() if n in set(trainable))
     print_main(
