@@ -17,8 +17,9 @@ one run in ``runs/builtin-v3/reship-NAME/`` that a killed run resumes where it s
    conversions came from, added to every weight they share). A conversion then trains on across re-ships
    instead of relearning from 1.67 in each;
 3. ``convert-<variant>``: the three conversions (linear, mhla, mhla-hybrid) fine-tuned from their starts with their
-   committed configs (``factory/configs/v3/<variant>.yaml``; ``--conversion-steps`` each, one budget), each run in
-   ``reship-NAME/<variant>``, its final EMA kept in ``reship-NAME/candidate/variants`` (float16);
+   committed configs (``factory/configs/v3/<variant>.yaml``; ``--conversion-steps`` each: one budget, or one per
+   variant such as ``600,mhla=900,linear=300``), each run in ``reship-NAME/<variant>``, its final EMA kept in
+   ``reship-NAME/candidate/variants`` (float16);
 4. ``layout``: the candidate model folder ``reship-NAME/model`` (the shipped design's parts, the new EMA as the
    softmax transformer, the new conversions as variants);
 5. ``evaluate``: the committed evaluation (48 prompts x seeds 0 1 2, analyser, CFG: the model's defaults) of the
@@ -43,7 +44,7 @@ import re
 import shutil
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from common.outputs import atomic_dir
@@ -186,6 +187,45 @@ def held_out_loss(variant: str, transformer: Path, batches: int = 2, model: Path
     return EvalLoss(cfg.data, cfg.train, cfg.validation, dataset, encode, flow, accelerator, call)(model)
 
 
+def conversion_steps_for(spec: int | str | Mapping[str, int]) -> dict[str, int]:
+    """Each conversion's fine-tuning steps from ``--conversion-steps``: a number for all (``600``), or a number
+    then per-variant exceptions (``600,mhla=900,linear=300``: the budget where the gap is), or a mapping."""
+
+    def bad(why: str) -> ValueError:
+        return ValueError(
+            f"--conversion-steps {spec!r}: {why}; expected N or N,VARIANT=N,... with VARIANT one of "
+            f"{', '.join(CONVERSIONS)} and every N a positive number of steps"
+        )
+
+    default: object = None
+    named: list[tuple[str, object]] = []
+    if isinstance(spec, Mapping):
+        named = list(spec.items())
+    else:
+        for part in str(spec).split(","):
+            variant, equals, n = part.strip().partition("=")
+            if equals:
+                named.append((variant, n))
+            elif default is None:
+                default = variant
+            else:
+                raise bad(f"two numbers for all ({default!r} and {variant!r})")
+    steps = dict.fromkeys(CONVERSIONS, default)
+    for variant, n in named:
+        if variant not in CONVERSIONS:
+            raise bad(f"{variant!r} is not a conversion")
+        steps[variant] = n
+    out = {}
+    for variant, n in steps.items():
+        try:
+            out[variant] = int(str(n))
+        except ValueError:
+            raise bad(f"{variant} gets {n!r}") from None
+        if out[variant] < 1:
+            raise bad(f"{variant} gets {n!r}")
+    return out
+
+
 def _python(*args: str) -> list[str]:
     return [sys.executable, *args]
 
@@ -201,7 +241,7 @@ class Reship:
         self,
         checkpoint: Path,
         name: str,
-        conversion_steps: int = 600,
+        conversion_steps: int | str | Mapping[str, int] = 600,
         num_prompts: int = 48,
         seeds: Sequence[int] = (0, 1, 2),
         work_root: Path = WORK,
@@ -223,10 +263,9 @@ class Reship:
                 f"--name {name!r} says step {step}, but the checkpoint {Path(checkpoint).name!r} is step "
                 f"{int(named.group(1))}: the curves would place it wrongly"
             )
-        if conversion_steps < 1:
-            raise ValueError(f"--conversion-steps {conversion_steps}: expected a positive number of steps")
+        self.steps = conversion_steps_for(conversion_steps)
         self.checkpoint, self.name = Path(checkpoint), name
-        self.steps, self.num_prompts, self.seeds = conversion_steps, num_prompts, list(seeds)
+        self.num_prompts, self.seeds = num_prompts, list(seeds)
         self.work = Path(work_root) / f"reship-{name}"
         self.next_dir, self.builtin, self.run, self.measure = Path(next_dir), Path(builtin), run, measure
         self.curves = self.next_dir / "curves"
@@ -241,7 +280,9 @@ class Reship:
 
     # ---- the record
     def _load_state(self) -> dict:
-        want = {"checkpoint": str(self.checkpoint), "conversion_steps": self.steps, "num_prompts": self.num_prompts}
+        # one number when the conversions share it (as every record before per-variant budgets says)
+        steps = self.steps[CONVERSIONS[0]] if len(set(self.steps.values())) == 1 else self.steps
+        want = {"checkpoint": str(self.checkpoint), "conversion_steps": steps, "num_prompts": self.num_prompts}
         want["seeds"] = self.seeds
         if self.state_path.is_file():
             state = json.loads(self.state_path.read_text())
@@ -352,7 +393,7 @@ class Reship:
         from factory.next import save_variant
 
         run_dir = self.work / variant
-        overrides = [f"model.transformer={self.work / 'starts' / variant}", f"train.steps={self.steps}"]
+        overrides = [f"model.transformer={self.work / 'starts' / variant}", f"train.steps={self.steps[variant]}"]
         if OmegaConf.load(CONFIGS / f"{variant}.yaml").get("distill", {}).get("teacher"):
             # the config distills from the base: the one this re-ship staged (its EMA), whatever folder it names
             overrides.append(f"distill.teacher={self.next_dir / 'transformer-ema'}")
@@ -486,7 +527,11 @@ def _main(argv=None) -> int:
         help="the stage's label, joint-stepN with an optional -recipe suffix (N: the checkpoint's step); names the "
         "work folder and the curves, e.g. joint-step5000",
     )
-    p.add_argument("--conversion-steps", type=int, default=600, help="each conversion's fine-tuning steps")
+    p.add_argument(
+        "--conversion-steps",
+        default="600",
+        help="each conversion's fine-tuning steps: N, or N then exceptions, e.g. 600,mhla=900,linear=300",
+    )
     p.add_argument("--num-prompts", type=int, default=48)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     args = p.parse_args(argv)

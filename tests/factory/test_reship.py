@@ -322,6 +322,35 @@ def test_other_settings_in_the_same_folder_are_refused(design, monkeypatch):
         make(design, Runner({}), steps=9)
 
 
+def test_each_conversion_gets_its_own_budget(design, monkeypatch):
+    monkeypatch.setattr(reship.Reship, "preflight", lambda self: None)
+    runner = Runner(evaluation([0.5, 0.1, 0.1, 0.2]))
+    state = make(design, runner, steps="5,mhla=8,linear=3")()
+    finetunes = {Path(c[c.index("--config") + 1]).stem: c for c in runner.calls if c[2] == "training.finetune"}
+    want = {"linear": 3, "mhla": 8, "mhla-hybrid": 5}
+    assert {v: [a for a in c if a.startswith("train.steps=")] for v, c in finetunes.items()} == {
+        v: [f"train.steps={n}"] for v, n in want.items()
+    }
+    assert state["conversion_steps"] == want  # recorded per variant; a resumed re-ship must ask the same
+    with pytest.raises(ValueError, match="conversion_steps"):
+        make(design, Runner({}), steps="5,mhla=9,linear=3")
+
+
+@pytest.mark.parametrize(
+    "spec, why",
+    [
+        ("0", "linear gets '0'"),
+        ("x", "linear gets 'x'"),
+        ("600,lin=3", "'lin' is not a conversion"),
+        ("600,700", "two numbers for all"),
+        ("mhla=900", "linear gets None"),
+    ],
+)
+def test_bad_conversion_budgets_are_named(spec, why):
+    with pytest.raises(ValueError, match=f"--conversion-steps '{spec}': {why}"):
+        reship.conversion_steps_for(spec)
+
+
 def test_bad_arguments_are_named_before_any_work(design, tmp_path):
     for bad in ("a b", "joint5400", "../joint-step1", "step"):  # the curves read the base's step from the name
         with pytest.raises(ValueError, match=f"--name '{bad}'"):
