@@ -24,8 +24,8 @@ one run in ``runs/builtin-v3/reship-NAME/`` that a killed run resumes where it s
    softmax transformer, the new conversions as variants);
 5. ``evaluate``: the committed evaluation (48 prompts x seeds 0 1 2, analyser, CFG: the model's defaults) of the
    candidate, written to ``assets/builtin-next/v3/curves/v3-eval-NAME``, and the base's diagnoses beside it
-   (unconditional shape rate, the noised-real-clip swap test, memorisation; the base stage's curves when its run
-   folder is here: ``factory.curves``);
+   (unconditional shape rate, the noised-real-clip swap test and its uncaptioned twin, memorisation; the base
+   stage's curves when its run folder is here: ``factory.curves``; every stage's records drawn: ``factory.progress``);
 6. ``decide``: the candidate against the evaluation the shipped model names in its ``builtin.json``
    (:func:`compare`), written to ``curves/reship-NAME.json`` (and each stage's record as it ends, its time and
    the starts' losses, to ``curves/reship-NAME-state.json``: ``runs/`` is not committed);
@@ -470,7 +470,7 @@ class Reship:
                 str(self._out("v3-eval")),
             )
         )
-        for probe in ("unconditional", "swap"):
+        for probe in ("unconditional", "swap", "uncaptioned"):
             out = str(self._out(f"shape-{probe}"))
             self.run(_python("-m", "factory.shape_probe", probe, "--model", model, "--transformer", ema, "--out", out))
         self.run(

@@ -2,6 +2,7 @@
 
     python -m factory.shape_probe unconditional [--model DIR] [--transformer DIR] [--seeds 8] [--out OUT]
     python -m factory.shape_probe swap [--model DIR] [--transformer DIR] [--clips 16] [--sigmas 0.5 0.7 0.9] [--out OUT]
+    python -m factory.shape_probe uncaptioned [--model DIR] [--transformer DIR] [--clips 16] [--sigmas ...] [--out OUT]
 
 - **unconditional**: videos from the empty caption (no guidance), and the share of their frames whose object reads
   as any of the world's shapes (:func:`world.analyse.read_shape`, on a compact object): has the model learnt what a
@@ -12,6 +13,11 @@
   shape) and *follows* (the swapped caption's video shows the swapped shape). At low ``s`` the clip's outline is
   still in the input, so it is kept whatever the caption; at high ``s`` the shape is decided by the model, and a
   model that reads the shape word follows the swap.
+- **uncaptioned**: the same noised real clips denoised with the empty caption and no guidance; per ``s``, how many
+  keep their background, their object's colour and its shape: the noise level up to which the model reads each
+  attribute from the noisy input alone. Generating from pure noise without a caption needs it read near ``s = 1``
+  (where the unconditional videos' background and object are decided); the unconditional mode reports, beside the
+  shape rate, the frames with any object and the backgrounds drawn.
 
 Both sample with the flow's Euler steps on the model scheduler's shifted sigmas (from ``s``, or 1, down to 0), the
 transformer called as the training recipe calls it, classifier-free guidance against the empty caption; frames are
@@ -33,7 +39,7 @@ from pipelines import BUILTIN_DIR, load_components, load_transformer
 from training.encoding import Encoder
 from training.finetune import ModelCall
 from world.analyse import ANALYSER_VERSION, OTHER, analyse, colour_masks, is_object, read_shape
-from world.synthetic import SHAPES, SyntheticVideoDataset, world_named
+from world.synthetic import PLAIN_BACKGROUNDS, SHAPES, SyntheticVideoDataset, world_named
 
 
 def flow_sigmas(steps: int, shift: float, start: float = 1.0) -> list[float]:
@@ -86,6 +92,16 @@ def frame_shapes(frames: np.ndarray, colours: tuple[str, ...]) -> list[str | Non
     return out
 
 
+def read_background(frames: np.ndarray, backgrounds: tuple[str, ...]) -> str:
+    """The plain background (of ``backgrounds``) whose grey level is nearest the middle frame's median pixel: the
+    object covers a few percent of a frame, so the median is the background's."""
+    level = float(np.median(frames[len(frames) // 2]))
+    plain = {b: PLAIN_BACKGROUNDS[b] for b in backgrounds if b in PLAIN_BACKGROUNDS}
+    if not plain:
+        raise ValueError(f"backgrounds {backgrounds} has no plain one ({', '.join(PLAIN_BACKGROUNDS)}) to read")
+    return min(plain, key=lambda b: abs(plain[b] - level))
+
+
 def _setup(args):
     components = load_components(args.model, dtype="float32", device="cpu")
     transformer = load_transformer(args.transformer, dtype=torch.float32, device="cpu") if args.transformer else None
@@ -102,18 +118,22 @@ def unconditional(args) -> dict:
     shape = (1, transformer.config.in_channels, (d["num_frames"] - 1) // stride[0] + 1)
     shape += (d["height"] // stride[1], d["width"] // stride[1])
     empty = encoder.text([""])
-    readings = []
+    readings, backgrounds = [], []
     for seed in range(args.seeds):
         noise = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
         latents = denoise(transformer, noise, flow_sigmas(args.steps, shift), empty, empty, 1.0)
-        readings.append(frame_shapes(decode(components, latents)[0], world.colours))
+        video = decode(components, latents)[0]
+        readings.append(frame_shapes(video, world.colours))
+        backgrounds.append(read_background(video, world.backgrounds))
     flat = [r for video in readings for r in video]
     counts = {k: flat.count(k) for k in (*SHAPES, OTHER, None)}
     return {
         "what": "share of frames of unconditional videos (empty caption, no guidance) whose object reads as a shape",
         "shape_rate": sum(counts[s] for s in SHAPES) / max(1, len(flat)),
+        "object_rate": sum(r is not None for r in flat) / max(1, len(flat)),
         "frames": len(flat),
         "readings": {str(k): v for k, v in counts.items()},
+        "backgrounds": {b: backgrounds.count(b) for b in world.backgrounds if b in PLAIN_BACKGROUNDS},
         "per_video": readings,
         "seeds": args.seeds,
     }
@@ -129,15 +149,7 @@ def swap(args) -> dict:
     d, world = components.defaults, world_named(args.world)
     shift = float(components.scheduler.config.get("flow_shift", 3.0))
     guidance = args.guidance if args.guidance is not None else d.get("guidance_scale", 4.0)
-    data = SyntheticVideoDataset(
-        args.clips,
-        seed=args.data_seed,
-        split="validation",
-        num_frames=d["num_frames"],
-        height=d["height"],
-        width=d["width"],
-        world=world,
-    )
+    data = _validation_clips(args, d, world)
     empty = encoder.text([""])
     rows = {f"{s:g}": {"kept": 0, "follows": 0, "clips": 0} for s in args.sigmas}
     per_clip = []
@@ -181,6 +193,48 @@ def swap(args) -> dict:
     }
 
 
+def uncaptioned(args) -> dict:
+    components, transformer, encoder = _setup(args)
+    d, world = components.defaults, world_named(args.world)
+    shift = float(components.scheduler.config.get("flow_shift", 3.0))
+    data = _validation_clips(args, d, world)
+    empty = encoder.text([""])
+    rows = {f"{s:g}": dict.fromkeys(("background", "colour", "shape", "clips"), 0) for s in args.sigmas}
+    for i in range(args.clips):
+        item = data[i]
+        x0 = encoder.latents(item["video"][None])
+        own = read_background(decode(components, x0)[0], world.backgrounds)  # what the VAE gives back, not the label
+        noise = torch.randn(x0.shape, generator=torch.Generator().manual_seed(1000 + i))
+        for s in args.sigmas:
+            start = (1 - s) * x0 + s * noise
+            video = decode(
+                components, denoise(transformer, start, flow_sigmas(args.steps, shift, s), empty, empty, 1.0)
+            )[0]
+            verdict = analyse(video, item["caption"], colours=world.colours)
+            row = rows[f"{s:g}"]
+            row["background"] += read_background(video, world.backgrounds) == own
+            row["colour"] += bool(verdict["colour"])
+            row["shape"] += bool(verdict["shape"])
+            row["clips"] += 1
+    return {
+        "what": "real clips noised to sigma and denoised with the empty caption, no guidance: clips that keep their "
+        "background, their object's colour and its shape",
+        "sigmas": rows,
+    }
+
+
+def _validation_clips(args, d: dict, world) -> SyntheticVideoDataset:
+    return SyntheticVideoDataset(
+        args.clips,
+        seed=args.data_seed,
+        split="validation",
+        num_frames=d["num_frames"],
+        height=d["height"],
+        width=d["width"],
+        world=world,
+    )
+
+
 def main(argv=None) -> int:
     from common.errors import run_cli
 
@@ -190,7 +244,7 @@ def main(argv=None) -> int:
 def _main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m factory.shape_probe", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    for name in ("unconditional", "swap"):
+    for name in ("unconditional", "swap", "uncaptioned"):
         s = sub.add_parser(name)
         s.add_argument("--model", default=str(BUILTIN_DIR), help="model directory (default: the built-in model)")
         s.add_argument("--transformer", default=None, help="a softmax transformer folder replacing the model's")
@@ -201,16 +255,18 @@ def _main(argv=None) -> int:
             s.add_argument("--seeds", type=int, default=8)
         else:
             s.add_argument("--clips", type=int, default=16)
-            s.add_argument("--sigmas", type=float, nargs="+", default=[0.5, 0.7, 0.9])
-            s.add_argument("--guidance", type=float, default=None, help="CFG scale (default: the model's)")
+            default = [0.5, 0.7, 0.9] if name == "swap" else [0.5, 0.7, 0.8, 0.9, 0.95]
+            s.add_argument("--sigmas", type=float, nargs="+", default=default)
+            if name == "swap":
+                s.add_argument("--guidance", type=float, default=None, help="CFG scale (default: the model's)")
             s.add_argument("--data-seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error(f"--steps must be >= 1, got {args.steps}")
-    if args.cmd == "swap" and not all(0 < s <= 1 for s in args.sigmas):
+    if args.cmd != "unconditional" and not all(0 < s <= 1 for s in args.sigmas):
         p.error(f"--sigmas must be in (0, 1], got {args.sigmas}")
     t0 = time.time()
-    res = unconditional(args) if args.cmd == "unconditional" else swap(args)
+    res = {"unconditional": unconditional, "swap": swap, "uncaptioned": uncaptioned}[args.cmd](args)
     res.update(
         model=args.model,
         transformer=args.transformer,
@@ -219,7 +275,16 @@ def _main(argv=None) -> int:
         date=time.strftime("%Y-%m-%d %H:%M"),
     )
     if args.cmd == "unconditional":
-        print(f"unconditional: {res['shape_rate']:.2f} of {res['frames']} frames read as a shape {res['readings']}")
+        print(
+            f"unconditional: {res['shape_rate']:.2f} of {res['frames']} frames read as a shape {res['readings']}; "
+            f"{res['object_rate']:.2f} hold an object; backgrounds {res['backgrounds']}"
+        )
+    elif args.cmd == "uncaptioned":
+        for s, r in res["sigmas"].items():
+            n = r["clips"]
+            print(
+                f"sigma {s}, no caption: kept background {r['background']}/{n}, colour {r['colour']}/{n}, shape {r['shape']}/{n}"
+            )
     else:
         for s, r in res["sigmas"].items():
             print(f"sigma {s}: kept {r['kept']}/{r['clips']}, follows a swapped shape word {r['follows']}/{r['clips']}")

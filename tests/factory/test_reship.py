@@ -203,6 +203,7 @@ def test_a_better_candidate_is_staged_converted_evaluated_and_shipped(design, mo
         "factory.evaluate",
         "factory.shape_probe",
         "factory.shape_probe",
+        "factory.shape_probe",
         "factory.memorization",
         "factory.progress",
         "factory.examples",

@@ -56,9 +56,38 @@ def test_both_diagnoses_run_on_the_built_in_model(tmp_path):
     assert shape_probe.main(["unconditional", "--seeds", "1", "--steps", "3", "--out", str(out)]) == 0
     res = json.loads(out.with_suffix(".json").read_text())
     assert res["frames"] == 9 and 0 <= res["shape_rate"] <= 1 and sum(res["readings"].values()) == 9
+    assert 0 <= res["object_rate"] <= 1 and sum(res["backgrounds"].values()) == 1
     out = tmp_path / "s"
     assert shape_probe.main(["swap", "--clips", "2", "--sigmas", "0.2", "0.9", "--steps", "3", "--out", str(out)]) == 0
     res = json.loads(out.with_suffix(".json").read_text())
     assert set(res["sigmas"]) == {"0.2", "0.9"} and all(r["clips"] == 2 for r in res["sigmas"].values())
     assert res["sigmas"]["0.2"]["kept"] == 2  # at low noise the clip's own outline survives denoising
     assert np.all([c["swapped_to"] != c["shape"] for c in res["per_clip"]])
+
+    out = tmp_path / "n"
+    argv = ["uncaptioned", "--clips", "2", "--sigmas", "0.2", "0.95", "--steps", "3", "--out", str(out)]
+    assert shape_probe.main(argv) == 0
+    res = json.loads(out.with_suffix(".json").read_text())
+    assert set(res["sigmas"]) == {"0.2", "0.95"} and all(r["clips"] == 2 for r in res["sigmas"].values())
+    low = res["sigmas"]["0.2"]
+    assert low["background"] == 2 and low["colour"] == 2  # at low noise the clip survives without its caption
+
+
+def test_the_background_is_read_from_rendered_clips():
+    from world.analyse import parse_caption
+    from world.synthetic import SyntheticVideoDataset, world_named
+
+    world = world_named("v3")
+    data = SyntheticVideoDataset(24, seed=3, split="train", num_frames=5, height=64, width=80, world=world)
+    seen = set()
+    for i in range(len(data)):
+        item = data[i]
+        video = item["video"]  # (T, C, H, W) in [-1, 1] or uint8 frames: make uint8 (T, H, W, 3)
+        frames = video if video.dtype == torch.uint8 else ((video.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+        frames = frames.permute(0, 2, 3, 1).numpy() if frames.shape[1] == 3 else frames.numpy()
+        named = parse_caption(item["caption"])["background"] or data.attributes(i)["background"]
+        assert shape_probe.read_background(frames, world.backgrounds) == named, item["caption"]
+        seen.add(named)
+    assert seen == {"grey", "black", "white"}
+    with pytest.raises(ValueError, match="no plain one"):
+        shape_probe.read_background(frames, ("checkered",))
