@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import sys
 import time
@@ -54,6 +53,7 @@ from factory.progress import stage_step
 from factory.v3 import MODEL, NEXT, WORK, WORLD
 from pipelines.attention import SOFTMAX
 from pipelines.model_dir import BUILTIN_DIR, VARIANTS_SUBDIR
+from training.checkpoint import checkpoint_step
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "factory" / "configs" / "v3"
@@ -226,6 +226,16 @@ def conversion_steps_for(spec: int | str | Mapping[str, int]) -> dict[str, int]:
     return out
 
 
+def _named_step(checkpoint: Path) -> int | None:
+    """The step a checkpoint folder's name gives (``step-0006900``, or a copy set aside as ``keep-step-0006900``),
+    read by :func:`training.checkpoint.checkpoint_step`; None for another name."""
+    name = checkpoint.name
+    try:
+        return checkpoint_step(name[name.rfind("step-") :]) if "step-" in name else None
+    except ValueError:
+        return None
+
+
 def _python(*args: str) -> list[str]:
     return [sys.executable, *args]
 
@@ -257,11 +267,11 @@ class Reship:
                 f"--name {name!r}: expected the stage's label, 'joint-stepN' or 'stepN' (N: the checkpoint's step) "
                 "with an optional '-recipe' suffix, e.g. joint-step5400-cpe"
             ) from None
-        named = re.search(r"step-(\d{7})$", Path(checkpoint).name)
-        if named and int(named.group(1)) != step:
+        named = _named_step(Path(checkpoint))
+        if named is not None and named != step:
             raise ValueError(
                 f"--name {name!r} says step {step}, but the checkpoint {Path(checkpoint).name!r} is step "
-                f"{int(named.group(1))}: the curves would place it wrongly"
+                f"{named}: the curves would place it wrongly"
             )
         self.steps = conversion_steps_for(conversion_steps)
         self.checkpoint, self.name = Path(checkpoint), name
@@ -434,7 +444,7 @@ class Reship:
         run_dir = self.checkpoint.parent.parent
         if not (run_dir / "metrics.jsonl").is_file():
             return None
-        step = self.checkpoint.name.removeprefix("step-").lstrip("0") or "0"
+        step = stage_step(self.name)  # the checkpoint's own step where its name gives one (checked at the start)
         summary = self.curves / f"{run_dir.name}-probe-step{step}.json"
         self.run(
             _python(

@@ -41,25 +41,30 @@ def test_write_json_writes_portable_records(tmp_path):
     assert data == {"model": "assets/builtin", "tmp": str(tmp_path)}
 
 
-def test_no_tracked_file_names_this_checkouts_absolute_path():
+def _tracked_texts():
+    """(name, text) of every tracked text file under 2 MB present here (raw device logs kept as printed)."""
     try:
         listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError):
         pytest.skip("not a git checkout")
-    root = str(ROOT) + "/"
-    offenders = []
-    for name in listed.split("\n"):
-        if not name or name.endswith(RAW_LOGS):
+    names = [n for n in listed.split("\n") if n]
+    texts = []
+    for name in names:
+        if name.endswith(RAW_LOGS):
             continue
         path = ROOT / name
         try:
             if path.stat().st_size > 2_000_000:
                 continue
-            text = path.read_text()
+            texts.append((name, path.read_text()))
         except (UnicodeDecodeError, OSError):
             continue  # binary files (weights, videos) and files absent from this checkout
-        if root in text:
-            offenders.append(name)
+    return names, texts
+
+
+def test_no_tracked_file_names_this_checkouts_absolute_path():
+    root = str(ROOT) + "/"
+    offenders = [name for name, text in _tracked_texts()[1] if root in text]
     assert not offenders, f"files naming this checkout's absolute path {root!r}: {offenders[:10]}"
 
 
@@ -77,23 +82,16 @@ def _strings(value):
 def test_no_tracked_record_names_any_checkouts_absolute_path():
     # the test above sees only the checkout it runs in; a record written in another clone names that clone's folder
     # followed by one of the project's own top-level folders (/somewhere/clone/assets/...): caught in every clone
-    try:
-        listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        pytest.skip("not a git checkout")
-    names = [n for n in listed.split("\n") if n]
+    names, texts = _tracked_texts()
     top = sorted({n.split("/")[0] for n in names if "/" in n} - {"tests"})
     inside = re.compile(r"^/(?:[^/\s]+/)+?(?:" + "|".join(map(re.escape, top)) + r")/")
     offenders = []
-    for name in names:
-        if not name.endswith(".json") or name.endswith(RAW_LOGS):
+    for name, text in texts:
+        if not name.endswith(".json"):
             continue
-        path = ROOT / name
         try:
-            if path.stat().st_size > 2_000_000:
-                continue
-            data = json.loads(path.read_text())
-        except (UnicodeDecodeError, OSError, json.JSONDecodeError):
+            data = json.loads(text)
+        except json.JSONDecodeError:
             continue
         hits = [s for s in _strings(data) if inside.match(s)]
         if hits:
