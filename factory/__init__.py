@@ -10,6 +10,7 @@
 - ``transfer_study``: the conversion-recipe study on the built-in model;
 - ``next``: the next design's stages, kept in ``assets/builtin-next/``; ``v3``: the third design (its model
   directory, the VAE gate, the cross-attention's share per caption word);
+- ``arms``: short A/B arms of the base's recipe from one checkpoint, judged by the probe against a control;
 - ``reship``: a later base stage's conversions, evaluation and diagnoses in one resumable command, shipped only
   when it beats the shipped model's committed evaluation (``python -m factory.reship CHECKPOINT --name NAME``).
 

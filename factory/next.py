@@ -202,6 +202,41 @@ def save_checkpoint(checkpoint: Path, next_dir: Path = NEXT_DIR, half: bool = Fa
     return written
 
 
+def stage_transformer(path: str | Path, weights: str = "ema", dtype=None):
+    """The transformer of ``path`` for a diagnosis: a transformer folder as it is, or a training checkpoint's
+    (``transformer/`` and ``trainable.safetensors``): its ``transformer/`` for ``weights="ema"`` (the EMA's
+    averages when the run keeps one), the raw weights laid over it for ``"raw"`` (what a short arm's few hundred
+    steps changed, undiluted by the EMA's decay)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from pipelines import load_transformer
+
+    if weights not in ("ema", "raw"):
+        raise ValueError(f"weights={weights!r}: expected 'ema' or 'raw'")
+    path = Path(path)
+    dtype = dtype or torch.float32
+    if (path / "config.json").is_file():
+        if weights == "raw":
+            raise ValueError(f"{str(path)!r} is a transformer folder (one set of weights); 'raw' needs a checkpoint")
+        return load_transformer(str(path), dtype=dtype, device="cpu")
+    if not (path / "transformer" / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{str(path)!r} is neither a transformer folder (config.json) nor a checkpoint (transformer/config.json)"
+        )
+    transformer = load_transformer(str(path / "transformer"), dtype=dtype, device="cpu")
+    if weights == "raw":
+        raw = path / "trainable.safetensors"
+        if not raw.is_file():
+            raise FileNotFoundError(f"{str(path)!r} has no trainable.safetensors: its transformer/ is the raw weights")
+        state = load_file(str(raw))
+        unknown = sorted(set(state) - set(transformer.state_dict()))
+        if unknown:
+            raise ValueError(f"{raw} holds weights the transformer does not: {unknown[:4]}")
+        transformer.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
+    return transformer
+
+
 def _design_folder(into: str) -> Path:
     """``--into``: assets/builtin-next or a design's folder inside it (never a path elsewhere: stage weights are
     committed there and counted against its budget)."""

@@ -19,6 +19,9 @@
   (where the unconditional videos' background and object are decided); the unconditional mode reports, beside the
   shape rate, the frames with any object and the backgrounds drawn.
 
+``--transformer`` replaces the model's transformer with a folder or a training checkpoint's (``--weights ema``, its
+``transformer/``, or ``raw``, its trainable weights: what a short arm changed, undiluted by the EMA).
+
 Both sample with the flow's Euler steps on the model scheduler's shifted sigmas (from ``s``, or 1, down to 0), the
 transformer called as the training recipe calls it, classifier-free guidance against the empty caption; frames are
 decoded by the model's VAE and judged by the analyser. ``--out OUT`` writes ``OUT.json``.
@@ -35,7 +38,8 @@ import numpy as np
 import torch
 
 from factory import write_json
-from pipelines import BUILTIN_DIR, load_components, load_transformer
+from factory.next import stage_transformer
+from pipelines import BUILTIN_DIR, load_components
 from training.encoding import Encoder
 from training.finetune import ModelCall
 from world.analyse import ANALYSER_VERSION, OTHER, analyse, colour_masks, is_object, read_shape
@@ -104,7 +108,9 @@ def read_background(frames: np.ndarray, backgrounds: tuple[str, ...]) -> str:
 
 def _setup(args):
     components = load_components(args.model, dtype="float32", device="cpu")
-    transformer = load_transformer(args.transformer, dtype=torch.float32, device="cpu") if args.transformer else None
+    if args.weights == "raw" and not args.transformer:
+        raise ValueError("--weights raw needs --transformer CHECKPOINT (a training checkpoint's raw weights)")
+    transformer = stage_transformer(args.transformer, args.weights) if args.transformer else None
     transformer = (transformer or components.transformer).eval()
     encoder = Encoder(components, components.defaults.get("max_sequence_length", 512))
     return components, transformer, encoder
@@ -247,7 +253,17 @@ def _main(argv=None) -> int:
     for name in ("unconditional", "swap", "uncaptioned"):
         s = sub.add_parser(name)
         s.add_argument("--model", default=str(BUILTIN_DIR), help="model directory (default: the built-in model)")
-        s.add_argument("--transformer", default=None, help="a softmax transformer folder replacing the model's")
+        s.add_argument(
+            "--transformer",
+            default=None,
+            help="a softmax transformer folder, or a training checkpoint's (see --weights), replacing the model's",
+        )
+        s.add_argument(
+            "--weights",
+            choices=("ema", "raw"),
+            default="ema",
+            help="of a checkpoint: its transformer/ (the EMA's; default) or its raw trainable weights",
+        )
         s.add_argument("--world", default="v3", help="the synthetic world the model was trained on")
         s.add_argument("--steps", type=int, default=20, help="the full schedule's steps (a swap enters it at s)")
         s.add_argument("--out", default=None, help="writes OUT.json")
@@ -270,6 +286,7 @@ def _main(argv=None) -> int:
     res.update(
         model=args.model,
         transformer=args.transformer,
+        weights=args.weights if args.transformer else None,
         analyser_version=ANALYSER_VERSION,
         minutes=round((time.time() - t0) / 60, 2),
         date=time.strftime("%Y-%m-%d %H:%M"),

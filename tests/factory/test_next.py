@@ -234,3 +234,40 @@ def test_init_lays_the_bases_ema_once_its_raw_weights_are_gone(tmp_path):
     shutil.rmtree(nxt_dir / "transformer")
     out = nxt.init(tmp_path / "model", next_dir=nxt_dir, base=base)
     assert json.loads((out / "transformer" / "config.json").read_text())["tag"] == "transformer-ema"
+
+
+def test_stage_transformer_reads_a_checkpoints_ema_or_raw_weights(tmp_path):
+    """``factory.shape_probe --transformer CHECKPOINT --weights raw``: the checkpoint's trainable weights laid over
+    its transformer/ (the EMA), every other weight the EMA folder's; a plain transformer folder as it is."""
+    import torch
+    from safetensors.torch import save_file
+
+    from pipelines.tiny import build_tiny_transformer
+
+    ema = build_tiny_transformer(seed=0, num_layers=2)
+    ckpt = tmp_path / "step-0000100"
+    ema.save_pretrained(ckpt / "transformer")
+    names = [n for n, _ in ema.named_parameters()][:3]
+    raw = {n: torch.randn_like(p) for n, p in ema.named_parameters() if n in names}
+    save_file(raw, str(ckpt / "trainable.safetensors"))
+
+    got = nxt.stage_transformer(ckpt, "raw").state_dict()
+    want = ema.state_dict()
+    for n in want:
+        torch.testing.assert_close(got[n], raw[n] if n in raw else want[n], rtol=0, atol=0)
+    got = nxt.stage_transformer(ckpt, "ema").state_dict()
+    assert all(torch.equal(got[n], want[n]) for n in want)
+    assert torch.equal(nxt.stage_transformer(ckpt / "transformer").state_dict()[names[0]], want[names[0]])
+
+    with pytest.raises(ValueError, match="'raw' needs a checkpoint"):
+        nxt.stage_transformer(ckpt / "transformer", "raw")
+    with pytest.raises(ValueError, match="expected 'ema' or 'raw'"):
+        nxt.stage_transformer(ckpt, "average")
+    with pytest.raises(FileNotFoundError, match="neither a transformer folder"):
+        nxt.stage_transformer(tmp_path / "nowhere")
+    save_file({"blocks.99.nothing": torch.zeros(1)}, str(ckpt / "trainable.safetensors"))
+    with pytest.raises(ValueError, match="holds weights the transformer does not"):
+        nxt.stage_transformer(ckpt, "raw")
+    (ckpt / "trainable.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="no trainable.safetensors"):
+        nxt.stage_transformer(ckpt, "raw")
