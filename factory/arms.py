@@ -12,7 +12,9 @@ the loss with the true word: 1 = ignored), its mean over the window and its leas
 the probe's flow losses at each of its sigmas. A single probe of 8 clips moves by about 0.1 from one probe to the
 next, so an arm's mean is set against the control's with the standard error of the difference (the residuals
 about each arm's fitted line); only a difference over two standard errors is called a change.
-``--diagnosis NAME=JSON`` adds a ``factory.shape_probe`` record of that arm (``unconditional``: the shape rate and
+Beside them the EMA's probe (``probe_ema``, where the run keeps an EMA): smooth, so its slope over the window
+is the clearer trend, but its rows are not independent (each averages the last ~500 steps), so no verdict is
+drawn from them. ``--diagnosis NAME=JSON`` adds a ``factory.shape_probe`` record of that arm (``unconditional``: the shape rate and
 the frames holding an object; ``uncaptioned``: the clips keeping their shape, colour and background per sigma).
 
 ``--out OUT`` writes ``OUT.json`` (every figure), ``OUT.md`` (a table per arm) and ``OUT.png`` (the shape ratio
@@ -51,14 +53,15 @@ def _pairs(specs: Sequence[str], what: str) -> dict[str, str]:
     return out
 
 
-def probe_rows(rows: Sequence[Mapping], start: int, end: int) -> list[dict]:
-    """The rows with a probe in ``(start, end]``, in step order; a step logged twice (a run resumed over steps it
-    had already taken) keeps its last row."""
+def probe_rows(rows: Sequence[Mapping], start: int, end: int, key: str = "probe") -> list[dict]:
+    """The rows with a probe (``key``: ``probe``, the raw weights'; ``probe_ema``, the EMA's) in ``(start, end]``,
+    in step order, each as ``{"step", "probe"}``; a step logged twice (a run resumed over steps it had already
+    taken) keeps its last row."""
     by_step: dict[int, dict] = {}
     for r in rows:
         step = r.get("step")
-        if isinstance(step, int) and start < step <= end and isinstance(r.get("probe"), Mapping):
-            by_step[step] = dict(r)
+        if isinstance(step, int) and start < step <= end and isinstance(r.get(key), Mapping):
+            by_step[step] = {"step": step, "probe": r[key]}
     return [by_step[s] for s in sorted(by_step)]
 
 
@@ -126,13 +129,14 @@ def table(res: Mapping) -> str:
     lines = [
         f"Arms from step {res['from']} to {res['to']} (`python -m factory.arms`): the probe's swap ratio at sigma "
         f"{sigma} (mean over the window ± standard error; slope per {SLOPE_PER} steps), the probe's flow loss per "
-        f"sigma (mean), against the control `{control}`. Diagnoses: unconditional shape rate; uncaptioned clips "
+        f"sigma (mean), against the control `{control}`; the EMA's shape ratio at the window's end and its slope "
+        "(no verdict: its rows are not independent). Diagnoses: unconditional shape rate; uncaptioned clips "
         "keeping shape/colour/background per sigma.",
         "",
         "| arm | probes | shape ratio | slope | vs control | colour | motion | background | "
         + " | ".join(f"loss {s}" for s in losses)
-        + " | unconditional | uncaptioned |",
-        "|---|---:|---:|---:|---|---:|---:|---:|" + "---:|" * len(losses) + "---|---|",
+        + " | EMA shape ratio (last) | EMA slope | unconditional | uncaptioned |",
+        "|---|---:|---:|---:|---|---:|---:|---:|" + "---:|" * len(losses) + "---:|---:|---|---|",
     ]
     for name, a in res["arms"].items():
         r = a["ratio"]
@@ -151,6 +155,11 @@ def table(res: Mapping) -> str:
         lines.append(
             f"| {name} | {shape['n']} | {shape['mean']:.3f} ± {shape['se']:.3f} | {shape['slope']:+.3f} | {vs} | "
             + " | ".join(other + loss)
+            + (
+                f" | {a['ema']['ratio']['shape']['last']:.3f} | {a['ema']['ratio']['shape']['slope']:+.3f}"
+                if "ema" in a
+                else " | | "
+            )
             + f" | {unc} | {uncap} |"
         )
     return "\n".join(lines) + "\n"
@@ -218,6 +227,9 @@ def _main(argv: Sequence[str] | None) -> int:
                 "validation.probe_every within the window"
             )
         arms[name] = arm_summary(rows, args.sigma)
+        ema = probe_rows(read_metrics(path), args.start, args.end, key="probe_ema")
+        if ema:
+            arms[name]["ema"] = arm_summary(ema, args.sigma)
         series[name] = [(r["step"], r["probe"]["ratio"]["shape"][args.sigma]) for r in rows]
     res = {
         "what": "short A/B arms of the base's recipe from one checkpoint: the probe's swap ratios and losses",

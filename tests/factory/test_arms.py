@@ -8,9 +8,16 @@ import pytest
 from factory import arms
 
 
-def _row(step: int, shape09: float, loss09: float = 0.1) -> dict:
+def _probe(shape09: float, loss09: float) -> dict:
     ratio = {a: {"0.3": 1.0, "0.6": 2.0, "0.9": v} for a, v in (("shape", shape09), ("colour", 5.0), ("motion", 4.0))}
-    return {"step": step, "eval_loss": 0.07, "probe": {"loss": {"0.3": 0.15, "0.9": loss09}, "ratio": ratio}}
+    return {"loss": {"0.3": 0.15, "0.9": loss09}, "ratio": ratio}
+
+
+def _row(step: int, shape09: float, loss09: float = 0.1, ema09: float | None = None) -> dict:
+    row = {"step": step, "eval_loss": 0.07, "probe": _probe(shape09, loss09)}
+    if ema09 is not None:  # a run with an EMA logs its probe beside the raw weights'
+        row["probe_ema"] = _probe(ema09, loss09)
+    return row
 
 
 def _metrics(path, rows):
@@ -55,7 +62,8 @@ def test_compare_calls_a_change_only_past_two_standard_errors():
 def test_cli_writes_the_table_plot_and_record(tmp_path, capsys):
     steps = range(7050, 7251, 50)
     control = _metrics(
-        tmp_path / "control.jsonl", [_row(7000, 2.0)] + [_row(s, 2.0 + 0.01 * (s % 100 == 0)) for s in steps]
+        tmp_path / "control.jsonl",
+        [_row(7000, 2.0)] + [_row(s, 2.0 + 0.01 * (s % 100 == 0), ema09=2.0 + (s - 7000) / 1000) for s in steps],
     )
     better = _metrics(tmp_path / "better.jsonl", [_row(s, 2.5 + 0.01 * (s % 100 == 0), 0.09) for s in steps])
     unc = tmp_path / "unc.json"
@@ -72,9 +80,17 @@ def test_cli_writes_the_table_plot_and_record(tmp_path, capsys):
     assert res["vs_control"]["better"]["shape_diff"] == pytest.approx(0.5)
     assert res["arms"]["better"]["loss"]["0.9"] == pytest.approx(0.09)
     assert res["diagnosis"]["better"]["unconditional"]["shape_rate"] == 0.25
+    # the EMA's rows read apart from the raw weights' (a line: +0.25 per 250 steps, ending at 2.25); none in "better"
+    ema = res["arms"]["control"]["ema"]["ratio"]["shape"]
+    assert ema["slope"] == pytest.approx(0.25) and ema["last"] == pytest.approx(2.25)
+    assert "ema" not in res["arms"]["better"]
     md = (tmp_path / "arms.md").read_text()
     assert (
-        "| better | 5 |" in md and "higher (+0.500" in md and "0.25 (0.50 hold an object)" in md and "0.9: 3/4/5" in md
+        "| better | 5 |" in md
+        and "higher (+0.500" in md
+        and "| 2.250 | +0.250 |" in md
+        and "0.25 (0.50 hold an object)" in md
+        and "0.9: 3/4/5" in md
     )
     assert (tmp_path / "arms.png").stat().st_size > 1000
     assert "wrote" in capsys.readouterr().out
