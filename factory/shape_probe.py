@@ -108,8 +108,6 @@ def read_background(frames: np.ndarray, backgrounds: tuple[str, ...]) -> str:
 
 def _setup(args):
     components = load_components(args.model, dtype="float32", device="cpu")
-    if args.weights == "raw" and not args.transformer:
-        raise ValueError("--weights raw needs --transformer CHECKPOINT (a training checkpoint's raw weights)")
     transformer = stage_transformer(args.transformer, args.weights) if args.transformer else None
     transformer = (transformer or components.transformer).eval()
     encoder = Encoder(components, components.defaults.get("max_sequence_length", 512))
@@ -279,6 +277,8 @@ def _main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error(f"--steps must be >= 1, got {args.steps}")
+    if args.weights == "raw" and not args.transformer:
+        p.error("--weights raw needs --transformer CHECKPOINT (a training checkpoint's raw weights)")
     if args.cmd != "unconditional" and not all(0 < s <= 1 for s in args.sigmas):
         p.error(f"--sigmas must be in (0, 1], got {args.sigmas}")
     t0 = time.time()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from factory import build, examples
+from factory import arms, build, examples, shape_probe
 from tests.boundary import assert_refused
 
 TABLE = [
@@ -16,6 +16,9 @@ TABLE = [
     (examples, ["--from", "{root}/not_json.json"]),
     (examples, ["--from", "{root}/not_json.json", "--count", "0"]),
     (examples, ["--from", "{root}/not_json.json", "--model", "{root}"]),
+    (shape_probe, ["unconditional", "--weights", "raw"]),  # raw weights need a checkpoint
+    (shape_probe, ["unconditional", "--transformer", "{root}", "--weights", "raw"]),  # not a checkpoint
+    (arms, ["a={root}/not_json.json", "b={root}/not_json.json", "--from", "0", "--to", "10", "--out", "{root}/o"]),
 ]
 
 
