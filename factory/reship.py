@@ -14,8 +14,9 @@ one run in ``runs/builtin-v3/reship-NAME/`` that a killed run resumes where it s
    the lowest taken: the new EMA converted afresh (``base``: a freshly converted layer is far from the softmax
    one it replaces, about 1.67 against the base's 0.09 here), the shipped conversion (``shipped``), or the shipped
    conversion with the base's progress grafted on (``graft``: :func:`graft`, the new EMA minus the one the shipped
-   conversions came from, added to every weight they share). A conversion then trains on across re-ships
-   instead of relearning from 1.67 in each;
+   conversions came from, added to every weight they share), or a folder given with ``--start VARIANT=DIR``
+   (``given``: a conversion trained on elsewhere, e.g. beside the base between re-ships). A conversion then
+   trains on across re-ships instead of relearning from 1.67 in each;
 3. ``convert-<variant>``: the three conversions (linear, mhla, mhla-hybrid) fine-tuned from their starts with their
    committed configs (``factory/configs/v3/<variant>.yaml``; ``--conversion-steps`` each: one budget, or one per
    variant such as ``600,mhla=900,linear=300``), each run in ``reship-NAME/<variant>``, its final EMA kept in
@@ -259,6 +260,7 @@ class Reship:
         builtin: Path = BUILTIN_DIR,
         run: Runner = _subprocess,
         measure: Measure = held_out_loss,
+        starts: Mapping[str, str | Path] | None = None,
     ) -> None:
         try:
             step = stage_step(name)  # the curves' records are read back by their label (factory.progress)
@@ -274,6 +276,18 @@ class Reship:
                 f"{named}: the curves would place it wrongly"
             )
         self.steps = conversion_steps_for(conversion_steps)
+        self.given = {}
+        for variant, folder in (starts or {}).items():
+            if variant not in CONVERSIONS:
+                raise ValueError(
+                    f"--start {variant}={folder}: {variant!r} is not a conversion; expected one of {CONVERSIONS}"
+                )
+            if not (Path(folder) / "config.json").is_file():
+                raise FileNotFoundError(
+                    f"--start {variant}={folder}: expected a transformer folder (config.json), e.g. a conversion "
+                    "run's final/transformer"
+                )
+            self.given[variant] = Path(folder)
         self.checkpoint, self.name = Path(checkpoint), name
         self.num_prompts, self.seeds = num_prompts, list(seeds)
         self.work = Path(work_root) / f"reship-{name}"
@@ -294,13 +308,17 @@ class Reship:
         steps = self.steps[CONVERSIONS[0]] if len(set(self.steps.values())) == 1 else self.steps
         want = {"checkpoint": str(self.checkpoint), "conversion_steps": steps, "num_prompts": self.num_prompts}
         want["seeds"] = self.seeds
+        if self.given:  # records from before --start have no such key
+            want["starts"] = {v: str(p) for v, p in self.given.items()}
         if self.state_path.is_file():
             state = json.loads(self.state_path.read_text())
             differ = [k for k in want if state.get(k) != want[k]]
+            if state.get("starts", {}) != want.get("starts", {}) and "starts" not in differ:  # given, or no longer
+                differ.append("starts")
             if differ:
                 raise ValueError(
                     f"{self.work} is a re-ship of other settings ("
-                    + ", ".join(f"{k} {state.get(k)!r}, not {want[k]!r}" for k in differ)
+                    + ", ".join(f"{k} {state.get(k)!r}, not {want.get(k)!r}" for k in differ)
                     + "): give another --name, or remove the folder to start over"
                 )
             return state
@@ -382,8 +400,10 @@ class Reship:
                     print(f"[reship] graft {variant}: {moved}", flush=True)
                 except ValueError as e:  # another design's conversions: nothing to carry over
                     print(f"[reship] no graft for {variant}: {e}", flush=True)
+            if variant in self.given:  # --start: a conversion trained on elsewhere (e.g. beside the base)
+                candidates["given"] = self.given[variant]
             losses = {"base": float(self.measure(variant, new_base))}
-            for name in ("shipped", "graft"):
+            for name in ("shipped", "graft", "given"):
                 if name in candidates:
                     try:
                         losses[name] = float(self.measure(variant, candidates[name]))
@@ -542,11 +562,27 @@ def _main(argv=None) -> int:
         default="600",
         help="each conversion's fine-tuning steps: N, or N then exceptions, e.g. 600,mhla=900,linear=300",
     )
+    p.add_argument(
+        "--start",
+        action="append",
+        default=[],
+        metavar="VARIANT=DIR",
+        help="another start candidate for a conversion (a transformer folder, e.g. a conversion trained on beside the "
+        "base), measured with the others; repeatable",
+    )
     p.add_argument("--num-prompts", type=int, default=48)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     args = p.parse_args(argv)
     os.chdir(ROOT)  # the configs name the repository's folders (runs/, assets/) relative to it
-    state = Reship(Path(args.checkpoint), args.name, args.conversion_steps, args.num_prompts, args.seeds)()
+    starts = {}
+    for spec in args.start:
+        variant, sep, folder = spec.partition("=")
+        if not sep or not folder:
+            p.error(f"--start {spec!r}: expected VARIANT=DIR, e.g. mhla=runs/conv-mhla/final/transformer")
+        starts[variant] = folder
+    state = Reship(
+        Path(args.checkpoint), args.name, args.conversion_steps, args.num_prompts, args.seeds, starts=starts
+    )()
     decided = state.get("stages", {}).get("decide", {})
     print(f"[reship] {args.name}: {'shipped' if 'ship' in state['done'] else 'not shipped'}; {decided.get('why', '')}")
     print(json.dumps({k: state[k] for k in ("checkpoint", "done")}, indent=1))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from factory import arms, build, examples, shape_probe
+from factory import arms, build, examples, reship, shape_probe
 from tests.boundary import assert_refused
 
 TABLE = [
@@ -18,6 +18,8 @@ TABLE = [
     (examples, ["--from", "{root}/not_json.json", "--model", "{root}"]),
     (shape_probe, ["unconditional", "--weights", "raw"]),  # raw weights need a checkpoint
     (shape_probe, ["unconditional", "--transformer", "{root}", "--weights", "raw"]),  # not a checkpoint
+    (reship, ["{root}/step-0000100", "--name", "joint-step100", "--start", "mhla"]),  # not VARIANT=DIR
+    (reship, ["{root}/step-0000100", "--name", "joint-step100", "--start", "flash={root}"]),  # not a conversion
     (arms, ["a={root}/not_json.json", "b={root}/not_json.json", "--from", "0", "--to", "10", "--out", "{root}/o"]),
 ]
 

@@ -147,7 +147,7 @@ class Measure:
     def __call__(self, variant, folder):
         self.calls.append((variant, Path(folder)))
         name = Path(folder).parent.name if Path(folder).parent.name in ("grafts", "variants") else Path(folder).name
-        kind = {"grafts": "graft", "variants": "shipped", "transformer-ema": "base"}[name]
+        kind = {"grafts": "graft", "variants": "shipped", "transformer-ema": "base", "given": "given"}[name]
         return self.losses[kind]
 
 
@@ -236,6 +236,39 @@ def test_a_start_that_measures_lowest_is_taken(design, monkeypatch):
     ema = load_file(str(design["next"] / "transformer-ema" / "diffusion_pytorch_model.safetensors"))
     start = load_file(str(work / "starts" / "mhla" / "diffusion_pytorch_model.safetensors"))
     assert all(torch.equal(start[k], ema[k]) for k in ema)
+
+
+def test_a_given_start_is_measured_with_the_others_and_taken_when_lowest(design, monkeypatch, tmp_path):
+    """``--start mhla=DIR``: a conversion trained on elsewhere joins mhla's candidates (the others' stay as they
+    were), is copied as its start when it measures lowest, and the record names it (a resumed re-ship must be
+    given the same)."""
+    monkeypatch.setattr(reship.Reship, "preflight", lambda self: None)
+    given = tmp_path / "given"
+    shutil.copytree(SHIPPED / "variants" / "mhla", given)
+    weights = load_file(str(given / "diffusion_pytorch_model.safetensors"))
+    moved = {k: v.float() + 0.5 for k, v in weights.items()}
+    save_file(moved, str(given / "diffusion_pytorch_model.safetensors"))
+    measure = Measure({"base": 1.66, "shipped": 0.20, "graft": 0.19, "given": 0.15})
+    state = make(design, Runner(evaluation([0.5, 0.1, 0.1, 0.2])), measure=measure, starts={"mhla": given})()
+    chosen = state["stages"]["starts"]["chosen"]
+    assert chosen["mhla"] == {"from": "given", "losses": {"base": 1.66, "shipped": 0.20, "graft": 0.19, "given": 0.15}}
+    assert chosen["linear"]["from"] == "graft" and "given" not in chosen["linear"]["losses"]
+    start = load_file(
+        str(design["work"] / "reship-joint-step4000" / "starts" / "mhla" / "diffusion_pytorch_model.safetensors")
+    )
+    assert all(torch.equal(start[k], moved[k]) for k in moved)
+    assert state["starts"] == {"mhla": str(given)}
+    with pytest.raises(ValueError, match="a re-ship of other settings"):  # resumed without it: refused
+        make(design, Runner(evaluation([0.5, 0.1, 0.1, 0.2])), measure=measure)
+
+
+def test_a_given_start_is_checked_before_anything_runs(design, tmp_path):
+    runner = Runner(evaluation([0.5, 0.1, 0.1, 0.2]))
+    with pytest.raises(ValueError, match="'flash' is not a conversion"):
+        make(design, runner, starts={"flash": tmp_path})
+    with pytest.raises(FileNotFoundError, match="expected a transformer folder"):
+        make(design, runner, starts={"mhla": tmp_path / "nowhere"})
+    assert runner.calls == [] and not (design["work"] / "reship-joint-step4000").exists()
 
 
 def test_a_start_that_does_not_load_is_left_out(design, monkeypatch):
