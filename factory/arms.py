@@ -31,10 +31,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from common.errors import run_cli
-from common.outputs import atomic_write, write_text_atomic
+from common.outputs import write_text_atomic
 from common.video import check_output_path
 from factory import write_json
-from factory.curves import read_metrics
+from factory.curves import read_metrics, save_png
 
 ATTRIBUTES = ("shape", "colour", "motion", "background")
 SLOPE_PER = 250  # the slope's unit, in steps: the base's probe interval
@@ -113,14 +113,15 @@ def compare(arms: Mapping[str, dict], control: str) -> dict[str, dict]:
     return out
 
 
-def _diagnosis_cells(record: Mapping | None) -> tuple[str, str]:
-    if not record:
-        return "", ""
-    if "shape_rate" in record:
-        return f"{record['shape_rate']:.2f} ({record.get('object_rate', float('nan')):.2f} hold an object)", ""
-    rows = record.get("sigmas") or {}
-    cells = [f"{s}: {r['shape']}/{r['colour']}/{r['background']}" for s, r in rows.items()]
-    return "", "; ".join(cells)
+def _unconditional_cell(record: Mapping | None) -> str:
+    return (
+        f"{record['shape_rate']:.2f} ({record.get('object_rate', float('nan')):.2f} hold an object)" if record else ""
+    )
+
+
+def _uncaptioned_cell(record: Mapping | None) -> str:
+    rows = (record or {}).get("sigmas") or {}
+    return "; ".join(f"{s}: {r['shape']}/{r['colour']}/{r['background']}" for s, r in rows.items())
 
 
 def table(res: Mapping) -> str:
@@ -148,9 +149,10 @@ def table(res: Mapping) -> str:
         )
         other = [f"{r[k]['mean']:.2f}" if k in r else "" for k in ("colour", "motion", "background")]
         loss = [f"{a['loss'][s]:.4f}" if s in a["loss"] else "" for s in losses]
+        diagnosis = res["diagnosis"].get(name, {})
         unc, uncap = (
-            _diagnosis_cells(res["diagnosis"].get(name, {}).get("unconditional"))[0],
-            _diagnosis_cells(res["diagnosis"].get(name, {}).get("uncaptioned"))[1],
+            _unconditional_cell(diagnosis.get("unconditional")),
+            _uncaptioned_cell(diagnosis.get("uncaptioned")),
         )
         lines.append(
             f"| {name} | {shape['n']} | {shape['mean']:.3f} ± {shape['se']:.3f} | {shape['slope']:+.3f} | {vs} | "
@@ -176,11 +178,7 @@ def plot(series: Mapping[str, Sequence[tuple[int, float]]], sigma: str, out: Pat
         ax.plot(*zip(*pts, strict=True), marker="o", color=f"C{i}", label=name)
     ax.set(title=f"probe shape swap ratio at sigma {sigma}", xlabel="step", ylabel="ratio (1 = word ignored)")
     ax.legend()
-    fig.tight_layout()
-    with atomic_write(out) as tmp:
-        fig.savefig(tmp, format="png", dpi=80)
-    plt.close(fig)
-    return out
+    return save_png(fig, out)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -220,14 +218,15 @@ def _main(argv: Sequence[str] | None) -> int:
     outs = {suffix: check_output_path(args.out + suffix, (suffix,)) for suffix in (".json", ".md", ".png")}
     arms, series = {}, {}
     for name, path in metrics.items():
-        rows = probe_rows(read_metrics(path), args.start, args.end)
+        logged = read_metrics(path)
+        rows = probe_rows(logged, args.start, args.end)
         if not rows:
             raise ValueError(
                 f"arm {name!r} ({path}) has no probe rows in steps ({args.start}, {args.end}]; expected "
                 "validation.probe_every within the window"
             )
         arms[name] = arm_summary(rows, args.sigma)
-        ema = probe_rows(read_metrics(path), args.start, args.end, key="probe_ema")
+        ema = probe_rows(logged, args.start, args.end, key="probe_ema")
         if ema:
             arms[name]["ema"] = arm_summary(ema, args.sigma)
         series[name] = [(r["step"], r["probe"]["ratio"]["shape"][args.sigma]) for r in rows]

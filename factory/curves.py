@@ -110,9 +110,17 @@ def plot(rows: Sequence[dict], out: str | Path, title: str = "", window: int = 5
         ax.legend()
     if title:
         fig.suptitle(title)
+    return save_png(fig, out, dpi=90)
+
+
+def save_png(fig, out: Path, dpi: int = 80) -> Path:
+    """``fig`` laid out tightly and written to ``out`` as PNG atomically (a kill leaves the old plot or the new
+    one), then closed: the factory's plots end here."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     with atomic_write(out) as tmp:
-        fig.savefig(tmp, format="png", dpi=90)
+        fig.savefig(tmp, format="png", dpi=dpi)
     plt.close(fig)
     return out
 

@@ -169,12 +169,27 @@ def save_variant(variant: str, checkpoint: Path, next_dir: Path = NEXT_DIR) -> P
     return save(f"{VARIANTS_SUBDIR}/{variant}", folder, next_dir, half=True)
 
 
+def raw_weights(checkpoint: Path) -> dict:
+    """A checkpoint's raw weights: its ``trainable.safetensors`` laid over its ``transformer/`` (the EMA's
+    averages; the frozen weights are the same in both); a trainable weight the transformer lacks is refused."""
+    from safetensors.torch import load_file
+
+    raw = checkpoint / "trainable.safetensors"
+    weights = load_file(str(checkpoint / "transformer" / "diffusion_pytorch_model.safetensors"))
+    trainable = load_file(str(raw))
+    unknown = sorted(set(trainable) - set(weights))
+    if unknown:
+        raise ValueError(f"{raw} holds weights the transformer does not: {unknown[:4]}")
+    weights.update(trainable)
+    return weights
+
+
 def save_checkpoint(checkpoint: Path, next_dir: Path = NEXT_DIR, half: bool = False) -> list[Path]:
     """A base-stage checkpoint into ``next_dir``: its ``transformer/`` (the EMA's weights when the run keeps an
     EMA) as ``transformer-ema``, and the raw weights (``trainable.safetensors`` laid over it) as ``transformer``,
     the one a later stage resumes from. Without an EMA the checkpoint's transformer is ``transformer`` alone.
     ``half``: both stored as float16 (a design in a subfolder of assets/builtin-next shares its budget)."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     folder = checkpoint / "transformer"
     if not (folder / "config.json").is_file():
@@ -183,12 +198,7 @@ def save_checkpoint(checkpoint: Path, next_dir: Path = NEXT_DIR, half: bool = Fa
     if not raw.is_file():
         return [save("transformer", folder, next_dir, half=half)]
     written = [save("transformer-ema", folder, next_dir, half=half)]
-    weights = load_file(str(folder / "diffusion_pytorch_model.safetensors"))
-    trainable = load_file(str(raw))
-    unknown = sorted(set(trainable) - set(weights))
-    if unknown:
-        raise ValueError(f"{raw} holds weights the transformer does not: {unknown[:4]}")
-    weights.update(trainable)
+    weights = raw_weights(checkpoint)
     staged = checkpoint / ".raw-transformer"
     if staged.exists():
         shutil.rmtree(staged)
@@ -208,7 +218,6 @@ def stage_transformer(path: str | Path, weights: str = "ema", dtype=None):
     averages when the run keeps one), the raw weights laid over it for ``"raw"`` (what a short arm's few hundred
     steps changed, undiluted by the EMA's decay)."""
     import torch
-    from safetensors.torch import load_file
 
     from pipelines import load_transformer
 
@@ -224,16 +233,11 @@ def stage_transformer(path: str | Path, weights: str = "ema", dtype=None):
         raise FileNotFoundError(
             f"{str(path)!r} is neither a transformer folder (config.json) nor a checkpoint (transformer/config.json)"
         )
+    if weights == "raw" and not (path / "trainable.safetensors").is_file():
+        raise FileNotFoundError(f"{str(path)!r} has no trainable.safetensors: its transformer/ is the raw weights")
     transformer = load_transformer(str(path / "transformer"), dtype=dtype, device="cpu")
     if weights == "raw":
-        raw = path / "trainable.safetensors"
-        if not raw.is_file():
-            raise FileNotFoundError(f"{str(path)!r} has no trainable.safetensors: its transformer/ is the raw weights")
-        state = load_file(str(raw))
-        unknown = sorted(set(state) - set(transformer.state_dict()))
-        if unknown:
-            raise ValueError(f"{raw} holds weights the transformer does not: {unknown[:4]}")
-        transformer.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
+        transformer.load_state_dict({k: v.to(dtype) for k, v in raw_weights(path).items()})
     return transformer
 
 

@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.errors import run_cli
-from common.outputs import atomic_write, write_text_atomic
+from common.outputs import write_text_atomic
 from common.video import check_output_path
-from factory.curves import read_metrics
+from factory.curves import read_metrics, save_png
 
 ROOT = Path(__file__).resolve().parents[1]
 CURVES = ROOT / "assets" / "builtin-next" / "v3" / "curves"
@@ -212,11 +212,7 @@ def plot(found: Sequence[Stage], probes: Sequence[tuple[int, dict]], out: Path) 
     ax.axhline(TARGETS["flash"], color="C3", ls="--", lw=1, label="target (flash)")
     ax.set(title="48x3 evaluation: overall", xlabel="base step", ylim=(0, 1.02))
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    with atomic_write(out) as tmp:
-        fig.savefig(tmp, format="png", dpi=80)
-    plt.close(fig)
-    return out
+    return save_png(fig, out)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
