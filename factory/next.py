@@ -188,15 +188,35 @@ def save_checkpoint(checkpoint: Path, next_dir: Path = NEXT_DIR, half: bool = Fa
     """A base-stage checkpoint into ``next_dir``: its ``transformer/`` (the EMA's weights when the run keeps an
     EMA) as ``transformer-ema``, and the raw weights (``trainable.safetensors`` laid over it) as ``transformer``,
     the one a later stage resumes from. Without an EMA the checkpoint's transformer is ``transformer`` alone.
-    ``half``: both stored as float16 (a design in a subfolder of assets/builtin-next shares its budget)."""
-    from safetensors.torch import save_file
-
+    ``half``: both stored as float16 (a design in a subfolder of assets/builtin-next shares its budget).
+    ``stage.json`` beside them names the checkpoint's step."""
     folder = checkpoint / "transformer"
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{checkpoint} is not a checkpoint with a transformer/ folder")
     raw = checkpoint / "trainable.safetensors"
     if not raw.is_file():
-        return [save("transformer", folder, next_dir, half=half)]
+        written = [save("transformer", folder, next_dir, half=half)]
+    else:
+        written = _save_raw_and_ema(checkpoint, folder, next_dir, half)
+    write_stage_record(checkpoint, next_dir)
+    return written
+
+
+def write_stage_record(checkpoint: Path, next_dir: Path) -> Path:
+    """``next_dir/stage.json``: the step the stage's weights were trained to (the checkpoint's), what a fresh
+    machine's run goes on from with ``train.start_step=<step>`` (its schedule, data order and step count)."""
+    from common.outputs import write_text_atomic
+    from training.checkpoint import checkpoint_at
+
+    path = next_dir / "stage.json"
+    write_text_atomic(path, dump_json({"step": checkpoint_at(checkpoint), "checkpoint": checkpoint.name}))
+    return path
+
+
+def _save_raw_and_ema(checkpoint: Path, folder: Path, next_dir: Path, half: bool) -> list[Path]:
+    """The EMA's weights as ``transformer-ema`` and the raw ones (laid over them) as ``transformer``."""
+    from safetensors.torch import save_file
+
     written = [save("transformer-ema", folder, next_dir, half=half)]
     weights = raw_weights(checkpoint)
     staged = checkpoint / ".raw-transformer"

@@ -153,6 +153,11 @@ class TrainSection:
     weight_decay: float = key(0.0, low=0)
     adam_eps: float = key(1e-10, low=0, above=True)
     warmup_steps: int = key(1000, low=0)
+    # a new run that goes on with a schedule begun elsewhere: model.transformer holds weights trained this many steps
+    # of it (a stage's committed weights on a fresh machine, e.g. factory.next's stage.json says which step). The
+    # step count, checkpoints, logs, data order and lr schedule go on from it; the fresh optimiser warms up again
+    # over its first warmup_steps. A resume keeps the step its run began at (its checkpoint's config)
+    start_step: int = key(0, low=0)
     # after warm-up: constant | cosine (to min_lr_ratio * lr at train.steps)
     lr_schedule: str = key("constant", choices=LR_SCHEDULES)
     min_lr_ratio: float = key(0.1, low=0, high=1)
@@ -340,14 +345,25 @@ LIST_ITEMS: dict[str, tuple[type, ...]] = {
 }
 
 
-def lr_multiplier(schedule: str, warmup: int, total: int, min_ratio: float) -> Callable[[int], float]:
+def lr_multiplier(schedule: str, warmup: int, total: int, min_ratio: float, start: int = 0) -> Callable[[int], float]:
     """``step -> factor of lr``: linear warm-up over ``warmup`` steps, then constant or a cosine down to
     ``min_ratio`` at step ``total`` (and ``min_ratio`` after it).
+
+    ``start > 0`` (``train.start_step``): the steps are counted from ``start`` (the scheduler's step 0 is the
+    schedule's step ``start``) and the schedule's factor there is reached by a linear warm-up over the run's first
+    ``warmup`` steps (a fresh optimiser's moments), not by a jump.
 
     A plain function on purpose: ``LambdaLR`` does not save it in its state, so a run resumed with more
     ``train.steps`` follows the longer schedule from where it stopped.
     """
     warmup = max(1, warmup)
+    if start:
+        at = lr_multiplier(schedule, warmup, total, min_ratio)
+
+        def resumed(step: int) -> float:
+            return min(1.0, (step + 1) / warmup) * at(start + step)
+
+        return resumed
 
     def factor(step: int) -> float:
         if step + 1 < warmup:
@@ -611,6 +627,14 @@ def validate(cfg: FinetuneConfig) -> None:
             "distill.teacher",
             "a transformer folder with a config.json (a softmax one, e.g. assets/builtin-next/v3/transformer-ema)",
         )
+    if cfg.train.start_step:
+        need(
+            cfg.train.start_step < cfg.train.steps,
+            "train.start_step",
+            f"a step before train.steps={cfg.train.steps} (the step model.transformer's weights were trained to)",
+        )
+        need(cfg.transfer.steps == 0, "train.start_step", "0 with transfer.steps > 0 (the schedule begins there)")
+        need(cfg.task == "transformer", "train.start_step", "0 with task=vae (its loop starts at step 0)")
     if cfg.transfer.steps:
         need(
             cfg.model.variant != SOFTMAX,

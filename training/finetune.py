@@ -91,7 +91,7 @@ from training.encoding import Encoder
 from training.experts import TrainingTarget, load_expert_components, model_timestep, read_target
 from training.flow import FlowMatching
 from training.lock import hold_run_dir, is_main_launch
-from training.preflight import check_model_plan, check_resume_matches
+from training.preflight import begun_at, check_model_plan, check_resume_matches
 
 # --------------------------------------------------------------------------- model
 
@@ -381,7 +381,9 @@ def make_optimizer(
     beta1, beta2 = train.betas  # two: training.config.validate
     opt = torch.optim.AdamW(groups, betas=(beta1, beta2), eps=train.adam_eps, weight_decay=train.weight_decay)
     if stage == "train":
-        factor = lr_multiplier(train.lr_schedule, train.warmup_steps, train.steps, train.min_lr_ratio)
+        factor = lr_multiplier(
+            train.lr_schedule, train.warmup_steps, train.steps, train.min_lr_ratio, start=train.start_step
+        )
     else:
         factor = lr_multiplier("constant", 1, transfer.steps, 1.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
@@ -496,6 +498,15 @@ class Progress:
     images: int = 0  # one-frame samples of joint image-video training this rank consumed
 
 
+def fresh_progress(train: TrainSection, images: ImageStream | None) -> Progress:
+    """Where a new run starts: step 0, or ``train.start_step`` with the data orders where a run that had trained
+    that many steps of this config would be (each rank's clips and images: its share of every step's batch)."""
+    steps = train.start_step
+    per_step = train.batch_size * train.grad_accum
+    stills = 0 if images is None else images.size * train.grad_accum
+    return Progress(steps, steps * per_step, 0, steps * stills)
+
+
 class ImageStream:
     """The images of joint image-video training (``data.image_ratio``): their dataset, its resumable order
     (its own: a run's clips and images are drawn apart) and the batches of ``data.image_ratio * batch_size``."""
@@ -533,6 +544,15 @@ def train(cfg: FinetuneConfig, target: TrainingTarget | None = None) -> int:
     resume_from = ckpt.resolve_resume(cfg.resume, cfg.run_dir)
     if resume_from is not None:
         check_resume_matches(cfg, resume_from)
+        begun = begun_at(resume_from)  # the schedule's offset is the run's own (train.start_step)
+        if begun != cfg.train.start_step:
+            if is_main_launch():
+                print(
+                    f"note: train.start_step={cfg.train.start_step} is for a new run; {resume_from.name} belongs to "
+                    f"a run that began at step {begun}, and its schedule goes on from there",
+                    file=sys.stderr,
+                )
+            cfg.train.start_step = begun
         if (Path(cfg.run_dir) / "metrics.jsonl").is_file():  # a damaged log is named before the model loads
             with warnings.catch_warnings():  # a half-written last row: said once, when it is dropped
                 warnings.simplefilter("ignore")
@@ -669,7 +689,12 @@ def train(cfg: FinetuneConfig, target: TrainingTarget | None = None) -> int:
         )
 
     # ---- resume
-    at = Progress()
+    at = fresh_progress(cfg.train, images)
+    if cfg.train.start_step and resume_from is None:
+        print_main(
+            f"train.start_step={at.step}: the weights of model.transformer go on at step {at.step} of "
+            f"{total_steps}; a fresh optimiser warms up to the schedule's lr there over {cfg.train.warmup_steps} steps"
+        )
     generator = torch.Generator(device=device).manual_seed(cfg.train.seed * 1000 + rank)
     resume_state, ema = None, None
     if resume_from is not None:
@@ -707,21 +732,24 @@ def train(cfg: FinetuneConfig, target: TrainingTarget | None = None) -> int:
         ckpt.record_run_files(run_dir, "config.yaml", "metrics.jsonl", *skipped, *tensorboard)
         write_text_atomic(run_dir / "config.yaml", config_yaml(cfg))
         write_skipped(run_dir, dataset)
-        metrics.start(at.step, end_of_run=at.step >= total_steps)
+        metrics.start(0 if resume_from is None else at.step, end_of_run=at.step >= total_steps)
     if cfg.log.tensorboard:
         # a resumed run: what the stopped run logged after the checkpoint is redone, so it is cut from the earlier
         # event files (every reader then sees each step once) and TensorBoard is told to purge it too
-        if at.step and main_proc:  # a resume at the run's end redoes its end-of-run evaluation (finish_run)
+        if (
+            resume_from is not None and at.step and main_proc
+        ):  # a resume at the run's end redoes its end-of-run evaluation (finish_run)
             redone = ("eval_loss", "eval_loss_ema") if at.step >= total_steps else ()
             trim_event_files(run_dir / "finetune", at.step, redone)
         purge = {"tensorboard": {"purge_step": at.step + 1}} if at.step else {}
         config = {k: str(v) for k, v in as_tree(cfg).items()}
         accelerator.init_trackers("finetune", config=config, init_kwargs=purge)
     start_loss = evaluate(transformer)
-    if at.step == 0:
-        metrics.write({"step": 0, "eval_loss": start_loss})
+    new_run = resume_from is None
+    if new_run:
+        metrics.write({"step": at.step, "eval_loss": start_loss})
         if cfg.log.tensorboard:
-            accelerator.log({"eval_loss": start_loss}, step=0)
+            accelerator.log({"eval_loss": start_loss}, step=at.step)
     print_main(f"eval flow loss at step {at.step}: {start_loss:.4f}")
     # the conditioning probe (training/probe.py): does the model read each caption word? beside the eval loss
     probe = None
@@ -729,10 +757,10 @@ def train(cfg: FinetuneConfig, target: TrainingTarget | None = None) -> int:
         from training.probe import describe, log_probe, probe_from_config
 
         probe = probe_from_config(cfg.data, cfg.validation, cfg.train.seed, components)
-        if at.step == 0:
-            row = log_probe(probe, evaluate, transformer, ema, 0)
+        if new_run:
+            row = log_probe(probe, evaluate, transformer, ema, at.step)
             metrics.write(row)
-            print_main(f"probe at step 0: {describe(row['probe'])}")
+            print_main(f"probe at step {at.step}: {describe(row['probe'])}")
 
     matches: list[tuple[torch.Tensor, int]] = []  # distillation's teacher-matching part per forward of a step
 

@@ -195,6 +195,15 @@ def check_resume_matches(cfg: FinetuneConfig, checkpoint: Path) -> None:
         )
 
 
+def begun_at(checkpoint: Path) -> int:
+    """The step the run that wrote ``checkpoint`` began at: its config's ``train.start_step`` (0 for a run that
+    began at step 0, or a checkpoint written before the key existed)."""
+    saved_file = checkpoint / "config.yaml"
+    if not saved_file.is_file():
+        return 0
+    return int(_lookup(OmegaConf.to_container(OmegaConf.load(saved_file)), "train.start_step") or 0)
+
+
 def _lookup(tree: Any, key: str) -> Any:
     """The value at dotted ``key`` of a plain mapping, None where a part is missing (a snapshot written before the
     key existed)."""

@@ -131,6 +131,8 @@ def test_save_checkpoint_keeps_the_raw_weights_and_the_emas(tmp_path):
     assert torch.equal(got_raw["a"], raw["a"]) and torch.equal(got_raw["b"], raw["b"])
     assert torch.equal(got_raw["frozen"], ema["frozen"])
     assert not (ckpt / ".raw-transformer").exists()
+    # the step they were trained to, for a fresh machine's train.start_step
+    assert json.loads((tmp_path / "next" / "stage.json").read_text()) == {"step": 100, "checkpoint": ckpt.name}
     save_file({"c": torch.randn(1)}, str(ckpt / "trainable.safetensors"))
     with pytest.raises(ValueError, match="does not"):
         nxt.save_checkpoint(ckpt, next_dir=tmp_path / "next")

@@ -121,3 +121,46 @@ def test_a_cache_of_images_trains_beside_a_cache_of_clips(tmp_path):
     )
     assert wrong.returncode == 2
     assert "data.image_path: cache" in wrong.stderr and "[9, 64, 96], the config asks [1, 64, 96]" in wrong.stderr
+
+
+@pytest.mark.slow
+def test_a_run_goes_on_from_weights_at_their_step_of_the_schedule(tmp_path):
+    """train.start_step: a stage's weights (a fresh machine has them, not the run) go on where they were trained
+    to: the steps, the data orders and the lr schedule continue the straight run's, after a short re-warm-up."""
+    common = [
+        "train.steps=8",
+        "checkpoint.every=2",
+        "checkpoint.keep=0",
+        "data.image_ratio=2",
+        "train.lr_schedule=cosine",
+        "train.warmup_steps=3",
+        "log.param_digest=true",
+    ]
+    straight = tmp_path / "straight"
+    finetune(straight, *common)
+    on = tmp_path / "on"
+    weights = ckpt.checkpoint_dir(straight, 4) / "transformer"
+    proc = finetune(on, *common, f"model.transformer={weights}", "train.start_step=4")
+    assert "train.start_step=4: the weights of model.transformer go on at step 4 of 8" in proc.stdout
+    rows = metrics(on)
+    assert rows[0]["step"] == 4 and "eval_loss" in rows[0]  # the start's held-out loss, at its step
+    trained = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in trained] == [5, 6, 7, 8]
+    assert [p.name for p in ckpt.list_checkpoints(on)] == ["step-0000006", "step-0000008"]
+    # the straight run's lr at each step; the first step a third of the way back up (warm-up 3 steps)
+    lr = {r["step"]: r["lr"] for r in metrics(straight) if "loss" in r}
+    assert trained[0]["lr"] == pytest.approx(lr[5] * 2 / 3)
+    assert [r["lr"] for r in trained[1:]] == pytest.approx([lr[6], lr[7], lr[8]])
+    # both data orders stand where the straight run's do: 8 steps of 2 clips and 4 stills
+    for run in (straight, on):
+        state = ckpt.load_state(ckpt.checkpoint_dir(run, 8) / "rank0.pt")
+        assert state["data"]["samples_consumed"] == 16 and state["images"]["samples_consumed"] == 32
+    # a resume of it (the command without train.start_step) keeps the step the run began at
+    again = tmp_path / "again"
+    proc = finetune(again, *common, f"model.transformer={weights}", f"resume={ckpt.checkpoint_dir(on, 6)}")
+    assert "belongs to a run that began at step 4" in proc.stderr
+    assert digest(again) == digest(on)
+    with pytest.raises(ValueError, match=r"train.start_step=30: expected a step before train.steps=30"):
+        load_config(TINY, ["train.start_step=30"])
+    with pytest.raises(ValueError, match=r"train.start_step=2: expected 0 with transfer.steps > 0"):
+        load_config(TINY, ["train.start_step=2", "transfer.steps=3"])
