@@ -49,8 +49,8 @@ from pipelines.model_dir import builtin_info
 from pipelines.pipeline import generate
 from training.encoding import Encoder
 from training.flow import FlowMatching
-from world.analyse import ANALYSER_VERSION, ATTRIBUTES, analyse, score
-from world.synthetic import WORLDS, SyntheticVideoDataset
+from world.analyse import ANALYSER_VERSION, ATTRIBUTES, analyse, parse_caption, score
+from world.synthetic import SHAPES, WORLDS, SyntheticVideoDataset
 
 NAMES = {name: spec.label for name, spec in VARIANT_SPECS.items()}
 
@@ -164,9 +164,72 @@ def semantic(
         "denoise_s": float(np.mean([t.denoising for t in timings])),
         "total_s": float(np.mean([t.total for t in timings])),
         # every video's verdict (which prompts work, for the app's examples: factory.examples)
-        "per_video": [{k: x[k] for k in ("prompt", "caption", "seed", "held_out", *ATTRIBUTES)} for x in verdicts],
+        "per_video": [video_record(x) for x in verdicts],
     }
     return row, frames
+
+
+def video_record(verdict: dict) -> dict:
+    """A video's entry of ``per_video``: its prompt, caption, seed and split, each attribute's verdict, and
+    ``read``: the shape the analyser read for each colour the caption names (None: no object of it)."""
+    record = {k: verdict[k] for k in ("prompt", "caption", "seed", "held_out", *ATTRIBUTES)}
+    record["read"] = {c: o["shape"] for c, o in verdict["found"]["objects"].items()}
+    return record
+
+
+def shape_readings(per_video: list[dict]) -> dict[str, dict]:
+    """Per shape the captions ask for: ``{"asked": n, "right": k, "read_as": {shape or "none": count}}`` over the
+    objects of ``per_video`` (what each was read as, from ``read``; an evaluation written before ``read`` was
+    kept counts its single-shape videos by their shape verdict, with no ``read_as``)."""
+    table: dict[str, dict] = {}
+    for video in per_video:
+        if "caption" not in video:
+            continue
+        objects = [o for o in parse_caption(video["caption"])["objects"] if "shape" in o]
+        read = video.get("read")
+        for obj in objects:
+            row = table.setdefault(obj["shape"], {"asked": 0, "right": 0, "read_as": {}})
+            if read is None:
+                if len(objects) != 1 or video["shape"] is None:
+                    continue
+                row["asked"] += 1
+                row["right"] += bool(video["shape"])
+                continue
+            got = read.get(obj.get("colour"))
+            row["asked"] += 1
+            row["right"] += got == obj["shape"]
+            if got != obj["shape"]:
+                key = got or "none"
+                row["read_as"][key] = row["read_as"].get(key, 0) + 1
+    return {k: table[k] for k in SHAPES if k in table}
+
+
+def shape_markdown(res: dict) -> list[str]:
+    """The table of which shapes each variant draws: objects read as the shape asked / objects asked, and what the
+    others were read as (``other``: no outline fits; ``none``: no object of the colour)."""
+    tables = {v: shape_readings(r.get("per_video") or []) for v, r in res["variants"].items()}
+    shapes = [s for s in SHAPES if any(s in t for t in tables.values())]
+    if not shapes:
+        return []
+    lines = [
+        "",
+        "Shape by the shape asked for: objects read as it / objects asked (what the others were read as).",
+        "",
+        "| variant | " + " | ".join(shapes) + " |",
+        "|---|" + "---:|" * len(shapes),
+    ]
+    for v, table in tables.items():
+        cells = []
+        for s in shapes:
+            row = table.get(s)
+            if row is None:
+                cells.append("")
+                continue
+            wrong = sorted(row["read_as"].items(), key=lambda kv: (-kv[1], kv[0]))
+            note = f" ({', '.join(f'{k} {n}' for k, n in wrong)})" if wrong else ""
+            cells.append(f"{row['right']}/{row['asked']}{note}")
+        lines.append(f"| {NAMES.get(v, v)} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def run(args) -> dict:
@@ -345,7 +408,7 @@ def rejudge(out: Path) -> dict:
             overall_std=float(np.std(by_seed, ddof=1)) if len(by_seed) > 1 else 0.0,
             overall_in_distribution=score(seen)["overall"] if seen else None,
             overall_held_out=score(held_out)["overall"] if held_out else None,
-            per_video=[{k: x[k] for k in ("prompt", "caption", "seed", "held_out", *ATTRIBUTES)} for x in verdicts],
+            per_video=[video_record(x) for x in verdicts],
         )
         samples[v] = [frames[i] for i, x in enumerate(listed) if x["prompt"] < GRID_PROMPTS and x["seed"] == seeds[0]]
     if res.get("analyser_version") != ANALYSER_VERSION and res.get("vae_ceiling"):
@@ -420,6 +483,7 @@ def markdown(res: dict) -> str:
         f"| *VAE reconstruction of the real clips (ceiling{psnr})* | | {f(c['colour'])} | {f(c['shape'])} | {f(c['count'])} | "
         f"{f(c['motion'])} | {f(c['overall'])} | | |"
     )
+    lines += shape_markdown(res)
     return "\n".join(lines) + "\n"
 
 

@@ -457,6 +457,8 @@ def test_evaluate_writes_its_table(tmp_path, monkeypatch):
             assert (item["caption"], item["seed"]) == (verdict["caption"], verdict["seed"])
             again = analyse(video, item["caption"])
             assert all(again[a] == verdict[a] for a in ("count", "colour", "shape", "motion"))
+            # and what each named colour's object was read as, for the table of shapes
+            assert verdict["read"] == {c: o["shape"] for c, o in again["found"]["objects"].items()}
     # --rejudge reads them back: the same analyser gives the same verdicts and scores, the settings are kept
     assert main(["--rejudge", "--out", str(out)]) == 0
     again = json.loads(out.with_suffix(".json").read_text())
@@ -518,6 +520,45 @@ def test_sweep_table_puts_each_attribute_under_its_own_header():
     header, _, line = sweep_markdown(res).splitlines()[2:5]
     cells = dict(zip([c.strip() for c in header.split("|")], [c.strip() for c in line.split("|")]))
     assert [cells[a] for a in ("colour", "shape", "count", "motion")] == ["0.10", "0.20", "0.30", "0.40"]
+
+
+def test_the_shape_table_counts_each_asked_shape_and_what_it_was_read_as():
+    from factory.evaluate import markdown, shape_readings
+
+    def video(caption, read, shape=None):
+        return {
+            "caption": caption,
+            "read": read,
+            "shape": shape,
+            "seed": 0,
+            "colour": True,
+            "count": True,
+            "motion": True,
+        }
+
+    videos = [
+        video("a red triangle moves up on a grey background", {"red": "triangle"}, True),
+        video("a red triangle moves up on a grey background", {"red": "circle"}, False),
+        video("a blue triangle stays still", {"blue": "other"}, False),
+        video("a green square moves down", {"green": None}, False),
+        video("a red circle moves to the left and a blue square stays still", {"red": "circle", "blue": "other"}),
+    ]
+    table = shape_readings(videos)
+    assert list(table) == ["circle", "square", "triangle"]  # the world's order, shapes asked only
+    assert table["triangle"] == {"asked": 3, "right": 1, "read_as": {"circle": 1, "other": 1}}
+    assert table["square"] == {"asked": 2, "right": 0, "read_as": {"none": 1, "other": 1}}
+    assert table["circle"] == {"asked": 1, "right": 1, "read_as": {}}
+    # an evaluation written before "read": single-shape videos by their shape verdict
+    old = [{k: v for k, v in x.items() if k != "read"} for x in videos]
+    assert shape_readings(old)["triangle"] == {"asked": 3, "right": 1, "read_as": {}}
+    row = {"flow_loss": 0.1, "colour": 1.0, "shape": 0.4, "count": 1.0, "motion": 1.0, "overall": 0.4,
+           "overall_held_out": None, "total_s": 1.0, "denoise_s": 0.5, "per_video": videos}  # fmt: skip
+    res = {"guidance_scale": 4.0, "num_prompts": 5, "seeds": [0], "num_inference_steps": 2, "device": "cpu",
+           "machine": "m", "date": "d", "loss_clips": 0, "variants": {"mhla": row},
+           "vae_ceiling": {"colour": 1.0, "shape": 1.0, "count": 1.0, "motion": 1.0, "overall": 1.0}}  # fmt: skip
+    md = markdown(res)
+    assert "| variant | circle | square | triangle |" in md
+    assert "| MHLA | 1/1 | 0/2 (none 1, other 1) | 1/3 (circle 1, other 1) |" in md
 
 
 def test_the_table_shows_each_attributes_spread_over_seeds():
