@@ -38,6 +38,23 @@ def output_path(out: str | Path, suffix: str) -> Path:
 ROOT = Path(__file__).resolve().parents[1]  # the checkout this package runs from
 
 
+def world_clips(count: int, defaults: dict, world, seed: int = 0, split: str = "validation"):
+    """``count`` clips of ``world`` (a ``world.synthetic`` world) at a model's default size (``defaults``: its
+    ``num_frames``, ``height`` and ``width``, e.g. ``components.defaults``): what the factory's judges read
+    (the evaluation, the probes, the gate, the latent statistics)."""
+    from world.synthetic import SyntheticVideoDataset
+
+    return SyntheticVideoDataset(
+        count,
+        seed=seed,
+        split=split,
+        num_frames=defaults["num_frames"],
+        height=defaults["height"],
+        width=defaults["width"],
+        world=world,
+    )
+
+
 def run_command(cmd: Sequence[str], quiet: bool = False) -> None:
     """Runs a repository command from the checkout's root (the configs' and commands' paths are the repository's),
     echoing it (without the interpreter's path) first; a failure raises ``CalledProcessError``. ``quiet``: its

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from common.outputs import atomic_write, write_text_atomic
-from factory import output_path, write_json
+from factory import output_path, world_clips, write_json
 from factory.vae_ceiling import reconstruction_ceiling, to_frames
 from pipelines import BUILTIN_DIR, VARIANTS, GenerationRequest, load_components, load_transformer
 from pipelines.attention import SOFTMAX, VARIANT_SPECS
@@ -50,7 +50,7 @@ from pipelines.pipeline import generate
 from training.encoding import Encoder
 from training.flow import FlowMatching
 from world.analyse import ANALYSER_VERSION, ATTRIBUTES, analyse, parse_caption, score
-from world.synthetic import SHAPES, WORLDS, SyntheticVideoDataset
+from world.synthetic import SHAPES, WORLDS
 
 NAMES = {name: spec.label for name, spec in VARIANT_SPECS.items()}
 
@@ -246,14 +246,8 @@ def run(args) -> dict:
     if bad:
         raise SystemExit(f"error: unknown variants {bad}; expected some of {VARIANTS}")
     transformers = variant_transformers(components, variants)
-    validation = SyntheticVideoDataset(
-        max(args.num_prompts, args.loss_batches * args.batch_size),
-        seed=args.data_seed,
-        split="validation",
-        num_frames=d["num_frames"],
-        height=d["height"],
-        width=d["width"],
-        world=WORLDS[args.world],
+    validation = world_clips(
+        max(args.num_prompts, args.loss_batches * args.batch_size), d, WORLDS[args.world], seed=args.data_seed
     )
     print(f"model: {components.source}; world {args.world}; variants {variants}; device {components.device}")
     t0 = time.time()
@@ -417,15 +411,8 @@ def rejudge(out: Path) -> dict:
     res["rejudged"] = time.strftime("%Y-%m-%d %H:%M")
     d = res.get("builtin") or {}
     size = (d.get("defaults") or {}) if isinstance(d, dict) else {}
-    validation = SyntheticVideoDataset(
-        GRID_PROMPTS,
-        seed=res.get("data_seed", 0),
-        split="validation",
-        num_frames=size.get("num_frames", 17),
-        height=size.get("height", 128),
-        width=size.get("width", 160),
-        world=world,
-    )
+    size = {"num_frames": 17, "height": 128, "width": 160, **size}  # records before the defaults were kept
+    validation = world_clips(GRID_PROMPTS, size, world, seed=res.get("data_seed", 0))
     grid = {"real clip": [to_frames(validation[i]["video"]) for i in range(min(GRID_PROMPTS, res["num_prompts"]))]}
     plot({**res, "_samples": samples, "_grid": grid}, output_path(out, ".png"))
     write_json(out, res)

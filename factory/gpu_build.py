@@ -956,10 +956,11 @@ class Build:
         EMA (flash) and each conversion trained here."""
         import torch
 
+        from factory import world_clips
         from factory.evaluate import heldout_loss, semantic
         from factory.v3 import DEFAULTS, WORLD
         from training.probe import SwapProbe, describe
-        from world.synthetic import SyntheticVideoDataset, world_named
+        from world.synthetic import world_named
 
         if not self.models:
             self.record.results["phases"]["eval"] = {"skipped": "no transformer trained in this build"}
@@ -981,15 +982,7 @@ class Build:
             for v, m in models.items():
                 res["probe"][v] = probe(m)
                 log(self.clock, f"eval: probe [{v}] {describe(res['probe'][v])}")
-            validation = SyntheticVideoDataset(
-                max(s.eval_prompts, s.loss_batches * s.loss_batch_size),
-                seed=0,
-                split="validation",
-                num_frames=d["num_frames"],
-                height=d["height"],
-                width=d["width"],
-                world=world,
-            )
+            validation = world_clips(max(s.eval_prompts, s.loss_batches * s.loss_batch_size), d, world)
             with torch.no_grad():
                 res["heldout_loss"] = heldout_loss(
                     self.components, models, validation, s.loss_batches, s.loss_batch_size, draws=2

@@ -30,12 +30,12 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from factory import write_json
+from factory import world_clips, write_json
 from pipelines import BUILTIN_DIR, VARIANTS, GenerationRequest, load_components
 from pipelines.attention import SOFTMAX
 from pipelines.pipeline import generate
 from training.encoding import Encoder
-from world.synthetic import WORLDS, SyntheticVideoDataset
+from world.synthetic import WORLDS
 
 
 def frame_statistics(real: torch.Tensor, generated: torch.Tensor) -> dict:
@@ -87,15 +87,7 @@ def _main(argv=None) -> int:
     if components.random_weights:
         p.error("the model has random weights; use the built-in model or a trained one (--model)")
     d = components.defaults
-    data = SyntheticVideoDataset(
-        args.num_prompts,
-        seed=args.data_seed,
-        split="validation",
-        num_frames=d["num_frames"],
-        height=d["height"],
-        width=d["width"],
-        world=WORLDS[args.world],
-    )
+    data = world_clips(args.num_prompts, d, WORLDS[args.world], seed=args.data_seed)
     encoder = Encoder(components)  # the normalised latents the transformer was trained on
     real, generated = [], []
     for i in tqdm(range(args.num_prompts), desc=f"latents [{args.variant}]"):

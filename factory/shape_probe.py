@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from factory import write_json
+from factory import world_clips, write_json
 from factory.next import stage_transformer
 from pipelines import BUILTIN_DIR, load_components
 from training.encoding import Encoder
@@ -228,15 +228,7 @@ def uncaptioned(args) -> dict:
 
 
 def _validation_clips(args, d: dict, world) -> SyntheticVideoDataset:
-    return SyntheticVideoDataset(
-        args.clips,
-        seed=args.data_seed,
-        split="validation",
-        num_frames=d["num_frames"],
-        height=d["height"],
-        width=d["width"],
-        world=world,
-    )
+    return world_clips(args.clips, d, world, seed=args.data_seed)
 
 
 def main(argv=None) -> int:

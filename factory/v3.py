@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from common.outputs import atomic_dir, atomic_write
-from factory import dump_json, write_json
+from factory import dump_json, world_clips, write_json
 from factory.build import CONVERSIONS, TEXT_ENCODER, TRANSFORMER, build_tokenizer, vae_settings
 from factory.next import NEXT_DIR
 from pipelines.model_dir import BUILTIN_DIR, VARIANTS_SUBDIR
@@ -239,17 +239,9 @@ def _lay_out(
 def clips(num_clips: int, split: str = "validation"):
     """``num_clips`` clips of the third world at this design's size (data seed 0): what the gate, the latent
     statistics and the attention measurement read."""
-    from world.synthetic import SyntheticVideoDataset, world_named
+    from world.synthetic import world_named
 
-    d = DEFAULTS
-    return SyntheticVideoDataset(
-        num_clips,
-        num_frames=d["num_frames"],
-        height=d["height"],
-        width=d["width"],
-        split=split,
-        world=world_named(WORLD),
-    )
+    return world_clips(num_clips, DEFAULTS, world_named(WORLD), split=split)
 
 
 @torch.no_grad()
