@@ -5,7 +5,10 @@
 Three panels: the training loss (a running mean over ``--window`` steps), the held-out loss (raw weights and
 EMA), and the probe's swap ratio per attribute (mean over its sigmas; EMA dashed). A ratio near 1 means the
 model ignores that word (the probe's gate). ``--summary`` also writes the probe rows as a small JSON beside the
-plot (step, held-out losses, ratios), the record a later session can read without the run.
+plot (step, held-out losses, ratios), the record a later session can read without the run. ``--earlier`` takes
+such a summary of the run's earlier part (a run that went on from a stage's committed weights on another machine,
+``train.start_step``: its metrics begin there): its rows before the metrics' first step are drawn and summarised
+with them.
 """
 
 from __future__ import annotations
@@ -61,6 +64,22 @@ def probe_rows(rows: Sequence[dict]) -> list[dict]:
     return out
 
 
+def earlier_rows(summary: str | Path, rows: Sequence[dict]) -> list[dict]:
+    """The probe rows of a summary (``--summary``'s JSON) at steps before the first of ``rows`` (a metrics file's):
+    the part of the run its metrics no longer hold."""
+    path = Path(summary)
+    if not path.is_file():
+        raise FileNotFoundError(f"--earlier {str(path)!r} does not exist; expected a --summary JSON of this run")
+    try:
+        earlier = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--earlier {str(path)!r} is not JSON ({e.msg}); expected a --summary JSON") from None
+    if not isinstance(earlier, list) or not all(isinstance(r, dict) and "step" in r and "ratio" in r for r in earlier):
+        raise ValueError(f"--earlier {str(path)!r}: expected a list of probe rows (step, ratio, ...) from --summary")
+    first = min(r["step"] for r in rows)
+    return [r for r in earlier if r["step"] < first]
+
+
 def running_mean(values: Sequence[float], window: int) -> list[float]:
     """The mean of the last ``window`` values at each position (fewer at the start)."""
     out, total = [], 0.0
@@ -72,7 +91,10 @@ def running_mean(values: Sequence[float], window: int) -> list[float]:
     return out
 
 
-def plot(rows: Sequence[dict], out: str | Path, title: str = "", window: int = 50) -> Path:
+def plot(
+    rows: Sequence[dict], out: str | Path, title: str = "", window: int = 50, earlier: Sequence[dict] = ()
+) -> Path:
+    """The three panels of a run's ``rows``; ``earlier``: probe rows before them (:func:`earlier_rows`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -80,7 +102,7 @@ def plot(rows: Sequence[dict], out: str | Path, title: str = "", window: int = 5
 
     out = check_output_path(out, (".png",))
     train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
-    probes = probe_rows(rows)
+    probes = [*earlier, *probe_rows(rows)]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     ax = axes[0]
     if train:
@@ -136,16 +158,23 @@ def _main(argv: Sequence[str]) -> int:
     p.add_argument("--title", default="")
     p.add_argument("--window", type=int, default=50, help="steps in the training loss's running mean")
     p.add_argument("--summary", default=None, help="also write the probe rows here (JSON)")
+    p.add_argument(
+        "--earlier",
+        default=None,
+        help="a --summary JSON of the run's earlier part (its rows before the metrics' first step are kept)",
+    )
     args = p.parse_args(argv)
     if args.window < 1:
         raise ValueError(f"--window must be >= 1, got {args.window}")
     summary = check_output_path(args.summary, (".json",)) if args.summary else None
     rows = read_metrics(args.metrics)
-    print(f"wrote {plot(rows, args.out, args.title, args.window)}")
+    earlier = earlier_rows(args.earlier, rows) if args.earlier else []
+    print(f"wrote {plot(rows, args.out, args.title, args.window, earlier)}")
+    probes = [*earlier, *probe_rows(rows)]
     if summary is not None:
-        write_text_atomic(summary, json.dumps(probe_rows(rows), indent=1) + "\n")
+        write_text_atomic(summary, json.dumps(probes, indent=1) + "\n")
         print(f"wrote {summary}")
-    for r in probe_rows(rows)[-3:]:
+    for r in probes[-3:]:
         ratios = " ".join(f"{a} {v:.3f}" for a, v in r["ratio"].items())
         print(f"step {r['step']}: held-out {r['eval_loss']:.4f}  swap ratios {ratios}")
     return 0

@@ -466,18 +466,23 @@ class Reship:
             return None
         step = stage_step(self.name)  # the checkpoint's own step where its name gives one (checked at the start)
         summary = self.curves / f"{run_dir.name}-probe-step{step}.json"
-        self.run(
-            _python(
-                "-m",
-                "factory.curves",
-                str(run_dir / "metrics.jsonl"),
-                "--out",
-                str(self.curves / f"{run_dir.name}.png"),
-                "--summary",
-                str(summary),
-            )
-        )
+        metrics = run_dir / "metrics.jsonl"
+        cmd = ["-m", "factory.curves", str(metrics), "--out", str(self.curves / f"{run_dir.name}.png")]
+        earlier = self.earlier_summary(run_dir.name, metrics, summary)
+        self.run(_python(*cmd, "--summary", str(summary), *(["--earlier", str(earlier)] if earlier else [])))
         return summary
+
+    def earlier_summary(self, run: str, metrics: Path, summary: Path) -> Path | None:
+        """For a run whose metrics begin after step 0 (it went on from a stage's committed weights,
+        ``train.start_step``): the committed probe summary of the latest step of that run, which holds its earlier
+        part (None when there is none, or the metrics begin at 0)."""
+        with metrics.open() as f:
+            first = json.loads(f.readline() or "{}").get("step", 0)
+        if not first:
+            return None
+        found = [p for p in self.curves.glob(f"{run}-probe-step*.json") if p != summary]
+        steps = {p: int(p.stem.rsplit("-step", 1)[1]) for p in found if p.stem.rsplit("-step", 1)[1].isdigit()}
+        return max(steps, key=steps.get) if steps else None
 
     def evaluate(self) -> dict:
         curves = self.stage_curves()

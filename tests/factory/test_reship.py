@@ -426,3 +426,21 @@ def test_a_conversion_that_distills_is_taught_by_the_staged_base(design, monkeyp
     finetunes = {Path(c[c.index("--config") + 1]).stem: c for c in runner.calls if c[2] == "training.finetune"}
     assert f"distill.teacher={design['next'] / 'transformer-ema'}" in finetunes["mhla"]
     assert not any(c.startswith("distill.") for v in ("linear", "mhla-hybrid") for c in finetunes[v])
+
+
+def test_the_curves_of_a_run_that_went_on_elsewhere_keep_its_committed_earlier_part(design):
+    """A joint run begun at train.start_step on a fresh machine has metrics from that step on: the stage's curves
+    get the latest committed probe summary of the run as --earlier (never the one being written)."""
+    runner = Runner(evaluation([0.5, 0.1, 0.1, 0.2]))
+    job = make(design, runner)
+    metrics = design["checkpoint"].parent.parent / "metrics.jsonl"
+    curves = design["next"] / "curves"
+    for step in (3000, 6900, 4000):  # 4000: the summary this re-ship writes (a rerun of it)
+        (curves / f"joint-probe-step{step}.json").write_text("[]")
+    assert job.stage_curves() is not None
+    call = runner.calls[-1]
+    assert call[2] == "factory.curves" and "--earlier" not in call  # the metrics begin at step 0: all is there
+    metrics.write_text('{"step": 3500, "eval_loss": 0.1}\n{"step": 3501, "loss": 0.1}\n')
+    job.stage_curves()
+    call = runner.calls[-1]
+    assert call[call.index("--earlier") + 1] == str(curves / "joint-probe-step6900.json")
