@@ -246,7 +246,9 @@ def test_browser_streams_stops_and_shows_errors(sync_playwright, server, tmp_pat
             page.locator("#video-flash video").wait_for(state="attached", timeout=120_000)
             assert "denoising step:" in page.locator("#latency-flash").inner_text()
             status.filter(has_text="Done: 2 variant(s)").wait_for(timeout=120_000)
-            # the address bar is the permalink of this request
+            # the address bar is the permalink of this request (written by the page's script as the run ends: waited
+            # for, not raced)
+            page.wait_for_function("() => location.search.includes('steps=40')", timeout=30_000)
             assert "prompt=a+red+square" in page.url and "variants=flash%2Cmhla" in page.url and "steps=40" in page.url
             assert page.locator("#video-mhla video").get_attribute("src")
             assert page.locator("#col-linear").is_hidden() and page.locator("#col-mhla-hybrid").is_hidden()
