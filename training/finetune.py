@@ -690,7 +690,8 @@ def train(cfg: FinetuneConfig, target: TrainingTarget | None = None) -> int:
 
     # ---- resume
     at = fresh_progress(cfg.train, images)
-    if cfg.train.start_step and resume_from is None:
+    new_run = resume_from is None
+    if cfg.train.start_step and new_run:
         print_main(
             f"train.start_step={at.step}: the weights of model.transformer go on at step {at.step} of "
             f"{total_steps}; a fresh optimiser warms up to the schedule's lr there over {cfg.train.warmup_steps} steps"
@@ -732,20 +733,18 @@ def train(cfg: FinetuneConfig, target: TrainingTarget | None = None) -> int:
         ckpt.record_run_files(run_dir, "config.yaml", "metrics.jsonl", *skipped, *tensorboard)
         write_text_atomic(run_dir / "config.yaml", config_yaml(cfg))
         write_skipped(run_dir, dataset)
-        metrics.start(0 if resume_from is None else at.step, end_of_run=at.step >= total_steps)
+        metrics.start(0 if new_run else at.step, end_of_run=at.step >= total_steps)
     if cfg.log.tensorboard:
         # a resumed run: what the stopped run logged after the checkpoint is redone, so it is cut from the earlier
         # event files (every reader then sees each step once) and TensorBoard is told to purge it too
-        if (
-            resume_from is not None and at.step and main_proc
-        ):  # a resume at the run's end redoes its end-of-run evaluation (finish_run)
+        # (a resume at the run's end redoes its end-of-run evaluation: finish_run)
+        if not new_run and at.step and main_proc:
             redone = ("eval_loss", "eval_loss_ema") if at.step >= total_steps else ()
             trim_event_files(run_dir / "finetune", at.step, redone)
         purge = {"tensorboard": {"purge_step": at.step + 1}} if at.step else {}
         config = {k: str(v) for k, v in as_tree(cfg).items()}
         accelerator.init_trackers("finetune", config=config, init_kwargs=purge)
     start_loss = evaluate(transformer)
-    new_run = resume_from is None
     if new_run:
         metrics.write({"step": at.step, "eval_loss": start_loss})
         if cfg.log.tensorboard:
