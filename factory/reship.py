@@ -459,10 +459,10 @@ class Reship:
         return self.curves / f"{what}-{self.name}"
 
     def stage_curves(self) -> Path | None:
-        """The base stage's curves beside the evaluation, when its run folder (the checkpoint's, two up) has its
-        ``metrics.jsonl``: ``curves/<run>.png`` and the probe rows ``curves/<run>-probe-step<N>.json``."""
-        run_dir = self.checkpoint.parent.parent
-        if not (run_dir / "metrics.jsonl").is_file():
+        """The base stage's curves beside the evaluation, when its run folder has its ``metrics.jsonl``:
+        ``curves/<run>.png`` and the probe rows ``curves/<run>-probe-step<N>.json``."""
+        run_dir = self.run_folder()
+        if run_dir is None:
             return None
         step = stage_step(self.name)  # the checkpoint's own step where its name gives one (checked at the start)
         summary = self.curves / f"{run_dir.name}-probe-step{step}.json"
@@ -471,6 +471,20 @@ class Reship:
         earlier = self.earlier_summary(run_dir.name, metrics, summary)
         self.run(_python(*cmd, "--summary", str(summary), *(["--earlier", str(earlier)] if earlier else [])))
         return summary
+
+    def run_folder(self) -> Path | None:
+        """The run the checkpoint came from, where its metrics are: the checkpoint's folder two up
+        (``<run>/checkpoints/step-N``), or, for a checkpoint copied out of its run (``keep-step-N``: a run keeps
+        only its latest), the ``run_dir`` its ``config.yaml`` names (relative to the repository)."""
+        candidates = [self.checkpoint.parent.parent]
+        config = self.checkpoint / "config.yaml"
+        if config.is_file():
+            from omegaconf import OmegaConf
+
+            named = OmegaConf.load(config).get("run_dir")
+            if named:
+                candidates.append(Path(named) if Path(named).is_absolute() else ROOT / named)
+        return next((c for c in candidates if (c / "metrics.jsonl").is_file()), None)
 
     def earlier_summary(self, run: str, metrics: Path, summary: Path) -> Path | None:
         """For a run whose metrics begin after step 0 (it went on from a stage's committed weights,
@@ -541,6 +555,11 @@ class Reship:
                 shutil.rmtree(dst)
             shutil.copytree(self.work / "candidate" / VARIANTS_SUBDIR / variant, dst)
         ship(self.next_dir, self.builtin, Path(evaluation))
+        # the stored examples' latencies are what the page shows a person on this machine: measured with the cores a
+        # user's run gets (common.threads' automatic count), not a thread cap the re-ship was started with to share
+        # the CPU with the base's training
+        if os.environ.pop("OMP_NUM_THREADS", None) is not None:
+            print("[reship] the examples are stored without the OMP_NUM_THREADS the re-ship was given", flush=True)
         self.run(_python("-m", "factory.examples", "--from", evaluation, "--model", str(self.builtin)))
         self.run(_python("run_app.py", "--model", str(self.builtin), "--store-examples"))
         return {"evaluation": evaluation}

@@ -3,6 +3,7 @@ the heavy commands (fine-tuning, evaluation, the app) replaced by a runner that 
 would (a conversion's final EMA, an evaluation's JSON)."""
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -444,3 +445,36 @@ def test_the_curves_of_a_run_that_went_on_elsewhere_keep_its_committed_earlier_p
     job.stage_curves()
     call = runner.calls[-1]
     assert call[call.index("--earlier") + 1] == str(curves / "joint-probe-step6900.json")
+
+
+def test_a_checkpoint_copied_out_of_its_run_draws_that_runs_curves(design, monkeypatch, tmp_path):
+    """A run keeps only its latest checkpoint, so a re-ship's base is often a copy (``keep-step-N``) beside the run:
+    its curves come from the run its config.yaml names (relative to the repository), not from two folders up."""
+    monkeypatch.setattr(reship, "ROOT", tmp_path)
+    copied = tmp_path / "elsewhere" / "keep-step-0004000"
+    shutil.copytree(design["checkpoint"], copied)
+    runner = Runner(evaluation([0.5, 0.1, 0.1, 0.2]))
+    job = make({**design, "checkpoint": copied}, runner)
+    assert job.stage_curves() is None  # no config.yaml: nothing says where its run is
+    (copied / "config.yaml").write_text("run_dir: joint\n")
+    assert job.stage_curves() is not None
+    call = runner.calls[-1]
+    assert call[2] == "factory.curves" and call[3] == str(tmp_path / "joint" / "metrics.jsonl")
+    assert call[call.index("--out") + 1] == str(design["next"] / "curves" / "joint.png")
+
+
+def test_the_examples_are_stored_with_a_users_threads_not_the_reships_cap(design, monkeypatch):
+    """A re-ship run beside the base with OMP_NUM_THREADS=1 trains and evaluates on one thread; the examples it
+    stores (their latencies are shown on the page) are measured without that cap."""
+    monkeypatch.setattr(reship.Reship, "preflight", lambda self: None)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    seen = {}
+
+    class Watching(Runner):
+        def __call__(self, cmd):
+            seen[Path(list(cmd)[2] if list(cmd)[1] == "-m" else list(cmd)[1]).name] = os.environ.get("OMP_NUM_THREADS")
+            super().__call__(cmd)
+
+    make(design, Watching(evaluation([0.5, 0.1, 0.1, 0.2])))()
+    assert seen["training.finetune"] == "1" and seen["factory.evaluate"] == "1"  # the work shares the CPU
+    assert seen["factory.examples"] is None and seen["run_app.py"] is None
