@@ -52,7 +52,7 @@ from pipelines import (
     load_transformer,
     save_transformer,
 )
-from pipelines.attention import PARAM_ATTRS, LinearSelfAttention
+from pipelines.attention import PARAM_ATTRS, LinearSelfAttention, variant_spec
 from pipelines.lora import LoraAdapters, load_into_adapter, read_lora, save_lora
 from pipelines.pipeline import generate
 from training import checkpoint as ckpt
@@ -117,9 +117,21 @@ def build_model(
     # the transformer's own (a fine-tuned MHLA checkpoint's), else the default for the model's block shape
     blocks = transformer.resolve_blocks(grid, model.blocks or None, components.block_shape).blocks
     options = AttentionOptions(blocks=blocks, **model.attention)  # free-form: checked by preflight.check_model_plan
-    transformer.convert(model.variant, model.layers, options)
+    transformer.convert(model.variant, layers_to_train(model, transformer), options)
     components.transformer = transformer
     return components, transformer, grid
+
+
+def layers_to_train(model: ModelSection, transformer: Any) -> list[int] | None:
+    """The MHLA layers of an ``mhla-hybrid`` run: ``model.layers`` when given, else the loaded transformer's own
+    split when it already is that variant (a fine-tuned hybrid with softmax in layers 4 and 5 goes on as one, not
+    silently re-split to the default), else None (:func:`pipelines.attention.hybrid_layers`)."""
+    if model.layers is not None:
+        return list(model.layers)
+    conversion = transformer.conversion
+    if variant_spec(model.variant).layers and conversion.variant == model.variant:
+        return list(conversion.linear_layers)
+    return None
 
 
 def new_parameter_names(transformer: Any) -> set[str]:
