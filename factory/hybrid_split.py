@@ -232,27 +232,38 @@ class Arm:
         metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
         start_loss = next((r["eval_loss"] for r in metrics if "eval_loss" in r), None)
         end_loss = [r.get("eval_loss_ema", r.get("eval_loss")) for r in metrics if "eval_loss" in r]
+        probes = [r["probe_ema"] for r in metrics if isinstance(r.get("probe_ema"), dict)]
+        shape_ratio = probes[-1]["ratio"]["shape"].get("0.9") if probes else None
         return {
-            "split": split_name(self.softmax),
+            "split": self.name,
             **info,
             "steps": self.steps,
             "eval_loss_start": start_loss,
             "eval_loss_end_ema": end_loss[-1] if end_loss else None,
+            "probe_shape_ratio_09_ema": shape_ratio,
             **result,
         }
 
 
 def table(arms: list[dict], shipped: dict | None) -> str:
     lines = [
-        "| arm | softmax layers | steps | held-out loss | overall | shape | " + " | ".join(SHAPES) + " |",
-        "|---|---|---|---|---|---|" + "---|" * len(SHAPES),
+        "| arm | softmax layers | steps | cache-eval loss, start -> end (EMA) | probe shape ratio at 0.9 (EMA) "
+        "| held-out loss | overall | shape | " + " | ".join(SHAPES) + " |",
+        "|---|---|---|---|---|---|---|---|" + "---|" * len(SHAPES),
     ]
     rows = ([("shipped", shipped)] if shipped else []) + [(a["split"], a) for a in arms]
     for name, r in rows:
         cells = [f"{r['shapes'][s][0]}/{r['shapes'][s][1]}" for s in SHAPES]
         loss = r.get("flow_loss")
+        cache = (
+            f"{r['eval_loss_start']:.4f} -> {r['eval_loss_end_ema']:.4f}"
+            if r.get("eval_loss_start") is not None and r.get("eval_loss_end_ema") is not None
+            else ""
+        )
+        ratio = r.get("probe_shape_ratio_09_ema")
         lines.append(
-            f"| {name} | {r.get('softmax', '')} | {r.get('steps', '')} | "
+            f"| {name} | {r.get('softmax', '')} | {r.get('steps', '')} | {cache} | "
+            f"{'' if ratio is None else f'{ratio:.2f}'} | "
             f"{'' if loss is None else f'{loss:.4f}'} | {r['overall']:.2f} | {r['shape']:.2f} | "
             + " | ".join(cells)
             + " |"
