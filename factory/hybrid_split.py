@@ -117,47 +117,17 @@ def screen(splits: Sequence[Sequence[int]], mhla: Path, base: Path, work: Path, 
     """Each split's start held-out flow loss (the committed hybrid config's validation loss: fixed clips and
     noise), with the softmax layers' self-attention from ``base`` and with the conversion's own: which starts
     are near a trained model before any step. One process, the validation clips rendered once."""
-    import torch
-    from accelerate import Accelerator
+    from factory.reship import HeldOutLoss
 
-    from training.config import load_config
-    from training.data import BatchEncoder, build_dataset
-    from training.encoding import Encoder
-    from training.experts import read_target
-    from training.finetune import EvalLoss, ModelCall, build_model
-    from training.flow import FlowMatching
-
-    rows, evaluate = [], None
+    measure = HeldOutLoss(batches, configs=CONFIG.parent)
+    rows = []
     for softmax in splits:
         for recipe, weights in (("base", base), ("conversion", None)):
             folder = work / "screen" / f"{recipe}-{split_name(softmax)}"
             if not (folder / "config.json").is_file():
                 build_start(softmax, mhla, weights, folder)
-            cfg = load_config(
-                CONFIG, [f"model.transformer={folder}", "data.source=synthetic", f"validation.loss_batches={batches}"]
-            )
-            accelerator = Accelerator(cpu=True)
-            target = read_target(cfg.model)
-            components, model, _ = build_model(cfg.model, cfg.data, accelerator.device, target)
-            if evaluate is None:
-                dataset = build_dataset(cfg.data, cfg.train.seed, cfg.model)
-                flow = FlowMatching(
-                    cfg.flow, sigma_range=target.sigma_range, num_train_timesteps=target.num_train_timesteps
-                )
-                call = ModelCall(target.expand_timesteps, tuple(model.config.patch_size))
-                encode = BatchEncoder(Encoder(components, cfg.data.max_sequence_length), None, 0.0, accelerator.device)
-                evaluate = EvalLoss(cfg.data, cfg.train, cfg.validation, dataset, encode, flow, accelerator, call)
-            with torch.no_grad():
-                loss = evaluate(model)
-            rows.append(
-                {
-                    "split": split_name(softmax),
-                    "softmax": list(softmax),
-                    "weights": recipe,
-                    "loss": loss,
-                    "mhla": list(model.conversion.linear_layers),
-                }
-            )
+            loss = measure(HYBRID, folder)
+            rows.append({"split": split_name(softmax), "softmax": list(softmax), "weights": recipe, "loss": loss})
             print(f"[hybrid_split] screen {rows[-1]['split']} {recipe}: {loss:.4f}", flush=True)
     return rows
 

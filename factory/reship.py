@@ -10,7 +10,7 @@ one run in ``runs/builtin-v3/reship-NAME/`` that a killed run resumes where it s
 
 1. ``stage``: the checkpoint's EMA and raw weights into ``assets/builtin-next/v3`` (float16: the stage weights a
    later session, or a fresh machine, resumes from; committed whether or not the model ships);
-2. ``starts``: where each conversion starts, measured (:func:`held_out_loss`, the synthetic validation split) and
+2. ``starts``: where each conversion starts, measured (:class:`HeldOutLoss`, the synthetic validation split) and
    the lowest taken: the new EMA converted afresh (``base``: a freshly converted layer is far from the softmax
    one it replaces, about 1.67 against the base's 0.09 here), the shipped conversion (``shipped``), or the shipped
    conversion with the base's progress grafted on (``graft``: :func:`graft`, the new EMA minus the one the shipped
@@ -160,32 +160,60 @@ def graft(variant: Path, old_base: Path, new_base: Path, out: Path) -> dict:
     return {"moved": moved, "kept": len(weights) - moved, "delta_rms": (square / max(1, count)) ** 0.5}
 
 
-def held_out_loss(variant: str, transformer: Path, batches: int = 2, model: Path | None = None) -> float:
-    """The flow loss of ``transformer`` converted as ``variant``'s committed config says, on the synthetic world's
+class HeldOutLoss:
+    """The flow loss of a transformer converted as a variant's committed config says, on the synthetic world's
     validation split (``batches`` x the config's batch size; fixed noise: :class:`training.finetune.EvalLoss`).
-    ``model``: the model folder whose tokenizer, text encoder and VAE it runs with (default: the config's)."""
-    from accelerate import Accelerator
+    ``model``: the model folder whose tokenizer, text encoder and VAE it runs with (default: the configs').
 
-    from training.config import load_config
-    from training.data import BatchEncoder, build_dataset
-    from training.encoding import Encoder
-    from training.experts import read_target
-    from training.finetune import EvalLoss, ModelCall, build_model
-    from training.flow import FlowMatching
+    The validation clips are rendered and the frozen parts loaded once per setting they depend on (the configs'
+    data, batch, seed, flow and model folder), not once per measure: a re-ship measures nine starts, the split
+    screen (``factory.hybrid_split``) thirty."""
 
-    cfg = load_config(
-        CONFIGS / f"{variant}.yaml",
-        [f"model.transformer={transformer}", "data.source=synthetic", f"validation.loss_batches={batches}"]
-        + ([f"model.path={model}"] if model is not None else []),
-    )
-    accelerator = Accelerator(cpu=True)
-    target = read_target(cfg.model)
-    components, model, _ = build_model(cfg.model, cfg.data, accelerator.device, target)
-    dataset = build_dataset(cfg.data, cfg.train.seed, cfg.model)
-    flow = FlowMatching(cfg.flow, sigma_range=target.sigma_range, num_train_timesteps=target.num_train_timesteps)
-    call = ModelCall(target.expand_timesteps, tuple(model.config.patch_size))
-    encode = BatchEncoder(Encoder(components, cfg.data.max_sequence_length), None, 0.0, accelerator.device)
-    return EvalLoss(cfg.data, cfg.train, cfg.validation, dataset, encode, flow, accelerator, call)(model)
+    def __init__(self, batches: int = 2, model: Path | None = None, configs: Path = CONFIGS) -> None:
+        self.batches, self.model, self.configs = batches, model, Path(configs)
+        self._evaluators: dict[str, object] = {}
+
+    def __call__(self, variant: str, transformer: Path) -> float:
+        import torch
+        from accelerate import Accelerator
+
+        from training.config import load_config
+        from training.data import BatchEncoder, build_dataset
+        from training.encoding import Encoder
+        from training.experts import read_target
+        from training.finetune import EvalLoss, ModelCall, build_model
+        from training.flow import FlowMatching
+
+        overrides = [
+            f"model.transformer={transformer}",
+            "data.source=synthetic",
+            f"validation.loss_batches={self.batches}",
+        ]
+        cfg = load_config(
+            self.configs / f"{variant}.yaml",
+            overrides + ([f"model.path={self.model}"] if self.model is not None else []),
+        )
+        accelerator = Accelerator(cpu=True)
+        target = read_target(cfg.model)
+        components, model, _ = build_model(cfg.model, cfg.data, accelerator.device, target)
+        key = repr((cfg.data, cfg.train.batch_size, cfg.train.seed, cfg.validation, cfg.flow, cfg.model.path))
+        evaluate = self._evaluators.get(key)
+        if evaluate is None:
+            dataset = build_dataset(cfg.data, cfg.train.seed, cfg.model)
+            flow = FlowMatching(
+                cfg.flow, sigma_range=target.sigma_range, num_train_timesteps=target.num_train_timesteps
+            )
+            call = ModelCall(target.expand_timesteps, tuple(model.config.patch_size))
+            encode = BatchEncoder(Encoder(components, cfg.data.max_sequence_length), None, 0.0, accelerator.device)
+            evaluate = EvalLoss(cfg.data, cfg.train, cfg.validation, dataset, encode, flow, accelerator, call)
+            self._evaluators[key] = evaluate
+        with torch.no_grad():
+            return float(evaluate(model))
+
+
+def held_out_loss(variant: str, transformer: Path, batches: int = 2, model: Path | None = None) -> float:
+    """One :class:`HeldOutLoss` measure (its clips rendered for this call alone)."""
+    return HeldOutLoss(batches, model)(variant, transformer)
 
 
 def conversion_steps_for(spec: int | str | Mapping[str, int]) -> dict[str, int]:
@@ -259,7 +287,7 @@ class Reship:
         next_dir: Path = NEXT,
         builtin: Path = BUILTIN_DIR,
         run: Runner = _subprocess,
-        measure: Measure = held_out_loss,
+        measure: Measure | None = None,
         starts: Mapping[str, str | Path] | None = None,
     ) -> None:
         try:
@@ -291,7 +319,8 @@ class Reship:
         self.checkpoint, self.name = Path(checkpoint), name
         self.num_prompts, self.seeds = num_prompts, list(seeds)
         self.work = Path(work_root) / f"reship-{name}"
-        self.next_dir, self.builtin, self.run, self.measure = Path(next_dir), Path(builtin), run, measure
+        self.next_dir, self.builtin, self.run = Path(next_dir), Path(builtin), run
+        self.measure = HeldOutLoss() if measure is None else measure  # clips rendered once for all nine starts
         self.curves = self.next_dir / "curves"
         self.state_path = self.work / "state.json"
         self.state = self._load_state()
