@@ -239,20 +239,20 @@ def test_a_start_that_measures_lowest_is_taken(design, monkeypatch):
     assert all(torch.equal(start[k], ema[k]) for k in ema)
 
 
-def test_a_given_start_is_measured_with_the_others_and_taken_when_lowest(design, monkeypatch, tmp_path):
-    """``--start mhla=DIR``: a conversion trained on elsewhere joins mhla's candidates (the others' stay as they
-    were), is copied as its start when it measures lowest, and the record names it (a resumed re-ship must be
-    given the same)."""
+def test_a_given_start_is_measured_with_the_others_and_taken(design, monkeypatch, tmp_path):
+    """``--start mhla=DIR``: a conversion trained on elsewhere is measured beside mhla's candidates (the others'
+    stay as they were) and copied as its start even where another measures lower (the held-out loss does not say
+    which draws better), and the record names it (a resumed re-ship must be given the same)."""
     monkeypatch.setattr(reship.Reship, "preflight", lambda self: None)
     given = tmp_path / "given"
     shutil.copytree(SHIPPED / "variants" / "mhla", given)
     weights = load_file(str(given / "diffusion_pytorch_model.safetensors"))
     moved = {k: v.float() + 0.5 for k, v in weights.items()}
     save_file(moved, str(given / "diffusion_pytorch_model.safetensors"))
-    measure = Measure({"base": 1.66, "shipped": 0.20, "graft": 0.19, "given": 0.15})
+    measure = Measure({"base": 1.66, "shipped": 0.20, "graft": 0.19, "given": 0.25})
     state = make(design, Runner(evaluation([0.5, 0.1, 0.1, 0.2])), measure=measure, starts={"mhla": given})()
     chosen = state["stages"]["starts"]["chosen"]
-    assert chosen["mhla"] == {"from": "given", "losses": {"base": 1.66, "shipped": 0.20, "graft": 0.19, "given": 0.15}}
+    assert chosen["mhla"] == {"from": "given", "losses": {"base": 1.66, "shipped": 0.20, "graft": 0.19, "given": 0.25}}
     assert chosen["linear"]["from"] == "graft" and "given" not in chosen["linear"]["losses"]
     start = load_file(
         str(design["work"] / "reship-joint-step4000" / "starts" / "mhla" / "diffusion_pytorch_model.safetensors")
@@ -261,6 +261,43 @@ def test_a_given_start_is_measured_with_the_others_and_taken_when_lowest(design,
     assert state["starts"] == {"mhla": str(given)}
     with pytest.raises(ValueError, match="a re-ship of other settings"):  # resumed without it: refused
         make(design, Runner(evaluation([0.5, 0.1, 0.1, 0.2])), measure=measure)
+
+
+def test_a_conversion_given_0_steps_is_kept_as_shipped_bit_for_bit(design, monkeypatch):
+    """``--conversion-steps 0,mhla-hybrid=N``: mhla and linear are not measured, trained or changed; the candidate
+    carries the shipped ones, and only the hybrid trains."""
+    monkeypatch.setattr(reship.Reship, "preflight", lambda self: None)
+    runner, measure = Runner(evaluation([0.5, 0.1, 0.1, 0.2])), Measure({"base": 1.66, "shipped": 0.20, "graft": 0.19})
+    state = make(design, runner, measure=measure, steps="0,mhla-hybrid=9")()
+    chosen = state["stages"]["starts"]["chosen"]
+    assert chosen["mhla"] == chosen["linear"] == {"from": "kept"}
+    assert {v for v, _ in measure.calls} == {"mhla-hybrid"}
+    trained = [Path(c[c.index("--config") + 1]).stem for c in runner.calls if "training.finetune" in c]
+    assert trained == ["mhla-hybrid"]
+    for variant in ("mhla", "linear"):
+        assert state["stages"][f"convert-{variant}"]["step"] == 0
+        shipped = load_file(str(design["builtin"] / "variants" / variant / "diffusion_pytorch_model.safetensors"))
+        got = load_file(
+            str(
+                design["work"]
+                / "reship-joint-step4000"
+                / "candidate"
+                / "variants"
+                / variant
+                / "diffusion_pytorch_model.safetensors"
+            )
+        )
+        assert shipped.keys() == got.keys() and all(torch.equal(got[k], shipped[k]) for k in shipped)
+
+
+def test_a_kept_conversion_needs_a_shipped_one_and_no_start(design, tmp_path):
+    runner = Runner(evaluation([0.5, 0.1, 0.1, 0.2]))
+    with pytest.raises(ValueError, match="with 0 steps for mhla: a kept conversion has no start"):
+        make(design, runner, steps="0,mhla-hybrid=9", starts={"mhla": design["builtin"] / "variants" / "mhla"})
+    shutil.rmtree(design["builtin"] / "variants" / "linear")
+    with pytest.raises(FileNotFoundError, match="gives linear 0 steps"):
+        make(design, runner, steps="0,mhla-hybrid=9")
+    assert runner.calls == []
 
 
 def test_a_given_start_is_checked_before_anything_runs(design, tmp_path):
@@ -380,7 +417,8 @@ def test_each_conversion_gets_its_own_budget(design, monkeypatch):
 @pytest.mark.parametrize(
     "spec, why",
     [
-        ("0", "linear gets '0'"),
+        ("0", "every conversion gets 0 steps"),
+        ("600,mhla=-1", "mhla gets '-1'"),
         ("x", "linear gets 'x'"),
         ("600,lin=3", "'lin' is not a conversion"),
         ("600,700", "two numbers for all"),
