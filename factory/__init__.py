@@ -11,6 +11,8 @@
 - ``next``: the next design's stages, kept in ``assets/builtin-next/``; ``v3``: the third design (its model
   directory, the VAE gate, the cross-attention's share per caption word);
 - ``arms``: short A/B arms of the base's recipe from one checkpoint, judged by the probe against a control;
+- ``hybrid_split``: which layers the hybrid keeps softmax: a start-loss screen of every split and short arms
+  judged by the evaluation;
 - ``reship``: a later base stage's conversions, evaluation and diagnoses in one resumable command, shipped only
   when it beats the shipped model's committed evaluation (``python -m factory.reship CHECKPOINT --name NAME``).
 
