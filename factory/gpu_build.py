@@ -94,6 +94,7 @@ from pathlib import Path
 # the deadline's zero: before torch, diffusers and the project load (seconds on a fresh machine)
 _STARTED = time.monotonic()
 
+CONFIGS = Path(__file__).resolve().parent / "configs" / "v3"  # the conversions' committed configs
 BUILD_JSON = "build.json"
 FORMAT = 1
 WEIGHTS_FILE = "diffusion_pytorch_model.safetensors"
@@ -586,15 +587,27 @@ def swap_in_ema(model, ema) -> None:
             params[name].copy_(shadow)
 
 
+def config_layers(variant: str, configs: Path = CONFIGS) -> list[int] | None:
+    """The MHLA layers the variant's conversion config names (``model.layers`` of
+    ``factory/configs/v3/<variant>.yaml``; None: the default split, as the config's null means)."""
+    from omegaconf import OmegaConf
+
+    path = Path(configs) / f"{variant}.yaml"
+    layers = OmegaConf.load(path).model.get("layers") if path.is_file() else None
+    return None if layers is None else [int(i) for i in layers]
+
+
 def converted(model, variant: str, grid, block_shape, cpe: bool = True):
     """A copy of ``model`` converted to ``variant`` as :func:`training.finetune.build_model` converts with the
     conversion configs (``factory/configs/v3/<variant>.yaml``): blocks from the model's block shape over the
-    training grid, the paper's CPE (``cpe``), its other attention options, float32."""
+    training grid, the hybrid's layers (:func:`config_layers`), the paper's CPE (``cpe``), its other attention
+    options, float32."""
     from pipelines import AttentionOptions
 
     copy = model.clone()
     blocks = copy.resolve_blocks(grid, None, block_shape).blocks
-    copy.convert(variant, None, AttentionOptions(blocks=blocks, cpe=cpe))
+    layers = config_layers(variant) if variant == "mhla-hybrid" else None
+    copy.convert(variant, layers, AttentionOptions(blocks=blocks, cpe=cpe))
     return copy.float()
 
 

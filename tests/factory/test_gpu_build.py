@@ -103,6 +103,9 @@ def test_import_lays_out_folders_the_product_loads(built, tmp_path):
     for v, folder in components.variant_dirs.items():
         model = load_transformer(folder, dtype=torch.float32, device="cpu")
         assert model.config["self_attention"]["variant"] == v
+        if v == "mhla-hybrid":  # the split the committed hybrid config names, else the default
+            want = gpu_build.config_layers(v) or [i for i in range(len(model.blocks)) if i % 3]
+            assert list(model.conversion.linear_layers) == want
     ema = load_transformer(into / "transformer-ema", dtype=torch.float32, device="cpu")  # pipelines.cli --transformer
     assert ema.config["self_attention"]["variant"] == "flash"
     # save-variant and save --half of the imported folders write the same bytes: they are already in that format
@@ -280,3 +283,11 @@ def test_bad_arguments_are_named_before_any_work(tmp_path, capsys):
         assert gpu_build.main(argv) == 2, argv
         assert named in capsys.readouterr().err, argv
     assert (out / "notes.txt").read_text() == "mine" and not (tmp_path / "a").exists()
+
+
+def test_the_hybrids_layers_come_from_its_config(tmp_path):
+    (tmp_path / "mhla-hybrid.yaml").write_text("model:\n  layers: [0, 1, 2, 3]\n")
+    (tmp_path / "mhla.yaml").write_text("model:\n  variant: mhla\n")
+    assert gpu_build.config_layers("mhla-hybrid", tmp_path) == [0, 1, 2, 3]
+    assert gpu_build.config_layers("mhla", tmp_path) is None
+    assert gpu_build.config_layers("linear", tmp_path) is None  # no config: the default
