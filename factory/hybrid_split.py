@@ -15,7 +15,7 @@ run resumes at the first stage not done.
 
 ``--out OUT`` writes ``OUT.json`` and ``OUT.md``: per arm the split, the start's and the end's held-out flow loss,
 the evaluation's overall and shape rates, and how many videos asking for each shape drew it; beside them the
-shipped hybrid's row from the evaluation its ``builtin.json`` names (the same prompts and seeds).
+shipped hybrid's row from the evaluation its ``builtin.json`` names, or ``--control``'s (the same prompts and seeds).
 """
 
 from __future__ import annotations
@@ -30,8 +30,10 @@ from pathlib import Path
 from common.errors import run_cli
 from common.outputs import atomic_dir, write_text_atomic
 from factory import ROOT, output_path, portable, run_command, write_json
+from factory.curves import read_metrics
+from factory.v3 import WORLD
+from world.synthetic import SHAPES
 
-SHAPES = ("square", "circle", "triangle", "diamond")
 HYBRID = "mhla-hybrid"
 CONFIG = ROOT / "factory" / "configs" / "v3" / f"{HYBRID}.yaml"
 ATTN1 = ".attn1."
@@ -82,34 +84,22 @@ def build_start(softmax: Sequence[int], mhla: Path, base: Path | None, out: Path
     return {"softmax": list(softmax), "mhla": mhla_layers, "moved": len(moved)}
 
 
-def asked_shapes(caption: str) -> set[str]:
-    words = caption.lower().replace(",", " ").split()
-    return {s for s in SHAPES if s in words or s + "s" in words}
-
-
-def shape_counts(per_video: Sequence[dict], seeds: Sequence[int] | None = None) -> dict[str, list[int]]:
-    """Per shape named in the caption: ``[videos drawing it right, videos asking for it]`` (``seeds``: only those)."""
-    out = {s: [0, 0] for s in SHAPES}
-    for v in per_video:
-        if seeds is not None and v.get("seed") not in seeds:
-            continue
-        for s in asked_shapes(v["caption"]):
-            out[s][1] += 1
-            out[s][0] += int(bool(v.get("shape")))
-    return out
-
-
 def row(evaluation: dict, variant: str = HYBRID, seeds: Sequence[int] | None = None) -> dict:
+    """An evaluation's ``variant`` over ``seeds`` (None: all), scored as the evaluation scores
+    (:func:`world.analyse.score`) with its per-shape table (:func:`factory.evaluate.shape_readings`)."""
+    from factory.evaluate import shape_readings
+    from world.analyse import score
+
     v = evaluation["variants"][variant]
     videos = [p for p in v["per_video"] if seeds is None or p.get("seed") in seeds]
-    n = max(1, len(videos))
-    overall = sum(all(p.get(a) for a in ("count", "colour", "shape", "motion")) for p in videos) / n
+    scored = score(videos)
+    readings = shape_readings(videos)
     return {
-        "overall": overall,
-        "shape": sum(bool(p.get("shape")) for p in videos) / n,
+        "overall": scored["overall"],
+        "shape": scored["shape"],
         "videos": len(videos),
         "flow_loss": v.get("flow_loss"),
-        "shapes": shape_counts(videos),
+        "shapes": {k: [r["right"], r["asked"]] for k, r in readings.items()},
     }
 
 
@@ -189,7 +179,7 @@ class Arm:
                     "--variants",
                     HYBRID,
                     "--world",
-                    "v3",
+                    WORLD,
                     "--num-prompts",
                     str(self.num_prompts),
                     "--seeds",
@@ -199,7 +189,7 @@ class Arm:
                 ]
             )
         result = row(json.loads(output_path(evaluation, ".json").read_text()))
-        metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        metrics = read_metrics(run_dir / "metrics.jsonl")
         start_loss = next((r["eval_loss"] for r in metrics if "eval_loss" in r), None)
         end_loss = [r.get("eval_loss_ema", r.get("eval_loss")) for r in metrics if "eval_loss" in r]
         probes = [r["probe_ema"] for r in metrics if isinstance(r.get("probe_ema"), dict)]
@@ -221,9 +211,10 @@ def table(arms: list[dict], shipped: dict | None) -> str:
         "| held-out loss | overall | shape | " + " | ".join(SHAPES) + " |",
         "|---|---|---|---|---|---|---|---|" + "---|" * len(SHAPES),
     ]
-    rows = ([("shipped", shipped)] if shipped else []) + [(a["split"], a) for a in arms]
+    label = "shipped" if shipped and "softmax" in shipped else Path(shipped["evaluation"]).stem if shipped else ""
+    rows = ([(label, shipped)] if shipped else []) + [(a["split"], a) for a in arms]
     for name, r in rows:
-        cells = [f"{r['shapes'][s][0]}/{r['shapes'][s][1]}" for s in SHAPES]
+        cells = [f"{r['shapes'][s][0]}/{r['shapes'][s][1]}" if s in r["shapes"] else "" for s in SHAPES]
         loss = r.get("flow_loss")
         cache = (
             f"{r['eval_loss_start']:.4f} -> {r['eval_loss_end_ema']:.4f}"
@@ -269,6 +260,11 @@ def _main(argv=None) -> int:
     p.add_argument("--work", type=Path, default=ROOT / "runs" / "builtin-v3" / "split")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument(
+        "--control",
+        type=Path,
+        help="the evaluation whose hybrid the arms are set against (default: the one the model's builtin.json names)",
+    )
+    p.add_argument(
         "--model", type=Path, default=BUILTIN_DIR, help="the shipped model whose mhla and base it starts from"
     )
     args = p.parse_args(argv)
@@ -301,12 +297,14 @@ def _main(argv=None) -> int:
             flush=True,
         )
     shipped = None
-    named = builtin.get("evaluation")
-    if named and (ROOT / named).is_file():
-        shipped = row(json.loads((ROOT / named).read_text()), seeds=args.seeds)
-        config = json.loads((args.model / "variants" / HYBRID / "config.json").read_text())
-        linear = config["self_attention"]["linear_layers"]
-        shipped["softmax"] = [i for i in range(num_layers) if i not in linear]
+    control = args.control or (ROOT / builtin["evaluation"] if builtin.get("evaluation") else None)
+    if control is not None and Path(control).is_file():
+        shipped = row(json.loads(Path(control).read_text()), seeds=args.seeds)
+        shipped["evaluation"] = str(control)
+        if args.control is None:  # the shipped model's own evaluation: its hybrid's split is the shipped one
+            config = json.loads((args.model / "variants" / HYBRID / "config.json").read_text())
+            linear = config["self_attention"]["linear_layers"]
+            shipped["softmax"] = [i for i in range(num_layers) if i not in linear]
     record = {
         "steps": args.steps,
         "seeds": args.seeds,

@@ -167,9 +167,9 @@ class HeldOutLoss:
     validation split (``batches`` x the config's batch size; fixed noise: :class:`training.finetune.EvalLoss`).
     ``model``: the model folder whose tokenizer, text encoder and VAE it runs with (default: the configs').
 
-    The validation clips are rendered and the frozen parts loaded once per setting they depend on (the configs'
-    data, batch, seed, flow and model folder), not once per measure: a re-ship measures nine starts, the split
-    screen (``factory.hybrid_split``) thirty."""
+    The validation clips are rendered once per setting they depend on (the configs' data, batch, seed, flow and
+    model folder), not once per measure: a re-ship measures nine starts, the split screen (``factory.hybrid_split``)
+    thirty. Each measure still loads the model folder's parts with the transformer (:func:`build_model`; small)."""
 
     def __init__(self, batches: int = 2, model: Path | None = None, configs: Path = CONFIGS) -> None:
         self.batches, self.model, self.configs = batches, model, Path(configs)

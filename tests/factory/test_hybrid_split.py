@@ -48,13 +48,36 @@ def test_a_split_must_leave_both_kinds_of_layer():
         hybrid_split.parse_split("6", 6)
 
 
-def test_shapes_are_counted_by_the_word_the_caption_asks_for():
-    videos = [
-        {"caption": "a red triangle moves up", "seed": 0, "shape": True},
-        {"caption": "two blue triangles stay still", "seed": 1, "shape": False},
-        {"caption": "a green circle and a red square", "seed": 0, "shape": True},
-        {"caption": "a yellow diamond moves left", "seed": 2, "shape": False},
-    ]
-    got = hybrid_split.shape_counts(videos)
-    assert got == {"square": [1, 1], "circle": [1, 1], "triangle": [1, 2], "diamond": [0, 1]}
-    assert hybrid_split.shape_counts(videos, seeds=[0])["triangle"] == [1, 1]
+def test_an_arm_is_scored_as_the_evaluation_scores_it():
+    """Overall: every named attribute right (an attribute the analyser could not judge, None, does not count
+    against it); per shape asked: the objects read as it, from ``read``, by colour."""
+
+    def video(caption, seed, read, shape, count=True):
+        return {
+            "caption": caption,
+            "seed": seed,
+            "read": read,
+            "shape": shape,
+            "count": count,
+            "colour": True,
+            "motion": True,
+        }
+
+    evaluation = {
+        "variants": {
+            "mhla-hybrid": {
+                "flow_loss": 0.07,
+                "per_video": [
+                    video("a red triangle moves up", 0, {"red": "triangle"}, True),
+                    video("a blue triangle stays still", 1, {"blue": "other"}, False),
+                    video("a green circle moves left", 0, {"green": "circle"}, True, count=None),
+                    video("a yellow diamond moves down", 2, {"yellow": "diamond"}, True, count=False),
+                ],
+            }
+        }
+    }
+    got = hybrid_split.row(evaluation)
+    assert got["overall"] == 0.5 and got["shape"] == 0.75 and got["videos"] == 4 and got["flow_loss"] == 0.07
+    assert got["shapes"] == {"circle": [1, 1], "triangle": [1, 2], "diamond": [1, 1]}
+    seed0 = hybrid_split.row(evaluation, seeds=[0])
+    assert seed0["overall"] == 1.0 and seed0["shapes"] == {"circle": [1, 1], "triangle": [1, 1]}
