@@ -483,17 +483,16 @@ def word_attention(
     each caption role: the colour, shape, motion and background words, the other words, the end token and the
     zero padding up to ``max_sequence_length``. A model that reads the shape word gives it more than the uniform
     share ``1 / max_sequence_length``. Queries and keys are recomputed from each layer's own projections and norms
-    (``to_q``, ``norm_q``, ``to_k``, ``norm_k``), as diffusers' Wan processor computes them."""
-    from diffusers import WanTransformer3DModel
-
-    from pipelines import load_components
+    (``to_q``, ``norm_q``, ``to_k``, ``norm_k``), as diffusers' Wan processor computes them; a model that masks
+    the caption's padding (``mask_text_padding``) gives it no weight, as its cross-attention does."""
+    from pipelines import load_components, load_transformer
     from training.encoding import Encoder
     from world.synthetic import MOTION_PHRASES, caption_for, world_named
 
     world = world_named(WORLD)
     components = load_components(str(model_dir))
     transformer = (
-        WanTransformer3DModel.from_pretrained(str(transformer_dir), dtype=torch.float32)
+        load_transformer(transformer_dir, dtype=torch.float32, device="cpu")
         if transformer_dir is not None
         else components.transformer
     ).eval()
@@ -531,7 +530,11 @@ def word_attention(
         context = args[1] if len(args) > 1 else kwargs["encoder_hidden_states"]
         q = attn.norm_q(attn.to_q(hidden)).unflatten(2, (attn.heads, -1))  # (B, S, H, D)
         k = attn.norm_k(attn.to_k(context)).unflatten(2, (attn.heads, -1))  # (B, L, H, D)
-        weights = torch.einsum("bshd,blhd->bhsl", q, k).mul(q.shape[-1] ** -0.5).softmax(-1)
+        logits = torch.einsum("bshd,blhd->bhsl", q, k).mul(q.shape[-1] ** -0.5)
+        mask = transformer.attention_context.text_mask  # (B, 1, 1, L) where the model masks its padding
+        if mask is not None:
+            logits = logits.masked_fill(~mask, float("-inf"))
+        weights = logits.softmax(-1)
         captured.append(weights.mean((1, 2)))  # (B, L)
 
     handles = [b.attn2.register_forward_pre_hook(hook, with_kwargs=True) for b in transformer.blocks]

@@ -456,15 +456,18 @@ class LinearSelfAttention(nn.Module):
 
 @dataclass
 class SelfAttentionContext:
-    """State shared by the self-attention processors of one transformer.
+    """State shared by the attention processors of one transformer.
 
     ``grid``: the latent-token grid of the current forward, set by the transformer's ``forward``.
+    ``text_mask``: which caption tokens the cross-attention reads in the current forward, ``(B, 1, 1, L)`` bool, set
+    by the transformer's ``forward`` when it masks the caption's padding (``None``: every token, diffusers' way).
     ``timer``: accumulates time inside self-attention when enabled.
     ``softmax_backend``: name of the backend the last softmax layer ran on.
     ``layouts``: the MHLA layout used in the last forward, as text (one entry per distinct layout).
     """
 
     grid: Grid | None = None
+    text_mask: torch.Tensor | None = None
     timer: AttentionTimer = field(default_factory=AttentionTimer)
     softmax_backend: str | None = None
     layouts: set[str] = field(default_factory=set)

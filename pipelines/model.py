@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from diffusers import ModelMixin, WanTransformer3DModel
 from diffusers.configuration_utils import register_to_config
+from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
 import mhla
 from mhla.layout import Grid
@@ -56,6 +57,7 @@ from .convert import install, plan
 __all__ = [
     "MHLAWanTransformer3DModel",
     "ModelMixin",
+    "PaddingMaskedCrossAttnProcessor",
     "clone_transformer",
     "convert_self_attention",
     "current_variant",
@@ -63,6 +65,7 @@ __all__ = [
     "model_index_entry",
     "resolve_model_blocks",
     "set_variant",
+    "text_padding_mask",
 ]
 
 
@@ -98,6 +101,7 @@ class MHLAWanTransformer3DModel(WanTransformer3DModel):  # type: ignore[misc]  #
         rope_max_seq_len: int = 1024,
         pos_embed_seq_len: int | None = None,
         self_attention: dict[str, Any] | None = None,
+        mask_text_padding: bool = False,
     ) -> None:
         super().__init__(
             patch_size=patch_size,
@@ -117,8 +121,9 @@ class MHLAWanTransformer3DModel(WanTransformer3DModel):  # type: ignore[misc]  #
             rope_max_seq_len=rope_max_seq_len,
             pos_embed_seq_len=pos_embed_seq_len,
         )
-        self.attention_context = SelfAttentionContext()  # shared by this model's self-attention processors
+        self.attention_context = SelfAttentionContext()  # shared by this model's attention processors
         self._install(Conversion.from_config(self_attention, num_layers))
+        self.set_text_padding_mask(mask_text_padding)
 
     def _install(self, conversion: Conversion) -> None:
         install(self, conversion, self.attention_context)
@@ -160,6 +165,29 @@ class MHLAWanTransformer3DModel(WanTransformer3DModel):  # type: ignore[misc]  #
         layers that lack the variant's parameters."""
         return self.convert(variant, layers, allow_new_parameters=False)
 
+    def set_text_padding_mask(self, enabled: bool) -> MHLAWanTransformer3DModel:
+        """Makes the cross-attention (``attn2``) ignore the caption's padding, in place; returns the model.
+
+        Wan's pipeline pads every caption's embeddings with zero rows up to ``max_sequence_length`` and diffusers'
+        cross-attention reads them all: the text embedder maps every zero row to one shared key, a null token whose
+        weight grows as the caption shortens (the built-in model gives its 5 padding rows about 30% of the
+        cross-attention, its shape word 4%). Enabled, :meth:`forward` marks the rows of ``encoder_hidden_states``
+        that are all zero and the cross-attention's softmax skips them (a caption with no non-zero row reads all of
+        them, as before). A model trained one way runs that way: the setting is in its config
+        (``mask_text_padding``), so ``save_pretrained`` / ``from_pretrained`` keep it. Text-to-video models only:
+        an image-to-video transformer's cross-attention also reads image tokens (``added_kv_proj_dim``)."""
+        enabled = bool(enabled)
+        if enabled and self.config.added_kv_proj_dim is not None:
+            raise ValueError(
+                f"mask_text_padding=True: this transformer's cross-attention also reads image tokens "
+                f"(added_kv_proj_dim={self.config.added_kv_proj_dim}); the padding mask is for text-to-video models"
+            )
+        for block in self.blocks:
+            processor = PaddingMaskedCrossAttnProcessor(self.attention_context) if enabled else WanAttnProcessor()
+            block.attn2.set_processor(processor)
+        self.register_to_config(mask_text_padding=enabled)
+        return self
+
     def resolve_blocks(
         self,
         grid: Sequence[int],
@@ -185,6 +213,10 @@ class MHLAWanTransformer3DModel(WanTransformer3DModel):  # type: ignore[misc]  #
         p_t, p_h, p_w = self.config.patch_size
         _, _, t, h, w = hidden_states.shape
         self.attention_context.grid = (t // p_t, h // p_h, w // p_w)
+        text = kwargs.get("encoder_hidden_states", args[1] if len(args) > 1 else None)
+        self.attention_context.text_mask = (
+            text_padding_mask(text) if self.config.get("mask_text_padding") and text is not None else None
+        )
         return super().forward(hidden_states, *args, **kwargs)
 
     @classmethod
@@ -206,6 +238,38 @@ class MHLAWanTransformer3DModel(WanTransformer3DModel):  # type: ignore[misc]  #
             raise ValueError(f"{type(transformer).__name__} lacks tensors this model has, e.g. {left[:4]}")
         model.train(transformer.training)
         return model
+
+
+def text_padding_mask(text: torch.Tensor) -> torch.Tensor:
+    """``(B, L, C)`` caption embeddings -> ``(B, 1, 1, L)`` bool: True where a row is not all zero (a token, not
+    the pipeline's padding). A caption with no such row keeps every row (it reads them all, as unmasked)."""
+    if text.dim() != 3:
+        raise ValueError(f"encoder_hidden_states must be (batch, tokens, channels), got {tuple(text.shape)}")
+    keep = text.ne(0).any(-1)
+    keep = keep | ~keep.any(-1, keepdim=True)
+    return keep[:, None, None, :]
+
+
+class PaddingMaskedCrossAttnProcessor(WanAttnProcessor):  # type: ignore[misc]  # diffusers is untyped here
+    """diffusers' Wan attention processor for ``attn2`` that passes the model's caption mask
+    (:attr:`pipelines.attention.SelfAttentionContext.text_mask`, set by the model's ``forward``) as the
+    cross-attention's mask. The attention itself, its backend and everything else are diffusers'."""
+
+    def __init__(self, context: SelfAttentionContext) -> None:
+        super().__init__()
+        self.context = context
+
+    def __call__(
+        self,
+        attn: Any,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        rotary_emb: Any = None,
+    ) -> torch.Tensor:
+        if attention_mask is None and encoder_hidden_states is not None:
+            attention_mask = self.context.text_mask
+        return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
 
 
 def convert_self_attention(

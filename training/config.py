@@ -74,6 +74,10 @@ class ModelSection:
     # pipelines.AttentionOptions overrides: normalize, feature_map, output_norm, ... (free-form: checked there)
     attention: dict[str, Any] = key({})
     dtype: str = key("auto", choices=MODEL_DTYPES)  # frozen text encoder / VAE: auto = bf16 on GPU, float32 on CPU
+    # the cross-attention skips the caption's zero padding (MHLAWanTransformer3DModel.set_text_padding_mask; saved
+    # in the transformer's config, so the pipeline runs it the same way); null = the starting transformer's own
+    # (a resumed run: its checkpoint's)
+    mask_text_padding: bool | None = key(None)
 
 
 @dataclass

@@ -91,7 +91,7 @@ from training.encoding import Encoder
 from training.experts import TrainingTarget, load_expert_components, model_timestep, read_target
 from training.flow import FlowMatching
 from training.lock import hold_run_dir, is_main_launch
-from training.preflight import begun_at, check_model_plan, check_resume_matches
+from training.preflight import begun_at, check_model_plan, check_resume_matches, trained_text_mask
 
 # --------------------------------------------------------------------------- model
 
@@ -108,6 +108,8 @@ def build_model(
     if model.transformer:
         transformer = load_transformer(model.transformer, dtype=torch.float32, device=device)
     transformer = transformer.float()  # master weights in float32; autocast does the mixed precision
+    if model.mask_text_padding is not None:
+        transformer.set_text_padding_mask(model.mask_text_padding)
     for part in (components.text_encoder, components.vae):
         part.requires_grad_(False)
 
@@ -556,6 +558,8 @@ def train(cfg: FinetuneConfig, target: TrainingTarget | None = None) -> int:
     resume_from = ckpt.resolve_resume(cfg.resume, cfg.run_dir)
     if resume_from is not None:
         check_resume_matches(cfg, resume_from)
+        if cfg.model.mask_text_padding is None:  # null: as the checkpoint was trained, not model.transformer
+            cfg.model.mask_text_padding = trained_text_mask(cfg, resume_from)
         begun = begun_at(resume_from)  # the schedule's offset is the run's own (train.start_step)
         if begun != cfg.train.start_step:
             if is_main_launch():

@@ -195,6 +195,18 @@ def check_resume_matches(cfg: FinetuneConfig, checkpoint: Path) -> None:
         )
 
 
+def trained_text_mask(cfg: FinetuneConfig, checkpoint: Path) -> bool:
+    """Whether the transformer in ``checkpoint`` was trained with the caption's padding masked in its
+    cross-attention (its saved config's ``mask_text_padding``). A resumed run whose ``model.mask_text_padding``
+    is null goes on that way: its weights load into a model built from ``model.transformer``, whose own setting
+    may differ."""
+    saved_file = checkpoint / "config.yaml"
+    saved = OmegaConf.to_container(OmegaConf.load(saved_file)) if saved_file.is_file() else {}
+    assert isinstance(saved, dict)
+    folder = checkpoint / (_lookup(saved, "model.expert") or cfg.model.expert or "transformer")
+    return bool((saved_transformer_config(folder) or {}).get("mask_text_padding", False))
+
+
 def begun_at(checkpoint: Path) -> int:
     """The step the run that wrote ``checkpoint`` began at: its config's ``train.start_step`` (0 for a run that
     began at step 0, or a checkpoint written before the key existed)."""

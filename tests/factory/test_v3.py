@@ -216,6 +216,16 @@ def test_word_attention_splits_every_layers_weights_over_the_caption_roles(tmp_p
     per = result["words_per_caption"]
     assert sum(per.values()) == result["max_sequence_length"] == 16
     assert per["shape"] == per["colour"] == per["end"] == 1.0 and per["padding"] > 0
+    assert result["mean"]["padding"] > 0.01
+
+    # a model that masks its caption's padding gives it no weight, as its cross-attention does
+    from pipelines import load_transformer
+
+    masked = load_transformer(model / "transformer", dtype=torch.float32, device="cpu").set_text_padding_mask(True)
+    masked.save_pretrained(tmp_path / "masked")
+    result = v3.word_attention(model, tmp_path / "masked", num_clips=2)
+    for layer in result["by_layer"]:
+        assert layer["padding"] == 0.0 and sum(layer.values()) == pytest.approx(1.0, abs=1e-3)
 
 
 @pytest.mark.slow  # over a second on a quiet 2-core CPU: out of the fast tier (issue 51)
