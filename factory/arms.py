@@ -15,7 +15,8 @@ about each arm's fitted line); only a difference over two standard errors is cal
 Beside them the EMA's probe (``probe_ema``, where the run keeps an EMA): smooth, so its slope over the window
 is the clearer trend, but its rows are not independent (each averages the last ~500 steps), so no verdict is
 drawn from them. ``--diagnosis NAME=JSON`` adds a ``factory.shape_probe`` record of that arm (``unconditional``: the shape rate and
-the frames holding an object; ``uncaptioned``: the clips keeping their shape, colour and background per sigma).
+the frames holding an object; ``uncaptioned``: the clips keeping their shape, colour and background per sigma;
+``swap``: the clips keeping their shape with the true caption and following a swapped shape word, per sigma).
 
 ``--out OUT`` writes ``OUT.json`` (every figure), ``OUT.md`` (a table per arm) and ``OUT.png`` (the shape ratio
 against the step, one line per arm).
@@ -124,6 +125,26 @@ def _uncaptioned_cell(record: Mapping | None) -> str:
     return "; ".join(f"{s}: {r['shape']}/{r['colour']}/{r['background']}" for s, r in rows.items())
 
 
+def _swap_cell(record: Mapping | None) -> str:
+    rows = (record or {}).get("sigmas") or {}
+    return "; ".join(f"{s}: {r['kept']}/{r['follows']} of {r['clips']}" for s, r in rows.items())
+
+
+def diagnosis_kind(record: Mapping) -> str | None:
+    """Which ``factory.shape_probe`` record this is: ``unconditional`` (a shape rate), ``swap`` (per sigma: kept,
+    follows) or ``uncaptioned`` (per sigma: shape, colour, background); None for anything else."""
+    if "shape_rate" in record:
+        return "unconditional"
+    rows = record.get("sigmas")
+    if not isinstance(rows, Mapping) or not rows or not all(isinstance(r, Mapping) for r in rows.values()):
+        return None
+    if all({"kept", "follows", "clips"} <= set(r) for r in rows.values()):
+        return "swap"
+    if all({"shape", "colour", "background"} <= set(r) for r in rows.values()):
+        return "uncaptioned"
+    return None
+
+
 def table(res: Mapping) -> str:
     sigma, control = res["sigma"], res["control"]
     losses = sorted({s for a in res["arms"].values() for s in a["loss"]}, key=float)
@@ -132,12 +153,12 @@ def table(res: Mapping) -> str:
         f"{sigma} (mean over the window ± standard error; slope per {SLOPE_PER} steps), the probe's flow loss per "
         f"sigma (mean), against the control `{control}`; the EMA's shape ratio at the window's end and its slope "
         "(no verdict: its rows are not independent). Diagnoses: unconditional shape rate; uncaptioned clips "
-        "keeping shape/colour/background per sigma.",
+        "keeping shape/colour/background per sigma; swap: clips keeping their shape / following a swapped word.",
         "",
         "| arm | probes | shape ratio | slope | vs control | colour | motion | background | "
         + " | ".join(f"loss {s}" for s in losses)
-        + " | EMA shape ratio (last) | EMA slope | unconditional | uncaptioned |",
-        "|---|---:|---:|---:|---|---:|---:|---:|" + "---:|" * len(losses) + "---:|---:|---|---|",
+        + " | EMA shape ratio (last) | EMA slope | unconditional | uncaptioned | swap |",
+        "|---|---:|---:|---:|---|---:|---:|---:|" + "---:|" * len(losses) + "---:|---:|---|---|---|",
     ]
     for name, a in res["arms"].items():
         r = a["ratio"]
@@ -150,9 +171,10 @@ def table(res: Mapping) -> str:
         other = [f"{r[k]['mean']:.2f}" if k in r else "" for k in ("colour", "motion", "background")]
         loss = [f"{a['loss'][s]:.4f}" if s in a["loss"] else "" for s in losses]
         diagnosis = res["diagnosis"].get(name, {})
-        unc, uncap = (
+        unc, uncap, swap = (
             _unconditional_cell(diagnosis.get("unconditional")),
             _uncaptioned_cell(diagnosis.get("uncaptioned")),
+            _swap_cell(diagnosis.get("swap")),
         )
         lines.append(
             f"| {name} | {shape['n']} | {shape['mean']:.3f} ± {shape['se']:.3f} | {shape['slope']:+.3f} | {vs} | "
@@ -162,7 +184,7 @@ def table(res: Mapping) -> str:
                 if "ema" in a
                 else " | | "
             )
-            + f" | {unc} | {uncap} |"
+            + f" | {unc} | {uncap} | {swap} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -209,9 +231,9 @@ def _main(argv: Sequence[str] | None) -> int:
         if not sep or arm not in metrics:
             p.error(f"--diagnosis {spec!r}: expected NAME=JSON with NAME one of the arms {list(metrics)}")
         record = json.loads(Path(path).read_text())
-        kind = "unconditional" if "shape_rate" in record else "uncaptioned" if "sigmas" in record else None
+        kind = diagnosis_kind(record)
         if kind is None:
-            raise ValueError(f"--diagnosis {path!r} is not a factory.shape_probe unconditional/uncaptioned record")
+            raise ValueError(f"--diagnosis {path!r} is not a factory.shape_probe unconditional/uncaptioned/swap record")
         diagnosis.setdefault(arm, {})[kind] = {
             k: record[k] for k in ("shape_rate", "object_rate", "sigmas") if k in record
         }

@@ -70,9 +70,11 @@ def test_cli_writes_the_table_plot_and_record(tmp_path, capsys):
     unc.write_text(json.dumps({"shape_rate": 0.25, "object_rate": 0.5, "frames": 8}))
     uncap = tmp_path / "uncap.json"
     uncap.write_text(json.dumps({"sigmas": {"0.9": {"shape": 3, "colour": 4, "background": 5, "clips": 16}}}))
+    swap = tmp_path / "swap.json"  # a swap record has per-sigma rows too: told apart by their keys
+    swap.write_text(json.dumps({"sigmas": {"0.9": {"kept": 7, "follows": 2, "clips": 16, "kept_rate": 0.44}}}))
     out = tmp_path / "arms"
     argv = [f"control={control}", f"better={better}", "--from", "7000", "--to", "7250", "--out", str(out)]
-    argv += ["--diagnosis", f"better={unc}", "--diagnosis", f"better={uncap}"]
+    argv += ["--diagnosis", f"better={unc}", "--diagnosis", f"better={uncap}", "--diagnosis", f"control={swap}"]
     assert arms.main(argv) == 0
     res = json.loads((tmp_path / "arms.json").read_text())
     assert res["control"] == "control" and res["arms"]["control"]["steps"] == list(steps)
@@ -80,6 +82,8 @@ def test_cli_writes_the_table_plot_and_record(tmp_path, capsys):
     assert res["vs_control"]["better"]["shape_diff"] == pytest.approx(0.5)
     assert res["arms"]["better"]["loss"]["0.9"] == pytest.approx(0.09)
     assert res["diagnosis"]["better"]["unconditional"]["shape_rate"] == 0.25
+    assert res["diagnosis"]["control"]["swap"]["sigmas"]["0.9"]["follows"] == 2
+    assert "uncaptioned" not in res["diagnosis"]["control"]
     # the EMA's rows read apart from the raw weights' (a line: +0.25 per 250 steps, ending at 2.25); none in "better"
     ema = res["arms"]["control"]["ema"]["ratio"]["shape"]
     assert ema["slope"] == pytest.approx(0.25) and ema["last"] == pytest.approx(2.25)
@@ -91,6 +95,7 @@ def test_cli_writes_the_table_plot_and_record(tmp_path, capsys):
         and "| 2.250 | +0.250 |" in md
         and "0.25 (0.50 hold an object)" in md
         and "0.9: 3/4/5" in md
+        and "0.9: 7/2 of 16" in md
     )
     assert (tmp_path / "arms.png").stat().st_size > 1000
     assert "wrote" in capsys.readouterr().out
@@ -122,4 +127,26 @@ def test_an_arm_without_probes_in_the_window_is_named(tmp_path, capsys):
     assert rc != 0
     err = capsys.readouterr().err
     assert "arm 'b'" in err and "no probe rows in steps (7000, 7250]" in err
+    assert not (tmp_path / "o.json").exists()
+
+
+def test_a_record_that_is_no_diagnosis_is_named(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"sigmas": {"0.9": {"loss": 0.1}}}))
+    a = _metrics(tmp_path / "a.jsonl", [_row(7050, 2.0)])
+    b = _metrics(tmp_path / "b.jsonl", [_row(7050, 2.0)])
+    argv = [
+        f"a={a}",
+        f"b={b}",
+        "--from",
+        "7000",
+        "--to",
+        "7250",
+        "--diagnosis",
+        f"a={bad}",
+        "--out",
+        str(tmp_path / "o"),
+    ]
+    assert arms.main(argv) != 0
+    assert "is not a factory.shape_probe unconditional/uncaptioned/swap record" in capsys.readouterr().err
     assert not (tmp_path / "o.json").exists()
