@@ -167,12 +167,10 @@ def check_resume_matches(cfg: FinetuneConfig, checkpoint: Path) -> None:
     """The checkpoint being resumed was trained with the architecture this config builds: the same
     :data:`ARCHITECTURE_KEYS` and the same MHLA blocks (a changed ``model.blocks`` would otherwise fail in
     ``load_state_dict`` with a size mismatch after the model loaded)."""
-    saved_file = checkpoint / "config.yaml"
-    if not saved_file.is_file():
-        return  # an older checkpoint: restore_run still compares the weights
     # the snapshot as plain values (training.config.config_yaml wrote it; an older run's may lack a key: None)
-    saved = OmegaConf.to_container(OmegaConf.load(saved_file))
-    assert isinstance(saved, dict)  # config_yaml writes a mapping
+    saved = saved_run_config(checkpoint)
+    if saved is None:
+        return  # an older checkpoint: restore_run still compares the weights
     now_tree = as_tree(cfg)
     changed = []
     for key in ARCHITECTURE_KEYS:
@@ -195,14 +193,23 @@ def check_resume_matches(cfg: FinetuneConfig, checkpoint: Path) -> None:
         )
 
 
+def saved_run_config(checkpoint: Path) -> dict[str, Any] | None:
+    """The run configuration a checkpoint was written with (its ``config.yaml``, as plain values), or None for an
+    older checkpoint without one."""
+    saved_file = checkpoint / "config.yaml"
+    if not saved_file.is_file():
+        return None
+    saved = OmegaConf.to_container(OmegaConf.load(saved_file))
+    assert isinstance(saved, dict)  # config_yaml writes a mapping
+    return {str(k): v for k, v in saved.items()}
+
+
 def trained_text_mask(cfg: FinetuneConfig, checkpoint: Path) -> bool:
     """Whether the transformer in ``checkpoint`` was trained with the caption's padding masked in its
     cross-attention (its saved config's ``mask_text_padding``). A resumed run whose ``model.mask_text_padding``
     is null goes on that way: its weights load into a model built from ``model.transformer``, whose own setting
     may differ."""
-    saved_file = checkpoint / "config.yaml"
-    saved = OmegaConf.to_container(OmegaConf.load(saved_file)) if saved_file.is_file() else {}
-    assert isinstance(saved, dict)
+    saved = saved_run_config(checkpoint) or {}
     folder = checkpoint / (_lookup(saved, "model.expert") or cfg.model.expert or "transformer")
     return bool((saved_transformer_config(folder) or {}).get("mask_text_padding", False))
 
@@ -210,10 +217,7 @@ def trained_text_mask(cfg: FinetuneConfig, checkpoint: Path) -> bool:
 def begun_at(checkpoint: Path) -> int:
     """The step the run that wrote ``checkpoint`` began at: its config's ``train.start_step`` (0 for a run that
     began at step 0, or a checkpoint written before the key existed)."""
-    saved_file = checkpoint / "config.yaml"
-    if not saved_file.is_file():
-        return 0
-    return int(_lookup(OmegaConf.to_container(OmegaConf.load(saved_file)), "train.start_step") or 0)
+    return int(_lookup(saved_run_config(checkpoint) or {}, "train.start_step") or 0)
 
 
 def _lookup(tree: Any, key: str) -> Any:
